@@ -1,0 +1,64 @@
+"""Host-side validation of user input. Every failure is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: expected dtype in ({want}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: expected the last dimension contiguous (stride 1), got strides {t.stride()}; "
+            "call .contiguous() first"
+        )
+
+
+def check_attention_inputs(
+    q: object, k_pages: object, v_pages: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [Tq, Hq, d], k_pages/v_pages [num_pages, page_size, Hkv, d], one dtype and device."""
+    q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    k_pages = check_tensor("k_pages", k_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
+    v_pages = check_tensor("v_pages", v_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
+    if tuple(v_pages.shape) != tuple(k_pages.shape):
+        raise ValueError(
+            f"v_pages: expected the shape of k_pages {tuple(k_pages.shape)}, got {tuple(v_pages.shape)}"
+        )
+    d = q.shape[2]
+    if d not in (64, 128, 256) and not (d % 16 == 0 and 16 <= d <= 256):
+        raise ValueError(f"q: expected head_dim a multiple of 16 in [16, 256], got {d}")
+    if k_pages.shape[3] != d:
+        raise ValueError(f"k_pages: expected head_dim {d} (from q), got {k_pages.shape[3]}")
+    hq, hkv = q.shape[1], k_pages.shape[2]
+    if hkv == 0 or hq == 0 or hq % hkv:
+        raise ValueError(
+            f"q: expected the number of query heads ({hq}) to be a positive multiple of "
+            f"the number of KV heads ({hkv}, k_pages.shape[2])"
+        )
+    if k_pages.shape[1] < 1:
+        raise ValueError(f"k_pages: expected page_size >= 1, got shape {tuple(k_pages.shape)}")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        check_last_dim_contiguous(name, t)
+    return q, k_pages, v_pages

@@ -1,0 +1,171 @@
+"""Public entry points and backend dispatch (reference on CPU, Triton on GPU or under
+``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from . import reference
+from ._checks import check_attention_inputs, check_tensor, FLOAT_DTYPES
+from .config import SparseConfig
+from .index import SparseIndex
+from .plan import PrefillPlan, make_plan
+
+Backend = Literal["auto", "reference", "triton"]
+_BACKENDS = ("auto", "reference", "triton")
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton runs on CUDA devices, or on CPU tensors under ``TRITON_INTERPRET=1``."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
+    if backend == "triton" and not triton_available(device):
+        raise ValueError(
+            f"backend: 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got tensors on {device}"
+        )
+    return backend
+
+
+def plan_prefill(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    config: SparseConfig | None = None,
+) -> PrefillPlan:
+    """Validate inputs and metadata; returns the plan that ``run`` calls reuse."""
+    config = SparseConfig() if config is None else config
+    q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
+    plan = make_plan(
+        cu_seqlens_q,
+        seqlens_kv,
+        page_table,
+        num_qo_heads=q.shape[1],
+        num_kv_heads=k_pages.shape[2],
+        head_dim=q.shape[2],
+        page_size=k_pages.shape[1],
+        num_pages=k_pages.shape[0],
+        config=config,
+        device=q.device,
+    )
+    if plan.total_q != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q: expected the last offset to equal q.shape[0] = {q.shape[0]}, "
+            f"got {plan.total_q}"
+        )
+    return plan
+
+
+def build_index_planned(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
+    *, backend: Backend = "auto",
+) -> SparseIndex:
+    if resolve_backend(backend, q.device) == "triton":
+        from . import triton_index
+
+        return triton_index.build_index(q, k_pages, v_pages, plan)
+    return reference.build_index(q, k_pages, v_pages, plan)
+
+
+def attention_planned(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
+    index: SparseIndex, *, backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if resolve_backend(backend, q.device) == "triton":
+        from . import triton_attention
+
+        return triton_attention.sparse_attention(q, k_pages, v_pages, plan, index)
+    return reference.sparse_attention(q, k_pages, v_pages, plan, index)
+
+
+def build_index(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    config: SparseConfig | None = None,
+    *,
+    backend: Backend = "auto",
+) -> SparseIndex:
+    """Index stage on the paged layout: block means and the CSR of selected K/V tiles."""
+    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    return build_index_planned(q, k_pages, v_pages, plan, backend=backend)
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    config: SparseConfig | None = None,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashPrefill V2 on the paged varlen layout.
+
+    q: ``[Tq, Hq, d]``; k_pages, v_pages: ``[num_pages, page_size, Hkv, d]``;
+    page_table: ``[B, max_pages]`` int32; cu_seqlens_q: ``[B+1]``; seqlens_kv: ``[B]``
+    (``>= Lq``: a cached prefix precedes the new tokens, causal alignment bottom-right).
+    Returns ``out [Tq, Hq, d]`` (q's dtype) and ``lse [Tq, Hq]`` (float32, natural log).
+    """
+    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    index = build_index_planned(q, k_pages, v_pages, plan, backend=backend)
+    return attention_planned(q, k_pages, v_pages, plan, index, backend=backend)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: SparseConfig | None = None,
+    *,
+    page_size: int = 64,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v.
+
+    Returns ``out [B, L, Hq, d]`` and ``lse [B, L, Hq]``.
+    """
+    q = check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    k = check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
+    v = check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"k: expected shape [B={q.shape[0]}, L={q.shape[1]}, Hkv, d={q.shape[3]}] matching q, "
+            f"got {tuple(k.shape)}"
+        )
+    from .paged import contiguous_to_paged
+
+    bsz, length = q.shape[:2]
+    k_pages, page_table = contiguous_to_paged(k, page_size)
+    v_pages, _ = contiguous_to_paged(v, page_size)
+    cu = torch.arange(0, (bsz + 1) * length, length, dtype=torch.int32, device=q.device)
+    seqlens_kv = torch.full((bsz,), length, dtype=torch.int32, device=q.device)
+    out, lse = sparse_prefill(
+        q.reshape(bsz * length, *q.shape[2:]), k_pages, v_pages, page_table, cu, seqlens_kv,
+        config, backend=backend,
+    )
+    return out.reshape(q.shape), lse.reshape(bsz, length, q.shape[2])

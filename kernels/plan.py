@@ -1,0 +1,194 @@
+"""Varlen batch metadata (the "plan"): everything derived from sequence lengths.
+
+Built once per batch on the host (one device->host copy of the lengths, like
+FlashInfer's ``plan()``), then reused by every layer's ``run`` with no host sync.
+
+Layout conventions shared by the reference and the kernels:
+- PackGQA: for KV head ``h`` the packed rows of a sequence are ``r = p * g + t``
+  (query position ``p``, query head ``h * g + t``); a query tile is ``Q_TILE`` rows.
+- Query tiles are numbered globally: tile ``t = cu_qtiles[b] + I``.
+- Segments (one CSR list each): ``seg = h * total_tiles + t``.
+- Logical key blocks are numbered globally: block ``cu_blocks[b] + J``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_tensor
+from .config import Q_TILE, SparseConfig
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Host lists and int32 device tensors describing one varlen paged batch."""
+
+    config: SparseConfig
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    # host copies
+    seqlens_q: tuple[int, ...]
+    seqlens_kv: tuple[int, ...]
+    qtiles: tuple[int, ...]  # query tiles per sequence
+    blocks: tuple[int, ...]  # logical key blocks per sequence
+    cu_seqlens_q_host: tuple[int, ...]
+    cu_qtiles_host: tuple[int, ...]
+    cu_blocks_host: tuple[int, ...]
+    # device tensors (int32)
+    cu_seqlens_q: torch.Tensor  # [B+1]
+    seqlens_kv_t: torch.Tensor  # [B]
+    cu_qtiles: torch.Tensor  # [B+1]
+    cu_blocks: torch.Tensor  # [B+1]
+    tile_seq: torch.Tensor  # [total_tiles] sequence of each query tile
+    page_table: torch.Tensor  # [B, max_pages] int32
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqlens_q)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.seqlens_q)
+
+    @property
+    def total_tiles(self) -> int:
+        return sum(self.qtiles)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.blocks)
+
+    @property
+    def num_segments(self) -> int:
+        return self.num_kv_heads * self.total_tiles
+
+    @property
+    def max_blocks(self) -> int:
+        return max(self.blocks, default=0)
+
+    @property
+    def max_seqlen_kv(self) -> int:
+        return max(self.seqlens_kv, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens_q.device
+
+    def prefix(self, b: int) -> int:
+        return self.seqlens_kv[b] - self.seqlens_q[b]
+
+    def tile_rows(self, b: int, tile: int) -> tuple[int, int, int, int]:
+        """(first packed row, row count, pmin, pmax) of query tile ``tile`` of sequence ``b``."""
+        g = self.group_size
+        r0 = tile * Q_TILE
+        r1 = min(r0 + Q_TILE, g * self.seqlens_q[b])
+        return r0, r1 - r0, r0 // g, (r1 - 1) // g
+
+
+def make_plan(
+    cu_seqlens_q: object,
+    seqlens_kv: object,
+    page_table: object,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    num_pages: int,
+    config: SparseConfig,
+    device: torch.device | str | None = None,
+) -> PrefillPlan:
+    """Validate the batch metadata and derive the plan (one host sync for the lengths)."""
+    if not isinstance(config, SparseConfig):
+        raise ValueError(f"config: expected a SparseConfig, got {type(config).__name__}")
+    cu = check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=_INT_DTYPES)
+    skv = check_tensor("seqlens_kv", seqlens_kv, ndim=1, dtypes=_INT_DTYPES)
+    pt = check_tensor("page_table", page_table, ndim=2, dtypes=_INT_DTYPES)
+    device = torch.device(device) if device is not None else cu.device
+    for name, t in (("cu_seqlens_q", cu), ("seqlens_kv", skv), ("page_table", pt)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if cu.numel() < 1:
+        raise ValueError("cu_seqlens_q: expected B+1 >= 1 entries, got an empty tensor")
+    batch = cu.numel() - 1
+    if skv.numel() != batch:
+        raise ValueError(f"seqlens_kv: expected {batch} entries (len(cu_seqlens_q) - 1), got {skv.numel()}")
+    if pt.shape[0] != batch:
+        raise ValueError(f"page_table: expected {batch} rows (one per sequence), got {pt.shape[0]}")
+    cu_h = [int(x) for x in cu.tolist()]
+    skv_h = [int(x) for x in skv.tolist()]
+    if cu_h[0] != 0:
+        raise ValueError(f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {cu_h[0]}")
+    seqlens_q = [cu_h[i + 1] - cu_h[i] for i in range(batch)]
+    for i, n in enumerate(seqlens_q):
+        if n < 0:
+            raise ValueError(
+                f"cu_seqlens_q: expected non-decreasing offsets, got {cu_h[i]} then {cu_h[i + 1]} at index {i}"
+            )
+    for i, (lq, lkv) in enumerate(zip(seqlens_q, skv_h)):
+        if lkv < lq:
+            raise ValueError(
+                f"seqlens_kv: expected seqlens_kv[{i}] >= query length {lq} (keys include the new tokens), got {lkv}"
+            )
+    need_pages = [_cdiv(n, page_size) for n in skv_h]
+    max_need = max(need_pages, default=0)
+    if max_need > pt.shape[1]:
+        raise ValueError(
+            f"page_table: expected at least {max_need} columns for seqlens_kv up to {max(skv_h)} "
+            f"with page_size {page_size}, got {pt.shape[1]}"
+        )
+    if max_need:
+        cols = torch.arange(pt.shape[1], device=pt.device)
+        used = cols[None, :] < torch.tensor(need_pages, device=pt.device)[:, None]
+        bad = used & ((pt < 0) | (pt >= num_pages))
+        if bool(bad.any()):
+            b, c = (int(x) for x in bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"page_table: entry [{b}, {c}] = {int(pt[b, c])} is out of range [0, {num_pages})"
+            )
+    g = num_qo_heads // num_kv_heads
+    qtiles = [_cdiv(g * n, Q_TILE) for n in seqlens_q]
+    blocks = [_cdiv(n, config.block_size) for n in skv_h]
+
+    def cumsum(xs: list[int]) -> list[int]:
+        out = [0]
+        for x in xs:
+            out.append(out[-1] + x)
+        return out
+
+    i32 = dict(dtype=torch.int32, device=device)
+    tile_seq = [b for b, n in enumerate(qtiles) for _ in range(n)]
+    return PrefillPlan(
+        config=config,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        seqlens_q=tuple(seqlens_q),
+        seqlens_kv=tuple(skv_h),
+        qtiles=tuple(qtiles),
+        blocks=tuple(blocks),
+        cu_seqlens_q_host=tuple(cu_h),
+        cu_qtiles_host=tuple(cumsum(qtiles)),
+        cu_blocks_host=tuple(cumsum(blocks)),
+        cu_seqlens_q=torch.tensor(cu_h, **i32),
+        seqlens_kv_t=torch.tensor(skv_h, **i32),
+        cu_qtiles=torch.tensor(cumsum(qtiles), **i32),
+        cu_blocks=torch.tensor(cumsum(blocks), **i32),
+        tile_seq=torch.tensor(tile_seq, **i32),
+        page_table=pt.to(torch.int32).contiguous(),
+    )

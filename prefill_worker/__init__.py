@@ -1,0 +1,1 @@
+"""prefill_worker package (see docs/ARCHITECTURE.md)."""

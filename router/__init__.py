@@ -1,0 +1,1 @@
+"""router package (see docs/ARCHITECTURE.md)."""
