@@ -1,0 +1,72 @@
+"""Shared test inputs: random varlen paged batches with fixed seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged import paginate
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    page_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seqlens_kv: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def args(self):
+        return (self.q, self.k_pages, self.v_pages, self.page_table, self.cu_seqlens_q, self.seqlens_kv)
+
+
+def make_batch(
+    seqlens_q: list[int],
+    prefixes: list[int],
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    needles: int = 0,
+    needle_gain: float = 16.0,
+    block_size: int = 64,
+) -> PagedBatch:
+    """Random q/k/v; ``needles`` random key blocks per sequence get keys aligned with the
+    mean query direction so that thresholding keeps them and prunes the rest."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(seqlens_q)
+    q = torch.randn(total, num_qo_heads, head_dim, generator=g)
+    direction = torch.randn(num_kv_heads, head_dim, generator=g)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    if needles:
+        q = q + 1.5 * direction.repeat_interleave(num_qo_heads // num_kv_heads, 0)[None]
+    keys, values = [], []
+    for lq, p in zip(seqlens_q, prefixes):
+        n = lq + p
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        if needles and n > block_size:
+            nblocks = -(-n // block_size)
+            picks = torch.randperm(nblocks, generator=g)[:needles]
+            for blk in picks.tolist():
+                k[blk * block_size : (blk + 1) * block_size] += needle_gain * direction
+        keys.append(k)
+        values.append(torch.randn(n, num_kv_heads, head_dim, generator=g))
+    perm_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+    k_pages, table = paginate([x.to(dtype) for x in keys], page_size, generator=torch.Generator().manual_seed(perm_seed), spare_pages=2)
+    v_pages, table_v = paginate([x.to(dtype) for x in values], page_size, generator=torch.Generator().manual_seed(perm_seed), spare_pages=2)
+    assert torch.equal(table, table_v)
+    cu = torch.zeros(len(seqlens_q) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(seqlens_q, dtype=torch.int32).cumsum(0)
+    skv = torch.tensor([a + b for a, b in zip(seqlens_q, prefixes)], dtype=torch.int32)
+    return PagedBatch(
+        q.to(dtype).to(device), k_pages.to(device), v_pages.to(device), table.to(device),
+        cu.to(device), skv.to(device), keys, values,
+    )
