@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One planned GPU session on the lent H200: GPU tests, then the benchmarks named as arguments
+# (default: all). Logs and JSON go to $OUT/h200.tar.gz (the device tool brings back $OUT).
+# Usage on the device: bash scripts/h200_run.sh [tests] [index] [operator] [decode] [...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" logs
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests index operator decode)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee logs/env.txt
+run() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"; local t0=$(date +%s)
+  timeout "$limit" "$@" > "logs/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "logs/$name.log"
+}
+for s in "${steps[@]}"; do
+  case $s in
+    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider ;;
+    index) run bench_index 240 python3 benchmarks/bench_index.py ;;
+    operator) run bench_operator 540 python3 benchmarks/bench_operator.py ;;
+    decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
+    *) run "$s" 300 python3 "benchmarks/bench_$s.py" ;;
+  esac
+done
+tar czf "$OUT/h200.tar.gz" logs benchmarks/results
