@@ -1,0 +1,196 @@
+"""DecodeEngine: the decode worker's continuous-batching loop, without Ray.
+
+A request arrives with its prompt's K/V already in this engine's pool (shipped by a prefill
+worker, or written by a PrefillEngine sharing the pool) and its first token. Every ``step()``
+admits waiting requests, decodes one token for every running request in one forward, and
+finishes requests on a stop token or ``max_new_tokens``, releasing their pages.
+
+Request life (explicit, see ``RequestState``):
+WAITING -> RUNNING -> FINISHED; WAITING or RUNNING -> CANCELLED (``cancel``).
+A request whose first token already ends it goes straight to FINISHED.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from model_executor.runner import ModelRunner
+from model_executor.sampling import Sampler, SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # emitted a stop token (it is the last output token)
+    LENGTH = "length"  # reached max_new_tokens
+    KV_EXHAUSTED = "kv_exhausted"  # the pool had no page for the next token
+    CANCELLED = "cancelled"
+
+
+_TERMINAL = (RequestState.FINISHED, RequestState.CANCELLED)
+
+
+@dataclass
+class DecodeRequest:
+    """One request's decode state. ``output_ids`` starts with the prefill's first token."""
+
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in _TERMINAL
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A token produced by ``step()`` (``token`` None when the request ended without one)."""
+
+    request_id: str
+    token: int | None
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+class DecodeEngine:
+    """max_running: requests decoded per step; the rest wait (WAITING) in arrival order."""
+
+    def __init__(self, runner: ModelRunner, *, max_running: int = 256, sampler: Sampler | None = None) -> None:
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running: expected an int >= 1, got {max_running!r}")
+        self.runner = runner
+        self.pool = runner.pool
+        self.max_running = max_running
+        self.sampler = sampler or Sampler()
+        self._requests: dict[str, DecodeRequest] = {}
+        self._waiting: list[str] = []
+        self._running: list[str] = []
+
+    # -- request life -------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_len: int, first_token: int, params: SamplingParams
+    ) -> DecodeRequest:
+        """Register a request whose ``prompt_len`` tokens of K/V are in the pool already."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already known to this engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not self.pool.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} holds no pages in this engine's pool")
+        if self.pool.seq_len(request_id) != prompt_len:
+            raise ValueError(
+                f"prompt_len: expected {self.pool.seq_len(request_id)} (the KV length of "
+                f"{request_id!r} in the pool), got {prompt_len}"
+            )
+        if not (0 <= int(first_token) < self.runner.vocab_size):
+            raise ValueError(f"first_token: expected an id in [0, {self.runner.vocab_size}), got {first_token}")
+        req = DecodeRequest(request_id, prompt_len, params, [int(first_token)])
+        self._requests[request_id] = req
+        reason = self._finish_reason(req)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self._waiting.append(request_id)
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a waiting or running request and release its pages; False if it had ended."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not known to this engine")
+        if req.is_done:
+            return False
+        self._finish(req, FinishReason.CANCELLED)
+        return True
+
+    def get(self, request_id: str) -> DecodeRequest:
+        if request_id not in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is not known to this engine")
+        return self._requests[request_id]
+
+    def pop_finished(self, request_id: str) -> DecodeRequest:
+        """Forget an ended request (FINISHED or CANCELLED) and return its final state."""
+        req = self.get(request_id)
+        if not req.is_done:
+            raise ValueError(f"request_id: {request_id!r} is still {req.state.value}")
+        return self._requests.pop(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _finish_reason(self, req: DecodeRequest) -> FinishReason | None:
+        if req.output_ids and req.output_ids[-1] in req.params.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: DecodeRequest, reason: FinishReason) -> None:
+        req.state = RequestState.CANCELLED if reason is FinishReason.CANCELLED else RequestState.FINISHED
+        req.finish_reason = reason
+        for queue in (self._waiting, self._running):
+            if req.request_id in queue:
+                queue.remove(req.request_id)
+        if self.pool.has(req.request_id):
+            self.pool.release(req.request_id)
+
+    # -- the loop -----------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            rid = self._waiting.pop(0)
+            self._requests[rid].state = RequestState.RUNNING
+            self._running.append(rid)
+
+    def step(self) -> list[StepOutput]:
+        """Decode one token for every running request; returns what each produced."""
+        from kv_transfer.pool import PoolExhausted
+
+        self._admit()
+        outputs: list[StepOutput] = []
+        batch: list[DecodeRequest] = []
+        for rid in list(self._running):
+            req = self._requests[rid]
+            try:
+                self.runner.ensure_capacity(rid, self.pool.seq_len(rid) + 1)
+            except PoolExhausted:
+                self._finish(req, FinishReason.KV_EXHAUSTED)
+                outputs.append(StepOutput(rid, None, True, FinishReason.KV_EXHAUSTED))
+                continue
+            batch.append(req)
+        if not batch:
+            return outputs
+        logits = self.runner.decode([r.request_id for r in batch], [r.output_ids[-1] for r in batch])
+        tokens = self.sampler(
+            logits, [r.params for r in batch], [len(r.output_ids) for r in batch]
+        ).tolist()
+        for req, tok in zip(batch, tokens):
+            req.output_ids.append(int(tok))
+            reason = self._finish_reason(req)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(StepOutput(req.request_id, int(tok), reason is not None, reason))
+        return outputs
+
+    def run_until_done(self, max_steps: int | None = None) -> None:
+        steps = 0
+        while self.has_unfinished() and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1

@@ -1,0 +1,36 @@
+"""Model execution: transformers models running our attention over our paged KV pool.
+
+The one place model execution lives; the prefill and decode workers both import it.
+- ``attention``: the attention function registered with transformers (``fpv2_paged``).
+- ``runner.ModelRunner``: packed varlen prefill (chunks welcome) and batched decode.
+- ``sampling``: ``SamplingParams`` and the vectorized ``Sampler``.
+- ``loading``: local Hugging Face directories and the built-in tiny model.
+- ``tokenizer``: the byte-level tokenizer and the HF adapter.
+- ``generate.generate``: prefill + decode in one process (imports the worker engines).
+This package never imports Ray.
+"""
+
+from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, register_attention
+from .loading import BUILTIN_TINY, LoadedModel, build_tiny_model, load_model, load_model_dir
+from .runner import ModelRunner, PrefillItem
+from .sampling import Sampler, SamplingParams
+from .tokenizer import ByteTokenizer, HFTokenizer
+
+__all__ = [
+    "ATTENTION_NAME",
+    "BATCH_KWARG",
+    "ForwardBatch",
+    "ForwardMode",
+    "register_attention",
+    "BUILTIN_TINY",
+    "LoadedModel",
+    "build_tiny_model",
+    "load_model",
+    "load_model_dir",
+    "ModelRunner",
+    "PrefillItem",
+    "Sampler",
+    "SamplingParams",
+    "ByteTokenizer",
+    "HFTokenizer",
+]

@@ -1,0 +1,184 @@
+"""Our attention inside transformers models: paged KV pool writes, FlashPrefill V2 prefill,
+paged decode.
+
+The runner registers :func:`paged_attention_forward` under :data:`ATTENTION_NAME` in
+transformers' ``AttentionInterface`` and calls the model on a *packed* batch
+(``input_ids [1, T]``, ``position_ids [1, T]``) with one extra keyword argument,
+``fpv2_batch=ForwardBatch(...)``, which transformers hands unchanged to every attention call.
+
+No dense ``L x L`` mask is ever built: the name is deliberately *not* registered in the mask
+interface, and for such names transformers passes ``attention_mask=None`` (see
+``/work/shared/notes/TRANSFORMERS.md``). :class:`ForwardState` counts the masks it sees, so
+tests can check that.
+
+Supported: causal full attention (Llama 3.x, Qwen2, Qwen3 full-attention layers), GQA/MQA.
+Not supported: sliding-window layers, attention dropout, soft-capping, returning weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels import ops, reference
+from kernels.config import SparseConfig
+from kernels.plan import PrefillPlan
+
+# No "flash" (transformers would treat it as FlashAttention) and no "/" (a hub kernel).
+ATTENTION_NAME = "fpv2_paged"
+# The keyword argument of ``model(...)`` that carries the batch metadata.
+BATCH_KWARG = "fpv2_batch"
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardState:
+    """Mutable scratch of one forward pass: the plan shared by all layers, and counters."""
+
+    plans: dict[tuple, tuple[PrefillPlan, SparseConfig]] = field(default_factory=dict)
+    layers_called: int = 0
+    masks_seen: int = 0
+
+    def plan_for(
+        self, key: tuple, build: Any
+    ) -> tuple[PrefillPlan, SparseConfig]:
+        if key not in self.plans:
+            self.plans[key] = build()
+        return self.plans[key]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Batch metadata of one packed forward pass (built by the runner).
+
+    pool: the KV pool (``pool.k[layer]`` / ``pool.v[layer]`` are the layer's pages).
+    page_table: int32 ``[B, max_pages]``; cu_seqlens_q: int32 ``[B+1]`` offsets of the new
+    tokens in the packed batch; seqlens_kv: int32 ``[B]`` keys per sequence *including* the
+    new tokens; slots: int64 ``[T]`` pool slot of each new token; max_seqlen_kv: the longest
+    ``seqlens_kv`` (host int: decode picks its split count without a host sync).
+    dense: use exact dense attention for this prefill (short batch, see ``dense_below``).
+    backend: kernels backend ("auto": Triton on CUDA, the reference on CPU).
+    """
+
+    pool: Any
+    page_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seqlens_kv: torch.Tensor
+    slots: torch.Tensor
+    mode: ForwardMode
+    sparse_config: SparseConfig
+    max_seqlen_kv: int = 1
+    dense: bool = False
+    backend: str = "auto"
+    state: ForwardState = field(default_factory=ForwardState)
+
+
+def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, d]`` (transformers' layout) -> ``[T, H, d]`` contiguous."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+def _prefill(
+    batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    k_pages, v_pages = batch.pool.k[layer], batch.pool.v[layer]
+    config = batch.sparse_config
+    if scaling is not None and config.scale is None:
+        config = dataclasses.replace(config, scale=float(scaling))
+    if batch.dense:
+        config = dataclasses.replace(config, alpha=0.0)
+
+    def build() -> tuple[PrefillPlan, SparseConfig]:
+        plan = ops.plan_prefill(
+            q, k_pages, v_pages, batch.page_table, batch.cu_seqlens_q, batch.seqlens_kv, config
+        )
+        return plan, config
+
+    # One plan (one host sync) per forward, shared by every layer with the same head shape.
+    plan, _ = batch.state.plan_for((q.shape[1], q.shape[2], config), build)
+    backend = ops.resolve_backend(batch.backend, q.device)
+    if batch.dense and backend == "reference":
+        out, _ = reference.dense_attention(q, k_pages, v_pages, plan)
+        return out
+    index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend)
+    out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=backend)
+    return out
+
+
+def _decode(batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    from kernels.decode import paged_decode
+
+    scale = batch.sparse_config.scale if batch.sparse_config.scale is not None else scaling
+    out, _ = paged_decode(
+        q, batch.pool.k[layer], batch.pool.v[layer], batch.page_table, batch.seqlens_kv,
+        scale=scale, num_splits=batch.sparse_config.num_splits, max_seqlen_kv=batch.max_seqlen_kv,
+        check_values=False,  # the pool built the page table and lengths
+        backend=batch.backend,
+    )
+    return out
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``
+    (not repeated for GQA) -> ``([1, T, Hq, d], None)``."""
+    batch = kwargs.get(BATCH_KWARG)
+    if not isinstance(batch, ForwardBatch):
+        raise ValueError(
+            f"{BATCH_KWARG}: the '{ATTENTION_NAME}' attention needs a ForwardBatch passed as "
+            f"model(..., {BATCH_KWARG}=...); got {type(batch).__name__}. Run the model through "
+            "model_executor.ModelRunner"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"query: expected a packed batch of shape [1, Hq, T, d], got {tuple(query.shape)}"
+        )
+    if sliding_window is not None:
+        raise ValueError(
+            f"sliding_window: layers with sliding-window attention are not supported, got {sliding_window}"
+        )
+    if dropout:
+        raise ValueError(f"dropout: expected 0.0 (inference only), got {dropout}")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError("module: expected an attention module with a layer_idx attribute")
+    batch.state.layers_called += 1
+    if attention_mask is not None:
+        batch.state.masks_seen += 1
+
+    pool = batch.pool
+    pool_dtype = pool.k.dtype
+    k = _to_tokens_major(key).to(pool_dtype)
+    v = _to_tokens_major(value).to(pool_dtype)
+    pool.write(layer, batch.slots, k, v)
+    q = _to_tokens_major(query).to(pool_dtype)
+    if batch.mode is ForwardMode.DECODE:
+        out = _decode(batch, layer, q, scaling)
+    else:
+        out = _prefill(batch, layer, q, scaling)
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register our attention function with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,99 @@
+"""Single-process generation: prefill then decode in one process sharing one KV pool.
+
+Used by tests and as the oracle for the disaggregated service (same runner, same sampler,
+same seeds; only the KV transfer between pools is missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.config import SparseConfig
+
+from .loading import LoadedModel, load_model
+from .runner import ModelRunner
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype=None, device=None):
+    """A KV pool shaped for ``loaded`` (dtype and device of the model by default)."""
+    from kv_transfer.pool import KVPool, KVPoolConfig
+
+    param = next(loaded.model.parameters())
+    return KVPool(
+        KVPoolConfig(
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            page_size=page_size,
+            dtype=dtype or param.dtype,
+            device=str(device or param.device),
+            num_pages=num_pages,
+        )
+    )
+
+
+def generate(
+    prompts: Sequence[Sequence[int] | str],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    model: LoadedModel | None = None,
+    sparse_config: SparseConfig | None = None,
+    dense_below: int = 1024,
+    page_size: int = 64,
+    num_pages: int | None = None,
+    chunk_size: int | None = None,
+    max_batch_tokens: int = 8192,
+    max_running: int = 256,
+    backend: str = "auto",
+) -> list[GenerationResult]:
+    """Generate for every prompt (token ids, or text when the model has a tokenizer).
+
+    ``model`` defaults to the built-in tiny model. The pool holds every prompt plus its
+    ``max_new_tokens`` unless ``num_pages`` says otherwise. Results in prompt order.
+    """
+    from decode_worker.engine import DecodeEngine
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+
+    loaded = model if model is not None else load_model(None)
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"params: expected one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
+    ids: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if loaded.tokenizer is None:
+                raise ValueError(f"prompts[{i}]: got text but the model has no tokenizer; pass token ids")
+            ids.append(loaded.tokenizer.encode(p))
+        else:
+            ids.append([int(t) for t in p])
+    if num_pages is None:
+        num_pages = sum(-(-(len(x) + sp.max_new_tokens) // page_size) for x, sp in zip(ids, params)) + 1
+    pool = make_pool(loaded, num_pages=num_pages, page_size=page_size)
+    runner = ModelRunner(
+        loaded.model, pool, sparse_config, dense_below=dense_below, device=pool.k.device, backend=backend
+    )
+    prefill = PrefillEngine(runner, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size)
+    decode = DecodeEngine(runner, max_running=max_running)
+    rids = [f"gen-{i}" for i in range(len(ids))]
+    firsts = prefill.prefill([PrefillRequest(r, x, sp) for r, x, sp in zip(rids, ids, params)])
+    for res, x, sp in zip(firsts, ids, params):
+        decode.add_request(res.request_id, res.kv_len, res.first_token, sp)
+    decode.run_until_done()
+    out = []
+    for rid, x in zip(rids, ids):
+        req = decode.pop_finished(rid)
+        out.append(GenerationResult(rid, tuple(x), tuple(req.output_ids), req.finish_reason.value))
+    return out

@@ -1,0 +1,215 @@
+"""ModelRunner: one forward pass of a transformers causal LM over our paged KV pool.
+
+The runner packs a batch into ``input_ids [1, T]`` / ``position_ids [1, T]`` (positions
+continue after each sequence's cached prefix), builds the :class:`ForwardBatch` the attention
+function reads, and computes the LM head only where a next token is needed (the last position
+of each sequence). It never allocates pages: the engines reserve them (``ensure_capacity``)
+and release them; the runner writes K/V into reserved pages and advances ``seq_len``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.config import SparseConfig
+
+from .attention import (
+    ATTENTION_NAME,
+    BATCH_KWARG,
+    ForwardBatch,
+    ForwardMode,
+    ForwardState,
+    register_attention,
+)
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """``token_ids``: the new tokens of this forward (a whole prompt or one chunk of it);
+    ``cached_len``: tokens of this request already in the pool (earlier chunks or a cached
+    prefix); the new tokens attend to them."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    cached_len: int = 0
+
+
+class ModelRunner:
+    """Runs ``model`` with FlashPrefill V2 prefill and paged decode over ``pool``.
+
+    sparse_config: the prefill operator's options (``alpha=0``: dense).
+    dense_below: batches whose longest sequence (prefix included) is shorter than this many
+        tokens use exact dense attention.
+    backend: kernels backend, ``"auto"`` (Triton on CUDA, the reference on CPU).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool,
+        sparse_config: SparseConfig | None = None,
+        *,
+        dense_below: int = 1024,
+        device: str | torch.device | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+            raise ValueError(f"dense_below: expected an int >= 0, got {dense_below!r}")
+        self.sparse_config = SparseConfig() if sparse_config is None else sparse_config
+        if not isinstance(self.sparse_config, SparseConfig):
+            raise ValueError(
+                f"sparse_config: expected a SparseConfig, got {type(self.sparse_config).__name__}"
+            )
+        self.model = model
+        self.pool = pool
+        self.dense_below = dense_below
+        self.backend = backend
+        self.device = torch.device(device) if device is not None else pool.k.device
+        self._check_geometry()
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.vocab_size = int(model.config.vocab_size)
+        self.last_state: ForwardState | None = None  # of the latest forward, for tests and stats
+
+    def _check_geometry(self) -> None:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        got = (self.pool.k.shape[0], self.pool.k.shape[3], self.pool.k.shape[4])
+        if want != got:
+            raise ValueError(
+                "pool: expected (num_layers, num_kv_heads, head_dim) = "
+                f"{want} from the model config, got {got}"
+            )
+        if self.pool.k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"pool: expected a float32, bfloat16 or float16 pool (FP8 pools are not wired into "
+                f"the model runner yet), got {self.pool.k.dtype}"
+            )
+        if self.pool.k.device != self.device:
+            raise ValueError(f"device: expected the pool's device {self.pool.k.device}, got {self.device}")
+
+    @property
+    def page_size(self) -> int:
+        return int(self.pool.k.shape[2])
+
+    def ensure_capacity(self, request_id: str, num_tokens: int) -> None:
+        """Make sure ``request_id`` holds pages for ``num_tokens`` tokens in total (reserving
+        more if needed; all-or-nothing, raises ``PoolExhausted``)."""
+        held = len(self.pool.pages(request_id)) if self.pool.has(request_id) else 0
+        if held * self.page_size < num_tokens:
+            self.pool.reserve(request_id, num_tokens)
+
+    def _check_tokens(self, name: str, ids: Sequence[int]) -> None:
+        for t in ids:
+            if not (0 <= int(t) < self.vocab_size):
+                raise ValueError(f"{name}: token id {int(t)} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_room(self, request_id: str, start: int, length: int) -> None:
+        if not self.pool.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} holds no pages; reserve them first")
+        seq_len = self.pool.seq_len(request_id)
+        if start != seq_len:
+            raise ValueError(
+                f"cached_len: expected {seq_len} (tokens of {request_id!r} in the pool), got {start}"
+            )
+        capacity = len(self.pool.pages(request_id)) * self.page_size
+        if start + length > capacity:
+            raise ValueError(
+                f"request_id: {request_id!r} has room for {capacity} tokens, needs {start + length}; "
+                "call ensure_capacity first"
+            )
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        request_ids: list[str],
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        starts: list[int],
+        lengths: list[int],
+        mode: ForwardMode,
+        logits_to_keep: torch.Tensor | int,
+    ) -> torch.Tensor:
+        dev = self.device
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        seqlens_kv = [s + n for s, n in zip(starts, lengths)]
+        batch = ForwardBatch(
+            pool=self.pool,
+            page_table=self.pool.page_table(request_ids, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seqlens_kv=torch.tensor(seqlens_kv, dtype=torch.int32, device=dev),
+            slots=self.pool.slot_mapping(request_ids, starts, lengths, device=dev),
+            mode=mode,
+            sparse_config=self.sparse_config,
+            max_seqlen_kv=max(seqlens_kv),
+            dense=max(seqlens_kv) < self.dense_below,
+            backend=self.backend,
+        )
+        out = self.model(
+            input_ids=input_ids.to(dev)[None],
+            position_ids=position_ids.to(dev)[None],
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            **{BATCH_KWARG: batch},
+        )
+        for rid, n in zip(request_ids, seqlens_kv):
+            self.pool.set_seq_len(rid, n)
+        self.last_state = batch.state
+        return out.logits[0].float()
+
+    def prefill(self, items: Sequence[PrefillItem]) -> torch.Tensor:
+        """Prefill a batch (whole prompts or chunks); returns float32 logits ``[B, V]`` of each
+        item's last new token. Pages must be reserved for ``cached_len + len(token_ids)``."""
+        if not items:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        rids = [it.request_id for it in items]
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"items: expected distinct request ids in one batch, got {rids}")
+        starts, lengths, ids, pos = [], [], [], []
+        for it in items:
+            n = len(it.token_ids)
+            if n == 0:
+                raise ValueError(f"token_ids: expected at least one new token for {it.request_id!r}")
+            self._check_tokens("token_ids", it.token_ids)
+            self._check_room(it.request_id, it.cached_len, n)
+            starts.append(it.cached_len)
+            lengths.append(n)
+            ids.append(torch.as_tensor(list(it.token_ids), dtype=torch.int64))
+            pos.append(torch.arange(it.cached_len, it.cached_len + n, dtype=torch.int64))
+        last = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
+        return self._forward(
+            rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
+            logits_to_keep=last.to(self.device),
+        )
+
+    def decode(self, request_ids: Sequence[str], last_token_ids: Sequence[int]) -> torch.Tensor:
+        """One token per request (its latest sampled token, not yet in the pool); returns
+        float32 logits ``[B, V]``. Pages must hold ``seq_len + 1`` tokens."""
+        rids = list(request_ids)
+        if len(rids) != len(last_token_ids):
+            raise ValueError(
+                f"last_token_ids: expected {len(rids)} ids (one per request), got {len(last_token_ids)}"
+            )
+        if not rids:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"request_ids: expected distinct ids, got {rids}")
+        self._check_tokens("last_token_ids", last_token_ids)
+        starts = []
+        for rid in rids:
+            if not self.pool.has(rid):
+                raise ValueError(f"request_ids: {rid!r} holds no pages in the pool")
+            start = self.pool.seq_len(rid)
+            self._check_room(rid, start, 1)
+            starts.append(start)
+        ids = torch.as_tensor([int(t) for t in last_token_ids], dtype=torch.int64)
+        return self._forward(
+            rids, ids, torch.tensor(starts, dtype=torch.int64), starts, [1] * len(rids),
+            ForwardMode.DECODE, logits_to_keep=0,
+        )

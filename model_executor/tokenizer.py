@@ -1,0 +1,149 @@
+"""Tokenizers behind one small interface: our byte-level tokenizer (for the built-in tiny
+model, no files needed) and an adapter over a Hugging Face tokenizer loaded from a directory.
+
+Interface (what the engines and the service use):
+``encode(text, add_bos=True) -> list[int]``, ``decode(ids, skip_special_tokens=True) -> str``,
+``apply_chat_template(messages, add_generation_prompt=True) -> list[int]``,
+``bos_token_id``, ``eos_token_id``, ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_ROLES = ("system", "user", "assistant")
+
+
+class ByteTokenizer:
+    """Bytes are ids 0..255; the specials follow.
+
+    Specials: ``<|bos|>`` 256, ``<|eos|>`` 257, ``<|pad|>`` 258, ``<|system|>`` 259,
+    ``<|user|>`` 260, ``<|assistant|>`` 261, ``<|end|>`` 262 (end of a chat turn); the
+    vocabulary is padded to 264.
+
+    Chat template: ``<|bos|>`` then, per message, ``<|role|>`` + UTF-8 content + ``<|end|>``;
+    with ``add_generation_prompt`` a final ``<|assistant|>``.
+    """
+
+    NUM_BYTES = 256
+    SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    VOCAB_SIZE = 264
+
+    def __init__(self) -> None:
+        self._special_ids = {name: self.NUM_BYTES + i for i, name in enumerate(self.SPECIALS)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+    @property
+    def bos_token_id(self) -> int:
+        return self._special_ids["<|bos|>"]
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._special_ids["<|eos|>"]
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._special_ids["<|pad|>"]
+
+    @property
+    def end_of_turn_id(self) -> int:
+        return self._special_ids["<|end|>"]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end a generation: end of text and end of a chat turn."""
+        return (self.eos_token_id, self.end_of_turn_id)
+
+    def special_id(self, name: str) -> int:
+        if name not in self._special_ids:
+            raise ValueError(f"name: expected one of {self.SPECIALS}, got {name!r}")
+        return self._special_ids[name]
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        names = {v: k for k, v in self._special_ids.items()}
+        for i in ids:
+            i = int(i)
+            if 0 <= i < self.NUM_BYTES:
+                out.extend((i,))
+            elif not skip_special_tokens:
+                out.extend(names.get(i, f"<|{i}|>").encode())
+            elif i >= self.VOCAB_SIZE or i < 0:
+                raise ValueError(f"ids: token id {i} is outside the vocabulary [0, {self.VOCAB_SIZE})")
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        ids = [self.bos_token_id]
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in _ROLES:
+                raise ValueError(f"messages[{i}].role: expected one of {_ROLES}, got {role!r}")
+            content = message.get("content", "")
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content: expected a str, got {type(content).__name__}")
+            ids.append(self._special_ids[f"<|{role}|>"])
+            ids.extend(content.encode("utf-8"))
+            ids.append(self.end_of_turn_id)
+        if add_generation_prompt:
+            ids.append(self._special_ids["<|assistant|>"])
+        return ids
+
+
+class HFTokenizer:
+    """The same interface over a transformers tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return () if self._tok.eos_token_id is None else (int(self._tok.eos_token_id),)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_bos))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError(
+                "tokenizer: this tokenizer has no chat_template (tokenizer_config.json); "
+                "send a plain prompt instead"
+            )
+        ids = self._tok.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
