@@ -1,0 +1,206 @@
+"""Dense paged decode attention: one new query token per sequence against its paged K/V.
+
+``q [B, Hq, d]`` holds the newest token of each sequence, whose own K/V is already written
+to the pages (``seqlens_kv[b]`` counts it), so the token attends to all ``seqlens_kv[b]``
+keys: no causal mask, no sparsity (SPEC.md, "Decode"). Same paged layout as prefill:
+token ``j`` of sequence ``b`` at ``k_pages[page_table[b, j // page_size], j % page_size]``.
+
+Returns ``out [B, Hq, d]`` in ``q.dtype`` and ``lse [B, Hq]`` float32 (natural log of the
+softmax denominator), so that decode parts can be merged exactly with other attention parts.
+
+Host syncs: ``paged_decode`` checks values (``seqlens_kv >= 1``, page table width and entries
+in range) with one device->host copy when ``check_values=True`` (the default). The decode
+loop, whose metadata is built by the KV pool, passes ``check_values=False`` and
+``max_seqlen_kv`` (or ``num_splits``): the Triton path then never syncs and can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_attention_inputs, check_tensor
+from .ops import Backend, resolve_backend
+from .paged import gather_kv
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _softmax_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+def check_decode_inputs(
+    q: object,
+    k_pages: object,
+    v_pages: object,
+    page_table: object,
+    seqlens_kv: object,
+    *,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shapes, dtypes and devices (no sync); with ``check_values`` also the values of
+    ``seqlens_kv`` and ``page_table`` (one device->host copy)."""
+    q = check_tensor("q", q, ndim=3)
+    # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its dtype/head/contiguity rules
+    q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
+    batch = q.shape[0]
+    seqlens_kv = check_tensor("seqlens_kv", seqlens_kv, ndim=1, dtypes=_INT_DTYPES, device=q.device)
+    page_table = check_tensor("page_table", page_table, ndim=2, dtypes=_INT_DTYPES, device=q.device)
+    if seqlens_kv.shape[0] != batch:
+        raise ValueError(f"seqlens_kv: expected {batch} entries (q.shape[0]), got {seqlens_kv.shape[0]}")
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table: expected {batch} rows (q.shape[0]), got {page_table.shape[0]}")
+    if batch and page_table.shape[1] < 1:
+        raise ValueError(f"page_table: expected at least one column, got shape {tuple(page_table.shape)}")
+    if check_values and batch:
+        _check_metadata_values(page_table, seqlens_kv, page_size=k_pages.shape[1], num_pages=k_pages.shape[0])
+    return q, k_pages, v_pages, page_table, seqlens_kv
+
+
+def _check_metadata_values(
+    page_table: torch.Tensor, seqlens_kv: torch.Tensor, *, page_size: int, num_pages: int
+) -> None:
+    lens = seqlens_kv.long()
+    need = (lens + page_size - 1) // page_size  # pages used per sequence
+    cols = torch.arange(page_table.shape[1], device=page_table.device)
+    used = cols[None, :] < need[:, None]
+    bad_entry = used & ((page_table < 0) | (page_table >= num_pages))
+    # one device->host copy for every value check
+    summary = torch.stack(
+        [
+            lens.min(),
+            lens.argmin(),
+            need.max(),
+            lens.argmax(),
+            bad_entry.flatten().int().argmax(),
+            bad_entry.any().long(),
+        ]
+    ).tolist()
+    min_len, argmin_len, max_need, argmax_len, first_bad, any_bad = summary
+    if min_len < 1:
+        raise ValueError(
+            f"seqlens_kv: expected every length >= 1 (the new token's K/V is in the pages), "
+            f"got seqlens_kv[{argmin_len}] = {min_len}"
+        )
+    if max_need > page_table.shape[1]:
+        raise ValueError(
+            f"page_table: expected at least {max_need} columns for seqlens_kv[{argmax_len}] with "
+            f"page_size {page_size}, got {page_table.shape[1]}"
+        )
+    if any_bad:
+        b, c = divmod(first_bad, page_table.shape[1])
+        raise ValueError(
+            f"page_table: entry [{b}, {c}] = {int(page_table[b, c])} is out of range [0, {num_pages})"
+        )
+
+
+def _reference_run(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    g = hq // hkv
+    out = torch.zeros(batch, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.zeros(batch, hq, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(seqlens_kv.tolist()):
+        keys = gather_kv(k_pages, page_table, b, length).float()  # [L, Hkv, d]
+        vals = gather_kv(v_pages, page_table, b, length).float()
+        qb = q[b].float().view(hkv, g, d)
+        s = scale * torch.einsum("hgd,lhd->hgl", qb, keys)  # [Hkv, g, L]: one row per query head
+        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - row_lse)
+        out[b] = torch.einsum("hgl,lhd->hgd", p, vals).reshape(hq, d)
+        lse[b] = row_lse.reshape(hq)
+    return out.to(q.dtype), lse
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference, one sequence at a time (``[Hq, L]`` scores, never ``L x L``).
+
+    Validates like ``paged_decode``. Returns ``out [B, Hq, d]`` (q.dtype), ``lse [B, Hq]`` fp32.
+    """
+    q, k_pages, v_pages, page_table, seqlens_kv = check_decode_inputs(
+        q, k_pages, v_pages, page_table, seqlens_kv
+    )
+    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv, _softmax_scale(scale, q.shape[-1]))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_kv: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int = 0,
+    max_seqlen_kv: int | None = None,
+    check_values: bool = True,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense decode attention over the paged K/V.
+
+    q: ``[B, Hq, d]`` (fp16, bf16, fp32), one new token per sequence; k_pages, v_pages:
+    ``[num_pages, page_size, Hkv, d]`` in q's dtype; page_table: ``[B, max_pages]`` int32
+    (or int64); seqlens_kv: ``[B]`` keys per sequence, new token included (``>= 1``).
+    scale: softmax scale, default ``1/sqrt(d)``.
+    num_splits: split-KV parts per sequence (flash-decoding); 0 picks from the batch size and
+    ``max_seqlen_kv`` (or, without it, the page table's width: no host sync), 1 disables.
+    max_seqlen_kv: host-known upper bound of ``seqlens_kv``, only used to choose num_splits.
+    check_values: validate the values of ``seqlens_kv`` and ``page_table`` (one host sync);
+    pass False in a loop whose metadata is known good (the KV pool builds it).
+    Returns ``out [B, Hq, d]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log).
+    """
+    q, k_pages, v_pages, page_table, seqlens_kv = check_decode_inputs(
+        q, k_pages, v_pages, page_table, seqlens_kv, check_values=check_values
+    )
+    softmax_scale = _softmax_scale(scale, q.shape[-1])
+    _check_int("num_splits", num_splits, minimum=0)
+    if max_seqlen_kv is not None:
+        _check_int("max_seqlen_kv", max_seqlen_kv, minimum=1)
+    if not isinstance(check_values, bool):
+        raise ValueError(f"check_values: expected a bool, got {check_values!r}")
+    backend = resolve_backend(backend, q.device)
+    if q.shape[0] == 0:
+        return (
+            q.new_empty(q.shape),
+            torch.empty(0, q.shape[1], dtype=torch.float32, device=q.device),
+        )
+    if backend == "triton":
+        from . import triton_decode
+
+        return triton_decode.paged_decode(
+            q, k_pages, v_pages, page_table, seqlens_kv,
+            scale=softmax_scale, num_splits=num_splits, max_seqlen_kv=max_seqlen_kv,
+        )
+    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv, softmax_scale)

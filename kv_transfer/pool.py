@@ -1,0 +1,366 @@
+"""The paged KV pool: one preallocated K and one V tensor per model, handed out in pages.
+
+Layout (the paged layout of SPEC.md, one pool for all layers):
+- ``k``, ``v``: separate tensors ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
+  Layer ``l``'s ``k_pages = pool.k[l]`` (a view) is what the attention kernels take.
+- A page holds ``page_size`` tokens x ``num_kv_heads`` x ``head_dim`` for K and for V, in
+  every layer: one page id addresses the same slots in all layers, so a request needs one
+  page list, not one per layer. ``page_bytes`` is the K+V size of one page over all layers.
+- Token ``j`` of a request lives at page ``pages[j // page_size]``, slot ``j % page_size``;
+  its flat slot (for ``write``) is ``pages[j // page_size] * page_size + j % page_size``.
+- Free list: LIFO. A fresh pool hands out pages ``0, 1, 2, ...``; released pages are pushed
+  back so that the most recently freed page (the request's first page first) is reused
+  first. The order is deterministic for a given sequence of calls.
+
+FP8 (``torch.float8_e4m3fn``): pages store ``x / scale`` rounded to e4m3 (saturating at
++-448); ``k_scale``/``v_scale`` ``[num_layers, num_kv_heads]`` float32 are the descale
+factors (``x ~= stored * scale``). They start at 1.0; set them per layer once, before the
+first write of that layer (``set_scales`` or ``calibrate_scales`` from an amax): changing a
+scale does not rescale pages already written.
+
+Bookkeeping per request: its page list and ``seq_len`` (tokens written/committed). Pages
+only grow (``reserve``) until ``release``. Allocation is all-or-nothing and raises the typed
+``PoolExhausted`` that the scheduler acts on (preempt, queue, or spill).
+
+Thread safety: one ``threading.Lock`` guards the free list and the request table (Ray
+actors may run async handlers on several threads). ``write`` touches only tensor data of
+pages the caller owns and takes no lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+FP8_E4M3_MAX = 448.0
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages for a reservation; nothing was allocated.
+
+    ``requested``: pages the call needed beyond what the request already held;
+    ``free``: free pages at the time of the call; ``request_id``: who asked.
+    """
+
+    def __init__(self, requested: int, free: int, request_id: str | None = None) -> None:
+        self.requested = requested
+        self.free = free
+        self.request_id = request_id
+        who = f" for request {request_id!r}" if request_id is not None else ""
+        super().__init__(f"KV pool exhausted{who}: needs {requested} more pages, {free} free")
+
+    def __reduce__(self):  # keep the typed fields across pickling (Ray ships exceptions)
+        return (type(self), (self.requested, self.free, self.request_id))
+
+
+def _check_positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """Shape, dtype and capacity of a pool. Give exactly one of ``num_pages`` and
+    ``memory_budget_bytes`` (capacity ``memory_budget_bytes // page_bytes``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 64
+    dtype: torch.dtype = torch.bfloat16
+    device: str | torch.device = "cpu"
+    num_pages: int | None = None
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive_int("num_layers", self.num_layers)
+        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        _check_positive_int("head_dim", self.head_dim)
+        _check_positive_int("page_size", self.page_size)
+        if self.dtype not in POOL_DTYPES:
+            want = ", ".join(str(d).replace("torch.", "") for d in POOL_DTYPES)
+            raise ValueError(f"dtype: expected one of ({want}), got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: expected a torch device or its name, got {self.device!r}") from exc
+        if (self.num_pages is None) == (self.memory_budget_bytes is None):
+            raise ValueError(
+                "num_pages: expected exactly one of num_pages and memory_budget_bytes, got "
+                f"num_pages={self.num_pages!r}, memory_budget_bytes={self.memory_budget_bytes!r}"
+            )
+        if self.num_pages is not None:
+            _check_positive_int("num_pages", self.num_pages)
+        else:
+            _check_positive_int("memory_budget_bytes", self.memory_budget_bytes)
+            if self.memory_budget_bytes < self.page_bytes:
+                raise ValueError(
+                    f"memory_budget_bytes: expected at least one page ({self.page_bytes} bytes "
+                    f"for K+V over {self.num_layers} layers), got {self.memory_budget_bytes}"
+                )
+
+    @property
+    def page_bytes(self) -> int:
+        """K+V bytes of one page over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def capacity(self) -> int:
+        """Number of pages the pool holds."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return self.memory_budget_bytes // self.page_bytes
+
+
+@dataclass
+class _Request:
+    pages: list[int] = field(default_factory=list)
+    seq_len: int = 0
+
+
+class KVPool:
+    """Preallocated paged K/V storage for all layers plus per-request page lists."""
+
+    def __init__(self, config: KVPoolConfig) -> None:
+        if not isinstance(config, KVPoolConfig):
+            raise ValueError(f"config: expected a KVPoolConfig, got {type(config).__name__}")
+        self.config = config
+        self.num_pages = config.capacity
+        self.page_size = config.page_size
+        self.page_bytes = config.page_bytes
+        self.num_layers = config.num_layers
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.dtype = config.dtype
+        self.device = torch.device(config.device)
+        shape = (config.num_layers, self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
+        # zeros, not empty: padding slots hold finite values, so a masked read stays finite
+        self.k = torch.zeros(shape, dtype=config.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=config.dtype, device=self.device)
+        if config.dtype == torch.float8_e4m3fn:
+            scale_shape = (config.num_layers, config.num_kv_heads)
+            self.k_scale: torch.Tensor | None = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+            self.v_scale: torch.Tensor | None = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+        else:
+            self.k_scale = None
+            self.v_scale = None
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> 0, 1, ...
+        self._requests: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow ``request_id``'s page list (creating the request if new) to hold
+        ``num_tokens`` tokens in total; returns the whole page list.
+
+        All-or-nothing: raises ``PoolExhausted`` and allocates nothing when the free pages
+        do not suffice. Never shrinks: a ``num_tokens`` within the pages already held is a
+        no-op. ``ValueError`` if ``num_tokens`` is negative or below the request's
+        ``seq_len`` (committed tokens cannot be dropped this way; ``release`` instead).
+        """
+        _check_positive_int("num_tokens", num_tokens, minimum=0)
+        with self._lock:
+            req = self._requests.get(request_id)
+            held = len(req.pages) if req is not None else 0
+            if req is not None and num_tokens < req.seq_len:
+                raise ValueError(
+                    f"num_tokens: expected >= the request's seq_len {req.seq_len} "
+                    f"(request {request_id!r}), got {num_tokens}"
+                )
+            need = self.pages_for(num_tokens) - held
+            if need > len(self._free):
+                raise PoolExhausted(need, len(self._free), request_id)
+            if req is None:
+                req = self._requests[request_id] = _Request()
+            for _ in range(max(need, 0)):
+                req.pages.append(self._free.pop())
+            return list(req.pages)
+
+    def adopt(self, request_id: str, num_tokens: int) -> list[int]:
+        """Receive side of a KV transfer: reserve pages for a new request whose
+        ``num_tokens`` tokens of K/V will be copied in, and set its ``seq_len`` to
+        ``num_tokens``. The caller copies the pages before any reader uses the request.
+        ``ValueError`` if the request already exists; ``PoolExhausted`` as ``reserve``."""
+        _check_positive_int("num_tokens", num_tokens, minimum=0)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request_id: {request_id!r} already holds pages in this pool")
+            need = self.pages_for(num_tokens)
+            if need > len(self._free):
+                raise PoolExhausted(need, len(self._free), request_id)
+            req = self._requests[request_id] = _Request(seq_len=num_tokens)
+            for _ in range(need):
+                req.pages.append(self._free.pop())
+            return list(req.pages)
+
+    def release(self, request_id: str) -> int:
+        """Return the request's pages to the free list; returns how many. Unknown ids: 0."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return 0
+            self._free.extend(reversed(req.pages))  # the request's first page is reused first
+            return len(req.pages)
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request_id: {request_id!r} holds no pages in this pool")
+        return req
+
+    def has(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._requests
+
+    def pages(self, request_id: str) -> list[int]:
+        with self._lock:
+            return list(self._get(request_id).pages)
+
+    def seq_len(self, request_id: str) -> int:
+        with self._lock:
+            return self._get(request_id).seq_len
+
+    def set_seq_len(self, request_id: str, n: int) -> None:
+        """Record that tokens ``[0, n)`` are written; ``n`` must fit in the pages held."""
+        _check_positive_int("n", n, minimum=0)
+        with self._lock:
+            req = self._get(request_id)
+            cap = len(req.pages) * self.page_size
+            if n > cap:
+                raise ValueError(
+                    f"n: expected <= {cap} (the {len(req.pages)} pages held by {request_id!r}); "
+                    "reserve more first"
+                )
+            req.seq_len = n
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "num_pages": self.num_pages,
+                "free_pages": len(self._free),
+                "used_pages": self.num_pages - len(self._free),
+                "requests": len(self._requests),
+                "page_size": self.page_size,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "page_bytes": self.page_bytes,
+            }
+
+    # ------------------------------------------------------------------ addressing
+    def page_table(self, request_ids: Sequence[str], *, device=None) -> torch.Tensor:
+        """int32 ``[B, max_pages]`` (at least one column), row ``b`` the pages of
+        ``request_ids[b]``, padded with 0 (never read past ``seqlens_kv``)."""
+        with self._lock:
+            lists = [list(self._get(r).pages) for r in request_ids]
+        width = max((len(p) for p in lists), default=0)
+        table = torch.zeros((len(lists), max(width, 1)), dtype=torch.int32)
+        for b, p in enumerate(lists):
+            if p:
+                table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        return table.to(self.device if device is None else device)
+
+    def slot_mapping(
+        self, request_ids: Sequence[str], starts: Sequence[int], lengths: Sequence[int], *, device=None
+    ) -> torch.Tensor:
+        """int64 flat slots ``page * page_size + offset`` of tokens ``[start, start + length)``
+        of each request, concatenated in order. The tokens must lie in reserved pages."""
+        if not (len(request_ids) == len(starts) == len(lengths)):
+            raise ValueError(
+                f"starts: expected one start and one length per request ({len(request_ids)}), "
+                f"got {len(starts)} starts and {len(lengths)} lengths"
+            )
+        with self._lock:
+            lists = [list(self._get(r).pages) for r in request_ids]
+        parts = []
+        for rid, p, start, length in zip(request_ids, lists, starts, lengths):
+            _check_positive_int("starts", int(start), minimum=0)
+            _check_positive_int("lengths", int(length), minimum=0)
+            if start + length > len(p) * self.page_size:
+                raise ValueError(
+                    f"lengths: tokens [{start}, {start + length}) of {rid!r} exceed its "
+                    f"{len(p)} reserved pages ({len(p) * self.page_size} tokens); reserve first"
+                )
+            pos = torch.arange(start, start + length, dtype=torch.int64)
+            page = torch.tensor(p, dtype=torch.int64)[pos // self.page_size] if length else pos
+            parts.append(page * self.page_size + pos % self.page_size)
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return slots.to(self.device if device is None else device)
+
+    # ------------------------------------------------------------------ data
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter ``k, v [T, Hkv, d]`` into layer ``layer`` at flat ``slots [T]`` (from
+        ``slot_mapping``; their values are not checked, to stay free of host syncs).
+        FP8 pools store ``x / scale`` saturated to e4m3."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots: expected a 1-D int64 (or int32) tensor, got {_describe(slots)}")
+        if slots.device != self.device:
+            raise ValueError(f"slots: expected a tensor on {self.device}, got one on {slots.device}")
+        want = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                raise ValueError(f"{name}: expected shape {want} (T from slots), got {_describe(x)}")
+            if not x.is_floating_point():
+                raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name}: expected a tensor on {self.device}, got one on {x.device}")
+        index = slots.long()
+        for pages, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
+            flat = pages[layer].view(-1, self.num_kv_heads, self.head_dim)
+            if scale is None:
+                flat.index_copy_(0, index, x.to(self.dtype))
+            else:
+                q = quantize_fp8(x, scale[layer])
+                flat.view(torch.uint8).index_copy_(0, index, q.view(torch.uint8))
+
+    def set_scales(self, layer: int, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
+        """FP8 pools: set layer ``layer``'s descale factors (a float or ``[num_kv_heads]``)."""
+        if self.k_scale is None:
+            raise ValueError(f"k_scale: only FP8 pools have scales, this pool stores {self.dtype}")
+        for name, dst, val in (("k_scale", self.k_scale, k_scale), ("v_scale", self.v_scale, v_scale)):
+            t = torch.as_tensor(val, dtype=torch.float32, device=self.device).expand(self.num_kv_heads)
+            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise ValueError(f"{name}: expected positive finite scales, got {t.tolist()}")
+            dst[layer] = t
+
+    def calibrate_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, margin: float = 1.0) -> None:
+        """FP8 pools: per-KV-head scales ``amax * margin / 448`` from sample ``k, v [T, Hkv, d]``."""
+        self.set_scales(layer, fp8_scale_from_amax(k, margin=margin), fp8_scale_from_amax(v, margin=margin))
+
+
+def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor:
+    """Per-head descale ``[H]`` so that ``x [T, H, d] / scale`` spans e4m3's range."""
+    amax = x.detach().float().abs().amax(dim=(0, 2))
+    return torch.clamp(amax * margin / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, d] / scale [H]`` saturated to +-448 and rounded to e4m3."""
+    y = x.float() / scale.view(1, -1, 1)
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

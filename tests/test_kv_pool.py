@@ -1,0 +1,303 @@
+"""The paged KV pool: accounting, exhaustion, capacity, addressing round trips, FP8, threads."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+
+from kernels.paged import gather_kv
+from kv_transfer.pool import KVPool, KVPoolConfig, PoolExhausted, fp8_scale_from_amax
+
+
+def make_pool(num_pages=16, page_size=4, dtype=torch.float32, **kw) -> KVPool:
+    cfg = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=page_size, dtype=dtype, num_pages=num_pages)
+    cfg.update(kw)
+    return KVPool(KVPoolConfig(**cfg))
+
+
+# ---------------------------------------------------------------- layout
+def test_layout_and_page_bytes():
+    pool = make_pool(dtype=torch.bfloat16)
+    assert pool.k.shape == (2, 16, 4, 2, 8) and pool.v.shape == (2, 16, 4, 2, 8)
+    assert pool.k.dtype == torch.bfloat16 and pool.k_scale is None and pool.v_scale is None
+    assert pool.page_bytes == 2 * 2 * 4 * 2 * 8 * 2  # K+V x layers x tokens x heads x d x bytes
+    assert pool.k[1].shape == (16, 4, 2, 8)  # layer view: the kernels' k_pages
+    assert pool.stats() == {
+        "num_pages": 16, "free_pages": 16, "used_pages": 0, "requests": 0,
+        "page_size": 4, "dtype": "bfloat16", "page_bytes": pool.page_bytes,
+    }
+
+
+def test_memory_budget_capacity():
+    page_bytes = make_pool().page_bytes
+    pool = make_pool(num_pages=None, memory_budget_bytes=10 * page_bytes + page_bytes - 1)
+    assert pool.num_pages == 10 and pool.free_pages == 10 and pool.k.shape[1] == 10
+    fp8 = make_pool(num_pages=None, memory_budget_bytes=10 * page_bytes, dtype=torch.float8_e4m3fn)
+    assert fp8.page_bytes * 4 == page_bytes and fp8.num_pages == 40
+
+
+# ---------------------------------------------------------------- accounting
+def test_reserve_grow_release_accounting():
+    pool = make_pool()
+    assert pool.reserve("a", 5) == [0, 1]  # fresh pool hands out 0, 1, 2, ...
+    assert pool.reserve("b", 4) == [2]
+    assert pool.used_pages == 3 and pool.free_pages == 13
+    assert pool.has("a") and not pool.has("zz")
+    assert pool.reserve("a", 8) == [0, 1]  # fits: no new page
+    assert pool.reserve("a", 9) == [0, 1, 3]  # grows in place, keeps its pages
+    assert pool.pages("a") == [0, 1, 3] and pool.seq_len("a") == 0
+    pool.set_seq_len("a", 9)
+    assert pool.seq_len("a") == 9
+    assert pool.reserve("a", 9) == [0, 1, 3]  # idempotent
+    assert pool.stats()["requests"] == 2
+    assert pool.release("a") == 3
+    assert not pool.has("a") and pool.free_pages == 15
+    assert pool.release("a") == 0 and pool.release("never") == 0
+    # LIFO: the released request's first page comes back first
+    assert pool.reserve("c", 12) == [0, 1, 3]
+    assert pool.reserve("d", 0) == [] and pool.has("d")
+
+
+def test_reserve_rejects_shrinking_below_seq_len():
+    pool = make_pool()
+    pool.reserve("a", 10)
+    pool.set_seq_len("a", 7)
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.reserve("a", 6)
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.reserve("b", -1)
+    with pytest.raises(ValueError, match="n"):
+        pool.set_seq_len("a", 13)  # beyond the 3 pages held
+    with pytest.raises(KeyError):
+        pool.seq_len("missing")
+    with pytest.raises(KeyError):
+        pool.page_table(["a", "missing"])
+
+
+def test_exhaustion_is_all_or_nothing():
+    pool = make_pool(num_pages=4)
+    pool.reserve("a", 8)  # 2 pages
+    with pytest.raises(PoolExhausted) as info:
+        pool.reserve("b", 13)  # needs 4
+    assert info.value.requested == 4 and info.value.free == 2
+    assert isinstance(info.value, RuntimeError)
+    assert not pool.has("b") and pool.free_pages == 2
+    with pytest.raises(PoolExhausted):
+        pool.reserve("a", 8 + 4 * 3)  # growth needs 3 more
+    assert pool.pages("a") == [0, 1] and pool.free_pages == 2
+    with pytest.raises(PoolExhausted):
+        pool.adopt("c", 9)
+    assert not pool.has("c") and pool.free_pages == 2
+    # typed fields survive pickling (Ray ships exceptions between processes)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.requested, again.free, again.request_id) == (4, 2, "b")
+    pool.release("a")
+    assert pool.reserve("b", 13) == [0, 1, 2, 3]
+
+
+def test_adopt():
+    pool = make_pool()
+    pages = pool.adopt("x", 10)
+    assert len(pages) == 3 and pool.seq_len("x") == 10 and pool.pages("x") == pages
+    with pytest.raises(ValueError, match="request_id"):
+        pool.adopt("x", 4)
+    assert pool.adopt("empty", 0) == []
+
+
+# ---------------------------------------------------------------- addressing and data
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_write_round_trip_against_gather_kv(page_size):
+    gen = torch.Generator().manual_seed(0)
+    pool = make_pool(num_pages=64, page_size=page_size)
+    lengths = {"a": 11, "b": 1, "c": 7}
+    for rid in ("a", "b", "c"):
+        pool.reserve(rid, 2)  # interleaved growth scatters each request's pages
+    keys = {r: torch.randn(n, 2, 8, generator=gen) for r, n in lengths.items()}
+    vals = {r: torch.randn(n, 2, 8, generator=gen) for r, n in lengths.items()}
+    # "prefill" the first part, then append the rest, as a model runner does
+    first = {r: min(n, 5) for r, n in lengths.items()}
+    for phase in ("prefill", "append"):
+        ids = list(lengths)
+        starts = [0 if phase == "prefill" else first[r] for r in ids]
+        lens = [first[r] if phase == "prefill" else lengths[r] - first[r] for r in ids]
+        for r, s, n in zip(ids, starts, lens):
+            pool.reserve(r, s + n)
+        slots = pool.slot_mapping(ids, starts, lens)
+        assert slots.dtype == torch.int64 and slots.shape == (sum(lens),)
+        for layer in range(2):
+            k = torch.cat([keys[r][s : s + n] for r, s, n in zip(ids, starts, lens)]) + layer
+            v = torch.cat([vals[r][s : s + n] for r, s, n in zip(ids, starts, lens)]) - layer
+            pool.write(layer, slots, k, v)
+        for r, s, n in zip(ids, starts, lens):
+            pool.set_seq_len(r, s + n)
+    table = pool.page_table(["c", "a", "b"])
+    assert table.dtype == torch.int32
+    assert table.shape == (3, max(len(pool.pages(r)) for r in lengths))
+    for row, rid in enumerate(["c", "a", "b"]):
+        n = pool.seq_len(rid)
+        assert n == lengths[rid]
+        assert table[row, : len(pool.pages(rid))].tolist() == pool.pages(rid)
+        assert (table[row, len(pool.pages(rid)) :] == 0).all()
+        for layer in range(2):
+            assert torch.equal(gather_kv(pool.k[layer], table, row, n), keys[rid] + layer)
+            assert torch.equal(gather_kv(pool.v[layer], table, row, n), vals[rid] - layer)
+
+
+def test_slot_mapping_values_and_errors():
+    pool = make_pool(page_size=4)
+    pool.reserve("a", 4)
+    pool.reserve("b", 4)
+    pool.reserve("a", 8)  # a: pages [0, 2]
+    assert pool.slot_mapping(["a"], [2], [4]).tolist() == [2, 3, 8, 9]
+    assert pool.slot_mapping(["a", "b"], [7, 0], [1, 0]).tolist() == [11]
+    assert pool.slot_mapping([], [], []).shape == (0,)
+    assert pool.page_table([]).shape == (0, 1)
+    with pytest.raises(ValueError, match="lengths"):
+        pool.slot_mapping(["a"], [6], [3])  # past the reserved pages
+    with pytest.raises(ValueError, match="starts"):
+        pool.slot_mapping(["a"], [0, 1], [1])
+    with pytest.raises(ValueError, match="starts"):
+        pool.slot_mapping(["a"], [-1], [1])
+
+
+def test_write_validation():
+    pool = make_pool()
+    pool.reserve("a", 3)
+    slots = pool.slot_mapping(["a"], [0], [3])
+    kv = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match="layer"):
+        pool.write(2, slots, kv, kv)
+    with pytest.raises(ValueError, match="slots"):
+        pool.write(0, slots.float(), kv, kv)
+    with pytest.raises(ValueError, match="k"):
+        pool.write(0, slots, kv[:2], kv)
+    with pytest.raises(ValueError, match="v"):
+        pool.write(0, slots, kv, kv[..., :4])
+    with pytest.raises(ValueError, match="k"):
+        pool.write(0, slots, kv.int(), kv)
+
+
+def test_fp8_round_trip():
+    gen = torch.Generator().manual_seed(1)
+    pool = make_pool(dtype=torch.float8_e4m3fn, page_size=4)
+    assert pool.k.dtype == torch.float8_e4m3fn
+    assert pool.k_scale.shape == (2, 2) and pool.k_scale.dtype == torch.float32
+    k = torch.randn(10, 2, 8, generator=gen) * torch.tensor([1.0, 30.0])[None, :, None]
+    v = torch.randn(10, 2, 8, generator=gen) * 0.01
+    pool.calibrate_scales(1, k, v)
+    assert torch.allclose(pool.k_scale[1], fp8_scale_from_amax(k))
+    assert torch.equal(pool.k_scale[0], torch.ones(2))  # other layers untouched
+    pool.reserve("a", 10)
+    slots = pool.slot_mapping(["a"], [0], [10])
+    pool.write(1, slots, k, v)
+    table = pool.page_table(["a"])
+    for pages, scale, x in ((pool.k, pool.k_scale, k), (pool.v, pool.v_scale, v)):
+        stored = gather_kv(pages[1], table, 0, 10).float()
+        back = stored * scale[1][None, :, None]
+        # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, plus the subnormal floor
+        err = (back - x).abs()
+        bound = x.abs() * 2**-4 + scale[1][None, :, None] * 2**-9
+        assert (err <= bound).all()
+        assert stored.abs().max() <= 448
+    # saturation instead of inf/nan for values past the calibrated range
+    pool.write(1, slots[:1], k[:1] * 1000, v[:1])
+    assert torch.isfinite(pool.k[1].float()).all()
+
+
+def test_set_scales_validation():
+    with pytest.raises(ValueError, match="k_scale"):
+        make_pool().set_scales(0, 1.0, 1.0)  # not an FP8 pool
+    pool = make_pool(dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale"):
+        pool.set_scales(0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        pool.set_scales(0, 1.0, float("nan"))
+    pool.set_scales(0, torch.tensor([0.5, 2.0]), 3.0)
+    assert pool.k_scale[0].tolist() == [0.5, 2.0] and pool.v_scale[0].tolist() == [3.0, 3.0]
+
+
+# ---------------------------------------------------------------- bad config
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(num_layers=2.0), "num_layers"),
+        (dict(num_kv_heads=-1), "num_kv_heads"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(page_size=0), "page_size"),
+        (dict(page_size=True), "page_size"),
+        (dict(dtype=torch.int8), "dtype"),
+        (dict(dtype=torch.float64), "dtype"),
+        (dict(device="nonsense"), "device"),
+        (dict(num_pages=None), "num_pages"),  # neither
+        (dict(num_pages=4, memory_budget_bytes=1 << 20), "num_pages"),  # both
+        (dict(num_pages=0), "num_pages"),
+        (dict(num_pages=None, memory_budget_bytes=10), "memory_budget_bytes"),  # below one page
+        (dict(num_pages=None, memory_budget_bytes=-5), "memory_budget_bytes"),
+    ],
+)
+def test_bad_config(over, match):
+    cfg = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=4)
+    cfg.update(over)
+    with pytest.raises(ValueError, match=match):
+        KVPoolConfig(**cfg)
+
+
+def test_pool_needs_config():
+    with pytest.raises(ValueError, match="config"):
+        KVPool(dict(num_layers=1))
+
+
+# ---------------------------------------------------------------- threads
+def test_concurrent_reserve_release_never_double_allocates():
+    pool = make_pool(num_pages=40, page_size=2)
+    errors: list[BaseException] = []
+    owned: dict[str, list[int]] = {}
+    owned_lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def worker(w: int) -> None:
+        gen = torch.Generator().manual_seed(w)
+        try:
+            start.wait()
+            for i in range(300):
+                rid = f"w{w}-{i % 3}"
+                if torch.rand(1, generator=gen).item() < 0.35:
+                    with owned_lock:
+                        owned.pop(rid, None)
+                    pool.release(rid)
+                    continue
+                tokens = int(torch.randint(1, 13, (1,), generator=gen))
+                try:
+                    cur = pool.seq_len(rid) if pool.has(rid) else 0
+                    pages = pool.reserve(rid, max(cur, tokens))
+                except PoolExhausted:
+                    continue
+                with owned_lock:
+                    owned[rid] = pages
+                    seen: dict[int, str] = {}
+                    for other, plist in owned.items():
+                        for p in plist:
+                            if p in seen and seen[p] != other:
+                                raise AssertionError(f"page {p} held by {seen[p]} and {other}")
+                            seen[p] = other
+        except BaseException as exc:  # surface thread failures in the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    held = [p for r in list(owned) if pool.has(r) for p in pool.pages(r)]
+    assert len(held) == len(set(held))
+    assert pool.used_pages == len(held)
+    assert pool.used_pages + pool.free_pages == pool.num_pages
+    for rid in list(owned):
+        pool.release(rid)
+    assert pool.free_pages == pool.num_pages
+    assert sorted(pool._free) == list(range(pool.num_pages))
