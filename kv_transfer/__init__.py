@@ -1,1 +1,38 @@
-"""kv_transfer package (see docs/ARCHITECTURE.md)."""
+"""kv_transfer: the paged KV pool and page shipping between actors (see docs/ARCHITECTURE.md).
+
+Never imports Ray at module import time (the object-store transport imports it when used).
+"""
+
+from .pool import KVPool, KVPoolConfig, PoolExhausted
+from .transfer import (
+    KVFrameHeader,
+    KVTransport,
+    LocalTransport,
+    NcclTransport,
+    ObjectStoreTransport,
+    TransferError,
+    TransferFailure,
+    TransferTicket,
+    adopt_frame,
+    pack_pages,
+    read_frame,
+    select_transport,
+)
+
+__all__ = [
+    "KVPool",
+    "KVPoolConfig",
+    "PoolExhausted",
+    "KVFrameHeader",
+    "KVTransport",
+    "LocalTransport",
+    "NcclTransport",
+    "ObjectStoreTransport",
+    "TransferError",
+    "TransferFailure",
+    "TransferTicket",
+    "adopt_frame",
+    "pack_pages",
+    "read_frame",
+    "select_transport",
+]

@@ -1,0 +1,572 @@
+"""Page-granular KV shipping between a prefill pool and a decode pool.
+
+What travels for one request is a *frame*: one contiguous ``uint8`` buffer
+
+    b"FPKV" | u32 big-endian header length | msgpack header | payload
+
+The payload is the request's pages over all layers, K then V, each
+``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` in the pool's dtype (whole pages:
+the tail of the last page is padding and travels too). The header says who the pages belong
+to and what shape/dtype they have, and carries a CRC-32 of the payload. The receiver checks
+the framing, the header (strict msgpack limits, no ext types, no pickle, exact key set),
+the length and the checksum *before* it takes a page, then adopts pages in its own pool and
+scatters the payload into them. Any failure after adopting releases those pages and raises
+:class:`TransferError` with a :class:`TransferFailure` reason, so callers can decide between
+retrying (checksum, truncation, a lost object) and failing the request (shape mismatch).
+
+Transports (all behind :class:`KVTransport`):
+- :class:`LocalTransport`: the frame stays in process (tests, single-process tools).
+- :class:`ObjectStoreTransport` (the default): ``ray.put`` of the frame (CPU bytes, so it
+  works across nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
+- :class:`NcclTransport`: GPU to GPU over ``ray.util.collective`` (NCCL). GPU-only and not
+  exercised by the CPU tests; :func:`select_transport` decides when it may be used.
+
+Ownership: the sender keeps its pages until the receiver acknowledges (the service calls the
+prefill replica's ``release`` after the decode replica has adopted them), so a failed transfer
+can be shipped again from the same pages.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from .pool import KVPool, PoolExhausted
+
+FRAME_MAGIC = b"FPKV"
+FRAME_VERSION = 1
+_PREFIX = struct.Struct(">4sI")  # magic, header length
+MAX_HEADER_BYTES = 16 * 1024
+MAX_REQUEST_ID_LEN = 256
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+_HEADER_KEYS = frozenset(
+    {
+        "version", "request_id", "num_tokens", "num_pages", "page_size", "num_layers",
+        "num_kv_heads", "head_dim", "dtype", "payload_bytes", "crc32", "k_scale", "v_scale",
+    }
+)
+
+
+class TransferFailure(str, enum.Enum):
+    """Why a transfer failed; ``retryable`` says whether shipping the same pages again can help."""
+
+    MALFORMED = "malformed"  # not a frame, bad header, unknown keys, limits exceeded
+    TRUNCATED = "truncated"  # frame shorter or longer than the header says
+    CHECKSUM = "checksum"  # payload bytes do not match the header's CRC-32
+    SHAPE = "shape"  # geometry or dtype differs from the receiving pool
+    REQUEST_MISMATCH = "request_mismatch"  # the frame belongs to another request
+    POOL_EXHAUSTED = "pool_exhausted"  # the receiving pool has no room
+    LOST = "lost"  # the transport lost the frame (sender died, object evicted)
+    UNAVAILABLE = "unavailable"  # the transport cannot be used here (e.g. NCCL without CUDA)
+
+    @property
+    def retryable(self) -> bool:
+        return self in (
+            TransferFailure.TRUNCATED,
+            TransferFailure.CHECKSUM,
+            TransferFailure.POOL_EXHAUSTED,
+            TransferFailure.LOST,
+        )
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed; nothing stays allocated on the receiving side."""
+
+    def __init__(self, reason: TransferFailure | str, message: str, request_id: str | None = None) -> None:
+        self.reason = TransferFailure(reason)
+        self.request_id = request_id
+        self.detail = message
+        who = f" (request {request_id!r})" if request_id is not None else ""
+        super().__init__(f"KV transfer failed [{self.reason.value}]{who}: {message}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.reason.retryable
+
+    def __reduce__(self):  # typed fields survive Ray's exception shipping
+        return (type(self), (self.reason.value, self.detail, self.request_id))
+
+
+@dataclass(frozen=True)
+class KVFrameHeader:
+    """The msgpack-framed metadata of one request's pages."""
+
+    request_id: str
+    num_tokens: int
+    num_pages: int
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    payload_bytes: int
+    crc32: int
+    k_scale: tuple[float, ...] | None = None
+    v_scale: tuple[float, ...] | None = None
+    version: int = FRAME_VERSION
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of K (and of V) in the payload."""
+        return (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def encode(self) -> bytes:
+        # crc32 as 4 fixed bytes: the header length does not depend on the checksum's value,
+        # so the frame can be laid out before the payload is gathered into it.
+        return msgpack.packb(
+            {
+                "version": self.version,
+                "request_id": self.request_id,
+                "num_tokens": self.num_tokens,
+                "num_pages": self.num_pages,
+                "page_size": self.page_size,
+                "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "dtype": self.dtype,
+                "payload_bytes": self.payload_bytes,
+                "crc32": struct.pack(">I", self.crc32 & 0xFFFFFFFF),
+                "k_scale": list(self.k_scale) if self.k_scale is not None else None,
+                "v_scale": list(self.v_scale) if self.v_scale is not None else None,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> "KVFrameHeader":
+        """Strict parse: size limits, no ext types, exact key set, typed fields."""
+
+        def no_ext(code: int, data: bytes) -> Any:
+            raise ValueError(f"ext type {code} is not allowed")
+
+        try:
+            obj = msgpack.unpackb(
+                bytes(raw),
+                raw=False,
+                strict_map_key=True,
+                use_list=True,
+                ext_hook=no_ext,
+                max_str_len=MAX_REQUEST_ID_LEN * 4,
+                max_bin_len=16,
+                max_array_len=4096,
+                max_map_len=len(_HEADER_KEYS),
+                max_ext_len=0,
+            )
+        except Exception as exc:  # msgpack raises several types for bad input
+            raise TransferError(TransferFailure.MALFORMED, f"header is not valid msgpack: {exc}") from None
+        if not isinstance(obj, dict):
+            raise TransferError(TransferFailure.MALFORMED, f"header: expected a map, got {type(obj).__name__}")
+        if set(obj) != _HEADER_KEYS:
+            missing = sorted(_HEADER_KEYS - set(obj))
+            extra = sorted(str(k) for k in set(obj) - _HEADER_KEYS)
+            raise TransferError(TransferFailure.MALFORMED, f"header keys: missing {missing}, unexpected {extra}")
+        rid = obj.get("request_id")
+        if obj["version"] != FRAME_VERSION:
+            raise TransferError(
+                TransferFailure.MALFORMED, f"version: expected {FRAME_VERSION}, got {obj['version']!r}", rid
+            )
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_LEN:
+            raise TransferError(TransferFailure.MALFORMED, f"request_id: expected a short non-empty str, got {rid!r}")
+        for key, minimum in (
+            ("num_tokens", 0), ("num_pages", 0), ("page_size", 1), ("num_layers", 1),
+            ("num_kv_heads", 1), ("head_dim", 1), ("payload_bytes", 0),
+        ):
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise TransferError(TransferFailure.MALFORMED, f"{key}: expected an int >= {minimum}, got {value!r}", rid)
+        if obj["dtype"] not in _DTYPES:
+            raise TransferError(TransferFailure.MALFORMED, f"dtype: expected one of {sorted(_DTYPES)}, got {obj['dtype']!r}", rid)
+        crc = obj["crc32"]
+        if not isinstance(crc, bytes) or len(crc) != 4:
+            raise TransferError(TransferFailure.MALFORMED, "crc32: expected 4 bytes", rid)
+        scales = []
+        for key in ("k_scale", "v_scale"):
+            s = obj[key]
+            if s is not None and (
+                not isinstance(s, list) or len(s) != obj["num_layers"] * obj["num_kv_heads"]
+                or not all(isinstance(x, float) for x in s)
+            ):
+                raise TransferError(TransferFailure.MALFORMED, f"{key}: expected None or num_layers*num_kv_heads floats", rid)
+            scales.append(tuple(s) if s is not None else None)
+        header = cls(
+            request_id=rid,
+            num_tokens=obj["num_tokens"],
+            num_pages=obj["num_pages"],
+            page_size=obj["page_size"],
+            num_layers=obj["num_layers"],
+            num_kv_heads=obj["num_kv_heads"],
+            head_dim=obj["head_dim"],
+            dtype=obj["dtype"],
+            payload_bytes=obj["payload_bytes"],
+            crc32=struct.unpack(">I", crc)[0],
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
+        if header.num_pages != -(-header.num_tokens // header.page_size):
+            raise TransferError(
+                TransferFailure.MALFORMED,
+                f"num_pages: expected ceil(num_tokens / page_size) = "
+                f"{-(-header.num_tokens // header.page_size)}, got {header.num_pages}",
+                rid,
+            )
+        elem = torch.empty((), dtype=header.torch_dtype).element_size()
+        want = 2 * elem * int(np.prod(header.page_shape))
+        if header.payload_bytes != want:
+            raise TransferError(
+                TransferFailure.MALFORMED,
+                f"payload_bytes: expected {want} for K+V of shape {header.page_shape} {header.dtype}, "
+                f"got {header.payload_bytes}",
+                rid,
+            )
+        return header
+
+
+def _pool_scales(pool: KVPool) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    if pool.k_scale is None:
+        return None, None
+    return (
+        tuple(float(x) for x in pool.k_scale.flatten().tolist()),
+        tuple(float(x) for x in pool.v_scale.flatten().tolist()),
+    )
+
+
+def pack_pages(pool: KVPool, request_id: str) -> np.ndarray:
+    """Gather ``request_id``'s pages (all layers, K then V) into one frame (``uint8`` numpy,
+    CPU). The pages stay allocated in ``pool``: the caller releases them after the ack."""
+    pages = pool.pages(request_id)
+    num_tokens = pool.seq_len(request_id)
+    needed = pool.pages_for(num_tokens)
+    if needed > len(pages):
+        raise ValueError(f"request_id: {request_id!r} holds {len(pages)} pages, fewer than its {num_tokens} tokens need")
+    pages = pages[:needed]  # pages reserved beyond seq_len carry nothing yet
+    k_scale, v_scale = _pool_scales(pool)
+    elem = pool.k.element_size()
+    one = pool.num_layers * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * elem
+    header = KVFrameHeader(
+        request_id=request_id, num_tokens=num_tokens, num_pages=len(pages), page_size=pool.page_size,
+        num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+        dtype=_DTYPE_NAMES[pool.dtype], payload_bytes=2 * one, crc32=0, k_scale=k_scale, v_scale=v_scale,
+    )
+    raw_header = header.encode()
+    if len(raw_header) > MAX_HEADER_BYTES:
+        raise ValueError(f"request_id: header of {len(raw_header)} bytes exceeds {MAX_HEADER_BYTES}")
+    start = _PREFIX.size + len(raw_header)
+    frame = np.empty(start + 2 * one, dtype=np.uint8)
+    index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+    out = torch.from_numpy(frame[start:])
+    for part, src in enumerate((pool.k, pool.v)):
+        # one gather per tensor, straight into the frame (a device copy for GPU pools)
+        gathered = src.view(torch.uint8).index_select(1, index)
+        out[part * one : (part + 1) * one].copy_(gathered.reshape(-1).cpu())
+    crc = zlib.crc32(memoryview(frame[start:]))
+    header = KVFrameHeader(**{**header.__dict__, "crc32": crc})
+    raw_header = header.encode()
+    frame[: _PREFIX.size] = np.frombuffer(_PREFIX.pack(FRAME_MAGIC, len(raw_header)), dtype=np.uint8)
+    frame[_PREFIX.size : start] = np.frombuffer(raw_header, dtype=np.uint8)
+    return frame
+
+
+def read_frame(frame: Any, *, verify_checksum: bool = True) -> tuple[KVFrameHeader, memoryview]:
+    """Parse and check a frame without touching any pool: (header, payload view)."""
+    try:
+        buf = memoryview(frame).cast("B")
+    except TypeError:
+        raise TransferError(TransferFailure.MALFORMED, f"frame: expected a bytes-like buffer, got {type(frame).__name__}") from None
+    if len(buf) < _PREFIX.size:
+        raise TransferError(TransferFailure.TRUNCATED, f"frame: {len(buf)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, header_len = _PREFIX.unpack(bytes(buf[: _PREFIX.size]))
+    if magic != FRAME_MAGIC:
+        raise TransferError(TransferFailure.MALFORMED, f"frame: expected magic {FRAME_MAGIC!r}, got {magic!r}")
+    if header_len > MAX_HEADER_BYTES:
+        raise TransferError(TransferFailure.MALFORMED, f"frame: header length {header_len} exceeds {MAX_HEADER_BYTES}")
+    if len(buf) < _PREFIX.size + header_len:
+        raise TransferError(TransferFailure.TRUNCATED, "frame: ends inside its header")
+    header = KVFrameHeader.decode(buf[_PREFIX.size : _PREFIX.size + header_len])
+    payload = buf[_PREFIX.size + header_len :]
+    if len(payload) != header.payload_bytes:
+        raise TransferError(
+            TransferFailure.TRUNCATED,
+            f"payload: expected {header.payload_bytes} bytes, got {len(payload)}",
+            header.request_id,
+        )
+    if verify_checksum:
+        crc = zlib.crc32(payload)
+        if crc != header.crc32:
+            raise TransferError(
+                TransferFailure.CHECKSUM,
+                f"payload CRC-32 {crc:08x} does not match the header's {header.crc32:08x}",
+                header.request_id,
+            )
+    return header, payload
+
+
+def _check_geometry(header: KVFrameHeader, pool: KVPool) -> None:
+    want = (pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, _DTYPE_NAMES[pool.dtype])
+    got = (header.num_layers, header.page_size, header.num_kv_heads, header.head_dim, header.dtype)
+    if want != got:
+        raise TransferError(
+            TransferFailure.SHAPE,
+            f"(num_layers, page_size, num_kv_heads, head_dim, dtype): the receiving pool has {want}, the frame {got}",
+            header.request_id,
+        )
+    k_scale, v_scale = _pool_scales(pool)
+    if (header.k_scale, header.v_scale) != (k_scale, v_scale):
+        raise TransferError(TransferFailure.SHAPE, "FP8 scales differ between the sender's and the receiver's pool", header.request_id)
+
+
+def adopt_frame(pool: KVPool, frame: Any, *, request_id: str | None = None) -> list[int]:
+    """Receive side: verify ``frame``, adopt pages for its request in ``pool`` and scatter the
+    payload into them. Returns the new page list. On any failure nothing stays allocated."""
+    header, payload = read_frame(frame)
+    if request_id is not None and header.request_id != request_id:
+        raise TransferError(
+            TransferFailure.REQUEST_MISMATCH,
+            f"expected the pages of {request_id!r}, got those of {header.request_id!r}",
+            request_id,
+        )
+    _check_geometry(header, pool)
+    try:
+        pages = pool.adopt(header.request_id, header.num_tokens)
+    except PoolExhausted as exc:
+        raise TransferError(TransferFailure.POOL_EXHAUSTED, str(exc), header.request_id) from None
+    except ValueError as exc:  # already holds pages under this id
+        raise TransferError(TransferFailure.REQUEST_MISMATCH, str(exc), header.request_id) from None
+    try:
+        one = header.payload_bytes // 2
+        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+        for part, dst in enumerate((pool.k, pool.v)):
+            # bytes, not elements: index_copy_ has no FP8 kernels, and the copy is exact anyway
+            dst_bytes = dst.view(torch.uint8)
+            block = raw[part * one : (part + 1) * one].view(dst_bytes.shape[0], -1, *dst_bytes.shape[2:])
+            dst_bytes.index_copy_(1, index, block.to(pool.device))
+    except BaseException:
+        pool.release(header.request_id)
+        raise
+    return pages
+
+
+# ---------------------------------------------------------------------------- transports
+@dataclass(frozen=True)
+class TransferTicket:
+    """What the sender hands to whoever routes the request to a receiver.
+
+    ``handle`` is transport-specific: the frame itself (local), a one-element list holding
+    the ``ObjectRef`` (object store; the list keeps Ray from resolving the ref when the ticket
+    is passed as an argument), or the NCCL rendezvous (rank, group) for GPU transfers.
+    """
+
+    request_id: str
+    transport: str
+    num_tokens: int
+    num_pages: int
+    nbytes: int
+    handle: Any = field(repr=False, default=None)
+
+
+class KVTransport(abc.ABC):
+    """Sender: ``export`` (pages stay in the sender's pool); receiver: ``receive``."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
+        """Ship ``request_id``'s pages; ``fault`` ("flip"/"truncate") damages the frame on
+        purpose (fault-injection drills and tests)."""
+
+    @abc.abstractmethod
+    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]: ...
+
+    def discard(self, ticket: TransferTicket) -> None:
+        """Sender-side cleanup of a ticket that will not be received (optional)."""
+
+
+class LocalTransport(KVTransport):
+    """In-process frames (tests and single-process tools)."""
+
+    name = "local"
+
+    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
+        frame = _maybe_corrupt(pack_pages(pool, request_id), fault)
+        return _ticket(self.name, pool, request_id, frame, frame)
+
+    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
+        return adopt_frame(pool, ticket.handle, request_id=ticket.request_id)
+
+
+class ObjectStoreTransport(KVTransport):
+    """Frames through Ray's object store: works across nodes and for CPU or GPU pools (the
+    frame is CPU bytes). The sender's process owns the object; when it dies the receiver's
+    fetch fails with ``TransferFailure.LOST`` (retryable elsewhere)."""
+
+    name = "object_store"
+
+    def __init__(self, fetch_timeout_s: float = 60.0) -> None:
+        self.fetch_timeout_s = fetch_timeout_s
+
+    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
+        import ray
+
+        frame = _maybe_corrupt(pack_pages(pool, request_id), fault)
+        return _ticket(self.name, pool, request_id, frame, [ray.put(frame)])
+
+    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
+        import asyncio
+
+        import ray
+
+        refs = ticket.handle
+        if not isinstance(refs, list) or len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
+            raise TransferError(TransferFailure.MALFORMED, "ticket: expected [ObjectRef]", ticket.request_id)
+        try:
+            frame = await asyncio.wait_for(refs[0], timeout=self.fetch_timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(TransferFailure.LOST, f"frame not fetched within {self.fetch_timeout_s}s", ticket.request_id) from None
+        except Exception as exc:  # ObjectLostError, OwnerDiedError, ...
+            raise TransferError(TransferFailure.LOST, f"{type(exc).__name__}: {exc}", ticket.request_id) from None
+        return adopt_frame(pool, frame, request_id=ticket.request_id)
+
+
+class NcclTransport(KVTransport):
+    """GPU to GPU over NCCL (``ray.util.collective``), GPU-only.
+
+    The sender gathers the pages into a contiguous CUDA tensor per K/V and keeps it staged
+    under the request id; the ticket carries the sender's rank, the group and a small header
+    (shape, dtype, CRC-32 of the gathered bytes computed on the device side copy). The
+    receiver allocates pages, posts ``recv`` from the sender's rank while the sender's
+    ``send_staged`` (called through the service once the receiver is ready) posts ``send``.
+    Needs: both pools on CUDA, both actors in the same collective group (created when the
+    replicas start). Not exercised by the CPU test-suite.
+    """
+
+    name = "nccl"
+
+    def __init__(self, group_name: str, rank: int) -> None:
+        self.group_name = group_name
+        self.rank = rank
+        self._staged: dict[str, tuple[torch.Tensor, KVFrameHeader]] = {}
+
+    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
+        if fault is not None:
+            raise ValueError("fault: fault injection is not supported by the NCCL transport")
+        if pool.device.type != "cuda":
+            raise TransferError(TransferFailure.UNAVAILABLE, "NCCL transport needs a CUDA pool", request_id)
+        pages = pool.pages(request_id)[: pool.pages_for(pool.seq_len(request_id))]
+        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+        staged = torch.stack([pool.k.index_select(1, index), pool.v.index_select(1, index)]).contiguous()
+        k_scale, v_scale = _pool_scales(pool)
+        header = KVFrameHeader(
+            request_id=request_id, num_tokens=pool.seq_len(request_id), num_pages=len(pages),
+            page_size=pool.page_size, num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
+            head_dim=pool.head_dim, dtype=_DTYPE_NAMES[pool.dtype],
+            payload_bytes=staged.numel() * staged.element_size(),
+            crc32=0, k_scale=k_scale, v_scale=v_scale,
+        )
+        self._staged[request_id] = (staged, header)
+        handle = {"group": self.group_name, "src_rank": self.rank, "header": header.encode()}
+        return TransferTicket(request_id, self.name, header.num_tokens, len(pages), header.payload_bytes, handle)
+
+    def send_staged(self, request_id: str, dst_rank: int) -> None:
+        from ray.util import collective
+
+        staged, _ = self._staged.pop(request_id)
+        collective.send(staged.view(torch.uint8), dst_rank, self.group_name)
+
+    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
+        from ray.util import collective
+
+        if pool.device.type != "cuda":
+            raise TransferError(TransferFailure.UNAVAILABLE, "NCCL transport needs a CUDA pool", ticket.request_id)
+        header = KVFrameHeader.decode(ticket.handle["header"])
+        _check_geometry(header, pool)
+        try:
+            pages = pool.adopt(header.request_id, header.num_tokens)
+        except PoolExhausted as exc:
+            raise TransferError(TransferFailure.POOL_EXHAUSTED, str(exc), header.request_id) from None
+        try:
+            buf = torch.empty(header.payload_bytes, dtype=torch.uint8, device=pool.device)
+            collective.recv(buf, ticket.handle["src_rank"], ticket.handle["group"])
+            kv = buf.view(header.torch_dtype).view((2, *header.page_shape))
+            index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+            pool.k.index_copy_(1, index, kv[0])
+            pool.v.index_copy_(1, index, kv[1])
+        except BaseException:
+            pool.release(header.request_id)
+            raise
+        return pages
+
+    def discard(self, ticket: TransferTicket) -> None:
+        self._staged.pop(ticket.request_id, None)
+
+
+def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle: Any) -> TransferTicket:
+    num_tokens = pool.seq_len(request_id)
+    return TransferTicket(request_id, name, num_tokens, pool.pages_for(num_tokens), int(frame.nbytes), handle)
+
+
+TRANSPORTS = ("auto", "object_store", "nccl", "local")
+
+
+def select_transport(
+    requested: str,
+    *,
+    sender_device: str | torch.device,
+    receiver_device: str | torch.device,
+    nccl_group_ready: bool,
+) -> str:
+    """Which transport a sender/receiver pair uses.
+
+    ``auto``: NCCL when both pools are on CUDA and the collective group is up, else the object
+    store. An explicit ``nccl`` that cannot work raises ``ValueError`` (a configuration error,
+    not a silent slowdown).
+    """
+    if requested not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {TRANSPORTS}, got {requested!r}")
+    both_cuda = torch.device(sender_device).type == "cuda" and torch.device(receiver_device).type == "cuda"
+    if requested == "nccl":
+        if not both_cuda:
+            raise ValueError(
+                f"transport: 'nccl' needs CUDA pools on both sides, got {sender_device} -> {receiver_device}; "
+                "use 'object_store' (or 'auto')"
+            )
+        if not nccl_group_ready:
+            raise ValueError("transport: 'nccl' needs the prefill/decode collective group; it is not initialised")
+        return "nccl"
+    if requested == "auto":
+        return "nccl" if both_cuda and nccl_group_ready else "object_store"
+    return requested
+
+
+def _maybe_corrupt(frame: np.ndarray, fault: str | None) -> np.ndarray:
+    return frame if fault is None else corrupt_frame(frame, fault)
+
+
+def corrupt_frame(frame: np.ndarray, mode: str) -> np.ndarray:
+    """Fault injection for tests and drills: ``"flip"`` one payload byte, ``"truncate"`` the tail."""
+    if mode == "flip":
+        bad = frame.copy()
+        bad[-1] ^= 0xFF
+        return bad
+    if mode == "truncate":
+        return frame[: max(len(frame) - 7, 0)].copy()
+    raise ValueError(f"mode: expected 'flip' or 'truncate', got {mode!r}")
