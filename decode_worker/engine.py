@@ -29,7 +29,7 @@ class RequestState(enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # emitted a stop token (it is the last output token)
     LENGTH = "length"  # reached max_new_tokens
-    KV_EXHAUSTED = "kv_exhausted"  # the pool had no page for the next token
+    KV_EXHAUSTED = "kv_exhausted"  # no page for the next token; the newest running request ends
     CANCELLED = "cancelled"
 
 
@@ -165,16 +165,17 @@ class DecodeEngine:
 
         self._admit()
         outputs: list[StepOutput] = []
-        batch: list[DecodeRequest] = []
         for rid in list(self._running):
-            req = self._requests[rid]
-            try:
-                self.runner.ensure_capacity(rid, self.pool.seq_len(rid) + 1)
-            except PoolExhausted:
-                self._finish(req, FinishReason.KV_EXHAUSTED)
-                outputs.append(StepOutput(rid, None, True, FinishReason.KV_EXHAUSTED))
-                continue
-            batch.append(req)
+            while rid in self._running:
+                try:
+                    self.runner.ensure_capacity(rid, self.pool.seq_len(rid) + 1)
+                    break
+                except PoolExhausted:
+                    # the most recently admitted request gives its pages up (it may be this one)
+                    victim = self._requests[self._running[-1]]
+                    self._finish(victim, FinishReason.KV_EXHAUSTED)
+                    outputs.append(StepOutput(victim.request_id, None, True, FinishReason.KV_EXHAUSTED))
+        batch = [self._requests[rid] for rid in self._running]
         if not batch:
             return outputs
         logits = self.runner.decode([r.request_id for r in batch], [r.output_ids[-1] for r in batch])

@@ -374,3 +374,23 @@ def test_load_model_dir_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         load_model_dir(d)
     assert load_model_dir(d, load_tokenizer=False).tokenizer is None
+
+
+# -- GPU (Triton backend) ------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_bf16_prefill_close_to_sdpa_and_generation_runs():
+    ref = build_tiny_model(seed=0, dtype=torch.bfloat16, device="cuda")
+    ours = build_tiny_model(seed=0, dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts([300, 1100, 65], seed=8)
+    runner = _runner(ours, num_pages=64, config=DENSE, dense_below=0)
+    for i, p in enumerate(prompts):
+        runner.ensure_capacity(f"r{i}", len(p))
+    logits = runner.prefill([PrefillItem(f"r{i}", p) for i, p in enumerate(prompts)])
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = ref.model(torch.tensor([p], device="cuda")).logits[0, -1].float()
+            assert (logits[i] - want).abs().max() < 0.1 * want.abs().max()
+    sparse = SparseConfig(alpha=0.2, block_size=128, sink_tokens=128, window_tokens=256)
+    out = generate(prompts, SamplingParams(temperature=0, max_new_tokens=16), model=ours,
+                   sparse_config=sparse, dense_below=512)
+    assert all(len(r.output_token_ids) == 16 for r in out)
