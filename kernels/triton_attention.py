@@ -1,0 +1,476 @@
+"""Triton attention stage of FlashPrefill V2: block-sparse attention over the CSR index.
+
+Computes, for every packed row ``i`` of every (sequence, KV head, query tile) segment,
+
+    O = (sum_{j in S, j <= p+P} e^{s_j} v_j + sum_{J in C} |B_J| e^{sbar_J} vbar_J)
+        / (sum_{j in S, j <= p+P} e^{s_j}   + sum_{J in C} |B_J| e^{sbar_J})
+
+and ``lse`` (natural log of the denominator), exactly what ``kernels.reference.sparse_attention``
+computes (SPEC.md "Attention stage with mean correction", docs/SEMANTICS.md).
+
+Supports
+- PackGQA: one program per (sequence, KV head, 128-row query tile[, split]); rows ``r = p*g + t``
+  so the ``g`` query heads of a group share every staged K/V tile.
+- Varlen batches with cached prefixes (bottom-right causal: key ``j`` visible to position ``p``
+  iff ``j <= p + P``), empty and single-token sequences.
+- Paged K/V with any ``page_size >= 1``: one page lookup per 64-token tile when ``page_size`` is a
+  multiple of 64, one lookup per key row otherwise.
+- The CSR list is walked backwards (diagonal first, eq. 17) with the next index prefetched;
+  the causal mask is applied only to the few tiles that cross the diagonal.
+- Mean correction in the same online softmax: chunks of up to 64 block means whose logits are
+  shifted by ``log |B_J|``, the selected blocks of each chunk found by a two-pointer scan over
+  the ascending CSR list; chunks with nothing to correct are skipped.
+- Split-KV by selected-tile count (eq. 18) with an exact LSE combine; programs ordered by
+  decreasing work (device-side argsort of the segment lengths).
+- ``dense=True``: the same kernel over every visible tile (no index), no correction.
+- fp16 / bf16 (tensor cores, fp32 accumulation) and fp32 (exact fp32 dots, for tests);
+  head_dim a multiple of 16 up to 256 (non powers of two are padded and masked).
+
+Does not
+- FP8 (eq. 15), warp specialization, TMA descriptors or a persistent scheduler: loads are plain
+  pointer loads software-pipelined by ``tl.range``.
+- Validate its inputs: ``kernels.ops`` does that once per batch (``plan_prefill``).
+
+Numerics: block means enter the tensor-core dots rounded to the input dtype (fp32 for fp32
+inputs); probabilities are rounded to the input dtype before the PV product, as in FlashAttention.
+
+FLOPs (for TFLOP/s): each visible (query row, selected key) pair costs ``4 d`` (``2 d`` for
+``q.k``, ``2 d`` for ``p.v``); each (query row, corrected block) pair also ``4 d``. Work done by
+the tensor cores is larger: whole 128x64 tiles, diagonal tiles included, are multiplied.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import KV_TILE, Q_TILE
+from .index import SparseIndex
+from .plan import PrefillPlan
+
+_LOG2E = 1.4426950408889634
+_NUM_SMS_DEFAULT = 132  # H200
+_MAX_SPLITS = 16
+_PARTIAL_BYTES_CAP = 1 << 30
+_empty = torch.empty  # outputs and split partials (tests swap in a NaN-filled allocator)
+
+
+# --------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_rows(pt_row, n, Lkv, offs_n,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """(page, slot) of the 64 keys of tile ``n``: token j lives at page_table[b, j // ps], j % ps."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the whole tile lies in one page: one page-table lookup
+        page = tl.load(pt_row + (n * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+        slot = ((n * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+    else:
+        j = n * BLOCK_N + offs_n
+        if MASK_KEYS:
+            page = tl.load(pt_row + j // PAGE_SIZE, mask=j < Lkv, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt_row + j // PAGE_SIZE).to(tl.int64)
+        slot = (j % PAGE_SIZE).to(tl.int64)
+    return page, slot
+
+
+@triton.jit
+def _load_kv_tile(K, V, pt_row, n, Lkv, offs_n, offs_d,
+                  sk_p, sk_s, sv_p, sv_s,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """K and V rows of tile ``n`` ([BLOCK_N, D_PAD]); keys past ``Lkv`` read as 0 when masked."""
+    page, slot = _kv_rows(pt_row, n, Lkv, offs_n, PAGE_SIZE, BLOCK_N, MASK_KEYS)
+    k_ptrs = K + (page * sk_p + slot * sk_s)[:, None] + offs_d[None, :]
+    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :]
+    if MASK_KEYS:
+        m = ((n * BLOCK_N + offs_n) < Lkv)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=m, other=0.0)
+        v = tl.load(v_ptrs, mask=m, other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        m = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=m, other=0.0)
+        v = tl.load(v_ptrs, mask=m, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step on base-2 logits ``s`` ([M, N], -inf where masked)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # rows that have seen nothing yet keep m = -inf; shift by 0 instead of NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------------------------
+# attention kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart,
+    seg_offsets, kv_tiles, order,
+    cu_seqlens_q, seqlens_kv, cu_qtiles, cu_blocks, tile_seq, page_table,
+    sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, skb_t, skb_h, svb_t, svb_h, s_pt,
+    total_tiles, total_q, num_splits, qk_scale,
+    G: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TPB: tl.constexpr, MAX_DIAG: tl.constexpr,
+    CORR_BLOCKS: tl.constexpr, CORR_ENTRIES: tl.constexpr, CORRECTION: tl.constexpr, DENSE: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rank = pid // num_splits
+    u = pid % num_splits
+    seg = tl.load(order + rank)
+    h = seg // total_tiles
+    t = seg % total_tiles
+    b = tl.load(tile_seq + t)
+    tile = t - tl.load(cu_qtiles + b)
+    q0 = tl.load(cu_seqlens_q + b)
+    lq = tl.load(cu_seqlens_q + b + 1) - q0
+    lkv = tl.load(seqlens_kv + b)
+    prefix = lkv - lq
+
+    # PackGQA rows of this tile: r = p*G + t
+    r0 = tile * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * lq
+    pos = rows // G
+    head = h * G + rows % G
+    lo = r0 // G + prefix  # pmin + P
+    hi = (tl.minimum(r0 + BLOCK_M, G * lq) - 1) // G + prefix  # pmax + P
+    key_limit = pos + prefix  # last visible key of each row
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q0 + pos).to(tl.int64)
+    q = tl.load(Q + tok[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    K_h = K + h.to(tl.int64) * sk_h
+    V_h = V + h.to(tl.int64) * sv_h
+    pt_row = page_table + b.to(tl.int64) * s_pt
+
+    # the segment's tile list (ascending); dense: every tile up to the causal horizon
+    first_masked = (lo + 1) // BLOCK_N  # tiles >= this cross the diagonal (or Lkv)
+    if DENSE:
+        seg_lo = 0
+        n_list = hi // BLOCK_N + 1
+        n_diag = n_list - first_masked
+    else:
+        seg_lo = tl.load(seg_offsets + seg)
+        n_list = tl.load(seg_offsets + seg + 1) - seg_lo
+        # the masked tiles are a short suffix of the ascending list: count them
+        tail = n_list - MAX_DIAG + tl.arange(0, MAX_DIAG)
+        last = tl.load(kv_tiles + seg_lo + tail, mask=tail >= 0, other=-1)
+        n_diag = tl.sum((last >= first_masked).to(tl.int32), 0)
+    tiles_ptr = kv_tiles + seg_lo
+
+    # split u owns list positions [i_lo, i_hi) (eq. 18, counted from the top of the list)
+    per_split = tl.cdiv(n_list, num_splits)
+    i_hi = tl.maximum(n_list - u * per_split, 0)
+    i_lo = tl.maximum(n_list - (u + 1) * per_split, 0)
+    i_mid = n_list - n_diag
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+
+    # 1) diagonal tiles (masked), from the top down
+    top = i_hi - 1
+    n_masked = tl.maximum(i_hi - tl.maximum(i_lo, i_mid), 0)
+    for it in range(0, n_masked):
+        i = top - it
+        if DENSE:
+            n = i
+        else:
+            n = tl.load(tiles_ptr + i)
+        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s,
+                             HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, True)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        keys = n * BLOCK_N + offs_n
+        visible = (keys[None, :] <= key_limit[:, None]) & (keys < lkv)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, True, PRECISION)
+
+    # 2) tiles every row sees entirely: no mask, software pipelined, next index prefetched
+    top = tl.minimum(i_hi, i_mid) - 1
+    n_full = tl.maximum(top + 1 - i_lo, 0)
+    if DENSE:
+        n_next = top
+    else:
+        n_next = tl.load(tiles_ptr + top, mask=n_full > 0, other=0)
+    for it in tl.range(0, n_full, num_stages=LOOP_STAGES):
+        n = n_next
+        if DENSE:
+            n_next = n - 1
+        else:
+            n_next = tl.load(tiles_ptr + tl.maximum(top - it - 1, i_lo))
+        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s,
+                             HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, False)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION)
+
+    # 3) mean correction: fully visible blocks with no selected tile, owned by the last split
+    if CORRECTION:
+        if u == num_splits - 1:
+            if lo + 1 < lkv:
+                n_blocks_full = (lo + 1) // BLOCK_SIZE
+            else:
+                n_blocks_full = tl.cdiv(lkv, BLOCK_SIZE)
+            blk0 = tl.load(cu_blocks + b).to(tl.int64)
+            offs_c = tl.arange(0, CORR_BLOCKS)
+            offs_e = tl.arange(0, CORR_ENTRIES)
+            ptr = 0  # two-pointer scan: first list entry not yet matched to a chunk
+            for c in range(0, tl.cdiv(n_blocks_full, CORR_BLOCKS)):
+                J = c * CORR_BLOCKS + offs_c
+                ent = tl.load(tiles_ptr + ptr + offs_e, mask=ptr + offs_e < n_list,
+                              other=2147483647)
+                rel = ent // TPB - c * CORR_BLOCKS  # block of each entry, relative to the chunk
+                in_chunk = rel < CORR_BLOCKS
+                hit = tl.histogram(rel, CORR_BLOCKS, mask=in_chunk)  # selected tiles per block
+                ptr += tl.sum(in_chunk.to(tl.int32), 0)
+                todo = (J < n_blocks_full) & (hit == 0)
+                if tl.sum(todo.to(tl.int32), 0) > 0:
+                    rowsJ = blk0 + J
+                    cm = todo[:, None] & d_ok[None, :]
+                    kb = tl.load(Kbar + rowsJ[:, None] * skb_t + h * skb_h + offs_d[None, :],
+                                 mask=cm, other=0.0).to(q.dtype)
+                    vb = tl.load(Vbar + rowsJ[:, None] * svb_t + h * svb_h + offs_d[None, :],
+                                 mask=cm, other=0.0).to(q.dtype)
+                    size = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - J * BLOCK_SIZE
+                    shift = tl.math.log2(tl.maximum(size, 1).to(tl.float32))
+                    s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk_scale
+                    s = tl.where(todo[None, :], s + shift[None, :], float("-inf"))
+                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION)
+
+    # epilogue
+    out_rows = tok * HQ + head  # out / lse are contiguous [Tq, Hq, (d)]
+    if SPLIT:
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse2 = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        prow = u.to(tl.int64) * total_q * HQ + out_rows
+        tl.store(OPart + prow[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
+        tl.store(LsePart + prow, lse2, mask=row_ok)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(Out + out_rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + out_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits(OPart, LsePart, Out, Lse, n_rows, num_splits,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Exact merge of the split partials (base-2 LSE) into out (q dtype) and lse (natural log)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for u in range(0, num_splits):
+        m = tl.maximum(m, tl.load(LsePart + u * n_rows + rows64, mask=ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
+    for u in range(0, num_splits):
+        prow = u * n_rows + rows64
+        w = tl.math.exp2(tl.load(LsePart + prow, mask=ok, other=float("-inf")) - m_use)
+        o = tl.load(OPart + prow[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None], other=0.0)
+        den += w
+        acc += w[:, None] * o
+    den = tl.where(ok, den, 1.0)  # rows past the end
+    out = acc / den[:, None]
+    tl.store(Out + rows64[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(Lse + rows64, (m_use + tl.math.log2(den)) * 0.6931471805599453, mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# host side: launch configuration, scheduling, public entry point
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return _NUM_SMS_DEFAULT
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_config(head_dim: int) -> tuple[int, int]:
+    """(num_warps, pipeline stages) for BLOCK_M=128, BLOCK_N=64 on sm_90."""
+    if head_dim <= 64:
+        return 4, 3
+    if head_dim <= 128:
+        return 8, 3
+    return 8, 2
+
+
+def auto_num_splits(plan: PrefillPlan, num_sms: int = _NUM_SMS_DEFAULT) -> int:
+    """Split-KV parts from the plan's host lists only (no device data, no sync).
+
+    The causal work of a segment (tiles up to its horizon) bounds its sparse work. With work
+    ordered longest first, the makespan is at least the longest segment; split when that exceeds
+    the average work per SM (underfilled grids, or one long sequence among short ones).
+    """
+    cfg = plan.config
+    if cfg.num_splits > 0:
+        return cfg.num_splits
+    total = 0.0
+    longest = 0
+    for lq, lkv, nt in zip(plan.seqlens_q, plan.seqlens_kv, plan.qtiles):
+        if nt == 0:
+            continue
+        prefix = lkv - lq
+        total += plan.num_kv_heads * nt * ((prefix + lq / 2) / KV_TILE + 1)
+        longest = max(longest, -(-lkv // KV_TILE))
+    if total == 0:
+        return 1
+    per_sm = total / num_sms
+    if longest <= per_sm:
+        return 1
+    splits = math.ceil(longest / per_sm)
+    # at least ~4 tiles per split, bounded partial buffers
+    splits = min(splits, _MAX_SPLITS, max(1, longest // 4))
+    row_bytes = plan.total_q * plan.num_qo_heads * triton.next_power_of_2(plan.head_dim) * 4
+    while splits > 1 and splits * row_bytes > _PARTIAL_BYTES_CAP:
+        splits -= 1
+    return max(splits, 1)
+
+
+def _work_order(plan: PrefillPlan, index: SparseIndex | None, dense: bool) -> torch.Tensor:
+    """Segments sorted by decreasing work (device-side argsort; no host sync)."""
+    if not dense:
+        counts = index.seg_offsets[1:] - index.seg_offsets[:-1]
+        return torch.argsort(counts, descending=True).to(torch.int32)
+    # dense: the causal horizon of each query tile, same for every KV head
+    g = plan.group_size
+    ts = plan.tile_seq.long()
+    cu_q = plan.cu_seqlens_q.long()
+    lq = (cu_q[1:] - cu_q[:-1])[ts]
+    tile = torch.arange(plan.total_tiles, device=ts.device) - plan.cu_qtiles.long()[ts]
+    last_row = torch.minimum(tile * Q_TILE + Q_TILE, g * lq) - 1
+    horizon = last_row // g + plan.seqlens_kv_t.long()[ts] - lq
+    key = horizon.repeat(plan.num_kv_heads)
+    return torch.argsort(key, descending=True).to(torch.int32)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: PrefillPlan,
+    index: SparseIndex | None,
+    *,
+    num_splits: int | None = None,
+    dense: bool = False,
+    _num_warps: int | None = None,
+    _num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention stage over ``index`` (or every visible tile with ``dense=True``).
+
+    Inputs as validated by ``kernels.ops.plan_prefill``: ``q [Tq, Hq, d]``,
+    ``k_pages/v_pages [num_pages, page_size, Hkv, d]``. Returns ``out [Tq, Hq, d]`` in ``q.dtype``
+    and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
+    (``config.num_splits`` when positive). No host synchronisation.
+    """
+    cfg = plan.config
+    tq, hq, d = q.shape
+    out = _empty((tq, hq, d), dtype=q.dtype, device=q.device)
+    lse = _empty((tq, hq), dtype=torch.float32, device=q.device)
+    num_segments = plan.num_segments
+    if tq == 0 or num_segments == 0:
+        return out, lse
+    if not dense and index is None:
+        raise ValueError("index: expected a SparseIndex (or pass dense=True), got None")
+    if num_splits is None:
+        dev_index = q.device.index if q.device.type == "cuda" else None
+        num_splits = auto_num_splits(plan, _num_sms(dev_index))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
+
+    g = plan.group_size
+    d_pad = max(16, triton.next_power_of_2(d))
+    tpb = cfg.tiles_per_block
+    correction = bool(cfg.mean_correction) and not dense
+    # chunk of block means: keep the [blocks x list entries] compare at <= 8K elements
+    corr_blocks = 64 if tpb <= 2 else (32 if tpb <= 8 else 16)
+    max_diag = triton.next_power_of_2(Q_TILE // KV_TILE + 1 + tpb)
+    scale = cfg.softmax_scale(d)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    warps, stages = _launch_config(d)
+    warps = _num_warps or warps
+    stages = _num_stages or stages
+
+    order = _work_order(plan, index, dense)
+    if dense:
+        seg_offsets = kv_tiles = order  # unused
+        kbar = vbar = q  # unused
+    else:
+        seg_offsets, kv_tiles = index.seg_offsets, index.kv_tiles
+        kbar, vbar = index.means.kbar, index.means.vbar
+        if kv_tiles.numel() == 0:
+            kv_tiles = seg_offsets  # never dereferenced when every segment is empty
+    split = num_splits > 1
+    if split:
+        o_part = _empty((num_splits, tq, hq, d_pad), dtype=torch.float32, device=q.device)
+        lse_part = _empty((num_splits, tq, hq), dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out, lse  # unused
+    pt = plan.page_table
+    grid = (num_segments * num_splits,)
+    _sparse_attn_fwd[grid](
+        q, k_pages, v_pages, kbar, vbar, out, lse, o_part, lse_part,
+        seg_offsets, kv_tiles, order,
+        plan.cu_seqlens_q, plan.seqlens_kv_t, plan.cu_qtiles, plan.cu_blocks, plan.tile_seq, pt,
+        q.stride(0), q.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        kbar.stride(0), kbar.stride(1) if kbar.dim() > 1 else 0,
+        vbar.stride(0), vbar.stride(1) if vbar.dim() > 1 else 0,
+        pt.stride(0),
+        plan.total_tiles, tq, num_splits, scale * _LOG2E,
+        G=g, HQ=hq, HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_M=Q_TILE, BLOCK_N=KV_TILE, PAGE_SIZE=plan.page_size,
+        BLOCK_SIZE=cfg.block_size, TPB=tpb, MAX_DIAG=max_diag,
+        CORR_BLOCKS=corr_blocks,
+        CORR_ENTRIES=triton.next_power_of_2(corr_blocks * tpb), CORRECTION=correction, DENSE=dense,
+        SPLIT=split, PRECISION=precision, LOOP_STAGES=stages,
+        num_warps=warps, num_stages=stages,
+    )
+    if split:
+        n_rows = tq * hq
+        block_r = 16
+        _combine_splits[(triton.cdiv(n_rows, block_r),)](
+            o_part, lse_part, out, lse, n_rows, num_splits,
+            HEAD_DIM=d, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4,
+        )
+    return out, lse
+
+
+__all__ = ["sparse_attention", "auto_num_splits"]
