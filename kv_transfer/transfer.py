@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import enum
 import struct
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -353,7 +354,9 @@ def adopt_frame(pool: KVPool, frame: Any, *, request_id: str | None = None) -> l
         raise TransferError(TransferFailure.REQUEST_MISMATCH, str(exc), header.request_id) from None
     try:
         one = header.payload_bytes // 2
-        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only buffers (Ray's zero-copy get): we only read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         index = torch.tensor(pages, dtype=torch.long, device=pool.device)
         for part, dst in enumerate((pool.k, pool.v)):
             # bytes, not elements: index_copy_ has no FP8 kernels, and the copy is exact anyway
@@ -444,7 +447,8 @@ class ObjectStoreTransport(KVTransport):
             raise TransferError(TransferFailure.LOST, f"frame not fetched within {self.fetch_timeout_s}s", ticket.request_id) from None
         except Exception as exc:  # ObjectLostError, OwnerDiedError, ...
             raise TransferError(TransferFailure.LOST, f"{type(exc).__name__}: {exc}", ticket.request_id) from None
-        return adopt_frame(pool, frame, request_id=ticket.request_id)
+        # checksum + scatter off the event loop (large frames take a while)
+        return await asyncio.to_thread(adopt_frame, pool, frame, request_id=ticket.request_id)
 
 
 class NcclTransport(KVTransport):

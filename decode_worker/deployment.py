@@ -1,0 +1,252 @@
+"""The decode deployment: dense-decode replicas with their own KV pool.
+
+One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
+
+``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
+1. fetches the shipped pages through the KV transport, verifies them (checksum, shape) and
+   adopts them into this replica's pool; on failure yields one ``transfer_error`` event
+   (nothing stays allocated) and ends;
+2. yields ``adopted`` (the acknowledgement: the ingress now lets the prefill replica free
+   its copy);
+3. hands the request to the DecodeLoop and yields ``tokens`` events (one or more token ids
+   each) until the request finishes;
+4. if the stream is closed early (client gone, stop string matched at the ingress), its
+   ``finally`` cancels the request in the engine, which frees its pages.
+
+Only the DecodeLoop task touches the DecodeEngine: adds and cancels are queued and applied
+between steps, and each ``step()`` runs in a worker thread so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from decode_worker.engine import DecodeEngine, StepOutput
+from kv_transfer.transfer import ObjectStoreTransport, TransferError
+from router.config import ServiceConfig
+from router.protocol import params_from_dict
+from router.runtime import WorkerRuntime
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_len: int
+    first_token: int
+    params: Any
+    outbox: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+class _LoopFailed(RuntimeError):
+    pass
+
+
+class DecodeLoop:
+    """Continuous batching: the only code that calls the engine."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self._inbox: collections.deque[_Add | _Cancel] = collections.deque()
+        self._outboxes: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+        self.tokens_out = 0
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._outboxes) + sum(isinstance(c, _Add) for c in self._inbox)
+
+    def submit(self, request_id: str, prompt_len: int, first_token: int, params: Any) -> asyncio.Queue:
+        outbox: asyncio.Queue = asyncio.Queue()
+        self._inbox.append(_Add(request_id, prompt_len, first_token, params, outbox))
+        self._ensure_running()
+        self._wake.set()
+        return outbox
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.append(_Cancel(request_id))
+        self._ensure_running()
+        self._wake.set()
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if isinstance(cmd, _Add):
+                try:
+                    req = self.engine.add_request(cmd.request_id, cmd.prompt_len, cmd.first_token, cmd.params)
+                except Exception as exc:  # never registered: free the adopted pages here
+                    if self.engine.pool.has(cmd.request_id):
+                        self.engine.pool.release(cmd.request_id)
+                    cmd.outbox.put_nowait(exc)
+                    continue
+                if req.is_done:  # the first token already ended it
+                    self.engine.pop_finished(cmd.request_id)
+                    cmd.outbox.put_nowait(StepOutput(cmd.request_id, None, True, req.finish_reason))
+                else:
+                    self._outboxes[cmd.request_id] = cmd.outbox
+            elif cmd.request_id in self._outboxes:
+                self._outboxes.pop(cmd.request_id)
+                self.engine.cancel(cmd.request_id)
+                self.engine.pop_finished(cmd.request_id)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._inbox and not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+            self._apply_inbox()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:
+                logger.exception("decode step failed; failing every running request")
+                for rid, outbox in list(self._outboxes.items()):
+                    outbox.put_nowait(_LoopFailed(f"decode step failed: {exc!r}"))
+                    self.engine.cancel(rid)
+                    self.engine.pop_finished(rid)
+                self._outboxes.clear()
+                continue
+            self.steps += 1
+            for out in outputs:
+                outbox = self._outboxes.get(out.request_id)
+                if outbox is None:
+                    continue
+                outbox.put_nowait(out)
+                if out.token is not None:
+                    self.tokens_out += 1
+                if out.finished:
+                    self._outboxes.pop(out.request_id, None)
+                    self.engine.pop_finished(out.request_id)
+            await asyncio.sleep(0)  # let streams flush between steps
+
+
+class DecodeServer:
+    """A decode replica (see the module docstring)."""
+
+    def __init__(self, config: dict | None = None) -> None:
+        self.config = ServiceConfig.from_dict(config)
+        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.decode_kv_pages)
+        self.pool = self.runtime.pool
+        self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
+        self.loop = DecodeLoop(self.engine)
+        self.transport = ObjectStoreTransport()
+        self.replica_id = _replica_id()
+        self.transfer_failures = 0
+        self.completed = 0
+
+    async def generate(self, request: dict, routing: dict | None = None):
+        rid = str(request["request_id"])
+        ticket = request["ticket"]
+        t0 = time.monotonic()
+        try:
+            await self.transport.receive(ticket, self.pool)
+        except TransferError as exc:
+            self.transfer_failures += 1
+            logger.warning("KV transfer for %s failed: %s", rid, exc)
+            yield {"type": "transfer_error", "reason": exc.reason.value, "retryable": exc.retryable,
+                   "message": str(exc), "replica_id": self.replica_id}
+            return
+        submitted = False
+        finished = False
+        try:
+            yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
+                   "num_pages": len(self.pool.pages(rid))}
+            params = params_from_dict(request["params"])
+            outbox = self.loop.submit(rid, int(request["kv_len"]), int(request["first_token"]), params)
+            submitted = True
+            while not finished:
+                item = await outbox.get()
+                batch = [item]
+                while not outbox.empty():  # coalesce what is ready into one event
+                    batch.append(outbox.get_nowait())
+                tokens, reason = [], None
+                for out in batch:
+                    if isinstance(out, Exception):
+                        finished = True
+                        raise out
+                    if out.token is not None:
+                        tokens.append(int(out.token))
+                    if out.finished:
+                        finished = True
+                        reason = out.finish_reason.value if out.finish_reason is not None else None
+                yield {"type": "tokens", "tokens": tokens, "finished": finished, "finish_reason": reason}
+        finally:
+            if submitted and not finished:
+                self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages
+            elif not submitted and self.pool.has(rid):
+                self.pool.release(rid)
+            self.completed += 1
+
+    # -- Serve hooks -------------------------------------------------------------------
+    def record_routing_stats(self) -> dict:
+        return {
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "streams": self.loop.num_streams,
+            "max_running": self.engine.max_running,
+            "free_pages": self.pool.free_pages,
+            "num_pages": self.pool.num_pages,
+            "completed": self.completed,
+            "transfer_failures": self.transfer_failures,
+            "steps": self.loop.steps,
+            "replica_id": self.replica_id,
+        }
+
+    def record_replica_metadata(self) -> dict:
+        return {"role": "decode", "device": str(self.pool.device), "page_size": self.pool.page_size}
+
+    async def stats(self) -> dict:
+        return {**self.record_routing_stats(), **{f"pool_{k}": v for k, v in self.pool.stats().items()}}
+
+    def check_health(self) -> None:
+        task = self.loop._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(f"decode loop died: {task.exception()!r}")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        return "local"
+
+
+def make_decode_deployment(config: ServiceConfig, **options: Any):
+    """The Serve deployment with this project's router and defaults; ``options`` override."""
+    from ray.serve.config import RequestRouterConfig
+
+    from router.scheduling import DecodeRequestRouter
+
+    defaults: dict[str, Any] = {
+        "name": "DecodeServer",
+        "max_ongoing_requests": config.max_running * 2,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=DecodeRequestRouter,
+            request_routing_stats_period_s=0.5,
+            request_routing_stats_timeout_s=5.0,
+        ),
+        "graceful_shutdown_timeout_s": 120.0,
+        "health_check_period_s": 5.0,
+    }
+    defaults.update(options)
+    return serve.deployment(DecodeServer).options(**defaults)

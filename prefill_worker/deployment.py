@@ -1,0 +1,284 @@
+"""The prefill deployment: prefill-only replicas that ship their KV pages to decode replicas.
+
+One replica = one :class:`PrefillServer` = one model copy, one KV pool, one
+:class:`PrefillBatcher` (an asyncio loop that groups waiting prompts into forward batches by
+a token budget and runs ``PrefillEngine.prefill`` off the event loop).
+
+``prefill(request)`` is a *streaming* method and doubles as the page lease:
+1. it queues the prompt, and once prefilled (first token sampled) exports the pages through
+   the KV transport and yields one ``prefilled`` event (first token + transfer ticket);
+2. it then keeps the pages until the caller closes the stream, which the ingress does once
+   the decode replica has acknowledged (adopted) them, or until ``lease_timeout_s``;
+3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
+   ingress crash).
+Because the lease is an ongoing request, a replica being scaled down drains it before it
+stops: pages a decode replica is still fetching are never pulled away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+from kv_transfer.transfer import KVTransport, ObjectStoreTransport
+from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
+from router.config import ServiceConfig
+from router.protocol import RequestError, params_from_dict
+from router.runtime import WorkerRuntime
+from router.scheduling import PrefillCostModel
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class _Queued:
+    request: PrefillRequest
+    cost: float
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+
+
+class PrefillBatcher:
+    """Groups waiting prompts into prefill batches bounded by ``max_batch_tokens`` and by the
+    pool's free pages; runs one batch at a time in a worker thread."""
+
+    def __init__(self, engine: PrefillEngine, *, max_batch_tokens: int, batch_wait_s: float,
+                 max_queued_tokens: int, retry_after_s: int) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self.max_batch_tokens = max_batch_tokens
+        self.batch_wait_s = batch_wait_s
+        self.max_queued_tokens = max_queued_tokens
+        self.retry_after_s = retry_after_s
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._running: list[_Queued] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+
+    # -- accounting (routing stats) ----------------------------------------------------
+    @property
+    def queued_tokens(self) -> int:
+        return sum(len(q.request.prompt_token_ids) for q in self._queue)
+
+    @property
+    def outstanding_cost(self) -> float:
+        return sum(q.cost for q in self._queue) + sum(q.cost for q in self._running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def pages_freed(self) -> None:
+        """Pages came back: a batch that waited for room may fit now."""
+        self._wake.set()
+
+    # -- submission --------------------------------------------------------------------
+    async def submit(self, request: PrefillRequest, cost: float) -> tuple[PrefillResult, float, float]:
+        """Returns (result, seconds queued, seconds in the forward)."""
+        n = len(request.prompt_token_ids)
+        need = self.pool.pages_for(n)
+        if need > self.pool.num_pages:
+            raise RequestError(
+                f"prompt: {n} tokens need {need} KV pages; a prefill replica holds {self.pool.num_pages} "
+                "(raise prefill_kv_pages or shorten the prompt)", param="prompt", status=400, code="prompt_too_long",
+            )
+        if self._queue and self.queued_tokens + n > self.max_queued_tokens:
+            raise RequestError(
+                f"prefill replica overloaded: {self.queued_tokens} prompt tokens queued "
+                f"(limit {self.max_queued_tokens}); retry later",
+                status=429, code="overloaded", retry_after_s=self.retry_after_s,
+            )
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        item = _Queued(request, cost, asyncio.get_running_loop().create_future())
+        self._queue.append(item)
+        self._wake.set()
+        try:
+            result = await asyncio.shield(item.future)
+        except asyncio.CancelledError:
+            if item in self._queue:
+                self._queue.remove(item)
+            else:  # in the running batch: its pages are released when the batch completes
+                item.future.add_done_callback(self._release_orphan)
+            raise
+        started = item.started_at or item.enqueued_at
+        return result, started - item.enqueued_at, time.monotonic() - started
+
+    def _release_orphan(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.pool.release(future.result().request_id)
+
+    def _next_batch(self) -> list[_Queued]:
+        budget, free = self.max_batch_tokens, self.pool.free_pages
+        batch: list[_Queued] = []
+        while self._queue:
+            item = self._queue[0]
+            n = len(item.request.prompt_token_ids)
+            need = self.pool.pages_for(n)
+            if batch and n > budget:
+                break
+            if need > free:
+                break  # wait for released pages (FIFO: no overtaking, no starvation)
+            batch.append(self._queue.popleft())
+            budget -= n
+            free -= need
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._queue and self.batch_wait_s > 0 and self.queued_tokens < self.max_batch_tokens:
+                await asyncio.sleep(self.batch_wait_s)  # let a batch form
+            while self._queue:
+                batch = self._next_batch()
+                if not batch:
+                    break  # no room in the pool: pages_freed() wakes us
+                now = time.monotonic()
+                for item in batch:
+                    item.started_at = now
+                self._running = batch
+                try:
+                    results = await asyncio.to_thread(self.engine.prefill, [b.request for b in batch])
+                except Exception as exc:  # the engine released the batch's pages
+                    logger.exception("prefill batch failed")
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(exc)
+                    continue
+                finally:
+                    self._running = []
+                    self.batches += 1
+                for item, result in zip(batch, results):
+                    if item.future.done():  # cancelled by the caller meanwhile
+                        self.pool.release(result.request_id)
+                    else:
+                        item.future.set_result(result)
+
+
+class PrefillServer:
+    """A prefill replica (see the module docstring)."""
+
+    def __init__(self, config: dict | None = None) -> None:
+        self.config = ServiceConfig.from_dict(config)
+        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
+        self.pool = self.runtime.pool
+        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens)
+        self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
+                                           expected_density=self.config.expected_density)
+        self.batcher = PrefillBatcher(
+            self.engine, max_batch_tokens=self.config.max_batch_tokens,
+            batch_wait_s=self.config.batch_wait_ms / 1000.0,
+            max_queued_tokens=self.config.max_queued_prefill_tokens, retry_after_s=self.config.retry_after_s,
+        )
+        self.transport = self._make_transport()
+        self.replica_id = _replica_id()
+        self._faults_left = self.config.fault_injection.corrupt_transfers
+        self._leases: dict[str, float] = {}  # request id -> lease deadline (monotonic)
+        self.completed = 0
+
+    def _make_transport(self) -> KVTransport:
+        if self.config.transport == "nccl":
+            # The NCCL transport (kv_transfer.NcclTransport) needs a collective group spanning
+            # prefill and decode replicas; Serve does not form one yet, so refuse loudly.
+            raise ValueError("transport: 'nccl' is not wired into the Serve deployments yet; use 'auto' or 'object_store'")
+        return ObjectStoreTransport()
+
+    # -- the request path ----------------------------------------------------------------
+    async def prefill(self, request: dict, routing: dict | None = None):
+        """Streaming: yields one ``prefilled`` event, then holds the pages until closed."""
+        rid = str(request["request_id"])
+        ids = [int(t) for t in request["prompt_token_ids"]]
+        params = params_from_dict(request["params"])
+        cost = self.cost_model.cost(len(ids))
+        result, queue_s, prefill_s = await self.batcher.submit(PrefillRequest(rid, ids, params), cost)
+        try:
+            fault = None
+            if self._faults_left > 0:
+                self._faults_left -= 1
+                fault = self.config.fault_injection.mode
+            ticket = None
+            if not request.get("skip_transfer"):
+                ticket = await asyncio.to_thread(self.transport.export, self.pool, rid, fault=fault)
+            self._leases[rid] = time.monotonic() + self.config.lease_timeout_s
+            yield {
+                "type": "prefilled",
+                "request_id": rid,
+                "first_token": int(result.first_token),
+                "kv_len": int(result.kv_len),
+                "ticket": ticket,
+                "replica_id": self.replica_id,
+                "queue_s": queue_s,
+                "prefill_s": prefill_s,
+            }
+            if ticket is not None:
+                # The lease: the caller closes this stream once the decode side has the pages.
+                await asyncio.sleep(self.config.lease_timeout_s)
+                logger.warning("prefill lease of %s expired after %.0fs; releasing its pages", rid, self.config.lease_timeout_s)
+        finally:
+            self._leases.pop(rid, None)
+            if self.pool.has(rid):
+                self.engine.release(rid)
+                self.batcher.pages_freed()
+            self.completed += 1
+
+    # -- Serve hooks -------------------------------------------------------------------
+    def record_routing_stats(self) -> dict:
+        return {
+            "outstanding_cost": self.batcher.outstanding_cost,
+            "queued": self.batcher.num_queued,
+            "queued_tokens": self.batcher.queued_tokens,
+            "free_pages": self.pool.free_pages,
+            "num_pages": self.pool.num_pages,
+            "leased": len(self._leases),
+            "completed": self.completed,
+            "batches": self.batcher.batches,
+            "replica_id": self.replica_id,
+        }
+
+    def record_replica_metadata(self) -> dict:
+        return {"role": "prefill", "device": str(self.pool.device), "page_size": self.pool.page_size}
+
+    async def stats(self) -> dict:
+        return {**self.record_routing_stats(), **{f"pool_{k}": v for k, v in self.pool.stats().items()}}
+
+    def check_health(self) -> None:
+        task = self.batcher._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        return "local"
+
+
+def make_prefill_deployment(config: ServiceConfig, **options: Any):
+    """The Serve deployment with this project's router and defaults; ``options`` override."""
+    from ray.serve.config import RequestRouterConfig
+
+    from router.scheduling import PrefillRequestRouter
+
+    defaults: dict[str, Any] = {
+        "name": "PrefillServer",
+        "max_ongoing_requests": 256,  # includes page leases, which are cheap
+        "request_router_config": RequestRouterConfig(
+            request_router_class=PrefillRequestRouter,
+            request_routing_stats_period_s=0.5,
+            request_routing_stats_timeout_s=5.0,
+        ),
+        "graceful_shutdown_timeout_s": max(30.0, config.lease_timeout_s / 2),
+        "health_check_period_s": 5.0,
+    }
+    defaults.update(options)
+    return serve.deployment(PrefillServer).options(**defaults)

@@ -1,0 +1,170 @@
+"""ServiceConfig: every option of the disaggregated service in one frozen dataclass.
+
+The same dict travels as the application builder's ``args`` (``serve_config.yaml``), as the
+constructor argument of every deployment, and from the ``python -m router serve`` flags.
+Unknown keys are rejected so that a typo in a config file fails at deploy time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernels.config import SparseConfig
+
+TRANSPORTS = ("auto", "object_store", "nccl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_MODES = ("flip", "truncate")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(name: str, value: Any, minimum: float, maximum: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (minimum <= value <= maximum):
+        raise ValueError(f"{name}: expected a number in [{minimum}, {maximum}], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Drills and tests only: damage the first ``corrupt_transfers`` KV frames a prefill
+    replica ships (``mode``: "flip" a byte or "truncate" the frame)."""
+
+    corrupt_transfers: int = 0
+    mode: str = "flip"
+
+    def __post_init__(self) -> None:
+        _int("fault_injection.corrupt_transfers", self.corrupt_transfers, 0)
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"fault_injection.mode: expected one of {FAULT_MODES}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Options of the service (see docs/ARCHITECTURE.md for where each one acts).
+
+    model: ``"builtin:tiny"`` or a local Hugging Face directory (read offline).
+    served_model_name: the OpenAI ``model`` id clients must send (default: ``model``).
+    device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
+        bfloat16 when the replica sees a GPU, else CPU and float32).
+    page_size, prefill_kv_pages, decode_kv_pages: KV pool geometry per replica.
+    alpha, block_size, sink_tokens, window_tokens, dense_below: the prefill operator.
+    max_batch_tokens: prompt tokens per prefill forward; batch_wait_ms: how long a prefill
+        replica waits to grow a batch once the first request is in.
+    max_queued_prefill_tokens: prompt tokens a prefill replica accepts into its queue before
+        it answers "overloaded" (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After).
+    max_running: requests one decode replica decodes per step.
+    max_model_len: prompt + generated tokens per request.
+    transport: KV transport ("auto": NCCL between CUDA pools when available, else the
+        object store). transfer_retries: new attempts after a retryable transfer failure.
+    lease_timeout_s: how long a prefill replica keeps pages for a decode side that never
+        acknowledges (a crashed ingress), then frees them.
+    expected_density: the routing cost model's expected fraction of causal pairs computed
+        by sparse prefill above ``dense_below``.
+    debug_routing: add replica ids to responses (the ``routing`` field).
+    torch_threads: intra-op threads per worker replica (0: leave torch's default).
+    """
+
+    model: str = "builtin:tiny"
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    page_size: int = 64
+    prefill_kv_pages: int = 1024
+    decode_kv_pages: int = 1024
+    alpha: float = 0.1
+    block_size: int = 128
+    sink_tokens: int = 256
+    window_tokens: int = 512
+    dense_below: int = 1024
+    max_batch_tokens: int = 8192
+    batch_wait_ms: float = 2.0
+    max_queued_prefill_tokens: int = 262144
+    max_running: int = 64
+    max_model_len: int = 32768
+    default_max_tokens: int = 16
+    transport: str = "auto"
+    transfer_retries: int = 2
+    lease_timeout_s: float = 120.0
+    expected_density: float = 0.3
+    debug_routing: bool = False
+    torch_threads: int = 0
+    retry_after_s: int = 1
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model: expected 'builtin:tiny' or a model directory, got {self.model!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
+            raise ValueError(f"served_model_name: expected a non-empty str, got {self.served_model_name!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: expected one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
+        _int("seed", self.seed, 0)
+        _int("page_size", self.page_size, 1)
+        _int("prefill_kv_pages", self.prefill_kv_pages, 1)
+        _int("decode_kv_pages", self.decode_kv_pages, 1)
+        _int("dense_below", self.dense_below, 0)
+        _int("max_batch_tokens", self.max_batch_tokens, 1)
+        _float("batch_wait_ms", self.batch_wait_ms, 0.0, 10_000.0)
+        _int("max_queued_prefill_tokens", self.max_queued_prefill_tokens, 1)
+        _int("max_running", self.max_running, 1)
+        _int("max_model_len", self.max_model_len, 2)
+        _int("default_max_tokens", self.default_max_tokens, 1)
+        _int("transfer_retries", self.transfer_retries, 0)
+        _float("lease_timeout_s", self.lease_timeout_s, 0.1)
+        _float("expected_density", self.expected_density, 0.0, 1.0)
+        _int("torch_threads", self.torch_threads, 0)
+        _int("retry_after_s", self.retry_after_s, 0)
+        if not isinstance(self.debug_routing, bool):
+            raise ValueError(f"debug_routing: expected a bool, got {self.debug_routing!r}")
+        self.sparse_config  # validates alpha, block_size, sink/window via SparseConfig
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def sparse_config(self) -> SparseConfig:
+        return SparseConfig(
+            alpha=self.alpha, block_size=self.block_size,
+            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens,
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict | "ServiceConfig" | None) -> "ServiceConfig":
+        if raw is None:
+            return cls()
+        if isinstance(raw, ServiceConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"config: expected a mapping of options, got {type(raw).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"config: unknown option(s) {unknown}; known: {sorted(names)}")
+        values = dict(raw)
+        fi = values.get("fault_injection")
+        if isinstance(fi, dict):
+            values["fault_injection"] = FaultInjection(**fi)
+        elif fi is not None and not isinstance(fi, FaultInjection):
+            raise ValueError(f"fault_injection: expected a mapping, got {fi!r}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return out
+
+    def replace(self, **changes: Any) -> "ServiceConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,104 @@
+"""``python -m router serve``: a local Ray on 127.0.0.1, the application deployed, URLs printed.
+
+For a cluster, use the Serve config file instead (``serve deploy serve_config.yaml`` against
+a cluster started from ``cluster.yaml``); this launcher is the one-command local path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import ServiceConfig
+
+APP_NAME = "flashprefill"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class LocalServeOptions:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 9000
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    num_cpus: int | None = None
+    app_name: str = APP_NAME
+
+
+def prepare_environment() -> None:
+    """Workers must import this repository's packages, and a local single-user cluster does
+    not need Ray's token authentication (on by default in 2.60)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def start_local_ray(options: LocalServeOptions) -> None:
+    import ray
+
+    prepare_environment()
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
+                                  "configure_logging": True, "logging_level": "WARNING"}
+        if options.num_cpus is not None:
+            kwargs["num_cpus"] = options.num_cpus
+        ray.init(**kwargs)
+
+
+def start_serve(options: LocalServeOptions) -> None:
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from .app import GRPC_SERVICER
+
+    serve.start(
+        http_options={"host": options.host, "port": options.http_port},
+        grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+    )
+
+
+def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict | None = None,
+           decode: dict | None = None, ingress: dict | None = None, blocking: bool = False):
+    from ray import serve
+
+    from .app import build_application
+
+    prefill_opts = {"num_replicas": options.prefill_replicas, **(prefill or {})}
+    decode_opts = {"num_replicas": options.decode_replicas, **(decode or {})}
+    app = build_application(config, prefill=prefill_opts, decode=decode_opts, ingress=ingress)
+    return serve.run(app, name=options.app_name, route_prefix=f"/{options.app_name}" if options.app_name != APP_NAME else "/",
+                     blocking=blocking)
+
+
+def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
+    import ray
+    from ray import serve
+
+    start_local_ray(options)
+    start_serve(options)
+    deploy(config, options)
+    base = f"http://{options.host}:{options.http_port}"
+    print(f"FlashPrefill Serve is up: model {config.model_id!r} "
+          f"({options.prefill_replicas} prefill, {options.decode_replicas} decode replica(s))")
+    print(f"  HTTP (OpenAI): {base}/v1/completions  {base}/v1/chat/completions  {base}/v1/models  {base}/health")
+    print(f"  gRPC:          {options.host}:{options.grpc_port}  flashprefill.v1.FlashPrefill/Generate, GenerateStream")
+    print(f"  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
+    sys.stdout.flush()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down")
+    serve.shutdown()
+    ray.shutdown()
+    return 0

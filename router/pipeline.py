@@ -1,0 +1,239 @@
+"""DisaggregatedPipeline: one request's trip prefill -> KV transfer -> decode, seen from the
+ingress. Protocol-free: the HTTP and gRPC front ends both consume :meth:`stream`.
+
+Page ownership along the way (see docs/ARCHITECTURE.md):
+- prefill replica: reserves pages, prefills, keeps them while its ``prefill`` stream (the
+  lease) is open;
+- decode replica: adopts a verified copy, answers ``adopted``; only then does the pipeline
+  close the prefill stream, and the prefill replica frees its pages;
+- the decode stream stays open until the last token; closing it early (client gone, stop
+  string) makes the decode replica cancel the request and free its pages.
+Every exit path (success, error, cancellation) closes whatever stream is still open.
+
+Retries: a retryable transfer failure (checksum, truncation, lost object, no room on the
+decode replica) or a prefill replica dying before it answered re-runs the prefill, up to
+``transfer_retries`` times. Tokens already sent to the client are kept: the decode side
+continues from the first token that was emitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ServiceConfig
+from .detokenize import TextStream
+from .protocol import GenerationRequest, RequestError, params_to_dict
+from .scheduling import PrefillCostModel, routing_hint
+from .state import RequestLifecycle, RequestPhase
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Delta:
+    """New output of one request: text and token ids; the last one has ``finish_reason``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    first: bool = False
+    timing: dict | None = None
+    routing: dict | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    timing: dict
+    routing: dict | None = None
+
+
+@dataclass
+class _Attempt:
+    """The streams and timings of the current prefill/transfer attempt."""
+
+    worker_request_id: str
+    prefill_stream: Any = None
+    decode_stream: Any = None
+    timing: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)
+
+
+def _is_replica_failure(exc: BaseException) -> bool:
+    import ray.exceptions
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError))
+
+
+class DisaggregatedPipeline:
+    def __init__(self, prefill_handle: Any, decode_handle: Any, config: ServiceConfig, tokenizer: Any,
+                 page_size: int | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.page_size = page_size or config.page_size
+        self._prefill = prefill_handle.options(stream=True)
+        self._decode = decode_handle.options(stream=True)
+        self.cost_model = PrefillCostModel(dense_below=config.dense_below, expected_density=config.expected_density)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    async def complete(self, req: GenerationRequest) -> Completion:
+        text, ids, reason, timing, routing = [], [], "length", {}, None
+        async for d in self.stream(req):
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            if d.finish_reason is not None:
+                reason, timing, routing = d.finish_reason, d.timing or {}, d.routing
+        return Completion("".join(text), ids, reason, timing, routing)
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        life = RequestLifecycle(req.request_id)
+        text = TextStream(self.tokenizer, req.stop)
+        params = params_to_dict(req.sampling_params())
+        cost = self.cost_model.cost(req.prompt_len)
+        attempt: _Attempt | None = None
+        first_token: int | None = None
+        try:
+            for n in range(self.config.transfer_retries + 1):
+                attempt = _Attempt(f"{req.request_id}:{uuid.uuid4().hex[:8]}:{n}")
+                life.to(RequestPhase.PREFILLING)
+                try:
+                    event = await self._start_prefill(attempt, req, params, cost)
+                except Exception as exc:
+                    if _is_replica_failure(exc) and n < self.config.transfer_retries:
+                        logger.warning("prefill replica failed for %s (%r); prefilling again", req.request_id, exc)
+                        continue
+                    raise
+                if first_token is None:
+                    first_token = int(event["first_token"])
+                    life.mark_first_token()
+                    delta = Delta(text.push([first_token]), [first_token], first=True)
+                    reason = self._finish_after_first(req, first_token, text)
+                    if reason is not None:
+                        life.to(RequestPhase.FINISHED)
+                        delta.text += text.finish()
+                        delta.finish_reason = reason
+                        delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+                        yield delta
+                        return
+                    yield delta
+                life.to(RequestPhase.TRANSFERRING)
+                event = await self._start_decode(attempt, req, params, first_token, event)
+                if event["type"] == "adopted":
+                    attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
+                    attempt.prefill_stream = None
+                    life.to(RequestPhase.DECODING)
+                    break
+                self._close(attempt)
+                if not (event.get("retryable") and n < self.config.transfer_retries):
+                    raise RequestError(
+                        f"KV transfer failed: {event.get('message')}", status=502, code="kv_transfer_failed",
+                    )
+                logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.get("reason"))
+            else:
+                raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable")
+
+            async for event in attempt.decode_stream:
+                tokens = [int(t) for t in event["tokens"]]
+                delta = Delta(text.push(tokens), tokens)
+                if text.stopped:
+                    reason = "stop"
+                elif event["finished"]:
+                    reason = "stop" if event["finish_reason"] == "stop" else "length"
+                    delta.text += text.finish()
+                else:
+                    reason = None
+                if reason is not None:
+                    life.to(RequestPhase.FINISHED)
+                    if event["finished"]:
+                        attempt.decode_stream = None  # ended on its own: nothing to cancel
+                    delta.finish_reason = reason
+                    delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+                    yield delta
+                    return
+                yield delta
+            raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+        except (asyncio.CancelledError, GeneratorExit):
+            if not life.done:
+                life.to(RequestPhase.CANCELLED)
+            raise
+        except Exception:
+            if not life.done:
+                life.to(RequestPhase.FAILED)
+            raise
+        finally:
+            if attempt is not None:
+                self._close(attempt)
+
+    # -- steps -------------------------------------------------------------------------
+    async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, params: dict, cost: float) -> dict:
+        payload = {
+            "request_id": attempt.worker_request_id,
+            "prompt_token_ids": list(req.prompt_token_ids),
+            "params": params,
+            "skip_transfer": req.max_tokens == 1,
+        }
+        attempt.prefill_stream = self._prefill.prefill.remote(
+            payload, routing=routing_hint(cost=cost, pages=self._pages(req.prompt_len))
+        )
+        event = await attempt.prefill_stream.__anext__()
+        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"])
+        attempt.routing["prefill_replica"] = event["replica_id"]
+        return event
+
+    async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: dict,
+                            first_token: int, prefilled: dict) -> dict:
+        payload = {
+            "request_id": attempt.worker_request_id,
+            "ticket": prefilled["ticket"],
+            "kv_len": prefilled["kv_len"],
+            "first_token": first_token,
+            "params": params,
+        }
+        attempt.decode_stream = self._decode.generate.remote(
+            payload, routing=routing_hint(pages=self._pages(req.prompt_len + req.max_tokens))
+        )
+        event = await attempt.decode_stream.__anext__()
+        attempt.routing["decode_replica"] = event.get("replica_id")
+        if event["type"] == "adopted":
+            attempt.timing["transfer_s"] = event["transfer_s"]
+        return event
+
+    def _finish_after_first(self, req: GenerationRequest, first_token: int, text: TextStream) -> str | None:
+        if text.stopped or first_token in req.stop_token_ids:
+            return "stop"
+        if req.max_tokens <= 1:
+            return "length"
+        return None
+
+    @staticmethod
+    def _close(attempt: _Attempt) -> None:
+        for name in ("decode_stream", "prefill_stream"):
+            stream = getattr(attempt, name)
+            if stream is not None:
+                stream.cancel()
+                setattr(attempt, name, None)
+
+    def _timing(self, life: RequestLifecycle, attempt: _Attempt) -> dict:
+        now = time.monotonic()
+        return {
+            "ttft_s": life.ttft_s,
+            "queue_s": attempt.timing.get("queue_s"),
+            "prefill_s": attempt.timing.get("prefill_s"),
+            "transfer_s": attempt.timing.get("transfer_s"),
+            "total_s": now - life.received_at,
+            "prefill_attempts": life.prefill_attempts,
+        }
+
+    def _routing(self, attempt: _Attempt) -> dict | None:
+        return dict(attempt.routing) if self.config.debug_routing else None

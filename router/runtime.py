@@ -1,0 +1,75 @@
+"""What a worker replica builds at start: the model, its KV pool and the ModelRunner.
+
+Shared by the prefill and decode deployments (both load the same weights: the built-in tiny
+model is seeded, a local directory is read offline) and by the ingress (tokenizer only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ServiceConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: ServiceConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but this replica sees no GPU (num_gpus in ray_actor_options?)")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def load_tokenizer(config: ServiceConfig) -> Any:
+    """The tokenizer alone (the ingress never loads weights)."""
+    from model_executor.loading import BUILTIN_TINY
+    from model_executor.tokenizer import ByteTokenizer, HFTokenizer
+
+    if config.model == BUILTIN_TINY:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(config.model, local_files_only=True))
+
+
+@dataclass
+class WorkerRuntime:
+    """The model, pool and runner of one worker replica."""
+
+    config: ServiceConfig
+    loaded: Any
+    pool: Any
+    runner: Any
+    device: torch.device
+
+    @classmethod
+    def build(cls, config: ServiceConfig, *, num_pages: int) -> "WorkerRuntime":
+        from kv_transfer.pool import KVPool, KVPoolConfig
+        from model_executor.loading import load_model
+        from model_executor.runner import ModelRunner
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        device = resolve_device(config)
+        dtype = resolve_dtype(config, device)
+        loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+        pool = KVPool(
+            KVPoolConfig(
+                num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
+                page_size=config.page_size, dtype=dtype, device=str(device), num_pages=num_pages,
+            )
+        )
+        runner = ModelRunner(
+            loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device
+        )
+        return cls(config, loaded, pool, runner, device)

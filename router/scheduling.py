@@ -1,0 +1,206 @@
+"""Causal-workload scheduling: the prefill cost model and the two Serve request routers.
+
+Prefill cost of a prompt of ``L`` tokens of which ``c`` are already cached:
+
+    cost = token_weight * (L - c)  +  (L - c) * (c + L) / 2 * density(L)
+
+The first term is the per-token work (projections, MLP); the second counts the causal
+query-key pairs the new tokens attend to (exactly ``(L-c)(L+c+1)/2``, rounded), scaled by
+the expected fraction FlashPrefill V2 computes (``1`` below ``dense_below``, where the
+service runs dense attention). The unit is "token-equivalents": only ratios matter.
+
+Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
+- outstanding work per replica = max(what the replica reports in its routing stats
+  (queued + running causal cost, refreshed every ``request_routing_stats_period_s``),
+  what this router routed there and has not seen complete). The max keeps a burst routed
+  between two stats refreshes from piling onto one replica, without double counting.
+- replicas whose free KV pages cannot hold the prompt go last; the rest are ranked by
+  outstanding work, and replicas within 10% (or one small request) of the least loaded
+  form the first tier, where Serve picks by queue length.
+
+:class:`DecodeRequestRouter` ranks decode replicas by free KV pages (they must hold the
+prompt plus ``max_tokens``) and running + waiting requests relative to ``max_running``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+try:  # the cost model is usable without Ray (tests, benchmarks)
+    from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+except ImportError:  # pragma: no cover - Ray absent
+    PendingRequest = RunningReplica = Any  # type: ignore[misc,assignment]
+    RequestRouter = object  # type: ignore[misc,assignment]
+
+logger = logging.getLogger("ray.serve")
+
+ROUTING_KWARG = "routing"  # keyword argument every routed call carries: a RoutingHint dict
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    token_weight: float = 256.0
+    dense_below: int = 1024
+    expected_density: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.token_weight < 0 or not 0.0 <= self.expected_density <= 1.0 or self.dense_below < 0:
+            raise ValueError(
+                "PrefillCostModel: expected token_weight >= 0, expected_density in [0, 1], dense_below >= 0; "
+                f"got {self.token_weight}, {self.expected_density}, {self.dense_below}"
+            )
+
+    def density(self, prompt_len: int) -> float:
+        return 1.0 if prompt_len < self.dense_below else self.expected_density
+
+    def cost(self, prompt_len: int, cached_prefix: int = 0) -> float:
+        if prompt_len < 0 or not 0 <= cached_prefix <= prompt_len:
+            raise ValueError(f"cached_prefix: expected 0 <= cached_prefix <= prompt_len ({prompt_len}), got {cached_prefix}")
+        new = prompt_len - cached_prefix
+        pairs = new * (cached_prefix + prompt_len + 1) / 2.0
+        return self.token_weight * new + pairs * self.density(prompt_len)
+
+
+def routing_hint(*, cost: float = 0.0, pages: int = 0) -> dict:
+    """What the ingress tells the routers about a call (a plain dict: it travels to the replica
+    as a keyword argument, which ignores it)."""
+    return {"cost": float(cost), "pages": int(pages)}
+
+
+def _hint(pending: Any) -> dict:
+    if pending is None:
+        return {}
+    hint = pending.kwargs.get(ROUTING_KWARG) if isinstance(pending.kwargs, dict) else None
+    return hint if isinstance(hint, dict) else {}
+
+
+def _stat(replica: Any, key: str, default: float) -> float:
+    stats = replica.routing_stats or {}
+    value = stats.get(key, default)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _tiers(scored: list[tuple[float, Any]], slack: float) -> list[list[Any]]:
+    """Best tier = everything within ``slack`` of the minimum; then the rest one by one."""
+    if not scored:
+        return []
+    scored.sort(key=lambda x: x[0])
+    best = scored[0][0]
+    first = [r for s, r in scored if s <= best + slack]
+    rest = [[r] for s, r in scored if s > best + slack]
+    return [first, *rest]
+
+
+class _InflightLedger:
+    """What this router has routed per replica and not yet seen complete."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[Any, float, int]] = {}
+        self._cost: dict[Any, float] = {}
+        self._pages: dict[Any, int] = {}
+        self._count: dict[Any, int] = {}
+
+    def add(self, request_key: str, replica_id: Any, cost: float, pages: int) -> None:
+        self._by_request[request_key] = (replica_id, cost, pages)
+        self._cost[replica_id] = self._cost.get(replica_id, 0.0) + cost
+        self._pages[replica_id] = self._pages.get(replica_id, 0) + pages
+        self._count[replica_id] = self._count.get(replica_id, 0) + 1
+
+    def done(self, request_key: str) -> None:
+        entry = self._by_request.pop(request_key, None)
+        if entry is None:
+            return
+        replica_id, cost, pages = entry
+        self._cost[replica_id] = max(self._cost.get(replica_id, 0.0) - cost, 0.0)
+        self._pages[replica_id] = max(self._pages.get(replica_id, 0) - pages, 0)
+        self._count[replica_id] = max(self._count.get(replica_id, 0) - 1, 0)
+
+    def forget_replica(self, replica_id: Any) -> None:
+        for key in [k for k, v in self._by_request.items() if v[0] == replica_id]:
+            self.done(key)
+
+    def cost(self, replica_id: Any) -> float:
+        return self._cost.get(replica_id, 0.0)
+
+    def pages(self, replica_id: Any) -> int:
+        return self._pages.get(replica_id, 0)
+
+    def count(self, replica_id: Any) -> int:
+        return self._count.get(replica_id, 0)
+
+
+class PrefillRequestRouter(RequestRouter):
+    """Ranks prefill replicas by outstanding causal work (see the module docstring)."""
+
+    def initialize_state(self, min_slack: float = 0.0, relative_slack: float = 0.1, **_: Any) -> None:
+        self._ledger = _InflightLedger()
+        self._min_slack = float(min_slack)
+        self._relative_slack = float(relative_slack)
+
+    def outstanding(self, replica: Any) -> float:
+        return max(_stat(replica, "outstanding_cost", 0.0), self._ledger.cost(replica.replica_id))
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
+        hint = _hint(pending_request)
+        need = int(hint.get("pages", 0))
+        fits, tight = [], []
+        for r in candidate_replicas:
+            free = _stat(r, "free_pages", float("inf"))
+            (fits if free >= need else tight).append((self.outstanding(r), r))
+        slack = max(self._min_slack, self._relative_slack * min((s for s, _ in fits), default=0.0), float(hint.get("cost", 0.0)) * 0.5)
+        ranked = _tiers(fits, slack)
+        if tight:
+            ranked.extend([r] for _, r in sorted(tight, key=lambda x: x[0]))
+        return ranked
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        hint = _hint(pending_request)
+        self._ledger.add(pending_request.metadata.internal_request_id, replica_id,
+                         float(hint.get("cost", 0.0)), int(hint.get("pages", 0)))
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self._ledger.done(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        self._ledger.forget_replica(replica_id)
+        super().on_replica_actor_died(replica_id)
+
+
+class DecodeRequestRouter(RequestRouter):
+    """Ranks decode replicas by room: free KV pages first, then load."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._ledger = _InflightLedger()
+
+    def load(self, replica: Any) -> float:
+        running = _stat(replica, "running", 0.0) + _stat(replica, "waiting", 0.0)
+        capacity = max(_stat(replica, "max_running", float(replica.max_ongoing_requests)), 1.0)
+        return max(running, float(self._ledger.count(replica.replica_id))) / capacity
+
+    def free_pages(self, replica: Any) -> float:
+        reported = _stat(replica, "free_pages", float("inf"))
+        total = _stat(replica, "num_pages", float("inf"))
+        return min(reported, total - self._ledger.pages(replica.replica_id))
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
+        need = int(_hint(pending_request).get("pages", 0))
+        fits, tight = [], []
+        for r in candidate_replicas:
+            (fits if self.free_pages(r) >= need else tight).append((self.load(r), r))
+        ranked = _tiers(fits, slack=0.05)
+        if tight:  # may still work once running requests finish: last resort, most room first
+            ranked.extend([r] for _, r in sorted(tight, key=lambda x: -self.free_pages(x[1])))
+        return ranked
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        self._ledger.add(pending_request.metadata.internal_request_id, replica_id, 0.0,
+                         int(_hint(pending_request).get("pages", 0)))
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self._ledger.done(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        self._ledger.forget_replica(replica_id)
+        super().on_replica_actor_died(replica_id)

@@ -1,0 +1,77 @@
+"""Helpers for the service tests: a local Ray + Serve on 127.0.0.1, oracle runs, replica stats."""
+
+from __future__ import annotations
+
+import socket
+import time
+from functools import lru_cache
+
+import ray
+
+from router.config import ServiceConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_actors(app: str, deployment: str) -> list:
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return [ray.get_actor(n, namespace="serve") for n in names]
+
+
+def replica_stats(app: str, deployment: str) -> list[dict]:
+    out = []
+    for actor in replica_actors(app, deployment):
+        try:
+            out.append(ray.get(actor.record_routing_stats.remote(), timeout=10))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # a replica stopping right now
+    return out
+
+
+def pools_idle(app: str) -> tuple[bool, list[dict], list[dict]]:
+    pre, dec = replica_stats(app, "PrefillServer"), replica_stats(app, "DecodeServer")
+    ok = all(s["free_pages"] == s["num_pages"] and s["leased"] == 0 and s["queued"] == 0 for s in pre) and all(
+        s["free_pages"] == s["num_pages"] and s["streams"] == 0 and s["running"] == 0 for s in dec
+    )
+    return ok, pre, dec
+
+
+def wait_pools_idle(app: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok, pre, dec = pools_idle(app)
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools of {app!r} not idle: prefill {pre}, decode {dec}")
+        time.sleep(0.2)
+
+
+@lru_cache(maxsize=None)
+def _oracle_model():
+    from model_executor.loading import load_model
+
+    return load_model(None)
+
+
+def oracle_tokens(config: ServiceConfig, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from the single-process engines, one prompt at a time (as the service
+    runs them when requests arrive one by one)."""
+    from model_executor.generate import generate
+    from model_executor.sampling import SamplingParams
+    from model_executor.tokenizer import ByteTokenizer
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, stop_token_ids=ByteTokenizer().stop_token_ids)
+    res = generate([prompt_ids], params, model=_oracle_model(), sparse_config=config.sparse_config,
+                   dense_below=config.dense_below, page_size=config.page_size)
+    return list(res[0].output_token_ids)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """A deterministic token-id prompt of length ``n`` (bytes, starting with BOS)."""
+    return [256] + [(seed * 31 + i * 17 + (i * i) % 13) % 256 for i in range(n - 1)]
