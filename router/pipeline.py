@@ -149,7 +149,8 @@ class DisaggregatedPipeline:
                 if text.stopped:
                     reason = "stop"
                 elif event["finished"]:
-                    reason = "stop" if event["finish_reason"] == "stop" else "length"
+                    # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
+                    reason = {"stop": "stop", "length": "length"}.get(event["finish_reason"], "abort")
                     delta.text += text.finish()
                 else:
                     reason = None
