@@ -26,6 +26,7 @@ from .ops import Backend, resolve_backend
 from .paged import gather_kv
 
 _INT_DTYPES = (torch.int32, torch.int64)
+MAX_SPLITS = 1024  # split-KV parts per sequence; far past any useful count, well inside grid limits
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
@@ -186,6 +187,8 @@ def paged_decode(
     )
     softmax_scale = _softmax_scale(scale, q.shape[-1])
     _check_int("num_splits", num_splits, minimum=0)
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: expected at most {MAX_SPLITS} (0 picks automatically), got {num_splits}")
     if max_seqlen_kv is not None:
         _check_int("max_seqlen_kv", max_seqlen_kv, minimum=1)
     if not isinstance(check_values, bool):

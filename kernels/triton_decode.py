@@ -18,9 +18,9 @@ How:
 
 Supports fp16/bf16/fp32 (q, K, V one dtype), head_dim multiple of 16 up to 256, any g.
 Does not support: more than one query token per sequence, masks or sparsity, FP8 K/V,
-ALiBi/soft-capping. Inputs are assumed validated (``kernels/decode.py``); nothing here
-syncs with the host, so a call can be captured in a CUDA graph given ``num_splits`` or
-``max_seqlen_kv``.
+ALiBi/soft-capping. Inputs are assumed validated (``kernels/decode.py``). Nothing here syncs
+with the host (the automatic split count uses ``max_seqlen_kv`` when given, else the page
+table's width), so a call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seqlens_ptr,
-    out_ptr, lse_ptr,  # final out/lse when NUM_SPLITS == 1, else the fp32 partials
+    out_ptr, lse_ptr,  # final out/lse when num_splits == 1, else the fp32 partials
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -47,10 +47,10 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     scale_log2,
+    num_splits,  # runtime: the auto choice varies with the batch, without recompiling
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,7 +63,7 @@ def _decode_split_kernel(
 
     seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
     num_tiles = tl.cdiv(seqlen, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seqlen)
 
@@ -121,7 +121,8 @@ def _decode_split_kernel(
     # an empty split (start >= end) leaves l_i = 0, m_i = -inf: lse -inf, zero output
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse2 = m_i + tl.log2(tl.where(nonempty, l_i, 1.0))
+    lse = tl.where(nonempty, lse2 * 0.6931471805599453, float("-inf"))  # x ln 2: natural log
     o_ptrs = out_ptr + b * stride_ob + qhead[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(lse_ptr + b * stride_lb + qhead * stride_lh + split, lse, mask=row_ok)
@@ -134,8 +135,8 @@ def _decode_combine_kernel(
     stride_plb, stride_plh,
     stride_ob, stride_oh,
     stride_lb, stride_lh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -143,19 +144,16 @@ def _decode_combine_kernel(
     hq = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < NUM_SPLITS
-    lse_s = tl.load(
-        part_lse_ptr + b * stride_plb + hq * stride_plh + splits, mask=split_ok, other=float("-inf")
-    )
+    lse_row = part_lse_ptr + b * stride_plb + hq * stride_plh
+    lse_s = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)  # finite: split 0 always holds at least one key
-    w = tl.exp(lse_s - m)  # empty splits (-inf) weigh 0
-    denom = tl.sum(w, 0)
-    parts = tl.load(
-        part_out_ptr + b * stride_pb + hq * stride_ph + splits[:, None] * stride_ps + dims[None, :],
-        mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    o = tl.sum(parts * (w / denom)[:, None], 0)
+    denom = tl.sum(tl.exp(lse_s - m), 0)  # empty splits (-inf) weigh 0
+    # one split at a time: a [splits, d] tile would spill registers at 64+ splits
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    part_row = part_out_ptr + b * stride_pb + hq * stride_ph
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(lse_row + s) - m) / denom
+        o += w * tl.load(part_row + s * stride_ps + dims, mask=dims < HEAD_DIM, other=0.0)
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
     tl.store(lse_ptr + b * stride_lb + hq * stride_lh, m + tl.log(denom))
 
@@ -168,9 +166,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_kv: int, num_sms: int) -> int:
-    """Enough programs for about two waves over the SMs, each with at least 4 key tiles."""
+    """About four programs per SM (a few waves even at two resident programs per SM, so the
+    last wave's tail is short), each with at least 4 key tiles."""
     programs = batch * num_kv_heads
-    want = max(1, math.ceil(2 * num_sms / programs))
+    want = max(1, math.ceil(4 * num_sms / programs))
     most = max(1, math.ceil(max_seqlen_kv / (4 * BLOCK_N)))
     return max(1, min(want, most, 128))
 
@@ -196,7 +195,7 @@ def paged_decode(
     if num_splits == 0:
         bound = max_seqlen_kv if max_seqlen_kv is not None else page_table.shape[1] * page_size
         num_splits = choose_num_splits(batch, hkv, bound, _num_sms(q.device))
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     block_m = max(16, triton.next_power_of_2(g))
     block_d = max(16, triton.next_power_of_2(d))
@@ -220,10 +219,10 @@ def paged_decode(
         *o_strides,
         *l_strides,
         scale * _LOG2E,
+        num_splits,
         G=g,
         HEAD_DIM=d,
         PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
@@ -239,8 +238,8 @@ def paged_decode(
             part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1),
+            num_splits,
             HEAD_DIM=d,
-            NUM_SPLITS=num_splits,
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d,
             num_warps=4,

@@ -154,11 +154,13 @@ def test_triton_fp32(group, head_dim, page_size):
 
 
 # ---------------------------------------------------------------- Triton, 16-bit
+_LOWPREC = [
+    (g, d, ps, torch.bfloat16) for g in (1, 4, 8) for d in (64, 128) for ps in (16, 64)
+] + [(4, 128, 16, torch.float16), (8, 64, 64, torch.float16)]
+
+
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("page_size", [16, 64])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group,head_dim,page_size,dtype", _LOWPREC)
 def test_triton_lowprec(group, head_dim, page_size, dtype):
     args, keys, values = make_decode(
         SEQLENS, num_kv_heads=2, group=group, head_dim=head_dim, page_size=page_size,
@@ -273,6 +275,7 @@ def _bad_cases():
         ("scale_str", dict(scale="0.1"), "scale"),
         ("splits_negative", dict(num_splits=-1), "num_splits"),
         ("splits_float", dict(num_splits=2.0), "num_splits"),
+        ("splits_huge", dict(num_splits=5000), "num_splits"),
         ("max_seqlen", dict(max_seqlen_kv=0), "max_seqlen_kv"),
         ("check_values", dict(check_values=1), "check_values"),
         ("backend", dict(backend="cuda"), "backend"),
