@@ -92,11 +92,10 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
     print(f"  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
     stop = threading.Event()
+    # explicit handlers: a launcher started in the background inherits an ignored SIGINT
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
         pass
     print("shutting down")
     serve.shutdown()

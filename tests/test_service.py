@@ -4,7 +4,8 @@ One Ray/Serve for the module, three applications deployed together:
 - ``dense``: alpha=0, 1 prefill + 1 decode (oracle equality, bad input);
 - ``sparse``: alpha=0.1 and sparse prefill at every length, 2 prefill + 1 decode
   (oracle equality, causal-workload placement, scaling under load, disconnects);
-- ``faults``: 1 + 1 with the first 4 KV frames corrupted (retry, clean failure).
+- ``faults``: 1 + 1 with the first 4 KV frames corrupted (retry, clean failure) and a small
+  prefill queue (429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ CONFIGS = {
     "dense": ServiceConfig.from_dict({**COMMON, "alpha": 0.0}),
     "sparse": ServiceConfig.from_dict({**COMMON, "alpha": 0.1, "dense_below": 0, "block_size": 64,
                                        "sink_tokens": 64, "window_tokens": 128}),
-    "faults": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2,
+    "faults": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2, "max_queued_prefill_tokens": 2000,
                                        "fault_injection": {"corrupt_transfers": 4, "mode": "flip"}}),
 }
 REPLICAS = {"dense": (1, 1), "sparse": (2, 1), "faults": (1, 1)}
@@ -258,6 +259,27 @@ def test_corrupt_transfer_fails_cleanly_then_retries(service):
     assert r.json()["timing"]["prefill_attempts"] == 1
     dec = replica_stats("faults", "DecodeServer")
     assert sum(s["transfer_failures"] for s in dec) == 4
+    wait_pools_idle("faults")
+
+
+def test_prefill_queue_bound_gives_429_with_retry_after(service):
+    client = service["http"]
+    results: list = []
+
+    def send(i: int):
+        results.append(complete(client, "faults", {"prompt": prompt_of(1500, seed=40 + i), "max_tokens": 1}))
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+        time.sleep(0.05)
+    for th in threads:
+        th.join()
+    codes = sorted(r.status_code for r in results)
+    assert 200 in codes and 429 in codes, [r.text[:200] for r in results]
+    rejected = next(r for r in results if r.status_code == 429)
+    assert rejected.headers["retry-after"] == "1"
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
     wait_pools_idle("faults")
 
 
