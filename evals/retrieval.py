@@ -323,7 +323,7 @@ def needle_selected(trace: LayerTrace, value_positions: torch.Tensor) -> torch.T
     for b in range(plan.batch_size):
         seg = plan.cu_qtiles_host[b + 1] - 1  # KV head 0: seg = 0 * total_tiles + tile
         tiles = index.kv_tiles[offsets[seg] : offsets[seg + 1]].long()
-        need = torch.unique(value_positions[b].long() // KV_TILE)
+        need = torch.unique(value_positions[b].long() // KV_TILE).to(tiles.device)
         hits.append(bool(torch.isin(need, tiles).all()))
     return torch.tensor(hits)
 
