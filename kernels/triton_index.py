@@ -8,11 +8,13 @@ Computes exactly ``kernels.reference.build_index`` (see docs/SEMANTICS.md):
    K means rounded to q's dtype: the scoring operands (SEMANTICS "choices we fixed" 1).
 2. ``_score_select_kernel`` (paper eq. 19-20): a persistent grid; each program takes a
    segment (KV head ``h``, query tile ``t``), loads its up-to-128 PackGQA rows once and sweeps
-   the visible block means in chunks of ``BLOCK_N`` blocks with one ``tl.dot`` each (fp32
-   accumulation; IEEE for fp32 inputs). Per chunk it keeps, per block, the log2-energy
-   ``LE_J = m_c + log2(sum_i 2^(s_iJ*log2e - m_c))`` with ``m_c`` the chunk maximum (the
-   paper's "per-chunk maximum"; the log form makes the final rescale a subtraction), writes it
-   to the program's scratch row, and tracks ``max_J LE_J``. After a barrier it re-reads the
+   the visible block means in chunks of ``BLOCK_N`` blocks, one ``tl.dot`` per chunk (fp32
+   accumulation; IEEE for fp32 inputs), transposed (blocks x rows) so that a block's energy
+   is a reduction inside one warp. Single pass, base 2: for each block it keeps the
+   log2-energy ``LE_J = c_J + log2(sum_i 2^(s_iJ - c_J))`` (scores in log2 units, ``c_J``
+   the block's own maximum: a per-block version of the paper's per-chunk maximum, so no
+   energy underflows and the final rescale of eq. 20 is a subtraction), writes it to the
+   program's scratch row and keeps a running ``max_J LE_J``. After a barrier it re-reads the
    row, thresholds ``LE_J - max LE >= log2(alpha)`` (i.e. ``E_J >= alpha * max E``), forces
    sink/window/diagonal blocks, and writes a bitmask of the selected logical blocks and the
    number of selected 64-token tiles of the segment.
@@ -22,7 +24,8 @@ Computes exactly ``kernels.reference.build_index`` (see docs/SEMANTICS.md):
 
 Memory (beyond the inputs and the outputs ``BlockMeans`` + CSR):
 - K means in q's dtype: ``total_blocks * Hkv * d`` elements (O(L); none for fp32 inputs).
-- Scratch: one fp32 row of ``max_blocks`` per persistent program (``2 * #SMs`` rows), O(L).
+- Scratch: one fp32 row of ``max_blocks`` per persistent program (``programs_per_sm * #SMs`` rows),
+  O(L).
 - Counts: one int32 per segment, O(L).
 - Selection bitmask: ``num_segments * ceil(max_blocks / 32)`` int32, i.e. one *bit* per
   (segment, logical block). This is the only term quadratic in L, but with a constant of
@@ -40,9 +43,10 @@ needed as a device tensor (overflow iff ``required > capacity``).
 
 Work at B=1, Hq=32, Hkv=8, d=128, Bs=128, L=128K (causal): 4096 query tiles per KV head,
 32768 segments, on average 512 visible blocks each: index GEMM 2 * 32768 * 128 * 512 * 128
-= 0.55 TFLOP, 2.1 G exp2 (the MUFU bound, ~0.5 ms on an H200), 8.6 G block-mean bytes read
-from L2 in bf16 (hence the rounded bf16 copy instead of re-reading fp32 means), and 0.54 GB
-of K/V read once from HBM by the means kernel (~0.12 ms).
+= 0.55 TFLOP (0.56 ms at the 989 TFLOP/s dense bf16 peak), 2.1 G exp2 (~0.5 ms of MUFU at 16/clk/SM,
+the floor: exp2 and wgmma overlap only across the programs sharing an SM), 4.3 GB of bf16
+block means re-read from L2 (hence the rounded bf16 copy: fp32 would double it), and 0.54 GB
+of K/V read once from HBM by the means kernel (~0.12 ms at 4.8 TB/s).
 
 Supports fp16/bf16/fp32 (q, K, V of one dtype), head_dim a multiple of 16 up to 256, any
 ``g``, any ``page_size``, varlen batches with cached prefixes, empty sequences and batches.
@@ -70,14 +74,22 @@ _BITS = 32  # selection bits per bitmask word
 
 @dataclass(frozen=True)
 class IndexLaunch:
-    """Launch parameters of the three kernels (defaults tuned for the H200, sm_90)."""
+    """Launch parameters of the three kernels (defaults chosen for the H200, sm_90; re-tune
+    with ``benchmarks/bench_index.py --sweep``)."""
 
     means_tokens: int = 32  # tokens per step of the means kernel
     means_warps: int = 4
-    block_n: int = 64  # logical blocks per score tl.dot (the N of the 128 x N x d GEMM)
-    score_warps: int = 8  # two warpgroups: one wgmma m64 each
-    score_stages: int = 3
-    programs_per_sm: int = 2  # persistent score programs (each holds one scratch row)
+    # Score kernel, read in an sm_90 build on a CPU box (bf16, d = 128): BLOCK_N = 64 blocks
+    # x 128 rows with one warpgroup is a single wgmma m64n128 chain per chunk, 166 registers
+    # and 64 KiB smem with a 2-stage cp.async ring: three programs fit an SM (regs and smem),
+    # so one program's exp2/reductions overlap another's wgmma and loads.
+    # Alternative in the benchmark sweep: BLOCK_N = 128, 8 warps, maxnreg 128 (125 regs, no
+    # spill, 97 KiB smem, two per SM).
+    block_n: int = 64  # logical blocks per score tl.dot (the M of the N x 128 x d GEMM)
+    score_warps: int = 4
+    score_stages: int = 2  # cp.async ring of block-mean chunks
+    score_maxnreg: int | None = None  # applied to 16-bit inputs with d <= 128 only
+    programs_per_sm: int = 3  # persistent score programs (each owns one scratch row)
     select_words: int = 4  # bitmask words per thresholding step (128 blocks)
     compact_blocks: int = 128  # logical blocks per compaction step
     compact_warps: int = 4
@@ -94,6 +106,10 @@ def _score_programs(device: torch.device, num_segments: int, launch: IndexLaunch
     # The interpreter runs programs one after another: a few programs still exercise the
     # persistent loop (several segments per program, scratch-row reuse).
     return max(1, min(num_segments, 3))
+
+
+def _maxnreg(value: int | None) -> dict:
+    return {} if value is None or _interpreting() else {"maxnreg": value}
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +139,17 @@ def _tile_geometry(
     nfull = tl.where(lkv <= lo + 1, tl.cdiv(lkv, BLOCK_SIZE), (lo + 1) // BLOCK_SIZE)
     tile_limit = tl.minimum(tl.cdiv(lkv, TILE), hi // TILE + 1)
     return b, q0, lkv, r0, nrows, lo, hi, nvis, nfull, tile_limit
+
+
+@triton.jit
+def _row_mask(row_ok, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """2-D load mask for rows of HEAD_DIM elements. When BLOCK_D == HEAD_DIM the mask is
+    constant along the row, which lets Triton vectorise the loads (16-byte accesses and
+    cp.async pipelining need that)."""
+    if BLOCK_D == HEAD_DIM:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & (dims < HEAD_DIM)[None, :]
 
 
 @triton.jit
@@ -178,7 +205,7 @@ def _block_means_kernel(
         ok = j < end
         page = tl.load(page_table_ptr + b * stride_pt + j // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         slot = (j % PAGE_SIZE).to(tl.int64)
-        m = ok[:, None] & dim_ok[None, :]
+        m = _row_mask(ok, dims, HEAD_DIM, BLOCK_D)
         k_off = page * stride_kp + slot * stride_ks + h * stride_kh
         v_off = page * stride_vp + slot * stride_vs + h * stride_vh
         acc_k += tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32)
@@ -222,7 +249,6 @@ def _score_select_kernel(
     scratch = scratch_ptr + pid.to(tl.int64) * scratch_stride
     rows = tl.arange(0, TILE_M)
     dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
     cols = tl.arange(0, BLOCK_N)
     wrow = tl.arange(0, WORDS)
     bit = tl.arange(0, 32)
@@ -246,33 +272,43 @@ def _score_select_kernel(
         q_off = (q0 + r // G).to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
         qt = tl.load(
             q_ptr + q_off[:, None] + dims[None, :],
-            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+            mask=_row_mask(row_ok, dims, HEAD_DIM, BLOCK_D), other=0.0,
         )
 
         kb_base = kbar_q_ptr + (blk0.to(tl.int64) * num_kv_heads + h) * HEAD_DIM
         kb_stride = num_kv_heads * HEAD_DIM
-        le_max = float("-inf")
+        # Transposed product s^T = kbar_chunk @ q_tile^T ([BLOCK_N blocks, TILE_M rows]): each
+        # block's energy is then a reduction along a row of the wgmma accumulator (in-thread
+        # plus a quad shuffle), never across warps, and each block gets its own shift
+        # c_J = max_i s_iJ, so E_J = 2^c_J * sum_i 2^(s_iJ - c_J) cannot underflow.
+        if UPCAST_DOT:
+            # interpreter only: its tl.dot multiplies bf16 bit patterns as integers; bf16
+            # products are exact in fp32, so this is the same GEMM
+            q_t = tl.trans(qt.to(tl.float32))
+        else:
+            q_t = tl.trans(qt)
+        le_max_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
         for j0 in range(0, nvis, BLOCK_N):
             J = j0 + cols
             col_ok = J < nvis
             kb = tl.load(
                 kb_base + J[:, None].to(tl.int64) * kb_stride + dims[None, :],
-                mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+                mask=_row_mask(col_ok, dims, HEAD_DIM, BLOCK_D), other=0.0,
             )
             if UPCAST_DOT:
-                # interpreter only: its tl.dot multiplies bf16 bit patterns as integers;
-                # bf16 products are exact in fp32, so this is the same GEMM
-                s = tl.dot(qt.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+                s = tl.dot(kb.to(tl.float32), q_t, input_precision="ieee")
             else:
-                s = tl.dot(qt, tl.trans(kb), input_precision=DOT_PRECISION)
-            s = s * qk_scale_log2
-            s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
-            # Column j0 and row 0 are always valid, so m_c is finite.
-            m_c = tl.max(tl.max(s, axis=1), axis=0)
-            energy = tl.sum(tl.exp2(s - m_c), axis=0)
-            le = m_c + tl.log2(tl.where(col_ok, energy, 1.0))  # log2 E_J, common base 2^0
+                s = tl.dot(kb, q_t, input_precision=DOT_PRECISION)
+            # padded query rows must not add energy; padded blocks (J >= nvis) read zero
+            # means, stay finite and are dropped below
+            s = tl.where(row_ok[None, :], s, float("-inf"))
+            c = tl.max(s, axis=1)
+            # one FFMA per score: (s - c) * scale * log2(e)
+            energy = tl.sum(tl.exp2(tl.fma(s, qk_scale_log2, -(c * qk_scale_log2)[:, None])), axis=1)
+            le = c * qk_scale_log2 + tl.log2(energy)  # log2 E_J, energy >= 1
             tl.store(scratch + J, le, mask=col_ok)
-            le_max = tl.maximum(le_max, tl.max(tl.where(col_ok, le, float("-inf")), axis=0))
+            le_max_vec = tl.maximum(le_max_vec, tl.where(col_ok, le, float("-inf")))
+        le_max = tl.max(le_max_vec, axis=0)
 
         # The row was written with one thread layout and is re-read with another.
         tl.debug_barrier()
@@ -428,6 +464,8 @@ def select_and_compact(
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(),
         num_warps=launch.score_warps,
         num_stages=launch.score_stages,
+        # the cap is only spill-free for 16-bit operands up to d = 128 (fp32 spills ~4 KiB)
+        **_maxnreg(launch.score_maxnreg if q.element_size() == 2 and d <= 128 else None),
     )
     torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
     required = offsets[-1:].clone()
