@@ -80,12 +80,12 @@ class IndexLaunch:
     means_tokens: int = 32  # tokens per step of the means kernel
     means_warps: int = 4
     # Score kernel, read in an sm_90 build on a CPU box (bf16, d = 128): BLOCK_N = 64 blocks
-    # x 128 rows with one warpgroup is a single wgmma m64n128 chain per chunk, 166 registers
+    # x 128 rows with one warpgroup is a single wgmma m64n128 chain per chunk, 164 registers
     # and 64 KiB smem with a 2-stage cp.async ring: three programs fit an SM (regs and smem),
     # so one program's exp2/reductions overlap another's wgmma and loads.
     # Alternative in the benchmark sweep: BLOCK_N = 128, 8 warps, maxnreg 128 (125 regs, no
     # spill, 97 KiB smem, two per SM).
-    block_n: int = 64  # logical blocks per score tl.dot (the M of the N x 128 x d GEMM)
+    block_n: int = 64  # logical blocks per score tl.dot (its M; N is the 128 query rows)
     score_warps: int = 4
     score_stages: int = 2  # cp.async ring of block-mean chunks
     score_maxnreg: int | None = None  # applied to 16-bit inputs with d <= 128 only
@@ -474,6 +474,8 @@ def select_and_compact(
     else:
         offsets.clamp_(max=capacity)  # overflowing segments lose their tail, stay in bounds
     kv_tiles = torch.empty(capacity, **i32)
+    if capacity == 0:  # nothing can be written (and a CUDA launch wants a real pointer)
+        return SparseIndex(seg_offsets=offsets, kv_tiles=kv_tiles, means=means), required
     tpb = cfg.tiles_per_block
     _compact_kernel[(nseg,)](
         bits, offsets, kv_tiles,

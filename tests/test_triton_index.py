@@ -279,6 +279,10 @@ def test_capacity_path():
     assert small.kv_tiles.numel() == cap
     assert torch.equal(small.seg_offsets, exact.seg_offsets.clamp(max=cap))
     assert torch.equal(small.kv_tiles, exact.kv_tiles[:cap])
+    # no room at all: nothing written, every segment empty, the flag still set
+    none, required = _run(bt, plan, capacity=0)
+    assert none.kv_tiles.numel() == 0 and int(none.seg_offsets.max()) == 0
+    assert int(required) == nnz
     # the public wrapper takes the same capacity
     public = triton_index.build_index(bt.q, bt.k_pages, bt.v_pages, plan, capacity=nnz)
     assert torch.equal(public.kv_tiles, exact.kv_tiles)
@@ -311,9 +315,13 @@ def test_gpu_matches_reference(seqlens_q, prefixes, page_size):
     bt, plan = _batch(seqlens_q, prefixes, g=4, hkv=2, d=128, page_size=page_size,
                       dtype=torch.bfloat16, seed=21, config=cfg, device="cuda")
     got, required = _run(bt, plan)
-    want = reference.build_index(bt.q, bt.k_pages, bt.v_pages, plan)
-    torch.testing.assert_close(got.means.kbar, want.means.kbar, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.means.vbar, want.means.vbar, rtol=1e-5, atol=1e-5)
+    ref_means = reference.block_means(bt.k_pages, bt.v_pages, plan)
+    torch.testing.assert_close(got.means.kbar, ref_means.kbar, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.means.vbar, ref_means.vbar, rtol=1e-5, atol=1e-5)
+    # Selection from the same means: at 32K a fp32 mean one ulp off the reference's can round
+    # to the neighbouring bf16 value; that is a means question (checked just above), not one
+    # of scoring and selection, which must then agree up to the threshold ties.
+    want = reference.build_index(bt.q, bt.k_pages, bt.v_pages, plan, means=got.means)
     nnz = int(required)
     # tolerance at the threshold: a handful of borderline blocks out of ~10^6
     assert assert_index_matches(got, want, bt.q, plan) <= max(8, nnz // 10000)
