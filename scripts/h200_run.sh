@@ -17,9 +17,11 @@ run() {  # name, timeout seconds, command...
 }
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/ -q -x -p no:cacheprovider ;;
+    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ;;
     index) run bench_index 240 python3 benchmarks/bench_index.py ;;
     operator) run bench_operator 540 python3 benchmarks/bench_operator.py ;;
+    operator_quick) run bench_operator_quick 300 python3 benchmarks/bench_operator.py --quick ;;
+    index_sweep) run bench_index_sweep 240 python3 benchmarks/bench_index.py --sweep ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
     *) run "$s" 300 python3 "benchmarks/bench_$s.py" ;;
   esac
