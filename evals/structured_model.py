@@ -162,10 +162,10 @@ def build_structured_llama(
     hq, hkv, hidden = spec.num_attention_heads, spec.num_key_value_heads, spec.hidden_size
     group = hq // hkv
     scale = 1.0 / math.sqrt(d)
-    gen = torch.Generator(device="cpu").manual_seed(spec.seed)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+    def randn(*shape):  # drawn on the target device: 1.5G numbers at the 8B shape
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device)
 
     # Pairs: slowest one for the sink, the next ``content_pairs`` for token content.
     order = torch.argsort(inv_freq)  # slowest first
@@ -183,17 +183,17 @@ def build_structured_llama(
     cos_t = 0.5
     sin_t = math.sqrt(1 - cos_t**2)
     root = math.sqrt(hidden)
-    emb = torch.empty(spec.vocab_size, hidden)
+    emb = torch.empty(spec.vocab_size, hidden, dtype=dtype, device=device)
     chunk = 8192
     for r0 in range(0, spec.vocab_size, chunk):
         eps = randn(min(chunk, spec.vocab_size - r0), hidden - 2)
         eps = eps / eps.norm(dim=1, keepdim=True)
-        emb[r0 : r0 + eps.shape[0], 2:] = root * sin_t * eps
+        emb[r0 : r0 + eps.shape[0], 2:] = (root * sin_t * eps).to(dtype)
     emb[:, 0] = root * cos_t
     emb[:, 1] = 0.0
     emb[spec.bos_token_id, 2:] = 0.0
     emb[spec.bos_token_id, 1] = root * sin_t
-    model.model.embed_tokens.weight.copy_(emb.to(device, dtype))
+    model.model.embed_tokens.weight.copy_(emb)
     del emb
     dc = root * cos_t  # x_hat . u0 for every token (before later layers' small additions)
     bos_in = root * sin_t  # x_hat . u1 for BOS
@@ -202,8 +202,8 @@ def build_structured_llama(
     nc = content_dims.numel()
     for layer_idx, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        wq = torch.zeros(hq, d, hidden)
-        wk = torch.zeros(hkv, d, hidden)
+        wq = torch.zeros(hq, d, hidden, device=device)
+        wk = torch.zeros(hkv, d, hidden, device=device)
         for kv in range(hkv):
             band = head_type(spec, layer_idx, kv)
             pairs = bands[band.name]
