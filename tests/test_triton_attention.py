@@ -24,62 +24,35 @@ ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _fix_triton_interpreter() -> None:
-    """Bugs of triton 3.6's CPU interpreter in this environment (not of compiled Triton):
-    - a tensor loop bound becomes an int through ``int(ndarray of shape [1])``, which
-      numpy >= 2.4 rejects: read the element instead;
-    - ``tl.dot`` on bfloat16 multiplies the raw uint16 bit patterns: widen to fp32 first;
-    - fp32 -> bf16 casts truncate; GPUs round to nearest even: do that, so the interpreter's
-      rounding error is the GPU's.
-    Same fix as tests/test_decode.py (idempotent); belongs in tests/conftest.py."""
+def _round_bf16_to_nearest_even() -> None:
+    """triton 3.6's CPU interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even.
+    Round here too, so that the interpreter's rounding error (probabilities before the PV
+    product, the output) is the GPU's. (tests/conftest.py fixes the interpreter's other bugs;
+    this one belongs there as well.)"""
     try:
         import numpy as np
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return
-    if getattr(interpreter.InterpreterBuilder.cast_impl, "_fixed_rtne", False):
-        return
-    original_patch = interpreter._patch_lang_tensor
-    if not getattr(original_patch, "_fixed", False):
-
-        def patch_lang_tensor(tensor, scope):
-            original_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        patch_lang_tensor._fixed = True
-        interpreter._patch_lang_tensor = patch_lang_tensor
-
-        original_dot = interpreter.InterpreterBuilder.create_dot
-
-        def widen(x):
-            if x.dtype != tl.bfloat16:
-                return x
-            data = (x.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-            return interpreter.TensorHandle(data, tl.float32)
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-        interpreter.InterpreterBuilder.create_dot = create_dot
-
     original_cast = interpreter.InterpreterBuilder.cast_impl
+    if getattr(original_cast, "_rtne", False):
+        return
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
             rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            nan = np.isnan(src.data)
-            rounded = np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded).astype(np.uint16)
             return interpreter.TensorHandle(rounded, tl.bfloat16)
         return original_cast(self, src, dst_type)
 
-    cast_impl._fixed_rtne = True
+    cast_impl._rtne = True
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
 if INTERPRET:
-    _fix_triton_interpreter()
+    _round_bf16_to_nearest_even()
 
 needs_triton = pytest.mark.skipif(
     not (ON_GPU or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1"
