@@ -103,10 +103,15 @@ class ModelRunner:
         if held * self.page_size < num_tokens:
             self.pool.reserve(request_id, num_tokens)
 
-    def _check_tokens(self, name: str, ids: Sequence[int]) -> None:
-        for t in ids:
-            if not (0 <= int(t) < self.vocab_size):
-                raise ValueError(f"{name}: token id {int(t)} is outside the vocabulary [0, {self.vocab_size})")
+    def _check_tokens(self, name: str, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Host-side int64 tensor of ``ids`` (one vectorised range check, no per-token loop)."""
+        t = torch.as_tensor(ids if isinstance(ids, torch.Tensor) else list(ids), dtype=torch.int64)
+        if t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return t
 
     def _check_room(self, request_id: str, start: int, length: int) -> None:
         if not self.pool.has(request_id):
@@ -176,11 +181,11 @@ class ModelRunner:
             n = len(it.token_ids)
             if n == 0:
                 raise ValueError(f"token_ids: expected at least one new token for {it.request_id!r}")
-            self._check_tokens("token_ids", it.token_ids)
+            tokens = self._check_tokens("token_ids", it.token_ids)
             self._check_room(it.request_id, it.cached_len, n)
             starts.append(it.cached_len)
             lengths.append(n)
-            ids.append(torch.as_tensor(list(it.token_ids), dtype=torch.int64))
+            ids.append(tokens)
             pos.append(torch.arange(it.cached_len, it.cached_len + n, dtype=torch.int64))
         last = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
         return self._forward(
