@@ -127,7 +127,8 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# batch-dependent integers are not specialized (a new batch shape must not recompile)
+@triton.jit(do_not_specialize=["total_tiles", "total_q"])
 def _sparse_attn_fwd(
     Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart,
     seg_offsets, kv_tiles, order,
