@@ -447,6 +447,10 @@ class ObjectStoreTransport(KVTransport):
             raise TransferError(TransferFailure.LOST, f"frame not fetched within {self.fetch_timeout_s}s", ticket.request_id) from None
         except Exception as exc:  # ObjectLostError, OwnerDiedError, ...
             raise TransferError(TransferFailure.LOST, f"{type(exc).__name__}: {exc}", ticket.request_id) from None
+        if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or frame.ndim != 1:
+            # frames are plain uint8 arrays (Ray stores numpy arrays as raw buffers, no pickle)
+            raise TransferError(TransferFailure.MALFORMED, f"frame: expected a 1-D uint8 array, got {type(frame).__name__}",
+                                ticket.request_id)
         # checksum + scatter off the event loop (large frames take a while)
         return await asyncio.to_thread(adopt_frame, pool, frame, request_id=ticket.request_id)
 

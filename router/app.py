@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServiceConfig
 from .pipeline import Delta, DisaggregatedPipeline
@@ -31,24 +32,43 @@ from .protocol import (
     RequestParser,
     completion_response,
     models_response,
+    openapi_extra,
     stream_chunk,
     usage_chunk,
 )
 from .runtime import load_tokenizer
+from .security import BearerAuth, grpc_authorization
 
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(title="FlashPrefill Serve", description="OpenAI-compatible disaggregated-prefill LLM service")
 
-GRPC_SERVICER = "router.proto.flashprefill_pb2_grpc.add_FlashPrefillServicer_to_server"
+# the hardened registration (bad bytes -> INVALID_ARGUMENT); the generated
+# router.proto.flashprefill_pb2_grpc.add_FlashPrefillServicer_to_server works too
+GRPC_SERVICER = "router.grpc_service.add_FlashPrefillServicer_to_server"
 
-_GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 429: "RESOURCE_EXHAUSTED",
-               499: "CANCELLED", 500: "INTERNAL", 502: "UNAVAILABLE", 503: "UNAVAILABLE"}
+_GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED",
+               413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+               502: "UNAVAILABLE", 503: "UNAVAILABLE"}
+
+UNAUTHORIZED = RequestError("missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                            status=401, code="invalid_api_key")
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(err.retry_after_s)
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers or None)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths and wrong methods answer OpenAI-style error objects too."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(RequestError(str(exc.detail), status=exc.status_code, code=code))
 
 
 def _as_request_error(exc: BaseException) -> RequestError:
@@ -80,7 +100,41 @@ class OpenAIIngress:
             default_max_tokens=self.config.default_max_tokens,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer)
+        self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
+
+    def _check_capacity(self, req: GenerationRequest) -> None:
+        """Requests no replica could ever hold are bad input (400), not overload (429)."""
+        ps = self.config.page_size
+        prompt_pages = -(-req.prompt_len // ps)
+        if prompt_pages > self.config.prefill_kv_pages:
+            raise RequestError(
+                f"prompt: {req.prompt_len} tokens need {prompt_pages} KV pages; a prefill replica holds "
+                f"{self.config.prefill_kv_pages}", param="prompt", status=400, code="prompt_too_long")
+        final_pages = -(-(req.prompt_len + req.max_tokens) // ps)
+        if final_pages > self.config.decode_kv_pages:
+            raise RequestError(
+                f"max_tokens: prompt ({req.prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
+                f"a decode replica holds {self.config.decode_kv_pages}: lower max_tokens",
+                param="max_tokens", status=400, code="invalid_value")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        too_large = RequestError(f"body: larger than {limit} bytes (max_request_bytes)", param="body",
+                                 status=413, code="request_too_large")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError("body: bad Content-Length", param="body", status=400, code="invalid_request")
+            if int(declared) > limit:
+                raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():  # stop reading as soon as the limit is passed
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # -- HTTP ----------------------------------------------------------------------------
     @api.get("/health")
@@ -88,24 +142,34 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request):
+        if not self.auth.check(request.headers.get("authorization")):
+            return error_response(UNAUTHORIZED)
         return models_response(self.config.model_id, self.created)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=openapi_extra("completion"))
     async def completions(self, request: Request):
         return await self._http(request, "completion")
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=openapi_extra("chat"))
     async def chat_completions(self, request: Request):
         return await self._http(request, "chat")
 
     async def _http(self, request: Request, kind: str):
+        if not self.auth.check(request.headers.get("authorization")):
+            return error_response(UNAUTHORIZED)
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error_response(RequestError(f"body: expected JSON ({exc})", status=400, code="invalid_json"))
+            raw = await self._read_body(request)
+        except RequestError as err:
+            return error_response(err)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            return error_response(RequestError(f"body: expected JSON ({type(exc).__name__})", param="body",
+                                               status=400, code="invalid_json"))
         try:
             req = self.parser.parse(body, kind, request_id=request.headers.get("x-request-id"))
+            self._check_capacity(req)
         except RequestError as err:
             return error_response(err)
         if not req.stream:
@@ -149,7 +213,23 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- gRPC (router/proto/flashprefill.proto) -------------------------------------------
-    def _grpc_request(self, message: Any) -> GenerationRequest:
+    def _grpc_request(self, message: Any, grpc_context: Any = None) -> GenerationRequest:
+        from router.grpc_service import MalformedMessage
+
+        if not self.auth.check(grpc_authorization(grpc_context)):
+            raise UNAUTHORIZED
+        if isinstance(message, MalformedMessage):
+            raise RequestError(f"request: {message.size} bytes are not a flashprefill.v1.GenerateRequest ({message.reason})",
+                               param="request", status=400, code="invalid_message")
+        size = message.ByteSize()
+        if size > self.config.max_request_bytes:
+            raise RequestError(f"request: {size} bytes, larger than max_request_bytes {self.config.max_request_bytes}",
+                               param="request", status=413, code="request_too_large")
+        req = self._grpc_parse(message)
+        self._check_capacity(req)
+        return req
+
+    def _grpc_parse(self, message: Any) -> GenerationRequest:
         body: dict[str, Any] = {"model": message.model}
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if
                  (getattr(message, name) if name == "prompt" else len(getattr(message, name)))]
@@ -181,6 +261,8 @@ class OpenAIIngress:
         if grpc_context is not None:
             grpc_context.set_code(getattr(grpc.StatusCode, _GRPC_CODES.get(err.status, "INTERNAL")))
             grpc_context.set_details(err.message)
+            if err.retry_after_s is not None:  # the retry hint, as HTTP's Retry-After
+                grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after_s))])
 
     @staticmethod
     def _grpc_extras(pb: Any, msg: Any, req: GenerationRequest, timing: dict | None, routing: dict | None,
@@ -196,7 +278,7 @@ class OpenAIIngress:
         from router.proto import flashprefill_pb2 as pb
 
         try:
-            req = self._grpc_request(request)
+            req = self._grpc_request(request, grpc_context)
             result = await self.pipeline.complete(req)
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
@@ -210,7 +292,7 @@ class OpenAIIngress:
         from router.proto import flashprefill_pb2 as pb
 
         try:
-            req = self._grpc_request(request)
+            req = self._grpc_request(request, grpc_context)
         except RequestError as err:
             # Serve ends a stream with the status set on grpc_context only when the method raises
             self._grpc_fail(grpc_context, err)
@@ -261,6 +343,7 @@ def build_application(
 
     config = ServiceConfig.from_dict(config)
     raw = config.to_dict()
+    worker_raw = config.worker_dict()  # the auth token stays with the ingress
     worker_defaults = _default_worker_options(config)
     prefill_dep = make_prefill_deployment(config, **{**worker_defaults, **(prefill or {})})
     decode_dep = make_decode_deployment(config, **{**worker_defaults, **(decode or {})})
@@ -274,7 +357,7 @@ def build_application(
     }
     ingress_options.update(ingress or {})
     ingress_dep = serve.deployment(OpenAIIngress).options(**ingress_options)
-    return ingress_dep.bind(prefill_dep.bind(raw), decode_dep.bind(raw), raw)
+    return ingress_dep.bind(prefill_dep.bind(worker_raw), decode_dep.bind(worker_raw), raw)
 
 
 def build_app(args: dict | None = None):

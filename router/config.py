@@ -34,14 +34,20 @@ def _float(name: str, value: Any, minimum: float, maximum: float = math.inf) -> 
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Drills and tests only: damage the first ``corrupt_transfers`` KV frames a prefill
-    replica ships (``mode``: "flip" a byte or "truncate" the frame)."""
+    """Drills and tests only (all off by default): damage the first ``corrupt_transfers`` KV
+    frames a prefill replica ships (``mode``: "flip" a byte or "truncate" the frame); hold
+    every prefill call ``prefill_delay_ms`` before it queues, and every decode step
+    ``decode_step_delay_ms``, so that a drill can kill a replica mid-request."""
 
     corrupt_transfers: int = 0
     mode: str = "flip"
+    prefill_delay_ms: float = 0.0
+    decode_step_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _int("fault_injection.corrupt_transfers", self.corrupt_transfers, 0)
+        _float("fault_injection.prefill_delay_ms", self.prefill_delay_ms, 0.0, 60_000.0)
+        _float("fault_injection.decode_step_delay_ms", self.decode_step_delay_ms, 0.0, 60_000.0)
         if self.mode not in FAULT_MODES:
             raise ValueError(f"fault_injection.mode: expected one of {FAULT_MODES}, got {self.mode!r}")
 
@@ -70,6 +76,15 @@ class ServiceConfig:
         by sparse prefill above ``dense_below``.
     debug_routing: add replica ids to responses (the ``routing`` field).
     torch_threads: intra-op threads per worker replica (0: leave torch's default).
+    decode_resumes: how many times a stream whose decode replica died is resumed (prompt +
+        tokens so far prefilled again, decoding continues on a healthy replica).
+    adopt_wait_s: how long a decode replica waits for free pages (running requests finishing)
+        before it refuses a transfer as "pool exhausted" (bounded queueing, then 429).
+    max_request_bytes: largest HTTP body / gRPC request message the ingress accepts (413 /
+        INVALID_ARGUMENT beyond).
+    auth_token: bearer token clients must send (``Authorization: Bearer ...``); prefer
+        ``auth_token_env``, the name of an environment variable holding it (read by the
+        ingress replica). Neither set: no auth. The token never reaches the workers or logs.
     """
 
     model: str = "builtin:tiny"
@@ -98,6 +113,11 @@ class ServiceConfig:
     debug_routing: bool = False
     torch_threads: int = 0
     retry_after_s: int = 1
+    decode_resumes: int = 2
+    adopt_wait_s: float = 5.0
+    max_request_bytes: int = 1 << 20
+    auth_token: str | None = field(default=None, repr=False)
+    auth_token_env: str | None = "FLASHPREFILL_API_TOKEN"
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
 
     def __post_init__(self) -> None:
@@ -127,6 +147,13 @@ class ServiceConfig:
         _float("expected_density", self.expected_density, 0.0, 1.0)
         _int("torch_threads", self.torch_threads, 0)
         _int("retry_after_s", self.retry_after_s, 0)
+        _int("decode_resumes", self.decode_resumes, 0)
+        _float("adopt_wait_s", self.adopt_wait_s, 0.0, 3600.0)
+        _int("max_request_bytes", self.max_request_bytes, 1024)
+        if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token.strip()):
+            raise ValueError("auth_token: expected a non-empty string or None (the value is not shown)")
+        if self.auth_token_env is not None and (not isinstance(self.auth_token_env, str) or not self.auth_token_env):
+            raise ValueError(f"auth_token_env: expected an environment variable name or None, got {self.auth_token_env!r}")
         if not isinstance(self.debug_routing, bool):
             raise ValueError(f"debug_routing: expected a bool, got {self.debug_routing!r}")
         self.sparse_config  # validates alpha, block_size, sink/window via SparseConfig
@@ -164,6 +191,12 @@ class ServiceConfig:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
+        return out
+
+    def worker_dict(self) -> dict:
+        """What the worker deployments get: everything but the auth secret."""
+        out = self.to_dict()
+        out["auth_token"] = None
         return out
 
     def replace(self, **changes: Any) -> "ServiceConfig":

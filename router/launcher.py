@@ -17,6 +17,7 @@ from typing import Any
 from .config import ServiceConfig
 
 APP_NAME = "flashprefill"
+GRPC_MAX_MESSAGE_BYTES = 4 << 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,6 +39,19 @@ def prepare_environment() -> None:
     if str(REPO_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # the gRPC proxy's own message limit (Ray's default is 2 GiB); the ingress then applies
+    # max_request_bytes. Proxies inherit this from the process that starts the local Ray.
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(GRPC_MAX_MESSAGE_BYTES))
+
+
+def ray_init_kwargs(host: str = "127.0.0.1") -> dict[str, Any]:
+    """``ray.init`` options for a local service: loopback node, and the worker setup hook that
+    makes Serve's gRPC proxy listen on ``host`` instead of every interface."""
+    from .security import GRPC_HOST_ENV, SETUP_HOOK
+
+    os.environ.setdefault(GRPC_HOST_ENV, host)
+    return {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
+            "runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
 
 
 def start_local_ray(options: LocalServeOptions) -> None:
@@ -45,8 +59,7 @@ def start_local_ray(options: LocalServeOptions) -> None:
 
     prepare_environment()
     if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
-                                  "configure_logging": True, "logging_level": "WARNING"}
+        kwargs: dict[str, Any] = {**ray_init_kwargs(options.host), "configure_logging": True, "logging_level": "WARNING"}
         if options.num_cpus is not None:
             kwargs["num_cpus"] = options.num_cpus
         ray.init(**kwargs)

@@ -11,9 +11,16 @@ Page ownership along the way (see docs/ARCHITECTURE.md):
 Every exit path (success, error, cancellation) closes whatever stream is still open.
 
 Retries: a retryable transfer failure (checksum, truncation, lost object, no room on the
-decode replica) or a prefill replica dying before it answered re-runs the prefill, up to
-``transfer_retries`` times. Tokens already sent to the client are kept: the decode side
-continues from the first token that was emitted.
+decode replica) or a prefill or decode replica dying before the pages were adopted re-runs the
+prefill, up to ``transfer_retries`` times. Tokens already sent to the client are kept: the
+decode side continues from the first token that was emitted.
+
+Resume: a decode replica dying mid-stream (Ray Serve retries nothing in flight) is answered by
+prefilling prompt + generated[:-1] on a healthy pair and decoding on from generated[-1], up to
+``decode_resumes`` times: the client sees neither a gap nor a repeated token. With greedy
+sampling the continuation is the one the dead replica would have produced (up to float
+rounding between prefill and decode attention; with sparse prefill, up to the sparse
+approximation of the re-prefilled tokens); a seeded sampler restarts its per-step stream.
 """
 
 from __future__ import annotations
@@ -100,70 +107,106 @@ class DisaggregatedPipeline:
         life = RequestLifecycle(req.request_id)
         text = TextStream(self.tokenizer, req.stop)
         params = params_to_dict(req.sampling_params())
-        cost = self.cost_model.cost(req.prompt_len)
+        nonce = uuid.uuid4().hex[:8]
+        generated: list[int] = []  # every token the client has been sent, in order
         attempt: _Attempt | None = None
-        first_token: int | None = None
+        attempts = resumes = 0
         try:
-            for n in range(self.config.transfer_retries + 1):
-                attempt = _Attempt(f"{req.request_id}:{uuid.uuid4().hex[:8]}:{n}")
-                life.to(RequestPhase.PREFILLING)
-                try:
-                    event = await self._start_prefill(attempt, req, params, cost)
-                except Exception as exc:
-                    if _is_replica_failure(exc) and n < self.config.transfer_retries:
-                        logger.warning("prefill replica failed for %s (%r); prefilling again", req.request_id, exc)
-                        continue
-                    raise
-                if first_token is None:
-                    first_token = int(event["first_token"])
-                    life.mark_first_token()
-                    delta = Delta(text.push([first_token]), [first_token], first=True)
-                    reason = self._finish_after_first(req, first_token, text)
-                    if reason is not None:
-                        life.to(RequestPhase.FINISHED)
-                        delta.text += text.finish()
-                        delta.finish_reason = reason
-                        delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+            while True:
+                # -- connect: prefill (+ transfer) until a decode replica has adopted the pages.
+                # On a resume the context is prompt + generated[:-1] and the decode side
+                # continues from generated[-1]: nothing is sent twice, nothing is skipped.
+                context = list(req.prompt_token_ids) + generated[:-1]
+                left = req.max_tokens - max(len(generated) - 1, 0)
+                step_params = {**params, "max_new_tokens": left}
+                cost = self.cost_model.cost(len(context))
+                for n in range(self.config.transfer_retries + 1):
+                    attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
+                    attempts += 1
+                    life.to(RequestPhase.PREFILLING)
+                    try:
+                        event = await self._start_prefill(attempt, req, context, step_params, cost,
+                                                          skip_transfer=not generated and req.max_tokens == 1)
+                    except Exception as exc:
+                        self._close(attempt)
+                        if _is_replica_failure(exc) and n < self.config.transfer_retries:
+                            logger.warning("prefill replica failed for %s (%s); prefilling again",
+                                           req.request_id, type(exc).__name__)
+                            continue
+                        raise
+                    if not generated:
+                        first_token = int(event["first_token"])
+                        generated.append(first_token)
+                        life.mark_first_token()
+                        delta = Delta(text.push([first_token]), [first_token], first=True)
+                        reason = self._finish_after_first(req, first_token, text)
+                        if reason is not None:
+                            life.to(RequestPhase.FINISHED)
+                            delta.text += text.finish()
+                            delta.finish_reason = reason
+                            delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
+                            yield delta
+                            return
                         yield delta
-                        return
-                    yield delta
-                life.to(RequestPhase.TRANSFERRING)
-                event = await self._start_decode(attempt, req, params, first_token, event)
-                if event["type"] == "adopted":
-                    attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
-                    attempt.prefill_stream = None
-                    life.to(RequestPhase.DECODING)
-                    break
-                self._close(attempt)
-                if not (event.get("retryable") and n < self.config.transfer_retries):
-                    raise RequestError(
-                        f"KV transfer failed: {event.get('message')}", status=502, code="kv_transfer_failed",
-                    )
-                logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.get("reason"))
-            else:
-                raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable")
-
-            async for event in attempt.decode_stream:
-                tokens = [int(t) for t in event["tokens"]]
-                delta = Delta(text.push(tokens), tokens)
-                if text.stopped:
-                    reason = "stop"
-                elif event["finished"]:
-                    # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
-                    reason = {"stop": "stop", "length": "length"}.get(event["finish_reason"], "abort")
-                    delta.text += text.finish()
+                    life.to(RequestPhase.TRANSFERRING)
+                    try:
+                        event = await self._start_decode(attempt, req, step_params, generated[-1], event)
+                    except Exception as exc:
+                        self._close(attempt)
+                        if _is_replica_failure(exc) and n < self.config.transfer_retries:
+                            logger.warning("decode replica failed before adopting %s (%s); prefilling again",
+                                           req.request_id, type(exc).__name__)
+                            continue
+                        raise
+                    if event["type"] == "adopted":
+                        attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
+                        attempt.prefill_stream = None
+                        life.to(RequestPhase.DECODING)
+                        break
+                    self._close(attempt)
+                    if not (event.get("retryable") and n < self.config.transfer_retries):
+                        raise self._transfer_error(event)
+                    logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.get("reason"))
                 else:
-                    reason = None
-                if reason is not None:
-                    life.to(RequestPhase.FINISHED)
-                    if event["finished"]:
-                        attempt.decode_stream = None  # ended on its own: nothing to cancel
-                    delta.finish_reason = reason
-                    delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
-                    yield delta
-                    return
-                yield delta
-            raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+                    raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
+                                       retry_after_s=self.config.retry_after_s or 1)
+
+                # -- decode: stream tokens until the request finishes or the replica dies.
+                try:
+                    async for event in attempt.decode_stream:
+                        tokens = [int(t) for t in event["tokens"]]
+                        generated.extend(tokens)
+                        delta = Delta(text.push(tokens), tokens)
+                        if text.stopped:
+                            reason = "stop"
+                        elif event["finished"]:
+                            # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
+                            reason = {"stop": "stop", "length": "length"}.get(event["finish_reason"], "abort")
+                            delta.text += text.finish()
+                        else:
+                            reason = None
+                        if reason is not None:
+                            life.to(RequestPhase.FINISHED)
+                            if event["finished"]:
+                                attempt.decode_stream = None  # ended on its own: nothing to cancel
+                            delta.finish_reason = reason
+                            delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
+                            yield delta
+                            return
+                        yield delta
+                    raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+                except RequestError:
+                    raise
+                except Exception as exc:
+                    self._close(attempt)
+                    if not (_is_replica_failure(exc) and resumes < self.config.decode_resumes):
+                        raise RequestError(
+                            f"decode replica failed mid-stream ({type(exc).__name__}) after {len(generated)} tokens",
+                            status=502, code="decode_failed",
+                        ) from exc
+                    resumes += 1
+                    logger.warning("decode replica failed mid-stream for %s (%s); resuming after %d tokens",
+                                   req.request_id, type(exc).__name__, len(generated))
         except (asyncio.CancelledError, GeneratorExit):
             if not life.done:
                 life.to(RequestPhase.CANCELLED)
@@ -176,16 +219,24 @@ class DisaggregatedPipeline:
             if attempt is not None:
                 self._close(attempt)
 
+    def _transfer_error(self, event: dict) -> RequestError:
+        if event.get("reason") == "pool_exhausted":
+            # every decode replica stayed full for adopt_wait_s: overload, not a fault
+            return RequestError("decode KV capacity exhausted; retry later", status=429, code="kv_capacity_exhausted",
+                                retry_after_s=self.config.retry_after_s or 1)
+        return RequestError(f"KV transfer failed: {event.get('message')}", status=502, code="kv_transfer_failed")
+
     # -- steps -------------------------------------------------------------------------
-    async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, params: dict, cost: float) -> dict:
+    async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: dict,
+                             cost: float, *, skip_transfer: bool) -> dict:
         payload = {
             "request_id": attempt.worker_request_id,
-            "prompt_token_ids": list(req.prompt_token_ids),
+            "prompt_token_ids": context,
             "params": params,
-            "skip_transfer": req.max_tokens == 1,
+            "skip_transfer": skip_transfer,
         }
         attempt.prefill_stream = self._prefill.prefill.remote(
-            payload, routing=routing_hint(cost=cost, pages=self._pages(req.prompt_len))
+            payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)))
         )
         event = await attempt.prefill_stream.__anext__()
         attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"])
@@ -225,7 +276,7 @@ class DisaggregatedPipeline:
                 stream.cancel()
                 setattr(attempt, name, None)
 
-    def _timing(self, life: RequestLifecycle, attempt: _Attempt) -> dict:
+    def _timing(self, life: RequestLifecycle, attempt: _Attempt, resumes: int = 0) -> dict:
         now = time.monotonic()
         return {
             "ttft_s": life.ttft_s,
@@ -234,6 +285,7 @@ class DisaggregatedPipeline:
             "transfer_s": attempt.timing.get("transfer_s"),
             "total_s": now - life.received_at,
             "prefill_attempts": life.prefill_attempts,
+            "decode_resumes": resumes,
         }
 
     def _routing(self, attempt: _Attempt) -> dict | None:

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256
 MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0
+MAX_ERROR_MESSAGE = 512
 
 # Parameters we accept only at their "off" value (OpenAI clients send some of them by default).
 _NEUTRAL = {
@@ -62,6 +63,8 @@ class RequestError(Exception):
         error_type: str | None = None,
         retry_after_s: int | None = None,
     ) -> None:
+        if len(message) > MAX_ERROR_MESSAGE:  # messages quote bad values: keep them short
+            message = message[: MAX_ERROR_MESSAGE - 3] + "..."
         super().__init__(message)
         self.message = message
         self.param = param
@@ -86,6 +89,8 @@ def _type_for(status: int) -> str:
         return "not_found_error"
     if status == 429:
         return "rate_limit_error"
+    if status == 401:
+        return "authentication_error"
     if status >= 500:
         return "server_error"
     return "invalid_request_error"
@@ -392,3 +397,67 @@ def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict:
 
 def models_response(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "flashprefill-serve"}]}
+
+
+# ----------------------------------------------------------------------------- OpenAPI
+def _request_schema(kind: str) -> dict:
+    """JSON schema of a request body, for the OpenAPI description (``/openapi.json``). The
+    parser above stays the authority: model-dependent bounds (vocabulary, ``max_model_len``)
+    are checked there and answered with 400s naming the field."""
+    stop = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+                      {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                       "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}},
+                      {"type": "null"}]}
+    props: dict[str, Any] = {
+        "model": {"type": "string", "minLength": 1, "description": "the served model id (GET /v1/models)"},
+        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}, {"type": "null"}]},
+        "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}]},
+        "top_k": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
+        "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_SEED}, {"type": "null"}]},
+        "stop": stop,
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                           "additionalProperties": False},
+        "return_token_ids": {"type": "boolean"},
+        "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "n": {"type": "integer", "enum": [1]},
+        "user": {"type": "string"},
+    }
+    if kind == "completion":
+        props["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}
+        required = ["model", "prompt"]
+    else:
+        props["messages"] = {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": {"type": "string"},
+                           "name": {"type": "string"}}}}
+        props["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
+        required = ["model", "messages"]
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+def openapi_extra(kind: str) -> dict:
+    """``openapi_extra`` for a FastAPI route taking a raw ``Request``: body schema and errors."""
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _request_schema(kind)}}},
+        "responses": {
+            "400": {"description": "invalid request (the error's param names the field)", **error},
+            "401": {"description": "missing or wrong bearer token", **error},
+            "404": {"description": "unknown model", **error},
+            "413": {"description": "body larger than max_request_bytes", **error},
+            "429": {"description": "overloaded; see Retry-After", **error},
+            "502": {"description": "a worker failed and retries were exhausted", **error},
+            "503": {"description": "no worker replica available", **error},
+        },
+    }

@@ -180,7 +180,8 @@ class DecodeRequestRouter(RequestRouter):
         return max(running, float(self._ledger.count(replica.replica_id))) / capacity
 
     def free_pages(self, replica: Any) -> float:
-        reported = _stat(replica, "free_pages", float("inf"))
+        # room_pages: free pages minus what admitted requests may still grow into
+        reported = min(_stat(replica, "free_pages", float("inf")), _stat(replica, "room_pages", float("inf")))
         total = _stat(replica, "num_pages", float("inf"))
         return min(reported, total - self._ledger.pages(replica.replica_id))
 

@@ -1,8 +1,9 @@
 """A request's life at the ingress, as an explicit state machine.
 
     RECEIVED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
-                    ^              |
-                    +--------------+   (retryable transfer failure: prefill again)
+                    ^              |           |
+                    +--------------+-----------+  (retryable transfer failure, or the decode
+                                                  replica died: prefill again and resume)
     any non-terminal state -> FAILED | CANCELLED
 
 PREFILLING: a prefill replica owns the request (queue, forward, first token sampled).
@@ -37,7 +38,8 @@ _ALLOWED: dict[RequestPhase, frozenset[RequestPhase]] = {
     # PREFILLING -> PREFILLING: the prefill replica died before answering; try another
     RequestPhase.PREFILLING: frozenset({RequestPhase.PREFILLING, RequestPhase.TRANSFERRING, RequestPhase.FINISHED}),
     RequestPhase.TRANSFERRING: frozenset({RequestPhase.DECODING, RequestPhase.PREFILLING}),
-    RequestPhase.DECODING: frozenset({RequestPhase.FINISHED}),
+    # DECODING -> PREFILLING: the decode replica died mid-stream; resume elsewhere
+    RequestPhase.DECODING: frozenset({RequestPhase.FINISHED, RequestPhase.PREFILLING}),
 }
 
 

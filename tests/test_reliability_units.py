@@ -1,0 +1,242 @@
+"""Reliability and security pieces without a cluster: bearer auth, the frame parser and the
+request parser under fuzzed input, the gRPC tolerant deserializer, no pickle/eval on the
+request and transfer paths, the config's secret handling, the resume state machine."""
+
+from __future__ import annotations
+
+import ast
+import hmac
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from kv_transfer.transfer import (  # noqa: E402
+    KVFrameHeader,
+    TransferError,
+    adopt_frame,
+    corrupt_frame,
+    pack_pages,
+    read_frame,
+)
+from model_executor.tokenizer import ByteTokenizer  # noqa: E402
+from router.config import ServiceConfig  # noqa: E402
+from router.protocol import RequestError, RequestParser  # noqa: E402
+from router.security import BearerAuth, _decode_proc_addr  # noqa: E402
+from router.state import RequestLifecycle, RequestPhase  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- auth
+def test_bearer_auth_checks_in_constant_time(monkeypatch):
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((type(a), type(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    auth = BearerAuth("s3cret-token")
+    assert auth.enabled
+    assert auth.check("Bearer s3cret-token") and auth.check("bearer s3cret-token") and auth.check(b"Bearer s3cret-token")
+    for bad in (None, "", "Bearer", "Bearer s3cret-toke", "Bearer s3cret-token2", "Basic s3cret-token",
+                "s3cret-token", b"\xff\xfe", "Bearer s3cret-tok\u00e9n"):
+        assert not auth.check(bad), bad
+    assert len(calls) >= 10  # every check, right or wrong, goes through compare_digest
+    assert "s3cret" not in repr(auth)
+
+
+def test_bearer_auth_off_and_from_env(monkeypatch):
+    assert BearerAuth(None).check(None) and not BearerAuth(None).enabled
+    monkeypatch.setenv("MY_TOKEN_VAR", "from-env")
+    auth = BearerAuth.from_config(ServiceConfig.from_dict({"auth_token_env": "MY_TOKEN_VAR"}))
+    assert auth.check("Bearer from-env") and not auth.check("Bearer other")
+    monkeypatch.delenv("MY_TOKEN_VAR")
+    assert not BearerAuth.from_config(ServiceConfig.from_dict({"auth_token_env": "MY_TOKEN_VAR"})).enabled
+    # the config value wins over the environment
+    monkeypatch.setenv("FLASHPREFILL_API_TOKEN", "env-token")
+    assert BearerAuth.from_config(ServiceConfig.from_dict({"auth_token": "cfg"})).check("Bearer cfg")
+    with pytest.raises(ValueError, match="auth_token"):
+        BearerAuth("   ")
+
+
+def test_config_hides_the_token_and_keeps_it_from_workers():
+    cfg = ServiceConfig.from_dict({"auth_token": "hunter2-secret"})
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
+    assert cfg.worker_dict()["auth_token"] is None and cfg.to_dict()["auth_token"] == "hunter2-secret"
+    with pytest.raises(ValueError) as info:
+        ServiceConfig.from_dict({"auth_token": ""})
+    assert "auth_token" in str(info.value)
+    for name, value in (("max_request_bytes", 10), ("decode_resumes", -1), ("adopt_wait_s", -1.0)):
+        with pytest.raises(ValueError, match=name):
+            ServiceConfig.from_dict({name: value})
+    with pytest.raises(ValueError, match="prefill_delay_ms"):
+        ServiceConfig.from_dict({"fault_injection": {"prefill_delay_ms": -1}})
+
+
+def test_proc_net_address_decoding():
+    assert _decode_proc_addr("0100007F", v6=False) == "127.0.0.1"
+    assert _decode_proc_addr("00000000", v6=False) == "0.0.0.0"
+    assert _decode_proc_addr("0000000000000000FFFF00000100007F", v6=True) == "127.0.0.1"
+    assert _decode_proc_addr("00000000000000000000000000000000", v6=True) == "::"
+
+
+# ----------------------------------------------------------------------------- frames
+def _pool(num_pages=8, page_size=4) -> KVPool:
+    return KVPool(KVPoolConfig(num_layers=2, num_kv_heads=2, head_dim=4, page_size=page_size,
+                               dtype=torch.float32, num_pages=num_pages))
+
+
+def _frame(tokens=6) -> np.ndarray:
+    src = _pool()
+    src.reserve("r", tokens)
+    src.set_seq_len("r", tokens)
+    src.k.normal_()
+    src.v.normal_()
+    return pack_pages(src, "r")
+
+
+GOOD_FRAME = _frame()
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_random_bytes_never_get_past_the_frame_checks(raw):
+    pool = _pool()
+    with pytest.raises(TransferError):
+        adopt_frame(pool, np.frombuffer(raw, dtype=np.uint8) if raw else np.zeros(0, np.uint8), request_id="r")
+    assert pool.free_pages == pool.num_pages and pool.stats()["requests"] == 0
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, len(GOOD_FRAME) - 1), st.integers(1, 255)), min_size=1, max_size=4),
+       st.integers(0, 16))
+def test_mutated_frames_are_refused_or_exact(flips, cut):
+    """Any flipped byte or cut tail is caught (header checks, length, CRC-32); nothing leaks."""
+    bad = GOOD_FRAME.copy()
+    for pos, mask in flips:
+        bad[pos] ^= mask
+    if cut:
+        bad = bad[:-cut]
+    pool = _pool()
+    try:
+        adopt_frame(pool, bad, request_id="r")
+    except TransferError:
+        assert pool.free_pages == pool.num_pages
+        return
+    # the only way through is a frame whose bytes all check out again (e.g. a flip inside
+    # the header's padding-free msgpack that keeps it valid is impossible; CRC covers payload)
+    header, _ = read_frame(bad)
+    assert header.request_id == "r"
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200),
+                 st.dictionaries(st.text(max_size=12), st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8), st.none(),
+                                                                  st.floats(), st.binary(max_size=8)), max_size=14)))
+def test_header_decoder_only_raises_transfer_errors(obj):
+    import msgpack
+
+    raw = obj if isinstance(obj, bytes) else msgpack.packb(obj, use_bin_type=True)
+    with pytest.raises(TransferError):
+        KVFrameHeader.decode(raw)
+
+
+def test_header_decoder_refuses_ext_types_and_oversized_fields():
+    import msgpack
+
+    good = msgpack.unpackb(KVFrameHeader("r", 4, 1, 4, 2, 2, 4, "float32", 256, 0).encode(), raw=False)
+    for patch in ({"request_id": msgpack.ExtType(1, b"x")}, {"request_id": "x" * 5000},
+                  {"crc32": b"\0" * 64}, {"k_scale": [0.0] * 5000}, {"extra": 1}):
+        with pytest.raises(TransferError, match="malformed"):
+            KVFrameHeader.decode(msgpack.packb({**good, **patch}, use_bin_type=True))
+    for mode in ("flip", "truncate"):
+        with pytest.raises(TransferError) as info:
+            read_frame(corrupt_frame(GOOD_FRAME, mode))
+        assert info.value.retryable
+
+
+def test_no_pickle_or_eval_on_request_and_transfer_paths():
+    """Nothing a client or a peer sends is unpickled or evaluated: the modules on those paths
+    import no pickle/marshal/dill and call no eval/exec; msgpack is only read with limits."""
+    cli = {"__main__.py", "client.py", "launcher.py"}  # command-line tools, not request paths
+    files = [*sorted(p for p in (ROOT / "router").glob("*.py") if p.name not in cli), ROOT / "kv_transfer" / "transfer.py",
+             ROOT / "prefill_worker" / "deployment.py", ROOT / "decode_worker" / "deployment.py"]
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                assert not {"pickle", "cPickle", "marshal", "dill", "cloudpickle", "shelve"} & set(names), path
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("eval", "exec", "compile", "__import__"), (path, node.lineno)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unpackb":
+                kws = {k.arg for k in node.keywords}
+                assert {"max_str_len", "max_bin_len", "max_array_len", "max_map_len", "ext_hook"} <= kws, path
+
+
+# ----------------------------------------------------------------------------- request parser
+PARSER = RequestParser(ByteTokenizer(), model_id="m", max_model_len=64, default_max_tokens=4)
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                      st.text(max_size=20))
+JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "seed", "stop", "stream", "stream_options", "n", "request_id", "user", "logprobs", "echo", "bogus"]
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=8), st.sampled_from(["completion", "chat"]),
+       st.booleans())
+def test_parser_answers_every_body_with_a_request_or_a_named_4xx(body, kind, fix_model):
+    if fix_model:
+        body = {**body, "model": "m"}
+    try:
+        req = PARSER.parse(body, kind)
+    except RequestError as err:
+        assert err.status in (400, 404) and err.message and len(err.message) <= 512
+        assert err.param is None or isinstance(err.param, str)
+        json.dumps(err.to_dict())
+        return
+    assert 1 <= req.max_tokens and req.prompt_len + req.max_tokens <= 64 and req.prompt_len >= 1
+    assert 0 <= req.temperature <= 2 and 0 < req.top_p <= 1 and math.isfinite(req.temperature)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_grpc_deserializer_never_raises(raw):
+    from router.grpc_service import MalformedMessage, parse_generate_request
+    from router.proto import flashprefill_pb2 as pb
+
+    msg = parse_generate_request(raw)
+    assert isinstance(msg, (pb.GenerateRequest, MalformedMessage))
+
+
+def test_grpc_deserializer_flags_garbage():
+    from router.grpc_service import MalformedMessage, parse_generate_request
+
+    bad = parse_generate_request(b"\x0a\xff\xff\xff\xff\x0f")  # a length running past the end
+    assert isinstance(bad, MalformedMessage) and bad.size == 6
+    assert struct  # keep the import used when the test above is trimmed
+
+
+# ----------------------------------------------------------------------------- state machine
+def test_lifecycle_allows_resume_after_decoding():
+    life = RequestLifecycle("r")
+    for phase in (RequestPhase.PREFILLING, RequestPhase.TRANSFERRING, RequestPhase.DECODING,
+                  RequestPhase.PREFILLING, RequestPhase.TRANSFERRING, RequestPhase.DECODING, RequestPhase.FINISHED):
+        life.to(phase)
+    assert life.prefill_attempts == 2 and life.done
