@@ -545,6 +545,7 @@ COLUMNS = [
     ("fa4sp", "fa4_sparse_ms", "{:.2f}"), ("x flash", "speedup_total_vs_sdpa_flash", "{:.1f}"),
     ("x cudnn", "speedup_total_vs_sdpa_cudnn", "{:.1f}"), ("check", "check", "{}"),
     ("err", "check_err", "{:.3g}"), ("flexdiff", "flex_max_diff", "{:.3g}"), ("ok", "check_ok", "{}"),
+    ("errors", "errors", "{}"),
 ]
 
 
@@ -555,6 +556,8 @@ def table(rows: list[dict]) -> str:
         cells = []
         for _, key, fmt in COLUMNS:
             val = r.get(key)
+            if isinstance(val, dict):
+                val = ",".join(val) or None
             cells.append("-" if val is None else (fmt.format(val) if not isinstance(val, str) else val))
         body.append(cells)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
