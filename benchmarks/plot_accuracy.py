@@ -154,7 +154,7 @@ def plot_retrieval(ret: dict, out_dir: Path, suffix: str) -> list[Path]:
         sel = sorted((r for r in rows if r["needle_repeats"] == n and r["variant"] == "sparse"),
                      key=lambda r: r["length"])
         if sel:
-            ax.plot([r["length"] for r in sel], [r["needle_selected"] for r in sel], ":", color="grey",
+            ax.plot([r["length"] for r in sel], [r["needle_selected"] for r in sel], ":^", color="grey",
                     label="needle selected (sparse)")
         _length_axis(ax, lengths)
         ax.set_ylim(-0.05, 1.05)
@@ -238,12 +238,19 @@ def markdown_fidelity(fid: dict) -> str:
             out.append("| length | alpha | density | needle recall | retained mass (mean / min) | "
                        "rel L2, correction | rel L2, none | max abs, correction | max abs, none |")
             out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-            for r in sorted(sel, key=lambda r: (r["seqlen"], r["alpha"])):
-                out.append(
-                    f"| {_klabel(r['seqlen'])} | {r['alpha']:g} | {r['density']:.4f} | "
-                    f"{_fmt(r['needle_recall'], '.3f')} | {r['retained_mass']:.4f} / {r['retained_mass_min']:.4f} | "
-                    f"{r['rel_l2_corrected']:.2e} | {r['rel_l2_uncorrected']:.2e} | "
-                    f"{r['max_abs_corrected']:.2e} | {r['max_abs_uncorrected']:.2e} |")
+            metrics = ("density", "needle_recall", "retained_mass", "retained_mass_min", "rel_l2_corrected",
+                       "rel_l2_uncorrected", "max_abs_corrected", "max_abs_uncorrected")
+            for n in sorted({r["seqlen"] for r in sel}):
+                at_n = sorted((r for r in sel if r["seqlen"] == n), key=lambda r: r["alpha"])
+                # calibrated inputs select the same blocks at every alpha: one row says so
+                same = len(at_n) > 1 and all(all(r[m] == at_n[0][m] for m in metrics) for r in at_n)
+                for r in at_n[:1] if same else at_n:
+                    alpha = f"all ({at_n[0]['alpha']:g}-{at_n[-1]['alpha']:g})" if same else f"{r['alpha']:g}"
+                    out.append(
+                        f"| {_klabel(r['seqlen'])} | {alpha} | {r['density']:.4f} | "
+                        f"{_fmt(r['needle_recall'], '.3f')} | {r['retained_mass']:.4f} / {r['retained_mass_min']:.4f} | "
+                        f"{r['rel_l2_corrected']:.2e} | {r['rel_l2_uncorrected']:.2e} | "
+                        f"{r['max_abs_corrected']:.2e} | {r['max_abs_uncorrected']:.2e} |")
             out.append("")
     floors = sorted({round(r["rel_l2_dtype_floor"], 5) for r in fid["rows"]})
     out.append(f"bf16 rounding of the exact output (rel L2): {floors[0]:.2e} to {floors[-1]:.2e}. "
@@ -280,9 +287,37 @@ def markdown_niah(niah: dict) -> str:
         out.append(f"| {_klabel(length)} | " + " | ".join(f"{cell[m]['accuracy']:.2f}" for m in modes) + " | "
                    + " | ".join(_fmt(cell[m]["density"], ".3f") for m in modes[1:]) + " |")
     s = niah["settings"]
-    out.append(f"\n{len(s['depths'])} depths x {s['trials']} trials per length; model "
+    trials = s["trials"] if isinstance(s["trials"], int) else "/".join(map(str, s["trials"]))
+    out.append(f"\n{len(s['depths'])} depths x {trials} trials per length; model "
                f"{Path(str(niah['model']['name'])).name}, chat template {s['chat_template']}.")
     return "\n".join(out) + "\n"
+
+
+def merge_niah(payloads: list[dict | None]) -> dict | None:
+    """One payload from several runs of ``evals.niah`` (e.g. short and long lengths run
+    separately): rows, summary, density and samples concatenated, lengths sorted. Runs must
+    share the model, modes and depths."""
+    found = [p for p in payloads if p is not None]
+    if len(found) <= 1:
+        return found[0] if found else None
+    first = found[0]
+    for p in found[1:]:
+        for key, get in (("model", lambda x: x["model"]["name"]), ("modes", lambda x: x["modes"]),
+                         ("depths", lambda x: x["settings"]["depths"])):
+            if get(p) != get(first):
+                raise ValueError(f"--niah: the files differ in {key}; merge runs of one configuration only")
+    seen: set[int] = set()
+    for p in found:
+        overlap = seen & set(p["settings"]["lengths"])
+        if overlap:
+            raise ValueError(f"--niah: length {sorted(overlap)} appears in more than one file")
+        seen |= set(p["settings"]["lengths"])
+    merged = dict(first, settings=dict(first["settings"]))
+    merged["settings"]["lengths"] = sorted({n for p in found for n in p["settings"]["lengths"]})
+    merged["settings"]["trials"] = sorted({p["settings"]["trials"] for p in found})
+    for key in ("rows", "summary", "density", "samples"):
+        merged[key] = [x for p in found for x in p.get(key, [])]
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,17 +328,18 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fidelity", type=Path, default=RESULTS / "fidelity.json")
     p.add_argument("--retrieval", type=Path, default=RESULTS / "retrieval.json")
-    p.add_argument("--niah", type=Path, default=RESULTS / "niah.json")
+    p.add_argument("--niah", type=Path, nargs="+", default=[RESULTS / "niah.json"],
+                   help="one or more niah JSON files of the same model and modes (merged by length)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     p.add_argument("--suffix", default="", help="appended to every PNG name (e.g. _cpu)")
     p.add_argument("--markdown", action="store_true", help="also print Markdown tables")
     args = p.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for path, plot, table in ((args.fidelity, plot_fidelity, markdown_fidelity),
-                              (args.retrieval, plot_retrieval, markdown_retrieval),
-                              (args.niah, plot_niah, markdown_niah)):
-        payload = _load(path)
+    niah = merge_niah([_load(p) for p in args.niah])
+    for path, payload, plot, table in ((args.fidelity, _load(args.fidelity), plot_fidelity, markdown_fidelity),
+                                       (args.retrieval, _load(args.retrieval), plot_retrieval, markdown_retrieval),
+                                       (args.niah[0], niah, plot_niah, markdown_niah)):
         if payload is None:
             print(f"skip: {path} not found", file=sys.stderr)
             continue

@@ -18,9 +18,10 @@ Task (one sample per context length, needle depth and trial)
     as one user turn of the tokenizer's chat template when it has one (else plain text after
     BOS), followed by the answer prefix ``The special magic number for <key> mentioned in the
     provided text is`` (as RULER does; ``--no-answer-prefix`` drops it). The context length is
-    counted in the model's tokens: each prompt is as long as possible without exceeding it
-    (the exact count is in the JSON). The haystack of a (length, trial) is shared by every
-    depth; key and value are drawn per sample.
+    counted in the model's tokens and holds the answer too, as in RULER: each prompt is as long
+    as possible within ``length - max_new_tokens`` tokens (the exact count is in the JSON).
+    The haystack of a (length, trial) is shared by every depth; key and value are drawn per
+    sample.
 
 Scoring: greedy decoding of ``--max-new-tokens`` tokens (stopping at the tokenizer's end of
 turn / end of text); a sample is correct when the value appears in the decoded text as a whole
@@ -210,18 +211,21 @@ def _context(sentences: Sequence[str], cut: int, needle: str) -> str:
 
 def build_sample(
     tokenizer, haystack: Haystack, length: int, depth: float, trial: int, seed: int, *,
-    chat: bool, answer_prefix: bool, max_iters: int = 8,
+    chat: bool, answer_prefix: bool, reserve: int = 0, max_iters: int = 8,
 ) -> Sample:
-    """The longest prompt of at most ``length`` tokens with the needle at ``depth``."""
+    """The longest prompt of at most ``length - reserve`` tokens (``reserve``: room for the
+    answer) with the needle at ``depth``."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth: expected a fraction in [0, 1], got {depth}")
+    context_length, length = length, length - reserve
     rng = random.Random(_stream_seed(seed, 2, length, round(depth * 10_000), trial))
     key, value = make_key(rng), make_value(rng)
     needle = NEEDLE.format(key=key, value=value)
     overhead = len(encode_prompt(tokenizer, needle, key, chat=chat, answer_prefix=answer_prefix))
     if overhead > length:
         raise ValueError(
-            f"length: {length} tokens cannot hold the question and the needle ({overhead} tokens)"
+            f"length: {context_length} tokens (minus {reserve} for the answer) cannot hold the "
+            f"question and the needle ({overhead} tokens)"
         )
     haystack.ensure(length)
     cum = [0]
@@ -267,21 +271,22 @@ def build_sample(
         if len(ids) <= length:
             best = (n, ids, cut)
     n, ids, cut = best
-    return Sample(length=length, depth=depth, trial=trial, key=key, value=value,
+    return Sample(length=context_length, depth=depth, trial=trial, key=key, value=value,
                   prompt_ids=tuple(int(i) for i in ids),
                   needle_depth=(cum[cut] / cum[n]) if cum[n] else depth, filler_sentences=n)
 
 
 def build_samples(tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int,
-                  *, chat: bool, answer_prefix: bool) -> list[Sample]:
-    """Every (length, depth, trial) sample, in that order."""
+                  *, chat: bool, answer_prefix: bool, reserve: int = 0) -> list[Sample]:
+    """Every (length, depth, trial) sample, in that order (prompts of at most ``length -
+    reserve`` tokens)."""
     out = []
     stacks = [Haystack(tokenizer, seed, t) for t in range(trials)]
     for length in lengths:
         for depth in depths:
             for t in range(trials):
                 out.append(build_sample(tokenizer, stacks[t], length, depth, t, seed,
-                                        chat=chat, answer_prefix=answer_prefix))
+                                        chat=chat, answer_prefix=answer_prefix, reserve=reserve))
     return out
 
 
@@ -419,7 +424,13 @@ def run_niah(
     tok = loaded.tokenizer
     chat = has_chat_template(tok) if chat is None else chat
     t0 = time.perf_counter()
-    samples = build_samples(tok, lengths, depths, trials, seed, chat=chat, answer_prefix=answer_prefix)
+    max_pos = getattr(loaded.config, "max_position_embeddings", None)
+    if max_pos is not None and max(lengths) > int(max_pos):
+        raise ValueError(
+            f"lengths: {max(lengths)} tokens exceed the model's max_position_embeddings ({max_pos})"
+        )
+    samples = build_samples(tok, lengths, depths, trials, seed, chat=chat, answer_prefix=answer_prefix,
+                            reserve=max_new_tokens)
     build_s = time.perf_counter() - t0
     say(f"built {len(samples)} prompts in {build_s:.1f}s (chat template: {chat})")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,

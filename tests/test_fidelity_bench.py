@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fidelity, ops
+from kernels import fidelity
 from kernels.config import SparseConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +163,47 @@ def test_graded_inputs_touch_only_background_blocks(bench):
     assert float(s[:, levels > 1].std(0).max()) < 0.5  # the same shift for every query
 
 
+def bench_alphas(saved):
+    return saved["alphas"]
+
+
+def test_plot_niah_merges_runs(tmp_path):
+    plot = _load("plot_accuracy")
+
+    def run(lengths, trials=1):
+        modes = [{"name": "dense", "config": {}}, {"name": "sparse_a0.1", "config": {}}]
+        rows = [{"length": n, "depth": d, "mode": m["name"], "accuracy": 1.0 if m["name"] == "dense" else 0.5,
+                 "trials": trials, "correct": trials} for n in lengths for d in (0.0, 1.0) for m in modes]
+        summary = [{"length": n, "mode": m["name"], "accuracy": 0.75, "density": None if m["name"] == "dense"
+                    else 0.2} for n in lengths for m in modes]
+        return {"environment": {}, "model": {"name": "/models/Some-Model"}, "modes": modes, "rows": rows,
+                "summary": summary, "density": [], "samples": [],
+                "settings": {"lengths": lengths, "depths": [0.0, 1.0], "trials": trials, "chat_template": True}}
+
+    merged = plot.merge_niah([run([8192, 4096]), None, run([65536], trials=2)])
+    assert merged["settings"]["lengths"] == [4096, 8192, 65536] and merged["settings"]["trials"] == [1, 2]
+    assert len(merged["rows"]) == 3 * 2 * 2
+    (png,) = plot.plot_niah(merged, tmp_path, "")
+    assert png.name == "niah_accuracy.png" and png.stat().st_size > 10_000
+    table = plot.markdown_niah(merged)
+    assert "| 64K | 0.75 | 0.75 | 0.200 |" in table and "1/2 trials" in table
+    with pytest.raises(ValueError, match="more than one file"):
+        plot.merge_niah([run([4096]), run([4096])])
+    other = run([8192])
+    other["modes"] = other["modes"][:1]
+    with pytest.raises(ValueError, match="differ in modes"):
+        plot.merge_niah([run([4096]), other])
+    assert plot.merge_niah([None]) is None
+
+
+def test_bench_errors(bench):
+    cfg = SparseConfig(**CPU_CFG)
+    with pytest.raises(ValueError, match="family"):
+        bench.make_inputs("random", 512, bench.CPU_SHAPE, cfg, torch.bfloat16, torch.device("cpu"), 0, None, 1.5)
+    with pytest.raises(SystemExit, match="alphas"):
+        bench.main(["--device", "cpu", "--alphas", "0", "--lengths", "512"])
+
+
 def test_plot_accuracy_writes_pngs(smoke, tmp_path):
     _, saved = smoke
     plot = _load("plot_accuracy")
@@ -182,5 +223,6 @@ def test_plot_accuracy_writes_pngs(smoke, tmp_path):
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
     table = plot.markdown_fidelity(saved)
-    assert table.count("| 2K |") == len(saved["rows"])
+    # structured inputs: one row for all alphas (same selection); graded: one row per alpha
+    assert table.count("| 2K | all (0.0125-0.2) |") == 1 and table.count("| 2K |") == 1 + len(bench_alphas(saved))
     assert "0.75" in plot.markdown_retrieval(retrieval)
