@@ -168,6 +168,7 @@ def bench_alphas(saved):
 
 
 def test_plot_niah_merges_runs(tmp_path):
+    pytest.importorskip("matplotlib")
     plot = _load("plot_accuracy")
 
     def run(lengths, trials=1):
@@ -205,6 +206,7 @@ def test_bench_errors(bench):
 
 
 def test_plot_accuracy_writes_pngs(smoke, tmp_path):
+    pytest.importorskip("matplotlib")
     _, saved = smoke
     plot = _load("plot_accuracy")
     fid = tmp_path / "fidelity.json"
