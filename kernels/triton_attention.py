@@ -106,6 +106,37 @@ def _load_kv_tile(K, V, pt_row, n, Lkv, offs_n, offs_d,
 
 
 @triton.jit
+def _load_kv_pair(K, V, pt_row, n_a, n_b, offs_p, offs_d,
+                  sk_p, sk_s, sv_p, sv_s,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """K and V rows of two fully visible tiles as one [2 BLOCK_N, D_PAD] operand: row ``i`` is
+    row ``i % BLOCK_N`` of tile ``n_a`` (first half) or ``n_b`` (second half)."""
+    first = offs_p < BLOCK_N
+    sub = offs_p % BLOCK_N
+    if PAGE_SIZE % BLOCK_N == 0:
+        page_a = tl.load(pt_row + (n_a * BLOCK_N) // PAGE_SIZE)
+        page_b = tl.load(pt_row + (n_b * BLOCK_N) // PAGE_SIZE)
+        page = tl.where(first, page_a, page_b).to(tl.int64)
+        slot = (tl.where(first, (n_a * BLOCK_N) % PAGE_SIZE, (n_b * BLOCK_N) % PAGE_SIZE)
+                + sub).to(tl.int64)
+    else:
+        j = tl.where(first, n_a, n_b) * BLOCK_N + sub
+        page = tl.load(pt_row + j // PAGE_SIZE).to(tl.int64)
+        slot = (j % PAGE_SIZE).to(tl.int64)
+    k_ptrs = K + (page * sk_p + slot * sk_s)[:, None] + offs_d[None, :]
+    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :]
+    if HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        m = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=m, other=0.0)
+        v = tl.load(v_ptrs, mask=m, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step on base-2 logits ``s`` ([M, N], -inf where masked)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -128,18 +159,19 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
 
 
 # batch-dependent integers are not specialized (a new batch shape must not recompile)
-@triton.jit(do_not_specialize=["total_tiles", "total_q"])
+@triton.jit(do_not_specialize=["total_tiles", "total_q", "words_per_seg"])
 def _sparse_attn_fwd(
     Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart,
-    seg_offsets, kv_tiles, order,
+    seg_offsets, kv_tiles, order, corr_bits, words_per_seg,
     cu_seqlens_q, seqlens_kv, cu_qtiles, cu_blocks, tile_seq, page_table,
     sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, skb_t, skb_h, svb_t, svb_h, s_pt,
     total_tiles, total_q, num_splits, qk_scale,
     G: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TPB: tl.constexpr, MAX_DIAG: tl.constexpr,
-    CORR_BLOCKS: tl.constexpr, CORR_ENTRIES: tl.constexpr, CORRECTION: tl.constexpr, DENSE: tl.constexpr,
+    CORR_BLOCKS: tl.constexpr, CORRECTION: tl.constexpr, DENSE: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rank = pid // num_splits
@@ -220,6 +252,33 @@ def _sparse_attn_fwd(
     # 2) tiles every row sees entirely: no mask, software pipelined, next index prefetched
     top = tl.minimum(i_hi, i_mid) - 1
     n_full = tl.maximum(top + 1 - i_lo, 0)
+    if PAIR:
+        # two list entries per step: one [128, 128] score tile (wider wgmma, half the
+        # softmax steps); an odd count leaves the lowest entry to the 64-wide loop below
+        offs_p = tl.arange(0, 2 * BLOCK_N)
+        n_pairs = n_full // 2
+        if DENSE:
+            na_next = top
+            nb_next = top - 1
+        else:
+            na_next = tl.load(tiles_ptr + top, mask=n_pairs > 0, other=0)
+            nb_next = tl.load(tiles_ptr + top - 1, mask=n_pairs > 0, other=0)
+        for it in tl.range(0, n_pairs, num_stages=LOOP_STAGES):
+            n_a = na_next
+            n_b = nb_next
+            if DENSE:
+                na_next = n_a - 2
+                nb_next = n_b - 2
+            else:
+                nxt = tl.maximum(top - 2 * it - 2, i_lo + 1)
+                na_next = tl.load(tiles_ptr + nxt)
+                nb_next = tl.load(tiles_ptr + nxt - 1)
+            k, v = _load_kv_pair(K_h, V_h, pt_row, n_a, n_b, offs_p, offs_d, sk_p, sk_s, sv_p,
+                                 sv_s, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION)
+        top = top - 2 * n_pairs
+        n_full = n_full - 2 * n_pairs
     if DENSE:
         n_next = top
     else:
@@ -235,7 +294,10 @@ def _sparse_attn_fwd(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION)
 
-    # 3) mean correction: fully visible blocks with no selected tile, owned by the last split
+    # 3) mean correction: fully visible blocks with no selected tile, owned by the last split.
+    # corr_bits holds one bit per (segment, selected logical block) (``_selected_blocks``);
+    # the means arrive already rounded to q's dtype, so each chunk is two unmasked,
+    # cp.async-pipelined [CORR_BLOCKS, d] loads and one tile of online softmax.
     if CORRECTION:
         if u == num_splits - 1:
             if lo + 1 < lkv:
@@ -244,29 +306,29 @@ def _sparse_attn_fwd(
                 n_blocks_full = tl.cdiv(lkv, BLOCK_SIZE)
             blk0 = tl.load(cu_blocks + b).to(tl.int64)
             offs_c = tl.arange(0, CORR_BLOCKS)
-            offs_e = tl.arange(0, CORR_ENTRIES)
-            ptr = 0  # two-pointer scan: first list entry not yet matched to a chunk
-            for c in range(0, tl.cdiv(n_blocks_full, CORR_BLOCKS)):
+            bits_row = corr_bits + seg.to(tl.int64) * words_per_seg
+            last_blk = tl.maximum(n_blocks_full - 1, 0)
+            kb_h = Kbar + h.to(tl.int64) * skb_h
+            vb_h = Vbar + h.to(tl.int64) * svb_h
+            for c in tl.range(0, tl.cdiv(n_blocks_full, CORR_BLOCKS), num_stages=LOOP_STAGES):
                 J = c * CORR_BLOCKS + offs_c
-                ent = tl.load(tiles_ptr + ptr + offs_e, mask=ptr + offs_e < n_list,
-                              other=2147483647)
-                rel = ent // TPB - c * CORR_BLOCKS  # block of each entry, relative to the chunk
-                in_chunk = rel < CORR_BLOCKS
-                hit = tl.histogram(rel, CORR_BLOCKS, mask=in_chunk)  # selected tiles per block
-                ptr += tl.sum(in_chunk.to(tl.int32), 0)
-                todo = (J < n_blocks_full) & (hit == 0)
-                if tl.sum(todo.to(tl.int32), 0) > 0:
-                    rowsJ = blk0 + J
-                    cm = todo[:, None] & d_ok[None, :]
-                    kb = tl.load(Kbar + rowsJ[:, None] * skb_t + h * skb_h + offs_d[None, :],
-                                 mask=cm, other=0.0).to(q.dtype)
-                    vb = tl.load(Vbar + rowsJ[:, None] * svb_t + h * svb_h + offs_d[None, :],
-                                 mask=cm, other=0.0).to(q.dtype)
-                    size = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - J * BLOCK_SIZE
-                    shift = tl.math.log2(tl.maximum(size, 1).to(tl.float32))
-                    s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk_scale
-                    s = tl.where(todo[None, :], s + shift[None, :], float("-inf"))
-                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION)
+                word = tl.load(bits_row + J // 32)
+                todo = (J < n_blocks_full) & (((word >> (J % 32)) & 1) == 0)
+                rowsJ = blk0 + tl.minimum(J, last_blk)  # in bounds: no load mask
+                if HEAD_DIM == D_PAD:
+                    kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :])
+                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :])
+                else:
+                    kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :],
+                                 mask=d_ok[None, :], other=0.0)
+                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :],
+                                 mask=d_ok[None, :], other=0.0)
+                size = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - J * BLOCK_SIZE
+                # log |B_J| for the blocks to correct, -inf for the others: one column bias
+                bias = tl.where(todo, tl.math.log2(tl.maximum(size, 1).to(tl.float32)),
+                                float("-inf"))
+                s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk_scale + bias[None, :]
+                acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION)
 
     # epilogue
     out_rows = tok * HQ + head  # out / lse are contiguous [Tq, Hq, (d)]
@@ -282,6 +344,21 @@ def _sparse_attn_fwd(
         tl.store(Out + out_rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + out_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _selected_blocks(seg_offsets, kv_tiles, bits, words_per_seg,
+                     TPB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One bit per (segment, logical block with a listed tile): ``bits`` (zeroed) |= ..."""
+    seg = tl.program_id(0)
+    lo = tl.load(seg_offsets + seg)
+    n = tl.load(seg_offsets + seg + 1) - lo
+    row = bits + seg.to(tl.int64) * words_per_seg
+    for e0 in range(0, n, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        ok = e < n
+        blk = tl.load(kv_tiles + lo + e, mask=ok, other=0) // TPB
+        tl.atomic_or(row + blk // 32, (1 << (blk % 32)).to(tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -329,8 +406,8 @@ def _launch_config(head_dim: int) -> tuple[int, int]:
     223 / 255 registers and no spills (4 warps spill at d=64), 49 / 98 KB of shared memory;
     d=256 with 2 stages spills ~200 bytes. ``benchmarks/bench_operator.py --tune`` measures."""
     if head_dim <= 128:
-        return 8, 3
-    return 8, 2
+        return 8, 3, True
+    return 8, 2, False
 
 
 def auto_num_splits(plan: PrefillPlan, num_sms: int = _NUM_SMS_DEFAULT) -> int:
@@ -393,6 +470,8 @@ def sparse_attention(
     dense: bool = False,
     _num_warps: int | None = None,
     _num_stages: int | None = None,
+    _pair: bool | None = None,
+    _corr_blocks: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage over ``index`` (or every visible tile with ``dense=True``).
 
@@ -420,14 +499,14 @@ def sparse_attention(
     d_pad = max(16, triton.next_power_of_2(d))
     tpb = cfg.tiles_per_block
     correction = bool(cfg.mean_correction) and not dense
-    # chunk of block means: keep the [blocks x list entries] compare at <= 8K elements
-    corr_blocks = 64 if tpb <= 2 else (32 if tpb <= 8 else 16)
+    corr_blocks = _corr_blocks  # block means per correction step (a multiple of 32)
     max_diag = triton.next_power_of_2(Q_TILE // KV_TILE + 1 + tpb)
     scale = cfg.softmax_scale(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps, stages = _launch_config(d)
+    warps, stages, pair = _launch_config(d)
     warps = _num_warps or warps
     stages = _num_stages or stages
+    pair = pair if _pair is None else bool(_pair)
 
     order = _work_order(plan, index, dense)
     if dense:
@@ -438,6 +517,17 @@ def sparse_attention(
         kbar, vbar = index.means.kbar, index.means.vbar
         if kv_tiles.numel() == 0:
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
+    words = 1
+    corr_bits = seg_offsets  # unused without correction
+    if correction:
+        # the scoring operands of the correction, rounded once per call (not per tile)
+        kbar = kbar.to(q.dtype)
+        vbar = vbar.to(q.dtype)
+        words = max(1, triton.cdiv(plan.max_blocks, corr_blocks)) * (corr_blocks // 32)
+        corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
+        if kv_tiles.numel():
+            _selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+                                              TPB=tpb, BLOCK_E=128, num_warps=4)
     split = num_splits > 1
     if split:
         o_part = _empty((num_splits, tq, hq, d_pad), dtype=torch.float32, device=q.device)
@@ -448,7 +538,7 @@ def sparse_attention(
     grid = (num_segments * num_splits,)
     _sparse_attn_fwd[grid](
         q, k_pages, v_pages, kbar, vbar, out, lse, o_part, lse_part,
-        seg_offsets, kv_tiles, order,
+        seg_offsets, kv_tiles, order, corr_bits, words,
         plan.cu_seqlens_q, plan.seqlens_kv_t, plan.cu_qtiles, plan.cu_blocks, plan.tile_seq, pt,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -460,9 +550,8 @@ def sparse_attention(
         G=g, HQ=hq, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_M=Q_TILE, BLOCK_N=KV_TILE, PAGE_SIZE=plan.page_size,
         BLOCK_SIZE=cfg.block_size, TPB=tpb, MAX_DIAG=max_diag,
-        CORR_BLOCKS=corr_blocks,
-        CORR_ENTRIES=triton.next_power_of_2(corr_blocks * tpb), CORRECTION=correction, DENSE=dense,
-        SPLIT=split, PRECISION=precision, LOOP_STAGES=stages,
+        CORR_BLOCKS=corr_blocks, CORRECTION=correction, DENSE=dense,
+        SPLIT=split, PRECISION=precision, LOOP_STAGES=stages, PAIR=pair,
         num_warps=warps, num_stages=stages,
     )
     if split:
