@@ -17,9 +17,12 @@ Supports
   multiple of 64, one lookup per key row otherwise.
 - The CSR list is walked backwards (diagonal first, eq. 17) with the next index prefetched;
   the causal mask is applied only to the few tiles that cross the diagonal.
-- Mean correction in the same online softmax: chunks of up to 64 block means whose logits are
-  shifted by ``log |B_J|``, the selected blocks of each chunk found by a two-pointer scan over
-  the ascending CSR list; chunks with nothing to correct are skipped.
+- Fully visible tiles two CSR entries at a time (``PAIR``): one [128, 128] score tile whose
+  K/V rows come from two (non-adjacent) 64-token tiles, half the online-softmax steps.
+- Mean correction in the same online softmax: chunks of 64 block means whose logits are
+  shifted by ``log |B_J|``; the selected blocks come from a per-segment bitmask built by a
+  small prepass (``_selected_blocks``) and the means are rounded to q's dtype once per call,
+  so the chunk loop is unmasked and cp.async-pipelined.
 - Split-KV by selected-tile count (eq. 18) with an exact LSE combine; programs ordered by
   decreasing work (device-side argsort of the segment lengths).
 - ``dense=True``: the same kernel over every visible tile (no index), no correction.
@@ -401,10 +404,12 @@ def _num_sms(device_index: int | None) -> int:
 
 
 def _launch_config(head_dim: int) -> tuple[int, int]:
-    """(num_warps, pipeline stages) for BLOCK_M=128, BLOCK_N=64 on sm_90: two warpgroups of 64
-    rows. Compiled for sm_90 on a CPU (ptxas -v): d=64 and d=128 with 8 warps and 3 stages use
-    223 / 255 registers and no spills (4 warps spill at d=64), 49 / 98 KB of shared memory;
-    d=256 with 2 stages spills ~200 bytes. ``benchmarks/bench_operator.py --tune`` measures."""
+    """(num_warps, pipeline stages, pair) for BLOCK_M=128 on sm_90: two warpgroups of 64 rows.
+    Compiled for sm_90 on a CPU (cuobjdump --dump-resource-usage), d=128, bf16, 3 stages: pair
+    off 254 registers, no spill, 129 KB smem; pair on 255 registers, 16-byte stack (3 STL),
+    160 KB smem. H200 (benchmarks/tune_kernels.py, docs/PERF_NOTES.md): pair on, 3 stages is
+    fastest at 32K-128K (2 stages -16%, 4 stages no gain); 128-wide correction chunks spill
+    ~190 bytes and are slower than 64. d=256 (not re-measured) keeps 2 stages, no pair."""
     if head_dim <= 128:
         return 8, 3, True
     return 8, 2, False
