@@ -17,16 +17,17 @@ run() {  # name, timeout seconds, command...
 }
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ;;
-    index) run bench_index 240 python3 benchmarks/bench_index.py ;;
-    operator) run bench_operator 540 python3 benchmarks/bench_operator.py ;;
+    tests) run gpu_tests 200 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ;;
+    index) run bench_index 60 python3 benchmarks/bench_index.py ;;
+    operator) run bench_operator 330 python3 benchmarks/bench_operator.py ;;
     operator_quick) run bench_operator_quick 300 python3 benchmarks/bench_operator.py --quick ;;
     index_sweep) run bench_index_sweep 240 python3 benchmarks/bench_index.py --sweep ;;
-    ttft_quick) run bench_ttft_quick 300 python3 benchmarks/bench_ttft.py --quick ;;
+    ttft_quick) run bench_ttft_quick 200 python3 benchmarks/bench_ttft.py --quick ;;
     ttft) run bench_ttft 480 python3 benchmarks/bench_ttft.py ;;
-    fidelity_quick) run bench_fidelity_quick 200 python3 benchmarks/bench_fidelity.py --quick ;;
-    retrieval_quick) run bench_retrieval_quick 200 python3 benchmarks/bench_retrieval.py --trials 12 ;;
+    fidelity_quick) run bench_fidelity_quick 90 python3 benchmarks/bench_fidelity.py --quick ;;
+    retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
+    structured_density) run bench_structured_density 120 python3 benchmarks/bench_structured_density.py ;;
     *) run "$s" 300 python3 "benchmarks/bench_$s.py" ;;
   esac
 done
