@@ -512,7 +512,7 @@ def sparse_attention(
     if q.dtype == torch.float32 and d > 64:
         # fp32 tiles are twice the bytes: 3 stages of 128x128 K/V exceed the 227 KB of shared
         # memory (seen on the H200 at d=128: 262 KB asked). fp32 is the exact-math test path.
-        stages = 1
+        stages, pair = 1, False
     warps = _num_warps or warps
     stages = _num_stages or stages
     pair = pair if _pair is None else bool(_pair)
