@@ -367,6 +367,19 @@ def test_gpu_against_reference(length, page_size, corr):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_fp32_dense_fits_shared_memory(d):
+    # fp32 tiles are twice the bytes of bf16: the launch config must still fit (a d=128 fp32
+    # dense call once asked for 262 KB of shared memory on the H200)
+    batch, plan = _case([700, 129], [0, 300], hq=8, hkv=2, d=d, page_size=64,
+                        cfg=SparseConfig(), dtype=torch.float32, device="cuda")
+    out, lse = ta.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, None, dense=True)
+    dense, dense_lse = ref.dense_attention(batch.q, batch.k_pages, batch.v_pages, plan)
+    assert (out - dense).abs().max().item() <= 2e-5
+    assert (lse - dense_lse).abs().max().item() <= 2e-5
+
+
+@pytest.mark.gpu
 def test_gpu_dense_and_splits_no_host_sync():
     cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=256, window_tokens=512)
     batch, plan = _case([4096, 100], [0, 3000], hq=32, hkv=8, d=128, page_size=64, cfg=cfg,
