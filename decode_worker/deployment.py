@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from ray import serve
 
 from decode_worker.engine import DecodeEngine, StepOutput
-from kv_transfer.transfer import ObjectStoreTransport, TransferError
+from kv_transfer.transfer import ObjectStoreTransport, TransferError, TransferFailure
 from router.config import ServiceConfig
 from router.protocol import params_from_dict
 from router.runtime import WorkerRuntime
@@ -58,8 +59,9 @@ class _LoopFailed(RuntimeError):
 class DecodeLoop:
     """Continuous batching: the only code that calls the engine."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, *, step_delay_s: float = 0.0) -> None:
         self.engine = engine
+        self.step_delay_s = step_delay_s  # fault-injection drills only
         self._inbox: collections.deque[_Add | _Cancel] = collections.deque()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -116,6 +118,11 @@ class DecodeLoop:
             self._apply_inbox()
             if not self.engine.has_unfinished():
                 continue
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+                self._apply_inbox()  # cancels that came in meanwhile
+                if not self.engine.has_unfinished():
+                    continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
             except Exception as exc:
@@ -148,27 +155,54 @@ class DecodeServer:
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.decode_kv_pages)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
-        self.loop = DecodeLoop(self.engine)
+        self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0)
         self.transport = ObjectStoreTransport()
         self.replica_id = _replica_id()
         self.transfer_failures = 0
+        self.refused_full = 0
         self.completed = 0
+        # Admission ledger: pages each admitted request may grow to (prompt + max_new_tokens).
+        # A request is adopted only when its final footprint fits next to everyone else's, so
+        # a running request never runs out of pages mid-stream (no "abort" under load).
+        self._footprints: dict[str, int] = {}
+
+    @property
+    def committed_pages(self) -> int:
+        return sum(self._footprints.values())
+
+    async def _admit(self, rid: str, footprint: int) -> bool:
+        """Wait (bounded by ``adopt_wait_s``) until ``footprint`` pages fit; reserve them."""
+        deadline = time.monotonic() + self.config.adopt_wait_s
+        while footprint > self.pool.num_pages - self.committed_pages:
+            if footprint > self.pool.num_pages or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        self._footprints[rid] = footprint
+        return True
 
     async def generate(self, request: dict, routing: dict | None = None):
         rid = str(request["request_id"])
         ticket = request["ticket"]
         t0 = time.monotonic()
-        try:
-            await self.transport.receive(ticket, self.pool)
-        except TransferError as exc:
-            self.transfer_failures += 1
-            logger.warning("KV transfer for %s failed: %s", rid, exc)
-            yield {"type": "transfer_error", "reason": exc.reason.value, "retryable": exc.retryable,
-                   "message": str(exc), "replica_id": self.replica_id}
+        footprint = self.pool.pages_for(int(request["kv_len"]) + int(request["params"]["max_new_tokens"]))
+        if not await self._admit(rid, footprint):
+            self.refused_full += 1
+            yield {"type": "transfer_error", "reason": TransferFailure.POOL_EXHAUSTED.value,
+                   "retryable": footprint <= self.pool.num_pages,
+                   "message": f"no room for {footprint} pages within {self.config.adopt_wait_s}s",
+                   "replica_id": self.replica_id}
             return
         submitted = False
         finished = False
         try:
+            try:
+                await self.transport.receive(ticket, self.pool)
+            except TransferError as exc:
+                self.transfer_failures += 1
+                logger.warning("KV transfer for %s failed: %s", rid, exc.reason.value)
+                yield {"type": "transfer_error", "reason": exc.reason.value, "retryable": exc.retryable,
+                       "message": str(exc), "replica_id": self.replica_id}
+                return
             yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
                    "num_pages": len(self.pool.pages(rid))}
             params = params_from_dict(request["params"])
@@ -195,6 +229,7 @@ class DecodeServer:
                 self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages
             elif not submitted and self.pool.has(rid):
                 self.pool.release(rid)
+            self._footprints.pop(rid, None)
             self.completed += 1
 
     # -- Serve hooks -------------------------------------------------------------------
@@ -206,9 +241,13 @@ class DecodeServer:
             "max_running": self.engine.max_running,
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
+            "room_pages": self.pool.num_pages - self.committed_pages,
+            "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "transfer_failures": self.transfer_failures,
+            "refused_full": self.refused_full,
             "steps": self.loop.steps,
+            "rss_bytes": _rss_bytes(),
             "replica_id": self.replica_id,
         }
 
@@ -216,12 +255,21 @@ class DecodeServer:
         return {"role": "decode", "device": str(self.pool.device), "page_size": self.pool.page_size}
 
     async def stats(self) -> dict:
+        """Routing stats, pool counters and this process's resident memory (tests, drills)."""
         return {**self.record_routing_stats(), **{f"pool_{k}": v for k, v in self.pool.stats().items()}}
 
     def check_health(self) -> None:
         task = self.loop._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux
+        return 0
 
 
 def _replica_id() -> str:

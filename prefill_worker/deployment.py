@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,6 +184,7 @@ class PrefillServer:
         self.replica_id = _replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
         self._leases: dict[str, float] = {}  # request id -> lease deadline (monotonic)
+        self.active = 0  # prefill() calls in progress (queued, prefilling or holding a lease)
         self.completed = 0
 
     def _make_transport(self) -> KVTransport:
@@ -199,7 +201,15 @@ class PrefillServer:
         ids = [int(t) for t in request["prompt_token_ids"]]
         params = params_from_dict(request["params"])
         cost = self.cost_model.cost(len(ids))
-        result, queue_s, prefill_s = await self.batcher.submit(PrefillRequest(rid, ids, params), cost)
+        self.active += 1
+        try:
+            if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
+                await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
+            result, queue_s, prefill_s = await self.batcher.submit(PrefillRequest(rid, ids, params), cost)
+        except BaseException:
+            self.active -= 1
+            self.completed += 1
+            raise
         try:
             fault = None
             if self._faults_left > 0:
@@ -228,6 +238,7 @@ class PrefillServer:
             if self.pool.has(rid):
                 self.engine.release(rid)
                 self.batcher.pages_freed()
+            self.active -= 1
             self.completed += 1
 
     # -- Serve hooks -------------------------------------------------------------------
@@ -239,8 +250,11 @@ class PrefillServer:
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
             "leased": len(self._leases),
+            "active": self.active,
+            "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "batches": self.batcher.batches,
+            "rss_bytes": _rss_bytes(),
             "replica_id": self.replica_id,
         }
 
@@ -248,12 +262,21 @@ class PrefillServer:
         return {"role": "prefill", "device": str(self.pool.device), "page_size": self.pool.page_size}
 
     async def stats(self) -> dict:
+        """Routing stats, pool counters and this process's resident memory (tests, drills)."""
         return {**self.record_routing_stats(), **{f"pool_{k}": v for k, v in self.pool.stats().items()}}
 
     def check_health(self) -> None:
         task = self.batcher._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux
+        return 0
 
 
 def _replica_id() -> str:

@@ -252,7 +252,13 @@ class OpenAIIngress:
             body["stop"] = list(message.stop)
         if message.request_id:
             body["request_id"] = message.request_id
-        return self.parser.parse(body, kind)
+        try:
+            return self.parser.parse(body, kind)
+        except RequestError as err:
+            if err.param == "prompt" and given[0] == "prompt_token_ids":  # name the proto field
+                raise RequestError("prompt_token_ids" + err.message[len("prompt"):], param="prompt_token_ids",
+                                   status=err.status, code=err.code) from None
+            raise
 
     @staticmethod
     def _grpc_fail(grpc_context: Any, err: RequestError) -> None:
