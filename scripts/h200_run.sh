@@ -23,7 +23,7 @@ for s in "${steps[@]}"; do
     operator_quick) run bench_operator_quick 300 python3 benchmarks/bench_operator.py --quick ;;
     index_sweep) run bench_index_sweep 240 python3 benchmarks/bench_index.py --sweep ;;
     ttft_quick) run bench_ttft_quick 200 python3 benchmarks/bench_ttft.py --quick ;;
-    ttft) run bench_ttft 480 python3 benchmarks/bench_ttft.py ;;
+    ttft) run bench_ttft 520 python3 benchmarks/bench_ttft.py ;;
     fidelity_quick) run bench_fidelity_quick 90 python3 benchmarks/bench_fidelity.py --quick ;;
     retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
