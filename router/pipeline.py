@@ -133,6 +133,8 @@ class DisaggregatedPipeline:
                             logger.warning("prefill replica failed for %s (%s); prefilling again",
                                            req.request_id, type(exc).__name__)
                             continue
+                        if _is_replica_failure(exc):
+                            raise self._unavailable("prefill", exc) from exc
                         raise
                     if not generated:
                         first_token = int(event["first_token"])
@@ -157,6 +159,8 @@ class DisaggregatedPipeline:
                             logger.warning("decode replica failed before adopting %s (%s); prefilling again",
                                            req.request_id, type(exc).__name__)
                             continue
+                        if _is_replica_failure(exc):
+                            raise self._unavailable("decode", exc) from exc
                         raise
                     if event["type"] == "adopted":
                         attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
@@ -218,6 +222,10 @@ class DisaggregatedPipeline:
         finally:
             if attempt is not None:
                 self._close(attempt)
+
+    def _unavailable(self, role: str, exc: BaseException) -> RequestError:
+        return RequestError(f"{role} replicas failed on every attempt ({type(exc).__name__}); retry later",
+                            status=503, code=f"{role}_unavailable", retry_after_s=self.config.retry_after_s or 1)
 
     def _transfer_error(self, event: dict) -> RequestError:
         if event.get("reason") == "pool_exhausted":

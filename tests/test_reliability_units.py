@@ -240,3 +240,152 @@ def test_lifecycle_allows_resume_after_decoding():
                   RequestPhase.PREFILLING, RequestPhase.TRANSFERRING, RequestPhase.DECODING, RequestPhase.FINISHED):
         life.to(phase)
     assert life.prefill_attempts == 2 and life.done
+
+
+# ----------------------------------------------------------------------------- pipeline faults
+class _Stream:
+    """A handle stream: events, then optionally an exception (a replica dying)."""
+
+    def __init__(self, events, exc=None):
+        self._events, self._exc, self.cancelled = list(events), exc, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._events:
+            return self._events.pop(0)
+        if self._exc is not None:
+            raise self._exc
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn, self.calls, self.streams = fn, [], []
+
+    def remote(self, payload, routing=None):
+        self.calls.append(payload)
+        stream = self.fn(payload, len(self.calls))
+        self.streams.append(stream)
+        return stream
+
+
+class _Handle:
+    def __init__(self, **methods):
+        for name, fn in methods.items():
+            setattr(self, name, _Method(fn))
+
+    def options(self, **_):
+        return self
+
+
+def _nxt(seq):
+    return 65 + (seq[-1] * 7 + len(seq)) % 26  # letters: a deterministic "model"
+
+
+def _reference(prompt, max_tokens):
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(_nxt(seq))
+    return seq[len(prompt):]
+
+
+def _prefill(payload, n, die=lambda n: False):
+    from ray.exceptions import ActorDiedError
+
+    if die(n):
+        return _Stream([], ActorDiedError())
+    ctx = list(payload["prompt_token_ids"])
+    return _Stream([{"type": "prefilled", "first_token": _nxt(ctx), "kv_len": len(ctx), "ticket": ctx,
+                     "replica_id": f"p{n}", "queue_s": 0.0, "prefill_s": 0.0}])
+
+
+def _decode(payload, n, die_after=None, full=False):
+    from ray.exceptions import ActorDiedError
+
+    if full:
+        return _Stream([{"type": "transfer_error", "reason": "pool_exhausted", "retryable": True, "message": "full",
+                         "replica_id": f"d{n}"}])
+    seq = list(payload["ticket"]) + [payload["first_token"]]
+    events = [{"type": "adopted", "replica_id": f"d{n}", "transfer_s": 0.0}]
+    for _ in range(payload["params"]["max_new_tokens"] - 1):
+        seq.append(_nxt(seq))
+        events.append({"type": "tokens", "tokens": [seq[-1]], "finished": False, "finish_reason": None})
+    events[-1] = {**events[-1], "finished": True, "finish_reason": "length"}
+    if die_after is not None and die_after(n) is not None:
+        return _Stream(events[: 1 + die_after(n)], ActorDiedError())
+    return _Stream(events)
+
+
+def _run(pipeline, req):
+    import asyncio
+
+    out, error = [], None
+
+    async def go():
+        nonlocal error
+        try:
+            async for d in pipeline.stream(req):
+                out.append(d)
+        except RequestError as err:
+            error = err
+
+    asyncio.run(go())
+    return out, error
+
+
+def _pipeline(prefill, decode, **config):
+    from router.pipeline import DisaggregatedPipeline
+
+    cfg = ServiceConfig.from_dict({"transfer_retries": 2, "decode_resumes": 2, **config})
+    return DisaggregatedPipeline(_Handle(prefill=prefill), _Handle(generate=decode), cfg, ByteTokenizer())
+
+
+REQ = PARSER.parse({"model": "m", "prompt": [256, 72, 105], "max_tokens": 12, "temperature": 0}, "completion")
+
+
+def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
+    pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, die_after=lambda n: 4 if n == 1 else None))
+    out, error = _run(pipe, REQ)
+    assert error is None
+    tokens = [t for d in out for t in d.token_ids]
+    assert tokens == _reference(REQ.prompt_token_ids, 12)
+    assert "".join(d.text for d in out) == bytes(tokens).decode()
+    assert out[-1].finish_reason == "length" and out[-1].timing["decode_resumes"] == 1
+    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    sent = tokens[:5]  # first token + 4 decoded before the death
+    assert prefills[1]["prompt_token_ids"] == list(REQ.prompt_token_ids) + sent[:-1]
+    assert decodes[1]["first_token"] == sent[-1] and decodes[1]["params"]["max_new_tokens"] == 12 - 5 + 1
+    assert all(s.cancelled for s in pipe._prefill.prefill.streams)  # every lease released
+
+
+def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent():
+    pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, die_after=lambda n: 2))
+    out, error = _run(pipe, REQ)
+    assert error is not None and error.status == 502 and error.code == "decode_failed"
+    tokens = [t for d in out for t in d.token_ids]
+    assert tokens == _reference(REQ.prompt_token_ids, 12)[: len(tokens)] and len(tokens) == 1 + 3 * 2
+    assert len(pipe._decode.generate.calls) == 3  # first try + decode_resumes
+    assert all(s.cancelled for s in pipe._prefill.prefill.streams + pipe._decode.generate.streams[:-1])
+
+
+def test_replica_failures_before_adoption_are_retried_then_503():
+    pipe = _pipeline(lambda p, n: _prefill(p, n, die=lambda n: n == 1),
+                     lambda p, n: _decode(p, n, die_after=lambda n: 0 if n == 1 else None))
+    out, error = _run(pipe, REQ)
+    assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
+    assert out[-1].timing["prefill_attempts"] == 3  # prefill died, then decode died before adopting
+    pipe = _pipeline(lambda p, n: _prefill(p, n, die=lambda n: True), _decode)
+    out, error = _run(pipe, REQ)
+    assert out == [] and error.status == 503 and error.code == "prefill_unavailable" and error.retry_after_s == 1
+
+
+def test_decode_pool_full_everywhere_is_429_with_retry_hint():
+    pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=True), retry_after_s=3)
+    out, error = _run(pipe, REQ)
+    assert error.status == 429 and error.code == "kv_capacity_exhausted" and error.retry_after_s == 3
+    assert len(pipe._prefill.prefill.calls) == 3 and all(s.cancelled for s in pipe._prefill.prefill.streams)
