@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from decode_worker.engine import DecodeEngine, StepOutput
 from kv_transfer.transfer import ObjectStoreTransport, TransferError, TransferFailure
 from router.config import ServiceConfig
 from router.protocol import params_from_dict
-from router.runtime import WorkerRuntime
+from router.runtime import WorkerRuntime, replica_id, rss_bytes
 
 logger = logging.getLogger("ray.serve")
 
@@ -157,7 +156,7 @@ class DecodeServer:
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0)
         self.transport = ObjectStoreTransport()
-        self.replica_id = _replica_id()
+        self.replica_id = replica_id()
         self.transfer_failures = 0
         self.refused_full = 0
         self.completed = 0
@@ -247,7 +246,7 @@ class DecodeServer:
             "transfer_failures": self.transfer_failures,
             "refused_full": self.refused_full,
             "steps": self.loop.steps,
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
         }
 
@@ -263,20 +262,6 @@ class DecodeServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
 
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # not Linux
-        return 0
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (unit tests)
-        return "local"
 
 
 def make_decode_deployment(config: ServiceConfig, **options: Any):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ from kv_transfer.transfer import KVTransport, ObjectStoreTransport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from router.config import ServiceConfig
 from router.protocol import RequestError, params_from_dict
-from router.runtime import WorkerRuntime
+from router.runtime import WorkerRuntime, replica_id, rss_bytes
 from router.scheduling import PrefillCostModel
 
 logger = logging.getLogger("ray.serve")
@@ -181,7 +180,7 @@ class PrefillServer:
             max_queued_tokens=self.config.max_queued_prefill_tokens, retry_after_s=self.config.retry_after_s,
         )
         self.transport = self._make_transport()
-        self.replica_id = _replica_id()
+        self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
         self._leases: dict[str, float] = {}  # request id -> lease deadline (monotonic)
         self.active = 0  # prefill() calls in progress (queued, prefilling or holding a lease)
@@ -254,7 +253,7 @@ class PrefillServer:
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "batches": self.batcher.batches,
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
         }
 
@@ -270,20 +269,6 @@ class PrefillServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
 
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # not Linux
-        return 0
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (unit tests)
-        return "local"
 
 
 def make_prefill_deployment(config: ServiceConfig, **options: Any):

@@ -6,6 +6,7 @@ model is seeded, a local directory is read offline) and by the ingress (tokenize
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +74,22 @@ class WorkerRuntime:
             loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device
         )
         return cls(config, loaded, pool, runner, device)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (reported in routing stats; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux
+        return 0
+
+
+def replica_id() -> str:
+    """The Serve replica's id, or "local" outside Serve (unit tests)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"

@@ -47,7 +47,7 @@ def test_serve_config_schema_and_pinning():
     cfg = load("serve_config.yaml")
     schema = ServeDeploySchema.model_validate(cfg) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(cfg)
     assert schema.http_options.host == "127.0.0.1"
-    assert "router.proto.flashprefill_pb2_grpc.add_FlashPrefillServicer_to_server" in cfg["grpc_options"]["grpc_servicer_functions"]
+    assert "router.grpc_service.add_FlashPrefillServicer_to_server" in cfg["grpc_options"]["grpc_servicer_functions"]
     (app,) = cfg["applications"]
     deps = {d["name"]: d for d in app["deployments"]}
     assert deps["PrefillServer"]["ray_actor_options"]["resources"] == {"prefill_gpu": 1}
