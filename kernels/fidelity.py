@@ -26,10 +26,10 @@ import math
 import torch
 
 from . import ops, reference
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import check_tensor
 from .config import KV_TILE, Q_TILE, SparseConfig
 from .index import SparseIndex
-from .paged import contiguous_to_paged, gather_kv
+from .paged import gather_kv
 from .plan import PrefillPlan
 
 # Elements of one fp32 [Hq, chunk, Lkv] score block in the dense passes.
@@ -47,26 +47,8 @@ def prepare_paged(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SparseConfig | None = None,
     *, page_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PrefillPlan]:
-    """Contiguous ``[B, L, H, d]`` self-attention inputs -> ``(q [B*L, Hq, d], k_pages,
-    v_pages, plan)`` as ``ops.sparse_attention`` builds them."""
-    q = check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    k = check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
-    v = check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(
-            f"k: expected shape [B={q.shape[0]}, L={q.shape[1]}, Hkv, d={q.shape[3]}] matching q, "
-            f"got {tuple(k.shape)}"
-        )
-    bsz, length = q.shape[:2]
-    k_pages, page_table = contiguous_to_paged(k, page_size)
-    v_pages, _ = contiguous_to_paged(v, page_size)
-    cu = torch.arange(0, (bsz + 1) * length, length, dtype=torch.int32, device=q.device)
-    seqlens_kv = torch.full((bsz,), length, dtype=torch.int32, device=q.device)
-    qf = q.reshape(bsz * length, *q.shape[2:])
-    plan = ops.plan_prefill(qf, k_pages, v_pages, page_table, cu, seqlens_kv, config)
-    return qf, k_pages, v_pages, plan
+    """Contiguous ``[B, L, H, d]`` inputs on the paged layout, as ``ops.sparse_attention`` runs them."""
+    return ops.prepare_contiguous(q, k, v, config, page_size=page_size)
 
 
 def without_correction(plan: PrefillPlan) -> PrefillPlan:

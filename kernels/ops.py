@@ -134,19 +134,17 @@ def sparse_prefill(
     return attention_planned(q, k_pages, v_pages, plan, index, backend=backend)
 
 
-def sparse_attention(
+def prepare_contiguous(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     config: SparseConfig | None = None,
     *,
     page_size: int = 64,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v.
-
-    Returns ``out [B, L, Hq, d]`` and ``lse [B, L, Hq]``.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PrefillPlan]:
+    """Contiguous causal self-attention inputs ``q [B, L, Hq, d]``, ``k, v [B, L, Hkv, d]`` ->
+    ``(q [B*L, Hq, d], k_pages, v_pages, plan)`` on the paged layout (pages in order, no copy
+    when ``L % page_size == 0``)."""
     q = check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     k = check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
     v = check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
@@ -164,8 +162,25 @@ def sparse_attention(
     v_pages, _ = contiguous_to_paged(v, page_size)
     cu = torch.arange(0, (bsz + 1) * length, length, dtype=torch.int32, device=q.device)
     seqlens_kv = torch.full((bsz,), length, dtype=torch.int32, device=q.device)
-    out, lse = sparse_prefill(
-        q.reshape(bsz * length, *q.shape[2:]), k_pages, v_pages, page_table, cu, seqlens_kv,
-        config, backend=backend,
-    )
-    return out.reshape(q.shape), lse.reshape(bsz, length, q.shape[2])
+    qf = q.reshape(bsz * length, *q.shape[2:])
+    plan = plan_prefill(qf, k_pages, v_pages, page_table, cu, seqlens_kv, config)
+    return qf, k_pages, v_pages, plan
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: SparseConfig | None = None,
+    *,
+    page_size: int = 64,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v.
+
+    Returns ``out [B, L, Hq, d]`` and ``lse [B, L, Hq]``.
+    """
+    qf, k_pages, v_pages, plan = prepare_contiguous(q, k, v, config, page_size=page_size)
+    index = build_index_planned(qf, k_pages, v_pages, plan, backend=backend)
+    out, lse = attention_planned(qf, k_pages, v_pages, plan, index, backend=backend)
+    return out.reshape(q.shape), lse.reshape(q.shape[0], q.shape[1], q.shape[2])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import KV_TILE, SparseConfig
+from .config import KV_TILE
 from .index import BlockMeans, SparseIndex
 from .paged import gather_kv
 from .plan import PrefillPlan

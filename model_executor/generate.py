@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from kernels.config import SparseConfig
 
 from .loading import LoadedModel, load_model
