@@ -60,8 +60,9 @@ def start_local_ray(options: LocalServeOptions) -> None:
     prepare_environment()
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {**ray_init_kwargs(options.host), "configure_logging": True, "logging_level": "WARNING"}
-        if options.num_cpus is not None:
-            kwargs["num_cpus"] = options.num_cpus
+        # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
+        # each) plus the ingress (0.5) must fit even on a 2-core machine.
+        kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)
         ray.init(**kwargs)
 
 
