@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def softmax_scale(scale: object, head_dim: int) -> float:
+    """A validated softmax scale; ``None`` means ``1/sqrt(head_dim)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
+    return float(scale)
 
 
 def check_tensor(
@@ -62,3 +83,17 @@ def check_attention_inputs(
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         check_last_dim_contiguous(name, t)
     return q, k_pages, v_pages
+
+
+def bad_page_entries(page_table: torch.Tensor, pages_needed: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """Bool ``[B, max_pages]``: entries a sequence uses (``col < pages_needed[b]``) that point
+    outside ``[0, num_pages)``. No sync: the caller reads it together with its other checks."""
+    cols = torch.arange(page_table.shape[1], device=page_table.device)
+    used = cols[None, :] < pages_needed.to(page_table.device)[:, None]
+    return used & ((page_table < 0) | (page_table >= num_pages))
+
+
+def page_entry_error(page_table: torch.Tensor, b: int, c: int, num_pages: int) -> ValueError:
+    return ValueError(
+        f"page_table: entry [{b}, {c}] = {int(page_table[b, c])} is out of range [0, {num_pages})"
+    )

@@ -7,8 +7,10 @@ where we refined it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ._checks import check_int as _check_int
+from ._checks import softmax_scale as _softmax_scale
 
 # Physical K/V tile (CSR granularity) and PackGQA query tile, fixed by the format.
 KV_TILE = 64
@@ -54,11 +56,7 @@ class SparseConfig:
             raise ValueError(
                 f"mean_correction: expected a bool, got {type(self.mean_correction).__name__}"
             )
-        if self.scale is not None:
-            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
-                raise ValueError(f"scale: expected a positive float or None, got {self.scale!r}")
-            if not (math.isfinite(self.scale) and self.scale > 0):
-                raise ValueError(f"scale: expected a positive finite float, got {self.scale!r}")
+        _softmax_scale(self.scale, 1)
         _check_int("num_splits", self.num_splits, minimum=0)
 
     @property
@@ -66,11 +64,5 @@ class SparseConfig:
         return self.block_size // KV_TILE
 
     def softmax_scale(self, head_dim: int) -> float:
-        return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(head_dim)
+        return _softmax_scale(self.scale, head_dim)
 
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")

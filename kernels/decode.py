@@ -17,34 +17,16 @@ in a CUDA graph.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._checks import check_attention_inputs, check_tensor
+from ._checks import bad_page_entries, check_attention_inputs, check_tensor, page_entry_error
+from ._checks import check_int as _check_int
+from ._checks import softmax_scale as _softmax_scale
 from .ops import Backend, resolve_backend
 from .paged import gather_kv
 
 _INT_DTYPES = (torch.int32, torch.int64)
 MAX_SPLITS = 1024  # split-KV parts per sequence; far past any useful count, well inside grid limits
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
-def _softmax_scale(scale: object, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
-    return float(scale)
 
 
 def check_decode_inputs(
@@ -80,9 +62,7 @@ def _check_metadata_values(
 ) -> None:
     lens = seqlens_kv.long()
     need = (lens + page_size - 1) // page_size  # pages used per sequence
-    cols = torch.arange(page_table.shape[1], device=page_table.device)
-    used = cols[None, :] < need[:, None]
-    bad_entry = used & ((page_table < 0) | (page_table >= num_pages))
+    bad_entry = bad_page_entries(page_table, need, num_pages)
     # one device->host copy for every value check
     summary = torch.stack(
         [
@@ -106,10 +86,7 @@ def _check_metadata_values(
             f"page_size {page_size}, got {page_table.shape[1]}"
         )
     if any_bad:
-        b, c = divmod(first_bad, page_table.shape[1])
-        raise ValueError(
-            f"page_table: entry [{b}, {c}] = {int(page_table[b, c])} is out of range [0, {num_pages})"
-        )
+        raise page_entry_error(page_table, *divmod(first_bad, page_table.shape[1]), num_pages)
 
 
 def _reference_run(

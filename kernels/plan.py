@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import bad_page_entries, check_tensor, page_entry_error
 from .config import Q_TILE, SparseConfig
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -152,14 +152,10 @@ def make_plan(
             f"with page_size {page_size}, got {pt.shape[1]}"
         )
     if max_need:
-        cols = torch.arange(pt.shape[1], device=pt.device)
-        used = cols[None, :] < torch.tensor(need_pages, device=pt.device)[:, None]
-        bad = used & ((pt < 0) | (pt >= num_pages))
+        bad = bad_page_entries(pt, torch.tensor(need_pages), num_pages)
         if bool(bad.any()):
             b, c = (int(x) for x in bad.nonzero()[0].tolist())
-            raise ValueError(
-                f"page_table: entry [{b}, {c}] = {int(pt[b, c])} is out of range [0, {num_pages})"
-            )
+            raise page_entry_error(pt, b, c, num_pages)
     g = num_qo_heads // num_kv_heads
     qtiles = [_cdiv(g * n, Q_TILE) for n in seqlens_q]
     blocks = [_cdiv(n, config.block_size) for n in skv_h]

@@ -205,7 +205,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         if len(set(rids)) != len(rids):
             raise ValueError(f"request_ids: expected distinct ids, got {rids}")
-        self._check_tokens("last_token_ids", last_token_ids)
+        ids = self._check_tokens("last_token_ids", last_token_ids)
         starts = []
         for rid in rids:
             if not self.pool.has(rid):
@@ -213,7 +213,6 @@ class ModelRunner:
             start = self.pool.seq_len(rid)
             self._check_room(rid, start, 1)
             starts.append(start)
-        ids = torch.as_tensor([int(t) for t in last_token_ids], dtype=torch.int64)
         return self._forward(
             rids, ids, torch.tensor(starts, dtype=torch.int64), starts, [1] * len(rids),
             ForwardMode.DECODE, logits_to_keep=0,
