@@ -7,6 +7,8 @@ import math
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# what the prefill operator takes: the float dtypes and e4m3 (with descales, kernels/fp8.py)
+OPERATOR_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 
 
 def check_int(name: str, value: object, *, minimum: int) -> int:
@@ -60,7 +62,7 @@ def check_attention_inputs(
     q: object, k_pages: object, v_pages: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [Tq, Hq, d], k_pages/v_pages [num_pages, page_size, Hkv, d], one dtype and device."""
-    q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    q = check_tensor("q", q, ndim=3, dtypes=OPERATOR_DTYPES)
     k_pages = check_tensor("k_pages", k_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
     v_pages = check_tensor("v_pages", v_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
     if tuple(v_pages.shape) != tuple(k_pages.shape):
@@ -80,8 +82,13 @@ def check_attention_inputs(
         )
     if k_pages.shape[1] < 1:
         raise ValueError(f"k_pages: expected page_size >= 1, got shape {tuple(k_pages.shape)}")
-    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    for name, t in (("q", q), ("k_pages", k_pages)):
         check_last_dim_contiguous(name, t)
+    if v_pages.numel() and v_pages.stride(-1) != 1 and v_pages.stride(1) != 1:
+        raise ValueError(
+            f"v_pages: expected the last dimension contiguous, or the slot dimension (token-major "
+            f"V, a permuted [num_pages, Hkv, d, page_size] tensor), got strides {v_pages.stride()}"
+        )
     return q, k_pages, v_pages
 
 

@@ -8,9 +8,10 @@ from typing import Literal
 
 import torch
 
-from . import reference
-from ._checks import check_attention_inputs, check_tensor, FLOAT_DTYPES
+from . import fp8, reference
+from ._checks import check_attention_inputs, check_tensor, OPERATOR_DTYPES
 from .config import SparseConfig
+from .fp8 import Fp8Descales
 from .index import SparseIndex
 from .plan import PrefillPlan, make_plan
 
@@ -73,26 +74,50 @@ def plan_prefill(
     return plan
 
 
+def plan_descales(
+    q: torch.Tensor, plan: PrefillPlan, q_descale=None, k_descale=None, v_descale=None,
+    *, check_values: bool = True,
+) -> Fp8Descales | None:
+    """The validated descales of an FP8 batch (``None`` for 16/32-bit inputs, which must not
+    pass any). ``check_values`` reads them back once to reject zero, negative or NaN."""
+    if not fp8.is_fp8(q):
+        fp8.reject_descales(q_descale, k_descale, v_descale, q.dtype)
+        return None
+    return fp8.check_descales(
+        q_descale, k_descale, v_descale, batch=plan.batch_size, num_kv_heads=plan.num_kv_heads,
+        device=q.device, check_values=check_values,
+    )
+
+
+def _check_planned_descales(q: torch.Tensor, descales: Fp8Descales | None) -> None:
+    if fp8.is_fp8(q) and descales is None:
+        raise ValueError("descales: FP8 inputs need Fp8Descales (see kernels.ops.plan_descales), got None")
+    if descales is not None and not fp8.is_fp8(q):
+        raise ValueError(f"descales: only for float8_e4m3fn inputs, q is {q.dtype}")
+
+
 def build_index_planned(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
-    *, backend: Backend = "auto",
+    *, backend: Backend = "auto", descales: Fp8Descales | None = None,
 ) -> SparseIndex:
+    _check_planned_descales(q, descales)
     if resolve_backend(backend, q.device) == "triton":
         from . import triton_index
 
-        return triton_index.build_index(q, k_pages, v_pages, plan)
-    return reference.build_index(q, k_pages, v_pages, plan)
+        return triton_index.build_index(q, k_pages, v_pages, plan, descales=descales)
+    return reference.build_index(q, k_pages, v_pages, plan, descales=descales)
 
 
 def attention_planned(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
-    index: SparseIndex, *, backend: Backend = "auto",
+    index: SparseIndex, *, backend: Backend = "auto", descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_planned_descales(q, descales)
     if resolve_backend(backend, q.device) == "triton":
         from . import triton_attention
 
-        return triton_attention.sparse_attention(q, k_pages, v_pages, plan, index)
-    return reference.sparse_attention(q, k_pages, v_pages, plan, index)
+        return triton_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
+    return reference.sparse_attention(q, k_pages, v_pages, plan, index, descales)
 
 
 def build_index(
@@ -105,10 +130,14 @@ def build_index(
     config: SparseConfig | None = None,
     *,
     backend: Backend = "auto",
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> SparseIndex:
     """Index stage on the paged layout: block means and the CSR of selected K/V tiles."""
     plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
-    return build_index_planned(q, k_pages, v_pages, plan, backend=backend)
+    descales = plan_descales(q, plan, q_descale, k_descale, v_descale)
+    return build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
 
 
 def sparse_prefill(
@@ -121,17 +150,25 @@ def sparse_prefill(
     config: SparseConfig | None = None,
     *,
     backend: Backend = "auto",
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashPrefill V2 on the paged varlen layout.
 
-    q: ``[Tq, Hq, d]``; k_pages, v_pages: ``[num_pages, page_size, Hkv, d]``;
+    q: ``[Tq, Hq, d]``; k_pages, v_pages: ``[num_pages, page_size, Hkv, d]`` (V may be
+    token-major: a permuted ``[num_pages, Hkv, d, page_size]`` tensor);
     page_table: ``[B, max_pages]`` int32; cu_seqlens_q: ``[B+1]``; seqlens_kv: ``[B]``
     (``>= Lq``: a cached prefix precedes the new tokens, causal alignment bottom-right).
-    Returns ``out [Tq, Hq, d]`` (q's dtype) and ``lse [Tq, Hq]`` (float32, natural log).
+    FP8: ``float8_e4m3fn`` q, k, v with float32 descales of shape ``()``/``[1]``, ``[Hkv]`` or
+    ``[B, Hkv]`` (``kernels/fp8.py``).
+    Returns ``out [Tq, Hq, d]`` (q's dtype; bfloat16 for FP8) and ``lse [Tq, Hq]`` (float32,
+    natural log).
     """
     plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
-    index = build_index_planned(q, k_pages, v_pages, plan, backend=backend)
-    return attention_planned(q, k_pages, v_pages, plan, index, backend=backend)
+    descales = plan_descales(q, plan, q_descale, k_descale, v_descale)
+    index = build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+    return attention_planned(q, k_pages, v_pages, plan, index, backend=backend, descales=descales)
 
 
 def prepare_contiguous(
@@ -145,7 +182,7 @@ def prepare_contiguous(
     """Contiguous causal self-attention inputs ``q [B, L, Hq, d]``, ``k, v [B, L, Hkv, d]`` ->
     ``(q [B*L, Hq, d], k_pages, v_pages, plan)`` on the paged layout (pages in order, no copy
     when ``L % page_size == 0``)."""
-    q = check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    q = check_tensor("q", q, ndim=4, dtypes=OPERATOR_DTYPES)
     k = check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
     v = check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
     if k.shape != v.shape:
@@ -175,12 +212,17 @@ def sparse_attention(
     *,
     page_size: int = 64,
     backend: Backend = "auto",
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v.
+    """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v
+    (FP8 with descales as in :func:`sparse_prefill`).
 
     Returns ``out [B, L, Hq, d]`` and ``lse [B, L, Hq]``.
     """
     qf, k_pages, v_pages, plan = prepare_contiguous(q, k, v, config, page_size=page_size)
-    index = build_index_planned(qf, k_pages, v_pages, plan, backend=backend)
-    out, lse = attention_planned(qf, k_pages, v_pages, plan, index, backend=backend)
+    descales = plan_descales(qf, plan, q_descale, k_descale, v_descale)
+    index = build_index_planned(qf, k_pages, v_pages, plan, backend=backend, descales=descales)
+    out, lse = attention_planned(qf, k_pages, v_pages, plan, index, backend=backend, descales=descales)
     return out.reshape(q.shape), lse.reshape(q.shape[0], q.shape[1], q.shape[2])

@@ -8,13 +8,18 @@ Numerics fixed here and shared with the kernels:
   (``s_iJ = scale * q_i . kbar_J.to(q.dtype)`` accumulated in fp32), so that a kernel
   feeding ``tl.dot`` with 16-bit operands computes the same products exactly.
 - Mean correction uses the fp32 means.
+- FP8 inputs (``descales`` given, see ``kernels/fp8.py``): everything runs on the dequantized
+  values in fp32; the index scores with the means re-quantized by the sequence's K descale
+  (the operands of the FP8 kernels), and outputs are bfloat16.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import fp8
 from .config import KV_TILE
+from .fp8 import Fp8Descales
 from .index import BlockMeans, SparseIndex
 from .paged import gather_kv
 from .plan import PrefillPlan
@@ -28,18 +33,40 @@ def _packed_queries(q: torch.Tensor, plan: PrefillPlan, b: int, h: int) -> torch
     return q[lo : lo + lq, h * g : (h + 1) * g].reshape(lq * g, q.shape[-1])
 
 
-def block_means(k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan) -> BlockMeans:
-    """fp32 means of each logical block's real tokens, per KV head."""
+def _sequence_kv(
+    pages: torch.Tensor, plan: PrefillPlan, b: int, length: int, descale: torch.Tensor | None
+) -> torch.Tensor:
+    """Sequence ``b``'s first ``length`` keys or values in fp32 (dequantized for FP8)."""
+    x = gather_kv(pages, plan.page_table, b, length)
+    return x.float() if descale is None else fp8.dequantize_sequence(x, descale[b])
+
+
+def _float_queries(q: torch.Tensor, plan: PrefillPlan, descales: Fp8Descales | None) -> torch.Tensor:
+    if descales is None:
+        return q
+    return fp8.dequantize_queries(q, descales.q, plan.cu_seqlens_q_host, plan.num_kv_heads)
+
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    return fp8.OUT_DTYPE if fp8.is_fp8(q) else q.dtype
+
+
+def block_means(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
+    descales: Fp8Descales | None = None,
+) -> BlockMeans:
+    """fp32 means of each logical block's real tokens (descaled first for FP8), per KV head."""
     bs = plan.config.block_size
     hkv, d = k_pages.shape[2], k_pages.shape[3]
     out = []
-    for pages in (k_pages, v_pages):
+    for pages, name in ((k_pages, "k"), (v_pages, "v")):
+        descale = None if descales is None else getattr(descales, name)
         means = torch.zeros(plan.total_blocks, hkv, d, dtype=torch.float32, device=pages.device)
         row = 0
         for b, lkv in enumerate(plan.seqlens_kv):
             if lkv == 0:
                 continue
-            x = gather_kv(pages, plan.page_table, b, lkv).float()
+            x = _sequence_kv(pages, plan, b, lkv, descale)
             nb = plan.blocks[b]
             pad = x.new_zeros(nb * bs - lkv, hkv, d)
             sums = torch.cat([x, pad]).reshape(nb, bs, hkv, d).sum(1)
@@ -63,12 +90,17 @@ def _tile_geometry(plan: PrefillPlan, b: int, tile: int) -> tuple[int, int, int,
 
 
 def block_energy_ratios(
-    q: torch.Tensor, means: BlockMeans, plan: PrefillPlan
+    q: torch.Tensor, means: BlockMeans, plan: PrefillPlan, descales: Fp8Descales | None = None
 ) -> list[torch.Tensor]:
     """Per segment, ``E_J / max E`` over the tile's visible blocks (fp32, ``[nvis]``)."""
     cfg = plan.config
     scale = cfg.softmax_scale(q.shape[-1])
-    kbar_scored = means.kbar.to(q.dtype).float()
+    if descales is None:
+        kbar_scored = means.kbar.to(q.dtype).float()
+    else:
+        c = fp8.block_descales(descales.k, plan.cu_blocks, plan.total_blocks)[:, :, None]
+        kbar_scored = fp8.requantize_means(means.kbar, descales.k, plan.cu_blocks).float() * c
+        q = _float_queries(q, plan, descales)
     ratios: list[torch.Tensor] = [torch.empty(0)] * plan.num_segments
     for h in range(plan.num_kv_heads):
         for b in range(plan.batch_size):
@@ -105,12 +137,13 @@ def build_index(
     v_pages: torch.Tensor,
     plan: PrefillPlan,
     means: BlockMeans | None = None,
+    descales: Fp8Descales | None = None,
 ) -> SparseIndex:
     """Reference index stage: block means, energies, threshold, forced blocks, CSR."""
     if means is None:
-        means = block_means(k_pages, v_pages, plan)
+        means = block_means(k_pages, v_pages, plan, descales)
     tpb = plan.config.tiles_per_block
-    ratios = block_energy_ratios(q, means, plan)
+    ratios = block_energy_ratios(q, means, plan, descales)
     device = q.device
     lists: list[torch.Tensor] = [torch.empty(0, dtype=torch.int32, device=device)] * plan.num_segments
     for h in range(plan.num_kv_heads):
@@ -137,11 +170,15 @@ def sparse_attention(
     v_pages: torch.Tensor,
     plan: PrefillPlan,
     index: SparseIndex,
+    descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention stage over the index, with mean correction.
 
-    Returns ``out [Tq, Hq, d]`` in ``q.dtype`` and ``lse [Tq, Hq]`` float32 (natural log).
+    Returns ``out [Tq, Hq, d]`` in ``q.dtype`` (bfloat16 for FP8) and ``lse [Tq, Hq]``
+    float32 (natural log).
     """
+    out_dtype = _out_dtype(q)
+    q = _float_queries(q, plan, descales)
     cfg = plan.config
     bs, g, d = cfg.block_size, plan.group_size, q.shape[-1]
     scale = cfg.softmax_scale(d)
@@ -154,8 +191,8 @@ def sparse_attention(
             continue
         q0 = plan.cu_seqlens_q_host[b]
         blk0 = plan.cu_blocks_host[b]
-        keys = gather_kv(k_pages, plan.page_table, b, lkv).float()
-        vals = gather_kv(v_pages, plan.page_table, b, lkv).float()
+        keys = _sequence_kv(k_pages, plan, b, lkv, None if descales is None else descales.k)
+        vals = _sequence_kv(v_pages, plan, b, lkv, None if descales is None else descales.v)
         for h in range(plan.num_kv_heads):
             qp = _packed_queries(q, plan, b, h).float()
             kbar = index.means.kbar[blk0 : blk0 + plan.blocks[b], h]
@@ -189,15 +226,16 @@ def sparse_attention(
                 row_head = h * g + (r0 + torch.arange(rows, device=q.device)) % g
                 out[row_pos, row_head] = o
                 lse[row_pos, row_head] = (m + torch.log(denom)).squeeze(1)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse
 
 
 def sparse_prefill(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
+    descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SparseIndex]:
     """Index stage then attention stage, all in the reference."""
-    index = build_index(q, k_pages, v_pages, plan)
-    out, lse = sparse_attention(q, k_pages, v_pages, plan, index)
+    index = build_index(q, k_pages, v_pages, plan, descales=descales)
+    out, lse = sparse_attention(q, k_pages, v_pages, plan, index, descales)
     return out, lse, index
 
 
@@ -230,9 +268,11 @@ def density(index: SparseIndex, plan: PrefillPlan) -> float:
 
 def dense_attention(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
-    *, chunk: int = 1024,
+    *, chunk: int = 1024, descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact bottom-right causal attention in fp32, ``chunk`` queries at a time."""
+    out_dtype = _out_dtype(q)
+    q = _float_queries(q, plan, descales)
     d = q.shape[-1]
     scale = plan.config.softmax_scale(d)
     g = plan.group_size
@@ -243,8 +283,9 @@ def dense_attention(
         if lq == 0:
             continue
         q0 = plan.cu_seqlens_q_host[b]
-        keys = gather_kv(k_pages, plan.page_table, b, lkv).float().repeat_interleave(g, dim=1)
-        vals = gather_kv(v_pages, plan.page_table, b, lkv).float().repeat_interleave(g, dim=1)
+        keys = _sequence_kv(k_pages, plan, b, lkv, None if descales is None else descales.k)
+        vals = _sequence_kv(v_pages, plan, b, lkv, None if descales is None else descales.v)
+        keys, vals = keys.repeat_interleave(g, dim=1), vals.repeat_interleave(g, dim=1)
         for c0 in range(0, lq, chunk):
             c1 = min(c0 + chunk, lq)
             hi = c1 + prefix
@@ -257,7 +298,7 @@ def dense_attention(
             denom = p.sum(-1, keepdim=True)
             out[q0 + c0 : q0 + c1] = ((p @ vals[:hi].transpose(0, 1)) / denom).transpose(0, 1)
             lse[q0 + c0 : q0 + c1] = (m + torch.log(denom)).squeeze(-1).transpose(0, 1)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse
 
 
 __all__ = [

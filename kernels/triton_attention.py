@@ -28,10 +28,15 @@ Supports
 - ``dense=True``: the same kernel over every visible tile (no index), no correction.
 - fp16 / bf16 (tensor cores, fp32 accumulation) and fp32 (exact fp32 dots, for tests);
   head_dim a multiple of 16 up to 256 (non powers of two are padded and masked).
+- FP8 e4m3 (eq. 15, ``kernels/fp8.py``): per-(sequence, KV head) descales folded into the
+  base-2 logit scale and the epilogue, ``P`` quantized as ``round_e4m3(256 p)`` for the fp8 PV
+  wgmma, correction operands re-quantized once per call; V row-major (Triton transposes the
+  fp8 B operand in shared memory) or token-major (already K-major), measured in
+  ``benchmarks/bench_operator.py``.
 
 Does not
-- FP8 (eq. 15), warp specialization, TMA descriptors or a persistent scheduler: loads are plain
-  pointer loads software-pipelined by ``tl.range``.
+- Warp specialization, TMA descriptors or a persistent scheduler: loads are plain pointer
+  loads software-pipelined by ``tl.range``.
 - Validate its inputs: ``kernels.ops`` does that once per batch (``plan_prefill``).
 
 Numerics: block means enter the tensor-core dots rounded to the input dtype (fp32 for fp32
@@ -51,7 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8
 from .config import KV_TILE, Q_TILE
+from .fp8 import Fp8Descales
 from .index import SparseIndex
 from .plan import PrefillPlan
 
@@ -87,13 +94,13 @@ def _kv_rows(pt_row, n, Lkv, offs_n,
 
 @triton.jit
 def _load_kv_tile(K, V, pt_row, n, Lkv, offs_n, offs_d,
-                  sk_p, sk_s, sv_p, sv_s,
+                  sk_p, sk_s, sv_p, sv_s, sv_d,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr):
     """K and V rows of tile ``n`` ([BLOCK_N, D_PAD]); keys past ``Lkv`` read as 0 when masked."""
     page, slot = _kv_rows(pt_row, n, Lkv, offs_n, PAGE_SIZE, BLOCK_N, MASK_KEYS)
     k_ptrs = K + (page * sk_p + slot * sk_s)[:, None] + offs_d[None, :]
-    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :]
+    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :] * sv_d
     if MASK_KEYS:
         m = ((n * BLOCK_N + offs_n) < Lkv)[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_ptrs, mask=m, other=0.0)
@@ -110,7 +117,7 @@ def _load_kv_tile(K, V, pt_row, n, Lkv, offs_n, offs_d,
 
 @triton.jit
 def _load_kv_pair(K, V, pt_row, n_a, n_b, offs_p, offs_d,
-                  sk_p, sk_s, sv_p, sv_s,
+                  sk_p, sk_s, sv_p, sv_s, sv_d,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """K and V rows of two fully visible tiles as one [2 BLOCK_N, D_PAD] operand: row ``i`` is
@@ -128,7 +135,7 @@ def _load_kv_pair(K, V, pt_row, n_a, n_b, offs_p, offs_d,
         page = tl.load(pt_row + j // PAGE_SIZE).to(tl.int64)
         slot = (j % PAGE_SIZE).to(tl.int64)
     k_ptrs = K + (page * sk_p + slot * sk_s)[:, None] + offs_d[None, :]
-    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :]
+    v_ptrs = V + (page * sv_p + slot * sv_s)[:, None] + offs_d[None, :] * sv_d
     if HEAD_DIM == D_PAD:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -140,8 +147,11 @@ def _load_kv_pair(K, V, pt_row, n_a, n_b, offs_p, offs_d,
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step on base-2 logits ``s`` ([M, N], -inf where masked)."""
+def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                   FP8: tl.constexpr):
+    """One online-softmax step on base-2 logits ``s`` ([M, N], -inf where masked). FP8: the
+    PV operand is ``round_e4m3(256 p)`` (eq. 15); ``l`` sums the unrounded ``p``, so ``acc``
+    carries a factor 256 that the epilogue removes."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # rows that have seen nothing yet keep m = -inf; shift by 0 instead of NaN
@@ -152,7 +162,10 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
     p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    if FP8:
+        acc = tl.dot((p * 256.0).to(v.dtype), v, acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -164,17 +177,19 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
 # batch-dependent integers are not specialized (a new batch shape must not recompile)
 @triton.jit(do_not_specialize=["total_tiles", "total_q", "words_per_seg"])
 def _sparse_attn_fwd(
-    Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart,
+    Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart, QD, KD, VD,
     seg_offsets, kv_tiles, order, corr_bits, words_per_seg,
     cu_seqlens_q, seqlens_kv, cu_qtiles, cu_blocks, tile_seq, page_table,
-    sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, skb_t, skb_h, svb_t, svb_h, s_pt,
+    sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, sv_d,
+    skb_t, skb_h, svb_t, svb_h, svb_d, s_pt,
+    sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
     total_tiles, total_q, num_splits, qk_scale,
     G: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TPB: tl.constexpr, MAX_DIAG: tl.constexpr,
     CORR_BLOCKS: tl.constexpr, CORRECTION: tl.constexpr, DENSE: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PAIR: tl.constexpr,
+    PAIR: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rank = pid // num_splits
@@ -188,6 +203,10 @@ def _sparse_attn_fwd(
     lq = tl.load(cu_seqlens_q + b + 1) - q0
     lkv = tl.load(seqlens_kv + b)
     prefix = lkv - lq
+    if FP8:  # descales of this (sequence, KV head): S = c_q c_k (q8 k8^T), O = c_v (P V8)
+        qk = qk_scale * tl.load(QD + b * sqd_b + h * sqd_h) * tl.load(KD + b * skd_b + h * skd_h)
+    else:
+        qk = qk_scale
 
     # PackGQA rows of this tile: r = p*G + t
     r0 = tile * BLOCK_M
@@ -244,13 +263,13 @@ def _sparse_attn_fwd(
             n = i
         else:
             n = tl.load(tiles_ptr + i)
-        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s,
+        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s, sv_d,
                              HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, True)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         keys = n * BLOCK_N + offs_n
         visible = (keys[None, :] <= key_limit[:, None]) & (keys < lkv)[None, :]
         s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, True, PRECISION)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, True, PRECISION, FP8)
 
     # 2) tiles every row sees entirely: no mask, software pipelined, next index prefetched
     top = tl.minimum(i_hi, i_mid) - 1
@@ -277,9 +296,9 @@ def _sparse_attn_fwd(
                 na_next = tl.load(tiles_ptr + nxt)
                 nb_next = tl.load(tiles_ptr + nxt - 1)
             k, v = _load_kv_pair(K_h, V_h, pt_row, n_a, n_b, offs_p, offs_d, sk_p, sk_s, sv_p,
-                                 sv_s, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION)
+                                 sv_s, sv_d, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION, FP8)
         top = top - 2 * n_pairs
         n_full = n_full - 2 * n_pairs
     if DENSE:
@@ -292,10 +311,10 @@ def _sparse_attn_fwd(
             n_next = n - 1
         else:
             n_next = tl.load(tiles_ptr + tl.maximum(top - it - 1, i_lo))
-        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s,
+        k, v = _load_kv_tile(K_h, V_h, pt_row, n, lkv, offs_n, offs_d, sk_p, sk_s, sv_p, sv_s, sv_d,
                              HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, False)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION, FP8)
 
     # 3) mean correction: fully visible blocks with no selected tile, owned by the last split.
     # corr_bits holds one bit per (segment, selected logical block) (``_selected_blocks``);
@@ -320,20 +339,22 @@ def _sparse_attn_fwd(
                 rowsJ = blk0 + tl.minimum(J, last_blk)  # in bounds: no load mask
                 if HEAD_DIM == D_PAD:
                     kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :])
-                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :])
+                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :] * svb_d)
                 else:
                     kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :],
                                  mask=d_ok[None, :], other=0.0)
-                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :],
+                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :] * svb_d,
                                  mask=d_ok[None, :], other=0.0)
                 size = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - J * BLOCK_SIZE
                 # log |B_J| for the blocks to correct, -inf for the others: one column bias
                 bias = tl.where(todo, tl.math.log2(tl.maximum(size, 1).to(tl.float32)),
                                 float("-inf"))
-                s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk_scale + bias[None, :]
-                acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION)
+                s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk + bias[None, :]
+                acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION, FP8)
 
     # epilogue
+    if FP8:  # acc = 256 sum P~ V8: restore c_v / 256 (l sums the unrounded p)
+        acc = acc * (tl.load(VD + b * svd_b + h * svd_h) * (1.0 / 256.0))
     out_rows = tok * HQ + head  # out / lse are contiguous [Tq, Hq, (d)]
     if SPLIT:
         has = l_i > 0.0
@@ -477,6 +498,7 @@ def sparse_attention(
     _num_stages: int | None = None,
     _pair: bool | None = None,
     _corr_blocks: int = 64,
+    descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage over ``index`` (or every visible tile with ``dense=True``).
 
@@ -484,10 +506,17 @@ def sparse_attention(
     ``k_pages/v_pages [num_pages, page_size, Hkv, d]``. Returns ``out [Tq, Hq, d]`` in ``q.dtype``
     and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
     (``config.num_splits`` when positive). No host synchronisation.
+
+    FP8 (``q``, pages ``float8_e4m3fn`` and ``descales``): output bfloat16. V may be stored
+    token-major (``v_pages`` a permuted ``[num_pages, Hkv, d, page_size]`` tensor): then the
+    PV product's B operand is K-major in shared memory, as Hopper's fp8 wgmma wants.
     """
     cfg = plan.config
     tq, hq, d = q.shape
-    out = _empty((tq, hq, d), dtype=q.dtype, device=q.device)
+    is_fp8 = descales is not None
+    if is_fp8 != (q.dtype == fp8.FP8_DTYPE):
+        raise ValueError(f"descales: expected Fp8Descales exactly for float8_e4m3fn inputs, q is {q.dtype}")
+    out = _empty((tq, hq, d), dtype=fp8.OUT_DTYPE if is_fp8 else q.dtype, device=q.device)
     lse = _empty((tq, hq), dtype=torch.float32, device=q.device)
     num_segments = plan.num_segments
     if tq == 0 or num_segments == 0:
@@ -528,10 +557,16 @@ def sparse_attention(
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
     words = 1
     corr_bits = seg_offsets  # unused without correction
-    if correction:
+    if correction and is_fp8:
+        # e4m3 operands re-quantized with each block's (sequence, KV head) descale; V means
+        # stored block-major ([Hkv, d, blocks]) so the PV operand is K-major like V's tiles
+        kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks)
+        vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks).permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    elif correction:
         # the scoring operands of the correction, rounded once per call (not per tile)
         kbar = kbar.to(q.dtype)
         vbar = vbar.to(q.dtype)
+    if correction:
         words = max(1, triton.cdiv(plan.max_blocks, corr_blocks)) * (corr_blocks // 32)
         corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
         if kv_tiles.numel():
@@ -544,23 +579,29 @@ def sparse_attention(
     else:
         o_part, lse_part = out, lse  # unused
     pt = plan.page_table
+    if is_fp8:
+        qd, kd, vd = descales.q, descales.k, descales.v
+        dstr = descales.strides()
+    else:
+        qd = kd = vd = lse  # unused
+        dstr = (0, 0, 0, 0, 0, 0)
     grid = (num_segments * num_splits,)
     _sparse_attn_fwd[grid](
-        q, k_pages, v_pages, kbar, vbar, out, lse, o_part, lse_part,
+        q, k_pages, v_pages, kbar, vbar, out, lse, o_part, lse_part, qd, kd, vd,
         seg_offsets, kv_tiles, order, corr_bits, words,
         plan.cu_seqlens_q, plan.seqlens_kv_t, plan.cu_qtiles, plan.cu_blocks, plan.tile_seq, pt,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_pages.stride(3),
         kbar.stride(0), kbar.stride(1) if kbar.dim() > 1 else 0,
-        vbar.stride(0), vbar.stride(1) if vbar.dim() > 1 else 0,
-        pt.stride(0),
+        vbar.stride(0), vbar.stride(1) if vbar.dim() > 1 else 0, vbar.stride(2) if vbar.dim() > 2 else 1,
+        pt.stride(0), *dstr,
         plan.total_tiles, tq, num_splits, scale * _LOG2E,
         G=g, HQ=hq, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_M=Q_TILE, BLOCK_N=KV_TILE, PAGE_SIZE=plan.page_size,
         BLOCK_SIZE=cfg.block_size, TPB=tpb, MAX_DIAG=max_diag,
         CORR_BLOCKS=corr_blocks, CORRECTION=correction, DENSE=dense,
-        SPLIT=split, PRECISION=precision, LOOP_STAGES=stages, PAIR=pair,
+        SPLIT=split, PRECISION=precision, LOOP_STAGES=stages, PAIR=pair, FP8=is_fp8,
         num_warps=warps, num_stages=stages,
     )
     if split:

@@ -48,9 +48,10 @@ the floor: exp2 and wgmma overlap only across the programs sharing an SM), 4.3 G
 block means re-read from L2 (hence the rounded bf16 copy: fp32 would double it), and 0.54 GB
 of K/V read once from HBM by the means kernel (~0.12 ms at 4.8 TB/s).
 
-Supports fp16/bf16/fp32 (q, K, V of one dtype), head_dim a multiple of 16 up to 256, any
-``g``, any ``page_size``, varlen batches with cached prefixes, empty sequences and batches.
-Does not support FP8 K/V (no descale yet). Inputs are assumed validated by the caller
+Supports fp16/bf16/fp32 (q, K, V of one dtype) and FP8 e4m3 with descales (means of the
+descaled values in fp32; scores ``c_q c_k (q8 . round_e4m3(kbar / c_k))`` on fp8 tensor cores),
+head_dim a multiple of 16 up to 256, any ``g``, any ``page_size``, V row-major or token-major,
+varlen batches with cached prefixes, empty sequences and batches. Inputs are assumed validated by the caller
 (``kernels.ops.plan_prefill``).
 """
 
@@ -65,6 +66,7 @@ import triton
 import triton.language as tl
 
 from .config import KV_TILE, Q_TILE
+from .fp8 import Fp8Descales
 from .index import BlockMeans, SparseIndex
 from .plan import PrefillPlan
 
@@ -161,6 +163,8 @@ def _round_to(x, DTYPE: tl.constexpr):
         u = x.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == tl.float8e4nv:
+        return tl.clamp(x, -448.0, 448.0).to(DTYPE)  # saturate like kernels.fp8.quantize
     else:
         return x.to(DTYPE)
 
@@ -171,11 +175,11 @@ def _round_to(x, DTYPE: tl.constexpr):
 @triton.jit
 def _block_means_kernel(
     k_ptr, v_ptr, page_table_ptr, seqlens_kv_ptr, cu_blocks_ptr,
-    kbar_ptr, vbar_ptr, kbar_q_ptr,
+    kbar_ptr, vbar_ptr, kbar_q_ptr, kd_ptr, vd_ptr,
     batch,
     stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_pt,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_pt, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
     num_kv_heads,
     PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -184,6 +188,7 @@ def _block_means_kernel(
     TOKENS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     WRITE_KBAR_Q: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     blk = tl.program_id(0)  # global logical block: row of the means
     h = tl.program_id(1)
@@ -209,14 +214,22 @@ def _block_means_kernel(
         k_off = page * stride_kp + slot * stride_ks + h * stride_kh
         v_off = page * stride_vp + slot * stride_vs + h * stride_vh
         acc_k += tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_v += tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_v += tl.load(v_ptr + v_off[:, None] + dims[None, :] * stride_vd, mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / (end - start).to(tl.float32)
     kbar = tl.sum(acc_k, axis=0) * inv
     vbar = tl.sum(acc_v, axis=0) * inv
+    if FP8:  # means of the descaled values; the scoring operand is re-quantized with c_k
+        ck = tl.load(kd_ptr + b * stride_kd_b + h * stride_kd_h)
+        cv = tl.load(vd_ptr + b * stride_vd_b + h * stride_vd_h)
+        kbar_q = _round_to(kbar, kbar_q_ptr.dtype.element_ty)  # the mean of the stored values
+        kbar = kbar * ck
+        vbar = vbar * cv
     out = (blk.to(tl.int64) * num_kv_heads + h) * HEAD_DIM + dims
     tl.store(kbar_ptr + out, kbar, mask=dim_ok)
     tl.store(vbar_ptr + out, vbar, mask=dim_ok)
-    if WRITE_KBAR_Q:
+    if FP8:
+        tl.store(kbar_q_ptr + out, kbar_q, mask=dim_ok)
+    elif WRITE_KBAR_Q:
         tl.store(kbar_q_ptr + out, _round_to(kbar, kbar_q_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -225,10 +238,10 @@ def _block_means_kernel(
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _score_select_kernel(
-    q_ptr, kbar_q_ptr,
+    q_ptr, kbar_q_ptr, qd_ptr, kd_ptr,
     tile_seq_ptr, cu_q_ptr, seqlens_kv_ptr, cu_qtiles_ptr, cu_blocks_ptr,
     scratch_ptr, bits_ptr, counts_ptr,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h,
     num_segments, total_tiles, num_kv_heads, num_programs,
     scratch_stride, words_per_seg,
     qk_scale_log2, log2_alpha, sink_tokens, window_tokens,
@@ -243,6 +256,7 @@ def _score_select_kernel(
     KEEP_ALL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     TPB: tl.constexpr = BLOCK_SIZE // TILE
@@ -265,6 +279,11 @@ def _score_select_kernel(
             t, tile_seq_ptr, cu_q_ptr, seqlens_kv_ptr, cu_qtiles_ptr, G, TILE_M, BLOCK_SIZE, TILE
         )
         blk0 = tl.load(cu_blocks_ptr + b)
+        if FP8:  # s = c_q c_k (q8 . kbar8): one factor per (sequence, KV head)
+            qk = qk_scale_log2 * tl.load(qd_ptr + b * stride_qd_b + h * stride_qd_h) \
+                * tl.load(kd_ptr + b * stride_kd_b + h * stride_kd_h)
+        else:
+            qk = qk_scale_log2
 
         # PackGQA rows r = p*G + u -> q[q0 + p, h*G + u]
         r = r0 + rows
@@ -304,8 +323,8 @@ def _score_select_kernel(
             s = tl.where(row_ok[None, :], s, float("-inf"))
             c = tl.max(s, axis=1)
             # one FFMA per score: (s - c) * scale * log2(e)
-            energy = tl.sum(tl.exp2(tl.fma(s, qk_scale_log2, -(c * qk_scale_log2)[:, None])), axis=1)
-            le = c * qk_scale_log2 + tl.log2(energy)  # log2 E_J, energy >= 1
+            energy = tl.sum(tl.exp2(tl.fma(s, qk, -(c * qk)[:, None])), axis=1)
+            le = c * qk + tl.log2(energy)  # log2 E_J, energy >= 1
             tl.store(scratch + J, le, mask=col_ok)
             le_max_vec = tl.maximum(le_max_vec, tl.where(col_ok, le, float("-inf")))
         le_max = tl.max(le_max_vec, axis=0)
@@ -383,9 +402,10 @@ def _compact_kernel(
 # --------------------------------------------------------------------------------------
 def block_means(
     k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan, score_dtype: torch.dtype,
-    *, launch: IndexLaunch = IndexLaunch(),
+    *, launch: IndexLaunch = IndexLaunch(), descales: Fp8Descales | None = None,
 ) -> tuple[BlockMeans, torch.Tensor]:
-    """fp32 K/V block means and the K means in ``score_dtype`` (the same tensor if fp32)."""
+    """fp32 K/V block means and the K means in ``score_dtype`` (the same tensor if fp32).
+    FP8: the means are of the descaled values; the scoring copy is ``round_e4m3(kbar / c_k)``."""
     hkv, d = k_pages.shape[2], k_pages.shape[3]
     nblk = plan.total_blocks
     device = k_pages.device
@@ -397,13 +417,17 @@ def block_means(
         return BlockMeans(kbar=kbar, vbar=vbar), kbar_q
     bs = plan.config.block_size
     tokens = min(launch.means_tokens, bs)
+    fp8 = descales is not None
+    kd = descales.k if fp8 else kbar
+    vd = descales.v if fp8 else kbar
+    dstr = (*kd.stride(), *vd.stride()) if fp8 else (0, 0, 0, 0)
     _block_means_kernel[(nblk, hkv)](
         k_pages, v_pages, plan.page_table, plan.seqlens_kv_t, plan.cu_blocks,
-        kbar, vbar, kbar_q,
+        kbar, vbar, kbar_q, kd, vd,
         plan.batch_size,
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        plan.page_table.stride(0),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_pages.stride(3),
+        plan.page_table.stride(0), *dstr,
         hkv,
         PAGE_SIZE=k_pages.shape[1],
         BLOCK_SIZE=bs,
@@ -412,6 +436,7 @@ def block_means(
         TOKENS=tokens,
         BLOCK_B=triton.next_power_of_2(max(plan.batch_size, 1)),
         WRITE_KBAR_Q=write_q,
+        FP8=fp8,
         num_warps=launch.means_warps,
     )
     return BlockMeans(kbar=kbar, vbar=vbar), kbar_q
@@ -420,6 +445,7 @@ def block_means(
 def select_and_compact(
     q: torch.Tensor, plan: PrefillPlan, means: BlockMeans, kbar_q: torch.Tensor,
     *, capacity: int | None = None, launch: IndexLaunch = IndexLaunch(),
+    descales: Fp8Descales | None = None,
 ) -> tuple[SparseIndex, torch.Tensor]:
     """Score, threshold, force and compact; returns the index and the required entry count
     (int32 ``[1]`` on the device)."""
@@ -441,11 +467,15 @@ def select_and_compact(
     bits = torch.empty(nseg, words, **i32)
     counts = torch.empty(nseg, **i32)
     keep_all = cfg.alpha == 0
+    fp8 = descales is not None
+    qd = descales.q if fp8 else scratch
+    kd = descales.k if fp8 else scratch
+    dstr = (*qd.stride(), *kd.stride()) if fp8 else (0, 0, 0, 0)
     _score_select_kernel[(nprog,)](
-        q, kbar_q,
+        q, kbar_q, qd, kd,
         plan.tile_seq, plan.cu_seqlens_q, plan.seqlens_kv_t, plan.cu_qtiles, plan.cu_blocks,
         scratch, bits, counts,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), *dstr,
         nseg, plan.total_tiles, plan.num_kv_heads, nprog,
         plan.max_blocks, words,
         cfg.softmax_scale(d) * _LOG2E,
@@ -462,6 +492,7 @@ def select_and_compact(
         KEEP_ALL=keep_all,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(),
+        FP8=fp8,
         num_warps=launch.score_warps,
         num_stages=launch.score_stages,
         # the cap is only spill-free for 16-bit operands up to d = 128 (fp32 spills ~4 KiB)
@@ -495,18 +526,21 @@ def select_and_compact(
 def build_index_with_status(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
     *, capacity: int | None = None, launch: IndexLaunch = IndexLaunch(),
+    descales: Fp8Descales | None = None,
 ) -> tuple[SparseIndex, torch.Tensor]:
     """``build_index`` plus ``required``: int32 ``[1]`` device tensor, the number of CSR
     entries the full index needs (``> capacity`` means the index overflowed and was cut)."""
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"capacity: expected None or an int >= 0, got {capacity!r}")
-    means, kbar_q = block_means(k_pages, v_pages, plan, q.dtype, launch=launch)
-    return select_and_compact(q, plan, means, kbar_q, capacity=capacity, launch=launch)
+    if (descales is not None) != (q.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"descales: expected Fp8Descales exactly for float8_e4m3fn inputs, q is {q.dtype}")
+    means, kbar_q = block_means(k_pages, v_pages, plan, q.dtype, launch=launch, descales=descales)
+    return select_and_compact(q, plan, means, kbar_q, capacity=capacity, launch=launch, descales=descales)
 
 
 def build_index(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
-    *, capacity: int | None = None,
+    *, capacity: int | None = None, descales: Fp8Descales | None = None,
 ) -> SparseIndex:
     """Index stage on the paged layout; equals ``kernels.reference.build_index``.
 
@@ -514,7 +548,7 @@ def build_index(
     ``capacity=n``: no host sync; ``kv_tiles`` has ``n`` entries and ``seg_offsets`` is
     clamped to ``n`` (use ``build_index_with_status`` to detect the overflow on the device).
     """
-    return build_index_with_status(q, k_pages, v_pages, plan, capacity=capacity)[0]
+    return build_index_with_status(q, k_pages, v_pages, plan, capacity=capacity, descales=descales)[0]
 
 
 __all__ = ["IndexLaunch", "block_means", "select_and_compact", "build_index", "build_index_with_status"]
