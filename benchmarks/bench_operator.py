@@ -79,6 +79,7 @@ class BenchConfig:
     num_splits: int | None = None
     budget_ms: float = 300.0  # timing budget per measurement
     device: str = "cuda"
+    fp8: bool = False  # also time the FP8 (e4m3) operator on the same inputs (two V layouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def _commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:
         pass
-    return os.environ.get("FP_COMMIT", "unknown")
+    return os.environ.get("GIT_COMMIT") or os.environ.get("FP_COMMIT", "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +405,14 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
         expect, _ = reference.sparse_attention(qf, k_pages, v_pages, plan, index)
         row["check"] = "reference"
         row["check_err"] = float((out.float() - expect.float()).abs().max())
+    fp8_rows = []
+    if cfg.fp8:
+        try:
+            fp8_rows = run_fp8(q, k, v, qf, plan, index, out, splits, cfg, device, row,
+                               sel_pairs, all_pairs)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["errors"]["fp8"] = repr(e)[:300]
     del out, lse
 
     g = HQ // HKV
@@ -504,10 +513,76 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
         if row.get(base):
             row["speedup_total_vs_" + base[:-3]] = row[base] / row["total_ms"]
     row["case_s"] = time.time() - t0
+    for r in fp8_rows:
+        for base in ("sdpa_flash_ms", "sdpa_cudnn_ms", "fa4_dense_ms"):
+            if row.get(base):
+                r["speedup_total_vs_" + base[:-3]] = row[base] / r["total_ms"]
+        r["speedup_total_vs_bf16"] = row["total_ms"] / r["total_ms"]
+        r["speedup_attention_vs_bf16"] = row["attention_ms"] / r["attention_ms"]
     del q, k, v, qf, k_pages, v_pages, index, sel
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return [row, *fp8_rows]
+
+
+def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device, base: dict,
+            sel_pairs: int, all_pairs: int) -> list[dict]:
+    """FP8 rows of one case: the same inputs quantized with per-(sequence, KV head) amax
+    descales, the FP8 index and attention, V stored row-major (Triton transposes the fp8 PV
+    operand in shared memory) and token-major (already K-major). Accuracy beside speed:
+    relative L2 of the FP8 operator output against the bf16 operator's (each with its own
+    index), and of the FP8 attention against bf16 attention on the *bf16* index."""
+    from kernels import fp8
+    from kernels.ops import plan_descales
+
+    q8, qd = fp8.quantize_queries(qf, plan.cu_seqlens_q, HKV)
+    k8, kd = fp8.quantize_bshd(k, per="head")
+    v8, vd = fp8.quantize_bshd(v, per="head")
+    k8p, _ = contiguous_to_paged(k8, cfg.page_size)
+    v8p, _ = contiguous_to_paged(v8, cfg.page_size)
+    del k8, v8
+    ds = plan_descales(q8, plan, qd, kd, vd)
+    plan_nc = dataclasses.replace(plan, config=dataclasses.replace(plan.config, mean_correction=False))
+    q_ms = bench_ms(lambda: fp8.quantize_per_tensor(qf), device, cfg.budget_ms)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    rows = []
+    for layout in ("row_major", "token_major"):
+        vp = v8p if layout == "row_major" else v8p.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        row = {k_: base[k_] for k_ in ("batch", "seqlen", "target_density", "gpu", "date", "commit",
+                                       "inputs", "num_splits")}
+        row.update({"dtype": "fp8_e4m3", "kernel": "triton", "v_layout": layout,
+                    "descales": "per (sequence, KV head), amax", "errors": {}})
+
+        def build(vp=vp):
+            return build_index_planned(q8, k8p, vp, plan, backend="triton", descales=ds)
+
+        idx8 = build()
+        row["density"] = selected_pairs(plan, idx8) / all_pairs
+
+        def attention(p=plan, idx=idx8, vp=vp):
+            return ta.sparse_attention(q8, k8p, vp, p, idx, num_splits=splits, descales=ds)
+
+        out8, lse8 = attention()
+        same_index, _ = attention(idx=index)
+        row["finite"] = bool(torch.isfinite(out8).all()) and bool(torch.isfinite(lse8).all())
+        row["rel_l2_vs_bf16"] = rel(out8, out_bf16)
+        row["attn_rel_l2_vs_bf16_same_index"] = rel(same_index, out_bf16)
+        del out8, lse8, same_index
+        row["index_ms"] = bench_ms(build, device, cfg.budget_ms)
+        row["attention_ms"] = bench_ms(attention, device, cfg.budget_ms)
+        row["attention_nocorr_ms"] = bench_ms(lambda: attention(plan_nc), device, cfg.budget_ms)
+        row["total_ms"] = bench_ms(lambda: ta.sparse_attention(q8, k8p, vp, plan, build(), num_splits=splits,
+                                                               descales=ds), device, cfg.budget_ms)
+        row["quantize_q_ms"] = q_ms  # per forward in a serving stack (K/V arrive quantized)
+        work_flop = 4.0 * D * row["density"] * all_pairs
+        row["attention_tflops"] = work_flop / row["attention_ms"] / 1e9
+        row["total_tflops"] = work_flop / row["total_ms"] / 1e9
+        row["check"] = "bf16"
+        row["check_err"] = row["rel_l2_vs_bf16"]
+        row["check_ok"] = row["finite"] and row["attn_rel_l2_vs_bf16_same_index"] <= 5e-2
+        rows.append(row)
+        del idx8, vp
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,14 +611,16 @@ def tune(cfg: BenchConfig, device) -> list[dict]:
 
 
 COLUMNS = [
-    ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
+    ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dtype", "dtype", "{}"), ("V", "v_layout", "{}"),
+    ("dens", "density", "{:.3f}"),
     ("index", "index_ms", "{:.2f}"), ("attn", "attention_ms", "{:.2f}"),
     ("nocorr", "attention_nocorr_ms", "{:.2f}"), ("total", "total_ms", "{:.2f}"),
     ("TF/s", "attention_tflops", "{:.0f}"), ("dense", "dense_triton_ms", "{:.1f}"),
     ("flash", "sdpa_flash_ms", "{:.1f}"), ("cudnn", "sdpa_cudnn_ms", "{:.1f}"),
     ("flex", "flex_attention_ms", "{:.2f}"), ("fa4", "fa4_dense_ms", "{:.1f}"),
     ("fa4sp", "fa4_sparse_ms", "{:.2f}"), ("x flash", "speedup_total_vs_sdpa_flash", "{:.1f}"),
-    ("x cudnn", "speedup_total_vs_sdpa_cudnn", "{:.1f}"), ("check", "check", "{}"),
+    ("x cudnn", "speedup_total_vs_sdpa_cudnn", "{:.1f}"), ("x bf16", "speedup_total_vs_bf16", "{:.2f}"),
+    ("check", "check", "{}"),
     ("err", "check_err", "{:.3g}"), ("flexdiff", "flex_max_diff", "{:.3g}"), ("ok", "check_ok", "{}"),
     ("errors", "errors", "{}"),
 ]
@@ -580,11 +657,16 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     ap.add_argument("--splits", type=int, default=None, help="force num_splits")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tune", action="store_true", help="num_warps/num_stages sweep at 64K")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also FP8 rows (dtype=fp8_e4m3, V row-major and token-major) per case")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep rows of --out whose (kernel, dtype, v_layout, B, L, target) this run does not produce")
     ap.add_argument("--device", type=str, default="cuda",
                     help="'cpu' (with TRITON_INTERPRET=1 and tiny --lengths) smoke-tests the script")
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
     args = ap.parse_args(argv)
-    cfg = BenchConfig(device=args.device, page_size=args.page_size, num_splits=args.splits)
+    cfg = BenchConfig(device=args.device, page_size=args.page_size, num_splits=args.splits,
+                      fp8=args.fp8)
     if args.quick:
         cfg = dataclasses.replace(cfg, lengths=(32768, 131072), batches=(1,), sweep=False)
     if args.lengths:
@@ -599,6 +681,26 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
         cfg = dataclasses.replace(cfg, sdpa_max_tokens_b4=1 << 62, flex_min_len=0,
                                   flex_batch1_only=False)
     return cfg, args
+
+
+def _row_key(r: dict) -> tuple:
+    return (r.get("kernel", "triton"), r.get("dtype", "bfloat16"), r.get("v_layout"), r.get("batch"),
+            r.get("seqlen"), r.get("target_density"))
+
+
+def _previous_rows(path: Path) -> list[dict]:
+    """Rows of an earlier run (its ``rows`` and ``kept_rows``), each tagged with its env."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    env = old.get("env", {})
+    out = []
+    for r in old.get("rows", []) + old.get("kept_rows", []):
+        r = dict(r)
+        r.setdefault("env", env)
+        out.append(r)
+    return out
 
 
 def main(argv=None) -> None:
@@ -620,18 +722,23 @@ def main(argv=None) -> None:
     if args.tune:
         result["tune"] = tune(cfg, device)
     dense_cache: dict = {}
+    kept = _previous_rows(out_path) if args.merge else []
     for length, batch, target in cases:
         try:
-            row = run_case(length, batch, target, cfg, device, env, dense_cache)
+            new = run_case(length, batch, target, cfg, device, env, dense_cache)
         except torch.cuda.OutOfMemoryError as e:
-            row = {"batch": batch, "seqlen": length, "target_density": target, "errors": {"oom": repr(e)[:300]}}
+            new = [{"batch": batch, "seqlen": length, "target_density": target, "errors": {"oom": repr(e)[:300]}}]
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            row = {"batch": batch, "seqlen": length, "target_density": target, "errors": {"case": repr(e)[:300]}}
-        rows.append(row)
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            new = [{"batch": batch, "seqlen": length, "target_density": target, "errors": {"case": repr(e)[:300]}}]
+        for row in new:
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         out_path.write_text(json.dumps(result, indent=1))  # keep what we have if killed
+    if kept:
+        mine = {_row_key(r) for r in rows}
+        result["kept_rows"] = [r for r in kept if _row_key(r) not in mine]
     result["wall_s"] = time.time() - t_start
     out_path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out_path} ({result['wall_s']:.0f} s)")
