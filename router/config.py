@@ -56,7 +56,9 @@ class FaultInjection:
 class ServiceConfig:
     """Options of the service (see docs/ARCHITECTURE.md for where each one acts).
 
-    model: ``"builtin:tiny"`` or a local Hugging Face directory (read offline).
+    model: ``"builtin:tiny"``, ``"builtin:structured-8b"`` / ``"builtin:structured-tiny"`` (the
+        structured benchmark models: token-id prompts, built from ``seed`` on each replica's
+        device; see ``model_executor/loading.py``) or a local Hugging Face directory (read offline).
     served_model_name: the OpenAI ``model`` id clients must send (default: ``model``).
     device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
         bfloat16 when the replica sees a GPU, else CPU and float32).
@@ -123,6 +125,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: expected 'builtin:tiny' or a model directory, got {self.model!r}")
+        from model_executor.loading import check_model_name
+
+        check_model_name(self.model)
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
             raise ValueError(f"served_model_name: expected a non-empty str, got {self.served_model_name!r}")
         if self.device not in DEVICES:
