@@ -171,7 +171,8 @@ class PrefillServer:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
         self.pool = self.runtime.pool
-        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens)
+        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
+                                    chunk_size=self.config.prefill_chunk_size)
         self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
                                            expected_density=self.config.expected_density)
         self.batcher = PrefillBatcher(

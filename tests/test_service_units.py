@@ -290,3 +290,36 @@ def test_parser_with_the_id_tokenizer():
     with pytest.raises(RequestError) as info:
         p.parse({"model": "s", "messages": [{"role": "user", "content": "hi"}]}, "chat")
     assert info.value.param == "messages" and info.value.status == 400
+
+
+# ----------------------------------------------------------------------------- chunked prefill option
+def test_prefill_chunk_tokens_option():
+    assert ServiceConfig().prefill_chunk_tokens is None and ServiceConfig().prefill_chunk_size is None
+    assert ServiceConfig.from_dict({"prefill_chunk_tokens": 0}).prefill_chunk_size is None  # 0: off
+    cfg = ServiceConfig.from_dict({"prefill_chunk_tokens": 4096, "max_batch_tokens": 8192})
+    assert cfg.prefill_chunk_size == 4096 and ServiceConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (-1, True, "8192", 1.5):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens: expected an int >= 0"):
+            ServiceConfig.from_dict({"prefill_chunk_tokens": bad})
+    with pytest.raises(ValueError, match=r"prefill_chunk_tokens: expected at most max_batch_tokens \(8192\), got 16384"):
+        ServiceConfig.from_dict({"prefill_chunk_tokens": 16384})
+
+
+def test_prefill_replica_prefills_in_chunks_of_prefill_chunk_tokens():
+    """The option reaches the engine: a 100-token prompt in chunks of 32 takes 4 forwards and
+    gives the same first token as a whole-prompt prefill (dense, so exactly the same math)."""
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.deployment import PrefillServer
+    from prefill_worker.engine import PrefillRequest
+
+    prompt = [256] + [(i * 7) % 256 for i in range(99)]
+    firsts = {}
+    for chunk in (None, 32):
+        server = PrefillServer({"prefill_chunk_tokens": chunk, "alpha": 0.0, "torch_threads": 1,
+                                "prefill_kv_pages": 16, "decode_kv_pages": 16})
+        assert server.engine.chunk_size == chunk
+        (result,) = server.engine.prefill([PrefillRequest("r", prompt, SamplingParams(temperature=0.0))])
+        firsts[chunk] = result.first_token
+        assert server.engine.forward_batches == (1 if chunk is None else 4)
+        server.engine.release("r")
+    assert firsts[None] == firsts[32]
