@@ -14,9 +14,10 @@ Bounded in count and time:
 - a refused request (HTTP 4xx/5xx, an in-band error, a stream that ends early) is lost too,
   with its reason.
 
-Per cell (:func:`summarize`): sent, completed, lost (by reason), P50/P99 TTFT and time per
-output token (TPOT: first to last token over the tokens in between), output tokens/s and
-requests/s over the cell's busy time, and medians of the service's own TTFT breakdown
+Per cell (:func:`summarize`): sent, completed, lost (by reason), P50/P99 TTFT (of completed
+requests, and of every sent request with the ones that never saw a token as lower bounds) and
+time per output token (TPOT: first to last token over the tokens in between), output tokens/s
+and requests/s over the cell's busy time, and medians of the service's own TTFT breakdown
 (``timing``: queue, prefill, export, transfer, first decode step).
 
 Loopback only: :func:`check_loopback` refuses other hosts unless ``allow_remote`` is set.
@@ -220,9 +221,25 @@ def _pct(values: list[float], q: float) -> float | None:
     return percentile(values, q) if values else None
 
 
+def _censored_percentile(values: list[tuple[float, bool]], q: float) -> tuple[float | None, bool]:
+    """Percentile of (value, censored) pairs; a censored value is a lower bound (a request cut
+    or timed out before its first token: its TTFT is more than the time it waited). Returns
+    the value and whether it is such a lower bound."""
+    if not values:
+        return None, False
+    xs = sorted(values)  # ties: the uncensored value first
+    k = min(len(xs) - 1, max(0, int(round(q / 100.0 * (len(xs) - 1)))))
+    return xs[k]
+
+
 def summarize(records: list[RequestRecord], spec: CellSpec) -> dict:
     """The cell's metrics (see the module docstring). Throughput is over the busy time: from
-    the start to the last completion (the cell's bound if nothing completed)."""
+    the start to the last completion (the cell's bound if nothing completed).
+
+    ``ttft_p50_s``/``ttft_p99_s`` are over completed requests; an overloaded service completes
+    its short, early requests first, so these flatter it. ``ttft_p50_sent_s``/``ttft_p99_sent_s``
+    are over every sent request, those that never saw a first token counted at the time they
+    waited: then the percentile is a lower bound (``ttft_sent_lower_bound``)."""
     sent = [r for r in records if r.sent_s is not None]
     ok = [r for r in sent if r.status == "ok"]
     lost = [r for r in sent if r.status == "lost"]
@@ -241,6 +258,9 @@ def summarize(records: list[RequestRecord], spec: CellSpec) -> dict:
     for n in sorted({r.prompt_len for r in ok}):
         xs = [r.ttft_s for r in ok if r.prompt_len == n and r.ttft_s is not None]
         by_length[n] = {"completed": len(xs), "ttft_p50_s": _median(xs)}
+    waited = [(r.ttft_s, False) if r.ttft_s is not None else (r.latency_s or 0.0, True) for r in sent]
+    p50_sent, p50_bound = _censored_percentile(waited, 50)
+    p99_sent, p99_bound = _censored_percentile(waited, 99)
     last_send = max((r.sent_s for r in sent), default=0.0)
     return {
         "rate": spec.rate, "requests": spec.requests, "sent": len(sent), "not_sent": len(records) - len(sent),
@@ -249,6 +269,8 @@ def summarize(records: list[RequestRecord], spec: CellSpec) -> dict:
                            if any(r.lost_reason == reason for r in lost)},
         "offered_rps": len(sent) / last_send if last_send > 0 else None,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "ttft_p50_sent_s": p50_sent, "ttft_p99_sent_s": p99_sent,
+        "ttft_sent_lower_bound": {"p50": p50_bound, "p99": p99_bound},
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "output_tokens": tokens, "busy_s": busy,
         "output_tokens_per_s": tokens / busy, "requests_per_s": len(ok) / busy,

@@ -125,6 +125,10 @@ def test_run_cell_measures_and_classifies_every_outcome():
     assert s["ttft_p50_s"] == ok.ttft_s and s["output_tokens"] == 4
     assert s["server_median_s"]["prefill_s"] == 0.005 and math.isclose(s["server_median_s"]["other_s"], 0.005)
     assert s["ttft_p50_by_prompt_len"] == {200: {"completed": 1, "ttft_p50_s": ok.ttft_s}}
+    # over every sent request: 429 and timeout never saw a token (lower bounds); the in-band
+    # error and the short stream did
+    assert recs[3].ttft_s is not None and recs[4].ttft_s is not None and recs[1].ttft_s is None
+    assert s["ttft_p99_sent_s"] == recs[2].latency_s and s["ttft_sent_lower_bound"]["p99"] is True
 
 
 def test_run_cell_bounds_count_and_time():
@@ -139,6 +143,7 @@ def test_run_cell_bounds_count_and_time():
     assert max(r.finished_s for r in sent) < 0.6 + 0.3 + 0.5
     s = summarize(recs, spec)
     assert s["not_sent"] == 40 - len(sent) and s["completed"] == 0 and s["ttft_p50_s"] is None
+    assert s["ttft_p50_sent_s"] >= 0.3 and s["ttft_sent_lower_bound"] == {"p50": True, "p99": True}
     assert s["requests_per_s"] == 0.0
 
 
@@ -176,3 +181,6 @@ def test_summarize_throughput_over_busy_time():
     assert (s["sent"], s["completed"], s["not_sent"], s["busy_s"]) == (2, 2, 1, 4.0)
     assert s["output_tokens_per_s"] == 2.0 and s["requests_per_s"] == 0.5 and s["offered_rps"] == 2.0
     assert s["ttft_p50_s"] in (0.5, 1.5) and s["ttft_p99_s"] == 1.5 and s["tpot_p99_s"] == 0.3
+    assert s["ttft_p99_sent_s"] == 1.5 and s["ttft_sent_lower_bound"] == {"p50": False, "p99": False}
+    empty = summarize([RequestRecord(0, 10, 5.0)], spec)
+    assert empty["sent"] == 0 and empty["ttft_p50_sent_s"] is None and empty["offered_rps"] is None
