@@ -86,6 +86,7 @@ POOL_PAGES = {1: (2560, 5120), 2: (4096, 10240)}  # (prefill, decode) pages of 6
 DEPLOY_ESTIMATE_S = {"gpu": 45.0, "cpu": 20.0}  # start two replicas + warm-up, for the time budget
 WARMUP_TIMEOUT_S = 600.0  # the first configuration's warm-up compiles the Triton kernels
 QUIET = {"enable_access_log": False}  # no log line per request and replica call during the cells
+TEARDOWN_S = 20.0  # graceful shutdown bound of every replica: a cut cell may leave a forward running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +201,8 @@ def replica_options(cfg: BenchConfig) -> dict[str, Any]:
         actor = {"num_cpus": 1, "num_gpus": 0.5 if cfg.gpus == 1 else 1}
     # a replica that cannot start (out of memory, an option it refuses) fails the deploy at once
     # instead of being rebuilt (an 8B model each time) three times
-    return {"num_replicas": 1, "ray_actor_options": actor, "max_constructor_retry_count": 1, "logging_config": QUIET}
+    return {"num_replicas": 1, "ray_actor_options": actor, "max_constructor_retry_count": 1, "logging_config": QUIET,
+            "graceful_shutdown_timeout_s": TEARDOWN_S}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +368,8 @@ def format_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         if "note" in r:
-            body.append([r["config"], str(r.get("rate", "-"))] + ["-"] * (len(COLUMNS) - 3) + [r["note"]])
+            note = r["note"] if len(r["note"]) <= 100 else r["note"][:97] + "..."  # the JSON has all of it
+            body.append([r["config"], str(r.get("rate", "-"))] + ["-"] * (len(COLUMNS) - 2) + [note])
             continue
         body.append([("-" if r.get(k) is None else (r[k] if isinstance(r[k], str) else f.format(r[k])))
                      for _, k, f in COLUMNS])
@@ -522,7 +525,8 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
     t0 = time.monotonic()
     try:
         reps = replica_options(cfg)
-        deploy(service, local, prefill=reps, decode=reps, ingress={"logging_config": QUIET})
+        ingress = {"logging_config": QUIET, "graceful_shutdown_timeout_s": TEARDOWN_S}
+        deploy(service, local, prefill=reps, decode=reps, ingress=ingress)
         conf["deploy_s"] = time.monotonic() - t0
         conf["warmup"] = warm_up(base_url, cfg, service.model_id, options)
         conf["warmup_s"] = time.monotonic() - t0 - conf["deploy_s"]
