@@ -30,17 +30,21 @@ Each cell is bounded (see ``open_loop``): at most ``--requests`` requests, none 
 ``--cell-seconds``, in-flight ones cut ``--drain-seconds`` later (counted lost, reason
 ``cut``). ``sent`` and ``not_sent`` are reported per cell: with the defaults (100 requests,
 120 s + 60 s) one cell can take minutes, so a budgeted run passes smaller values and says so.
-``--time-budget-s`` skips (and records) whatever would not fit. Before each cell the service
-is warmed (one short request, plus one of two chunks in chunked configurations) and must be
-idle (empty queues, free pools).
+``--time-budget-s`` skips (and records) whatever would not fit. After each deploy the service
+is warmed (one short request, plus one of two chunks in chunked configurations: the kernels
+compile there, not in a cell), and before each cell it must be idle (empty queues, no leases,
+nothing decoding; bounded wait, recorded).
 
-Metrics per cell: sent, completed, lost (by reason), not sent, P50/P99 TTFT and time per output
-token (client side, streaming), output tokens/s and requests/s over the busy time, and medians of
+Metrics per cell: sent, completed, lost (by reason), not sent, P50/P99 TTFT (of completed
+requests; and of every sent request, ">=" where requests cut before their first token make it a
+lower bound) and time per output token (client side, streaming), output tokens/s and
+requests/s over the busy time, and medians of
 the service's TTFT breakdown (``timing``: queue, prefill, export, transfer, first decode step;
 ``other``: TTFT outside queue + prefill + export). ``targets`` compares sparse with dense.
 
 Usage (GPU host, repository root, Ray importable): ``PYTHONPATH=$PWD python3
-benchmarks/bench_service.py --gpus 1 --requests 24 --cell-seconds 15 --drain-seconds 15``;
+benchmarks/bench_service.py --gpus 1 --requests 24 --cell-seconds 10 --drain-seconds 15
+--time-budget-s 540``;
 ``--configs dense,sparse_bf16`` and ``--merge`` (keep the other configurations already in the
 output file) split a run in parts. ``--cpu-smoke``: the tiny structured model on CPU, one
 configuration, two short cells, a temporary output file (seconds). Writes
