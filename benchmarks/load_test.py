@@ -73,6 +73,8 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     status: str = ""
+    token_times: list[float] = field(default_factory=list)  # streams: seconds after t0, one per token
+    timing: dict | None = None  # the service's timing object (last chunk / response)
 
 
 @dataclass
@@ -148,14 +150,34 @@ def detokenize(tokenizer: Any, token_ids: list[int]) -> str:
 
 
 # ----------------------------------------------------------------------------- clients
+def completion_body(model: str, prompt: tuple[int, ...] | list[int], max_tokens: int, stream: bool) -> dict:
+    """A greedy ``/v1/completions`` body with token ids in and out."""
+    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "stream": stream}
+
+
+def encode_body(body: dict) -> bytes:
+    """JSON bytes of a request body (compact: 128K-token prompts stay under a megabyte)."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 async def _http_call(client: Any, spec: LoadSpec, prompt: tuple[int, ...], max_tokens: int, stream: bool,
                      out: Outcome, t0: float) -> None:
     prefix = f"/{spec.app}" if spec.app else ""
     headers = {"Authorization": f"Bearer {spec.auth_token}"} if spec.auth_token else {}
-    body = {"model": spec.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "stream": stream}
+    body = completion_body(spec.model, prompt, max_tokens, stream)
+    await http_completion(client, f"{prefix}/v1/completions", encode_body(body), headers, stream, out, t0)
+
+
+async def http_completion(client: Any, path: str, body: bytes, headers: dict, stream: bool, out: Outcome,
+                          t0: float) -> None:
+    """One completion over HTTP (``body``: JSON bytes, see :func:`encode_body`); fills ``out``:
+    status, response id, token ids, text, the service's ``timing``, and ``problem`` for anything
+    short of a complete answer. Streams also record ``ttft_s`` and each token's arrival
+    (``token_times``, seconds after ``t0``)."""
+    headers = {**headers, "content-type": "application/json"}
     if not stream:
-        r = await client.post(f"{prefix}/v1/completions", json=body, headers=headers)
+        r = await client.post(path, content=body, headers=headers)
         out.status = str(r.status_code)
         if r.status_code != 200:
             out.problem = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -163,11 +185,12 @@ async def _http_call(client: Any, spec: LoadSpec, prompt: tuple[int, ...], max_t
         obj = r.json()
         choice = obj["choices"][0]
         out.response_id, out.token_ids, out.text = obj["id"], choice["token_ids"], choice["text"]
+        out.timing = obj.get("timing")
         if choice.get("finish_reason") not in ("stop", "length"):
             out.problem = f"finish_reason {choice.get('finish_reason')!r}"
         return
     finishes, done = 0, 0
-    async with client.stream("POST", f"{prefix}/v1/completions", json=body, headers=headers) as r:
+    async with client.stream("POST", path, content=body, headers=headers) as r:
         out.status = str(r.status_code)
         if r.status_code != 200:
             out.problem = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
@@ -185,13 +208,18 @@ async def _http_call(client: Any, spec: LoadSpec, prompt: tuple[int, ...], max_t
             if "error" in chunk:
                 out.problem = f"in-band error: {chunk['error']}"
                 continue
+            now = time.monotonic() - t0
             if out.ttft_s is None:
-                out.ttft_s = time.monotonic() - t0
+                out.ttft_s = now
             if out.response_id and chunk["id"] != out.response_id:
                 out.problem = "chunk ids differ within one stream"
             out.response_id = chunk["id"]
+            if "timing" in chunk:
+                out.timing = chunk["timing"]
             for choice in chunk["choices"]:
-                out.token_ids.extend(choice.get("token_ids", []))
+                ids = choice.get("token_ids", [])
+                out.token_ids.extend(ids)
+                out.token_times.extend([now] * len(ids))
                 out.text += choice.get("text", "")
                 finishes += choice.get("finish_reason") is not None
     if done != 1 or finishes != 1:

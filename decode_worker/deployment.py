@@ -207,6 +207,7 @@ class DecodeServer:
             params = params_from_dict(request["params"])
             outbox = self.loop.submit(rid, int(request["kv_len"]), int(request["first_token"]), params)
             submitted = True
+            t_submit, first_step_s = time.monotonic(), None
             while not finished:
                 item = await outbox.get()
                 batch = [item]
@@ -222,7 +223,11 @@ class DecodeServer:
                     if out.finished:
                         finished = True
                         reason = out.finish_reason.value if out.finish_reason is not None else None
-                yield {"type": "tokens", "tokens": tokens, "finished": finished, "finish_reason": reason}
+                event = {"type": "tokens", "tokens": tokens, "finished": finished, "finish_reason": reason}
+                if first_step_s is None:
+                    # admission into the running batch + the step that decoded this request's first token
+                    first_step_s = event["first_step_s"] = time.monotonic() - t_submit
+                yield event
         finally:
             if submitted and not finished:
                 self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages

@@ -154,8 +154,13 @@ def build_structured_llama(
 
     config = llama_config(spec)
     device = torch.device(device)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters born in dtype: no transient fp32 copy (32 GB at 8B)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype)
+    finally:
+        torch.set_default_dtype(previous)
     model.eval()
     inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()
     d, half = spec.head_dim, spec.head_dim // 2

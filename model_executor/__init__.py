@@ -4,17 +4,28 @@ The one place model execution lives; the prefill and decode workers both import 
 - ``attention``: the attention function registered with transformers (``fpv2_paged``).
 - ``runner.ModelRunner``: packed varlen prefill (chunks welcome) and batched decode.
 - ``sampling``: ``SamplingParams`` and the vectorized ``Sampler``.
-- ``loading``: local Hugging Face directories and the built-in tiny model.
-- ``tokenizer``: the byte-level tokenizer and the HF adapter.
+- ``loading``: local Hugging Face directories and the built-in models (tiny, structured).
+- ``tokenizer``: the byte-level tokenizer, the id tokenizer and the HF adapter.
 - ``generate.generate``: prefill + decode in one process (imports the worker engines).
 This package never imports Ray.
 """
 
 from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, register_attention
-from .loading import BUILTIN_TINY, LoadedModel, build_tiny_model, load_model, load_model_dir
+from .loading import (
+    BUILTIN_MODELS,
+    BUILTIN_STRUCTURED_8B,
+    BUILTIN_STRUCTURED_TINY,
+    BUILTIN_TINY,
+    LoadedModel,
+    build_structured_model,
+    build_tiny_model,
+    load_model,
+    load_model_dir,
+    load_tokenizer,
+)
 from .runner import ModelRunner, PrefillItem
 from .sampling import Sampler, SamplingParams
-from .tokenizer import ByteTokenizer, HFTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 __all__ = [
     "ATTENTION_NAME",
@@ -22,15 +33,21 @@ __all__ = [
     "ForwardBatch",
     "ForwardMode",
     "register_attention",
+    "BUILTIN_MODELS",
+    "BUILTIN_STRUCTURED_8B",
+    "BUILTIN_STRUCTURED_TINY",
     "BUILTIN_TINY",
     "LoadedModel",
+    "build_structured_model",
     "build_tiny_model",
     "load_model",
     "load_model_dir",
+    "load_tokenizer",
     "ModelRunner",
     "PrefillItem",
     "Sampler",
     "SamplingParams",
     "ByteTokenizer",
     "HFTokenizer",
+    "IdTokenizer",
 ]

@@ -1,4 +1,4 @@
-"""Model loading: a local Hugging Face directory, or the built-in tiny model.
+"""Model loading: a local Hugging Face directory, or one of the built-in models.
 
 Local directories are read with Hugging Face offline semantics: only files in the directory,
 never the network (``local_files_only=True``; a path, not a hub id). Before transformers
@@ -13,6 +13,15 @@ randomly initialised from a fixed seed, with our byte-level tokenizer:
 vocabulary 264 (256 bytes + specials, see ``ByteTokenizer``), RoPE theta 10000,
 32768 positions, untied embeddings, init std 0.1 (seed 0 by default). Its weights are random: its text is gibberish, but its
 numerics exercise every code path.
+
+The built-in structured models (``BUILTIN_STRUCTURED_8B``, ``BUILTIN_STRUCTURED_TINY``) are the
+benchmark models of ``evals.structured_model``: Llama-3.1-8B's shape (or its CPU-sized tiny
+spec) with weights constructed so that heads show sinks, locality and retrieval, so FlashPrefill
+selects about as much as on the real model. They are built on the replica's own device, from
+``seed`` alone (the constructed weights from the spec's seed, the rest of transformers' init
+from the global RNG seeded the same way, under a forked RNG): every replica, on any GPU, holds
+the same weights. They have no text vocabulary: prompts are token ids (``IdTokenizer``), and
+without a stop token they always generate ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +33,13 @@ from typing import Any
 
 import torch
 
-from .tokenizer import ByteTokenizer, HFTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_STRUCTURED_8B = "builtin:structured-8b"
+BUILTIN_STRUCTURED_TINY = "builtin:structured-tiny"
+BUILTIN_MODELS = (BUILTIN_TINY, BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY)
+_BUILTIN_PREFIX = "builtin:"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -100,6 +113,62 @@ def build_tiny_model(
         model = LlamaForCausalLM(config)
     model = model.to(device=device, dtype=dtype).eval()
     return LoadedModel(name=BUILTIN_TINY, model=model, tokenizer=ByteTokenizer(), config=model.config)
+
+
+def structured_spec(name: str, seed: int = 0) -> Any:
+    """The ``evals.structured_model`` spec of a built-in structured model."""
+    from evals.structured_model import llama31_8b_spec, tiny_spec
+
+    if name == BUILTIN_STRUCTURED_8B:
+        return llama31_8b_spec(seed=seed)
+    if name == BUILTIN_STRUCTURED_TINY:
+        return tiny_spec(seed=seed)
+    raise ValueError(f"name: expected {BUILTIN_STRUCTURED_8B!r} or {BUILTIN_STRUCTURED_TINY!r}, got {name!r}")
+
+
+def build_structured_model(
+    name: str = BUILTIN_STRUCTURED_TINY,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """A built-in structured benchmark model (see the module docstring), built on ``device``
+    in ``dtype``; the same ``seed`` gives the same weights on every device of one kind."""
+    from evals.structured_model import build_structured_llama
+
+    spec = structured_spec(name, seed)
+    device = torch.device(device)
+    forked = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        torch.manual_seed(seed)
+        model = build_structured_llama(spec, device=device, dtype=dtype)
+    tokenizer = IdTokenizer(spec.vocab_size, bos_token_id=spec.bos_token_id)
+    return LoadedModel(name=name, model=model.eval(), tokenizer=tokenizer, config=model.config)
+
+
+def builtin_tokenizer(name: str) -> Any:
+    """The tokenizer of a built-in model, without building its weights (the ingress)."""
+    if name == BUILTIN_TINY:
+        return ByteTokenizer()
+    spec = structured_spec(name)
+    return IdTokenizer(spec.vocab_size, bos_token_id=spec.bos_token_id)
+
+
+def check_model_name(source: str) -> None:
+    """``builtin:...`` names must be one of ``BUILTIN_MODELS`` (anything else is a directory)."""
+    if str(source).startswith(_BUILTIN_PREFIX) and str(source) not in BUILTIN_MODELS:
+        raise ValueError(f"model: expected one of {BUILTIN_MODELS} or a model directory, got {str(source)!r}")
+
+
+def load_tokenizer(source: str | Path) -> Any:
+    """The tokenizer alone: a built-in model's, or a local directory's (offline)."""
+    check_model_name(str(source))
+    if str(source) in BUILTIN_MODELS:
+        return builtin_tokenizer(str(source))
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(source), local_files_only=True))
 
 
 def _read_json(path: Path) -> Any:
@@ -258,7 +327,12 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> LoadedModel:
-    """``None`` or ``"builtin:tiny"``: the built-in tiny model; otherwise a local directory."""
+    """``None`` or ``"builtin:tiny"``: the built-in tiny model; ``"builtin:structured-8b"`` /
+    ``"builtin:structured-tiny"``: a structured benchmark model (default dtype bfloat16);
+    otherwise a local directory."""
     if source is None or str(source) == BUILTIN_TINY:
         return build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
+    check_model_name(str(source))
+    if str(source) in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
+        return build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
     return load_model_dir(source, dtype=dtype, device=device)

@@ -1,5 +1,6 @@
 """Tokenizers behind one small interface: our byte-level tokenizer (for the built-in tiny
-model, no files needed) and an adapter over a Hugging Face tokenizer loaded from a directory.
+model, no files needed), the id tokenizer of the built-in structured models (token ids are
+their only language), and an adapter over a Hugging Face tokenizer loaded from a directory.
 
 Interface (what the engines and the service use):
 ``encode(text, add_bos=True) -> list[int]``, ``decode(ids, skip_special_tokens=True) -> str``,
@@ -99,6 +100,61 @@ class ByteTokenizer:
         if add_generation_prompt:
             ids.append(self._special_ids["<|assistant|>"])
         return ids
+
+
+class IdTokenizer:
+    """For models without a text vocabulary (the built-in structured benchmark models): clients
+    send token ids. Text still works for smoke tests: each UTF-8 byte ``b`` becomes id
+    ``BYTE_OFFSET + b``. ``decode`` writes each id as ``<id>``. No stop tokens: a generation
+    always runs to ``max_tokens``. No chat template (chat requests answer 400)."""
+
+    BYTE_OFFSET = 2
+
+    def __init__(self, vocab_size: int, *, bos_token_id: int | None = None) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < self.BYTE_OFFSET + 256:
+            raise ValueError(f"vocab_size: expected an int >= {self.BYTE_OFFSET + 256}, got {vocab_size!r}")
+        if bos_token_id is not None and not (0 <= bos_token_id < vocab_size):
+            raise ValueError(f"bos_token_id: expected None or an id in [0, {vocab_size}), got {bos_token_id!r}")
+        self._vocab_size = vocab_size
+        self._bos = bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> None:
+        return None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        ids = [self.BYTE_OFFSET + b for b in text.encode("utf-8")]
+        return [self._bos, *ids] if add_bos and self._bos is not None else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"ids: token id {i} is outside the vocabulary [0, {self._vocab_size})")
+            if not (skip_special_tokens and i == self._bos):
+                out.append(f"<{i}>")
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        raise ValueError("tokenizer: this model has no text vocabulary and no chat template; "
+                         "send a completion with token ids as the prompt")
 
 
 class HFTokenizer:

@@ -171,7 +171,8 @@ class PrefillServer:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
         self.pool = self.runtime.pool
-        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens)
+        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
+                                    chunk_size=self.config.prefill_chunk_size)
         self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
                                            expected_density=self.config.expected_density)
         self.batcher = PrefillBatcher(
@@ -215,8 +216,10 @@ class PrefillServer:
                 self._faults_left -= 1
                 fault = self.config.fault_injection.mode
             ticket = None
+            t_export = time.monotonic()
             if not request.get("skip_transfer"):
                 ticket = await asyncio.to_thread(self.transport.export, self.pool, rid, fault=fault)
+            export_s = time.monotonic() - t_export
             self._leases[rid] = time.monotonic() + self.config.lease_timeout_s
             yield {
                 "type": "prefilled",
@@ -227,6 +230,7 @@ class PrefillServer:
                 "replica_id": self.replica_id,
                 "queue_s": queue_s,
                 "prefill_s": prefill_s,
+                "export_s": export_s,
             }
             if ticket is not None:
                 # The lease: the caller closes this stream once the decode side has the pages.

@@ -56,14 +56,20 @@ class FaultInjection:
 class ServiceConfig:
     """Options of the service (see docs/ARCHITECTURE.md for where each one acts).
 
-    model: ``"builtin:tiny"`` or a local Hugging Face directory (read offline).
+    model: ``"builtin:tiny"``, ``"builtin:structured-8b"`` / ``"builtin:structured-tiny"`` (the
+        structured benchmark models: token-id prompts, built from ``seed`` on each replica's
+        device; see ``model_executor/loading.py``) or a local Hugging Face directory (read offline).
     served_model_name: the OpenAI ``model`` id clients must send (default: ``model``).
     device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
         bfloat16 when the replica sees a GPU, else CPU and float32).
     page_size, prefill_kv_pages, decode_kv_pages: KV pool geometry per replica.
     alpha, block_size, sink_tokens, window_tokens, dense_below: the prefill operator.
-    max_batch_tokens: prompt tokens per prefill forward; batch_wait_ms: how long a prefill
-        replica waits to grow a batch once the first request is in.
+    max_batch_tokens: prompt tokens per prefill forward (a longer prompt is split at this
+        budget); batch_wait_ms: how long a prefill replica waits to grow a batch once the first
+        request is in.
+    prefill_chunk_tokens: chunked prefill: every prompt is prefilled in chunks of at most this
+        many tokens, each chunk attending to the earlier ones through the pool (``None`` or 0:
+        off, whole prompts per forward). At most ``max_batch_tokens``.
     max_queued_prefill_tokens: prompt tokens a prefill replica accepts into its queue before
         it answers "overloaded" (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After).
     max_running: requests one decode replica decodes per step.
@@ -101,6 +107,7 @@ class ServiceConfig:
     window_tokens: int = 512
     dense_below: int = 1024
     max_batch_tokens: int = 8192
+    prefill_chunk_tokens: int | None = None
     batch_wait_ms: float = 2.0
     max_queued_prefill_tokens: int = 262144
     max_running: int = 64
@@ -123,6 +130,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: expected 'builtin:tiny' or a model directory, got {self.model!r}")
+        from model_executor.loading import check_model_name
+
+        check_model_name(self.model)
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
             raise ValueError(f"served_model_name: expected a non-empty str, got {self.served_model_name!r}")
         if self.device not in DEVICES:
@@ -137,6 +147,12 @@ class ServiceConfig:
         _int("decode_kv_pages", self.decode_kv_pages, 1)
         _int("dense_below", self.dense_below, 0)
         _int("max_batch_tokens", self.max_batch_tokens, 1)
+        if self.prefill_chunk_tokens is not None:
+            _int("prefill_chunk_tokens", self.prefill_chunk_tokens, 0)
+            if self.prefill_chunk_tokens > self.max_batch_tokens:
+                raise ValueError(
+                    f"prefill_chunk_tokens: expected at most max_batch_tokens ({self.max_batch_tokens}), got "
+                    f"{self.prefill_chunk_tokens}: raise max_batch_tokens or use smaller chunks")
         _float("batch_wait_ms", self.batch_wait_ms, 0.0, 10_000.0)
         _int("max_queued_prefill_tokens", self.max_queued_prefill_tokens, 1)
         _int("max_running", self.max_running, 1)
@@ -161,6 +177,11 @@ class ServiceConfig:
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def prefill_chunk_size(self) -> int | None:
+        """``PrefillEngine``'s ``chunk_size``: None when chunked prefill is off."""
+        return self.prefill_chunk_tokens or None
 
     @property
     def sparse_config(self) -> SparseConfig:

@@ -91,6 +91,24 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
                      blocking=blocking)
 
 
+def replica_stats(app: str, deployment: str, timeout_s: float = 10.0) -> list[dict]:
+    """``record_routing_stats()`` of every live replica of ``deployment`` in application
+    ``app`` (tests, drills, benchmarks); a replica stopping right now is left out."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    out = []
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if not info["name"].startswith(prefix):
+            continue
+        try:
+            actor = ray.get_actor(info["name"], namespace="serve")
+            out.append(ray.get(actor.record_routing_stats.remote(), timeout=timeout_s))
+        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+    return out
+
+
 def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
     import ray
     from ray import serve

@@ -178,6 +178,8 @@ class DisaggregatedPipeline:
                 # -- decode: stream tokens until the request finishes or the replica dies.
                 try:
                     async for event in attempt.decode_stream:
+                        if "first_step_s" in event:
+                            attempt.timing["first_decode_s"] = event["first_step_s"]
                         tokens = [int(t) for t in event["tokens"]]
                         generated.extend(tokens)
                         delta = Delta(text.push(tokens), tokens)
@@ -247,7 +249,7 @@ class DisaggregatedPipeline:
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)))
         )
         event = await attempt.prefill_stream.__anext__()
-        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"])
+        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"], export_s=event.get("export_s"))
         attempt.routing["prefill_replica"] = event["replica_id"]
         return event
 
@@ -285,12 +287,20 @@ class DisaggregatedPipeline:
                 setattr(attempt, name, None)
 
     def _timing(self, life: RequestLifecycle, attempt: _Attempt, resumes: int = 0) -> dict:
+        """The ``timing`` of the last chunk. Before the first token (TTFT): ``queue_s`` and
+        ``prefill_s`` (prefill replica: queued, then the forward(s) and first-token sampling)
+        and ``export_s`` (the KV pages packed for the transport; the first token leaves with the
+        ticket). After it: ``transfer_s`` (decode replica: room, fetch, checks, adopt) and
+        ``first_decode_s`` (decode replica: submitted to the loop -> its first decode step's
+        token). Per-step values are of the last prefill attempt; None where a step did not run."""
         now = time.monotonic()
         return {
             "ttft_s": life.ttft_s,
             "queue_s": attempt.timing.get("queue_s"),
             "prefill_s": attempt.timing.get("prefill_s"),
+            "export_s": attempt.timing.get("export_s"),
             "transfer_s": attempt.timing.get("transfer_s"),
+            "first_decode_s": attempt.timing.get("first_decode_s"),
             "total_s": now - life.received_at,
             "prefill_attempts": life.prefill_attempts,
             "decode_resumes": resumes,

@@ -1,7 +1,7 @@
 """What a worker replica builds at start: the model, its KV pool and the ModelRunner.
 
-Shared by the prefill and decode deployments (both load the same weights: the built-in tiny
-model is seeded, a local directory is read offline) and by the ingress (tokenizer only).
+Shared by the prefill and decode deployments (both load the same weights: the built-in models
+are seeded, a local directory is read offline) and by the ingress (tokenizer only).
 """
 
 from __future__ import annotations
@@ -33,14 +33,9 @@ def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
 
 def load_tokenizer(config: ServiceConfig) -> Any:
     """The tokenizer alone (the ingress never loads weights)."""
-    from model_executor.loading import BUILTIN_TINY
-    from model_executor.tokenizer import ByteTokenizer, HFTokenizer
+    from model_executor.loading import load_tokenizer as load
 
-    if config.model == BUILTIN_TINY:
-        return ByteTokenizer()
-    from transformers import AutoTokenizer
-
-    return HFTokenizer(AutoTokenizer.from_pretrained(config.model, local_files_only=True))
+    return load(config.model)
 
 
 @dataclass

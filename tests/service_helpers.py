@@ -9,6 +9,7 @@ from functools import lru_cache
 import ray
 
 from router.config import ServiceConfig
+from router.launcher import replica_stats  # noqa: F401 - re-exported for the tests
 
 
 def free_port() -> int:
@@ -21,16 +22,6 @@ def replica_actors(app: str, deployment: str) -> list:
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     return [ray.get_actor(n, namespace="serve") for n in names]
-
-
-def replica_stats(app: str, deployment: str) -> list[dict]:
-    out = []
-    for actor in replica_actors(app, deployment):
-        try:
-            out.append(ray.get(actor.record_routing_stats.remote(), timeout=10))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # a replica stopping right now
-    return out
 
 
 def pools_idle(app: str) -> tuple[bool, list[dict], list[dict]]:

@@ -389,3 +389,27 @@ def test_decode_pool_full_everywhere_is_429_with_retry_hint():
     out, error = _run(pipe, REQ)
     assert error.status == 429 and error.code == "kv_capacity_exhausted" and error.retry_after_s == 3
     assert len(pipe._prefill.prefill.calls) == 3 and all(s.cancelled for s in pipe._prefill.prefill.streams)
+
+
+def test_timing_breakdown_comes_from_where_each_step_runs():
+    """queue/prefill/export from the prefill replica's event, transfer from ``adopted``, the
+    first decode step from the first ``tokens`` event; workers that do not report a step give None."""
+    def prefill(payload, n):
+        stream = _prefill(payload, n)
+        stream._events[0].update(queue_s=0.25, prefill_s=0.5, export_s=0.125)
+        return stream
+
+    def decode(payload, n):
+        stream = _decode(payload, n)
+        stream._events[0]["transfer_s"] = 0.0625
+        stream._events[1]["first_step_s"] = 0.03125
+        return stream
+
+    out, error = _run(_pipeline(prefill, decode), REQ)
+    assert error is None
+    t = out[-1].timing
+    assert (t["queue_s"], t["prefill_s"], t["export_s"], t["transfer_s"], t["first_decode_s"]) == \
+        (0.25, 0.5, 0.125, 0.0625, 0.03125)
+    assert t["total_s"] >= t["ttft_s"] >= 0 and t["prefill_attempts"] == 1
+    out, error = _run(_pipeline(_prefill, _decode), REQ)
+    assert error is None and out[-1].timing["export_s"] is None and out[-1].timing["first_decode_s"] is None

@@ -222,3 +222,104 @@ def test_service_config():
                 {"block_size": 100}, {"fault_injection": {"mode": "melt"}}, {"debug_routing": "yes"}):
         with pytest.raises((ValueError, TypeError)):
             ServiceConfig.from_dict(bad)
+
+
+# ----------------------------------------------------------------------------- structured models
+def test_structured_models_are_seeded_and_speak_token_ids():
+    import torch
+
+    from model_executor.loading import (
+        BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, load_model, load_tokenizer, structured_spec,
+    )
+    from model_executor.tokenizer import IdTokenizer
+
+    a = load_model(BUILTIN_STRUCTURED_TINY, dtype=torch.float32, seed=3)
+    torch.manual_seed(1234)  # the caller's RNG state does not matter ...
+    b = load_model(BUILTIN_STRUCTURED_TINY, dtype=torch.float32, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    c = load_model(BUILTIN_STRUCTURED_TINY, dtype=torch.float32, seed=4)  # ... the seed does
+    assert not torch.equal(a.model.lm_head.weight, c.model.lm_head.weight)
+    assert not torch.equal(a.model.model.layers[0].mlp.up_proj.weight, c.model.model.layers[0].mlp.up_proj.weight)
+    assert load_model(BUILTIN_STRUCTURED_TINY).model.lm_head.weight.dtype == torch.bfloat16  # default dtype
+    assert torch.get_default_dtype() == torch.float32  # left as it was
+    spec = structured_spec(BUILTIN_STRUCTURED_TINY)
+    assert a.num_layers == spec.num_layers and a.tokenizer.vocab_size == spec.vocab_size == a.config.vocab_size
+    # the 8B's tokenizer without its weights (what the ingress loads)
+    tok8 = load_tokenizer(BUILTIN_STRUCTURED_8B)
+    assert isinstance(tok8, IdTokenizer) and tok8.vocab_size == 128256 and tok8.bos_token_id == 128000
+    assert tok8.stop_token_ids == () and tok8.eos_token_id is None  # generations always run to max_tokens
+    assert tok8.encode("hi") == [128000, 2 + ord("h"), 2 + ord("i")] and tok8.encode("hi", add_bos=False) == [106, 107]
+    assert tok8.decode([128000, 5, 77]) == "<5><77>" and tok8.decode([128000], skip_special_tokens=False) == "<128000>"
+
+
+def test_structured_model_and_tokenizer_errors():
+    from model_executor.loading import build_structured_model, load_model, load_tokenizer, structured_spec
+    from model_executor.tokenizer import IdTokenizer
+
+    for call in (lambda: load_model("builtin:nope"), lambda: load_tokenizer("builtin:nope"),
+                 lambda: ServiceConfig.from_dict({"model": "builtin:structured-70b"})):
+        with pytest.raises(ValueError, match="model: expected one of"):
+            call()
+    for call in (lambda: structured_spec("builtin:tiny"), lambda: build_structured_model("builtin:tiny")):
+        with pytest.raises(ValueError, match="name: expected"):
+            call()
+    with pytest.raises(ValueError, match="vocab_size"):
+        IdTokenizer(100)
+    with pytest.raises(ValueError, match="vocab_size"):
+        IdTokenizer(True)
+    with pytest.raises(ValueError, match="bos_token_id"):
+        IdTokenizer(4096, bos_token_id=4096)
+    tok = IdTokenizer(4096, bos_token_id=1)
+    with pytest.raises(ValueError, match="ids: token id 4096"):
+        tok.decode([4096])
+    with pytest.raises(ValueError, match="text"):
+        tok.encode(b"bytes")
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_parser_with_the_id_tokenizer():
+    from model_executor.tokenizer import IdTokenizer
+
+    p = RequestParser(IdTokenizer(4096, bos_token_id=1), model_id="s", max_model_len=600, default_max_tokens=64)
+    req = p.parse({"model": "s", "prompt": [1] + [7] * 499, "max_tokens": 64}, "completion")
+    assert req.prompt_len == 500 and req.max_tokens == 64 and req.stop_token_ids == ()
+    with pytest.raises(RequestError) as info:
+        p.parse({"model": "s", "prompt": [1, 4096]}, "completion")
+    assert info.value.param == "prompt" and info.value.status == 400
+    with pytest.raises(RequestError) as info:
+        p.parse({"model": "s", "messages": [{"role": "user", "content": "hi"}]}, "chat")
+    assert info.value.param == "messages" and info.value.status == 400
+
+
+# ----------------------------------------------------------------------------- chunked prefill option
+def test_prefill_chunk_tokens_option():
+    assert ServiceConfig().prefill_chunk_tokens is None and ServiceConfig().prefill_chunk_size is None
+    assert ServiceConfig.from_dict({"prefill_chunk_tokens": 0}).prefill_chunk_size is None  # 0: off
+    cfg = ServiceConfig.from_dict({"prefill_chunk_tokens": 4096, "max_batch_tokens": 8192})
+    assert cfg.prefill_chunk_size == 4096 and ServiceConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (-1, True, "8192", 1.5):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens: expected an int >= 0"):
+            ServiceConfig.from_dict({"prefill_chunk_tokens": bad})
+    with pytest.raises(ValueError, match=r"prefill_chunk_tokens: expected at most max_batch_tokens \(8192\), got 16384"):
+        ServiceConfig.from_dict({"prefill_chunk_tokens": 16384})
+
+
+def test_prefill_replica_prefills_in_chunks_of_prefill_chunk_tokens():
+    """The option reaches the engine: a 100-token prompt in chunks of 32 takes 4 forwards and
+    gives the same first token as a whole-prompt prefill (dense, so exactly the same math)."""
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.deployment import PrefillServer
+    from prefill_worker.engine import PrefillRequest
+
+    prompt = [256] + [(i * 7) % 256 for i in range(99)]
+    firsts = {}
+    for chunk in (None, 32):
+        server = PrefillServer({"prefill_chunk_tokens": chunk, "alpha": 0.0, "torch_threads": 1,
+                                "prefill_kv_pages": 16, "decode_kv_pages": 16})
+        assert server.engine.chunk_size == chunk
+        (result,) = server.engine.prefill([PrefillRequest("r", prompt, SamplingParams(temperature=0.0))])
+        firsts[chunk] = result.first_token
+        assert server.engine.forward_batches == (1 if chunk is None else 4)
+        server.engine.release("r")
+    assert firsts[None] == firsts[32]
