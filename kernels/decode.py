@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import bad_page_entries, check_attention_inputs, check_tensor, page_entry_error
+from . import fp8 as _fp8
+from ._checks import FLOAT_DTYPES, bad_page_entries, check_attention_inputs, check_tensor, page_entry_error
 from ._checks import check_int as _check_int
 from ._checks import softmax_scale as _softmax_scale
 from .ops import Backend, resolve_backend
@@ -37,12 +38,34 @@ def check_decode_inputs(
     seqlens_kv: object,
     *,
     check_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_descale: object = None,
+    v_descale: object = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Shapes, dtypes and devices (no sync); with ``check_values`` also the values of
-    ``seqlens_kv`` and ``page_table`` (one device->host copy)."""
-    q = check_tensor("q", q, ndim=3)
-    # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its dtype/head/contiguity rules
-    q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
+    ``seqlens_kv`` and ``page_table`` and the descales (one device->host copy each).
+    FP8 pages: ``q`` stays bf16/fp16, ``k_descale``/``v_descale`` are required; returns them as
+    ``[B, Hkv]`` views (else ``None``)."""
+    q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    descales = None
+    if _fp8.is_fp8(k_pages):
+        if q.dtype == torch.float32:
+            raise ValueError("q: expected bfloat16 or float16 with FP8 pages, got float32")
+        # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its rules (as FP8 q)
+        _, k_pages, v_pages = check_attention_inputs(q.to(_fp8.FP8_DTYPE) if q.numel() == 0 else
+                                                     torch.empty(q.shape, dtype=_fp8.FP8_DTYPE, device=q.device),
+                                                     k_pages, v_pages)
+        if q.stride(-1) != 1 and q.numel():
+            raise ValueError(f"q: expected the last dimension contiguous, got strides {q.stride()}")
+        ds = _fp8.check_descales(
+            torch.ones(1, device=q.device), k_descale, v_descale, batch=q.shape[0],
+            num_kv_heads=k_pages.shape[2], device=q.device, check_values=check_values,
+        )
+        descales = (ds.k, ds.v)
+    else:
+        q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None:
+                raise ValueError(f"{name}: descale factors are only for float8_e4m3fn pages, got {k_pages.dtype} pages")
     batch = q.shape[0]
     seqlens_kv = check_tensor("seqlens_kv", seqlens_kv, ndim=1, dtypes=_INT_DTYPES, device=q.device)
     page_table = check_tensor("page_table", page_table, ndim=2, dtypes=_INT_DTYPES, device=q.device)
@@ -54,7 +77,7 @@ def check_decode_inputs(
         raise ValueError(f"page_table: expected at least one column, got shape {tuple(page_table.shape)}")
     if check_values and batch:
         _check_metadata_values(page_table, seqlens_kv, page_size=k_pages.shape[1], num_pages=k_pages.shape[0])
-    return q, k_pages, v_pages, page_table, seqlens_kv
+    return q, k_pages, v_pages, page_table, seqlens_kv, descales
 
 
 def _check_metadata_values(
@@ -96,6 +119,7 @@ def _reference_run(
     page_table: torch.Tensor,
     seqlens_kv: torch.Tensor,
     scale: float,
+    descales: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, hq, d = q.shape
     hkv = k_pages.shape[2]
@@ -105,6 +129,9 @@ def _reference_run(
     for b, length in enumerate(seqlens_kv.tolist()):
         keys = gather_kv(k_pages, page_table, b, length).float()  # [L, Hkv, d]
         vals = gather_kv(v_pages, page_table, b, length).float()
+        if descales is not None:
+            keys = keys * descales[0][b][None, :, None]
+            vals = vals * descales[1][b][None, :, None]
         qb = q[b].float().view(hkv, g, d)
         s = scale * torch.einsum("hgd,lhd->hgl", qb, keys)  # [Hkv, g, L]: one row per query head
         row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -122,15 +149,18 @@ def paged_decode_reference(
     seqlens_kv: torch.Tensor,
     *,
     scale: float | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 reference, one sequence at a time (``[Hq, L]`` scores, never ``L x L``).
 
     Validates like ``paged_decode``. Returns ``out [B, Hq, d]`` (q.dtype), ``lse [B, Hq]`` fp32.
     """
-    q, k_pages, v_pages, page_table, seqlens_kv = check_decode_inputs(
-        q, k_pages, v_pages, page_table, seqlens_kv
+    q, k_pages, v_pages, page_table, seqlens_kv, descales = check_decode_inputs(
+        q, k_pages, v_pages, page_table, seqlens_kv, k_descale=k_descale, v_descale=v_descale
     )
-    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv, _softmax_scale(scale, q.shape[-1]))
+    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv,
+                          _softmax_scale(scale, q.shape[-1]), descales)
 
 
 def paged_decode(
@@ -145,6 +175,8 @@ def paged_decode(
     max_seqlen_kv: int | None = None,
     check_values: bool = True,
     backend: Backend = "auto",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense decode attention over the paged K/V.
 
@@ -157,10 +189,13 @@ def paged_decode(
     max_seqlen_kv: host-known upper bound of ``seqlens_kv``, only used to choose num_splits.
     check_values: validate the values of ``seqlens_kv`` and ``page_table`` (one host sync);
     pass False in a loop whose metadata is known good (the KV pool builds it).
+    FP8 pages (``float8_e4m3fn``, V row-major or token-major) with bf16/fp16 ``q`` need
+    ``k_descale``/``v_descale`` (float32, ``()``/``[1]``, ``[Hkv]`` or ``[B, Hkv]``).
     Returns ``out [B, Hq, d]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log).
     """
-    q, k_pages, v_pages, page_table, seqlens_kv = check_decode_inputs(
-        q, k_pages, v_pages, page_table, seqlens_kv, check_values=check_values
+    q, k_pages, v_pages, page_table, seqlens_kv, descales = check_decode_inputs(
+        q, k_pages, v_pages, page_table, seqlens_kv, check_values=check_values,
+        k_descale=k_descale, v_descale=v_descale,
     )
     softmax_scale = _softmax_scale(scale, q.shape[-1])
     _check_int("num_splits", num_splits, minimum=0)
@@ -182,5 +217,7 @@ def paged_decode(
         return triton_decode.paged_decode(
             q, k_pages, v_pages, page_table, seqlens_kv,
             scale=softmax_scale, num_splits=num_splits, max_seqlen_kv=max_seqlen_kv,
+            k_descale=None if descales is None else descales[0],
+            v_descale=None if descales is None else descales[1],
         )
-    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv, softmax_scale)
+    return _reference_run(q, k_pages, v_pages, page_table, seqlens_kv, softmax_scale, descales)

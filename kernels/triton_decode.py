@@ -17,8 +17,10 @@ How:
 - Online softmax in base 2 with fp32 accumulators; fp32 inputs use IEEE dots (no TF32).
 
 Supports fp16/bf16/fp32 (q, K, V one dtype), head_dim multiple of 16 up to 256, any g.
-Does not support: more than one query token per sequence, masks or sparsity, FP8 K/V,
-ALiBi/soft-capping. Inputs are assumed validated (``kernels/decode.py``). Nothing here syncs
+FP8 pages (e4m3 with ``[B, Hkv]`` descale views, kernels/fp8.py): tiles are widened to q's
+dtype in registers, ``c_k`` folds into the logit scale and ``c_v`` into the output. V may be
+token-major (its own d stride). Does not support: more than one query token per sequence,
+masks or sparsity, ALiBi/soft-capping. Inputs are assumed validated (``kernels/decode.py``). Nothing here syncs
 with the host (the automatic split count uses ``max_seqlen_kv`` when given, else the page
 table's width), so a call can be captured in a CUDA graph.
 """
@@ -40,9 +42,11 @@ _LOG2E = 1.4426950408889634
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seqlens_ptr,
     out_ptr, lse_ptr,  # final out/lse when num_splits == 1, else the fp32 partials
+    kd_ptr, vd_ptr,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_kdb, stride_kdh, stride_vdb, stride_vdh,
     stride_ptb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
@@ -56,6 +60,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -85,6 +90,8 @@ def _decode_split_kernel(
     pt_row = page_table_ptr + b * stride_ptb
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(kd_ptr + b * stride_kdb + h * stride_kdh)
 
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + offs_n
@@ -101,7 +108,10 @@ def _decode_split_kernel(
             v_off = page * stride_vp + slot * stride_vs
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_head + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_off[:, None] + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if FP8:  # widen e4m3 to q's dtype (exact); the descales act on s and o
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -120,6 +130,8 @@ def _decode_split_kernel(
 
     # an empty split (start >= end) leaves l_i = 0, m_i = -inf: lse -inf, zero output
     nonempty = l_i > 0
+    if FP8:
+        acc = acc * tl.load(vd_ptr + b * stride_vdb + h * stride_vdh)
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse2 = m_i + tl.log2(tl.where(nonempty, l_i, 1.0))
     lse = tl.where(nonempty, lse2 * 0.6931471805599453, float("-inf"))  # x ln 2: natural log
@@ -184,6 +196,8 @@ def paged_decode(
     scale: float,
     num_splits: int = 0,
     max_seqlen_kv: int | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the combine kernel when ``num_splits > 1``).
 
@@ -209,12 +223,17 @@ def paged_decode(
         part_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
         o_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
         l_strides = (part_lse.stride(0), part_lse.stride(1))
+    fp8 = k_descale is not None
+    kd = k_descale if fp8 else part_lse
+    vd = v_descale if fp8 else part_lse
+    d_strides = (*k_descale.stride(), *v_descale.stride()) if fp8 else (0, 0, 0, 0)
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_pages, v_pages, page_table, seqlens_kv,
-        part_out, part_lse,
+        part_out, part_lse, kd, vd,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_pages.stride(3),
+        *d_strides,
         page_table.stride(0),
         *o_strides,
         *l_strides,
@@ -228,6 +247,7 @@ def paged_decode(
         BLOCK_N=BLOCK_N,
         TILE_IN_PAGE=page_size % BLOCK_N == 0,
         IEEE=ieee,
+        FP8=fp8,
         num_warps=4,
         num_stages=3,
     )

@@ -423,3 +423,57 @@ def test_gpu_fp8_attention_long(length, token_major, corr):
     want, want_lse = ref.sparse_attention(batch.q_deq, batch.k_deq, batch.v_deq, plan32, index)
     assert rel_l2(out, want) <= 5e-2
     assert (lse - want_lse).abs().max().item() <= 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# decode over FP8 pages (bf16 query)
+# ------------------------------------------------------------------------------------------
+def _decode_case(token_major=False):
+    batch = fp8_batch([1, 1, 1], [69, 0, 199], hq=8, hkv=2, d=64, page_size=16, seed=21,
+                      token_major_v=token_major)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(22)).bfloat16().to(DEVICE)
+    return batch, q
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("token_major,splits", [(False, 1), (True, 3)])
+def test_decode_fp8_pages_match_dequantized(backend, token_major, splits):
+    from kernels.decode import paged_decode
+
+    batch, q = _decode_case(token_major)
+    out, lse = paged_decode(q, batch.k_pages, batch.v_pages, batch.page_table, batch.seqlens_kv,
+                            k_descale=batch.k_descale, v_descale=batch.v_descale, backend=backend,
+                            num_splits=splits)
+    want, want_lse = paged_decode(q.float(), batch.k_deq, batch.v_deq, batch.page_table,
+                                  batch.seqlens_kv, backend="reference")
+    assert out.dtype == torch.bfloat16
+    assert rel_l2(out, want) <= 1e-2  # only q's bf16 rounding of the widened tiles differs
+    assert (lse - want_lse).abs().max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(k_descale=None), "k_descale: FP8 inputs need descale factors"),
+    (dict(v_descale=torch.tensor([-1.0])), "v_descale: expected positive finite"),
+    (dict(k_descale=torch.ones(5)), "k_descale: expected shape"),
+])
+def test_decode_fp8_bad_descales(kw, match):
+    from kernels.decode import paged_decode
+
+    batch, q = _decode_case()
+    call = dict(k_descale=batch.k_descale, v_descale=batch.v_descale)
+    call.update(kw)
+    with pytest.raises(ValueError, match=match):
+        paged_decode(q, batch.k_pages, batch.v_pages, batch.page_table, batch.seqlens_kv,
+                     backend="reference", **call)
+
+
+def test_decode_descales_rejected_for_bf16_pages_and_fp32_q_with_fp8():
+    from kernels.decode import paged_decode
+
+    batch, q = _decode_case()
+    with pytest.raises(ValueError, match="k_descale: descale factors are only for float8_e4m3fn pages"):
+        paged_decode(q, batch.k_deq.bfloat16(), batch.v_deq.bfloat16(), batch.page_table,
+                     batch.seqlens_kv, k_descale=batch.k_descale, backend="reference")
+    with pytest.raises(ValueError, match="q: expected bfloat16 or float16 with FP8 pages"):
+        paged_decode(q.float(), batch.k_pages, batch.v_pages, batch.page_table, batch.seqlens_kv,
+                     k_descale=batch.k_descale, v_descale=batch.v_descale, backend="reference")
