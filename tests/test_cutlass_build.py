@@ -1,0 +1,260 @@
+"""CUTLASS attention library on a CPU machine: it compiles for sm_90a, loads through ctypes
+without a GPU driver, caches builds, rejects bad arguments, and the host-side layout check of
+its index mappings passes; backend selection rules of ``kernels.ops``.
+
+One nvcc compile per test session (``built`` fixture, time printed with ``-s``); skipped with the
+reason when nvcc or the CUTLASS headers are missing. The kernel's numerics are tested on a GPU
+(tests/test_cutlass_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import time
+
+import pytest
+import torch
+
+from kernels import cutlass_attention as ca
+from kernels import cutlass_build as cb
+from kernels import ops
+
+needs_toolchain = pytest.mark.skipif(
+    cb.find_nvcc() is None or cb.find_cutlass_include() is None,
+    reason="needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)",
+)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    if cb.find_nvcc() is None or cb.find_cutlass_include() is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)")
+    out = tmp_path_factory.mktemp("fp_cutlass")
+    t0 = time.perf_counter()
+    result = cb.build(out)
+    print(f"\nCUTLASS library built in {time.perf_counter() - t0:.1f} s: {result.path}")
+    return result
+
+
+@pytest.fixture
+def lib(built):
+    return cb._load(str(built.path))
+
+
+def _params(**kw):
+    base = dict(num_splits=1, group_size=1, num_qo_heads=1, page_size=16, block_size=128,
+                dtype=0, head_dim=128, sq_t=128, sq_h=128, sk_p=2048, sk_s=128, sk_h=128,
+                sv_p=2048, sv_s=128, sv_h=128)
+    base.update(kw)
+    return cb.FpAttnParams(**base)
+
+
+# ------------------------------------------------------------------------------------------
+# build, load, cache
+# ------------------------------------------------------------------------------------------
+
+
+def test_builds_for_sm90a_without_spills(built):
+    assert built.path.is_file() and not built.cached
+    usage = cb.ptxas_usage(built.log)
+    kernels = {row["kernel"] for row in usage}
+    for dtype in ("bf16", "fp16"):
+        for d in (64, 128):
+            assert f"fwd<{dtype},d{d}>" in kernels and f"combine<{dtype},d{d}>" in kernels
+    for row in usage:
+        assert row["arch"] == "sm_90a"
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack"] == 0, row
+        assert row["registers"] <= 255, row
+
+
+def test_sass_has_wgmma_and_cp_async(built):
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        try:
+            import triton
+
+            from pathlib import Path
+
+            cand = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+            cuobjdump = str(cand) if cand.exists() else None
+        except ImportError:
+            pass
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found")
+    import subprocess
+
+    sass = subprocess.run([cuobjdump, "-sass", str(built.path)], capture_output=True,
+                          text=True).stdout
+    assert "HGMMA.64x64x16.F32.BF16" in sass  # S = Q K^T
+    assert "HGMMA.64x128x16.F32.BF16" in sass  # O += P V at d = 128
+    assert ".tnspB" in sass  # V read MN-major from the K-major buffer
+    assert "LDGSTS" in sass  # cp.async K/V gather
+    assert "FENCE.VIEW.ASYNC.S" in sass  # generic -> async proxy before wgmma
+
+
+def test_loads_without_gpu_and_abi_matches(lib):
+    assert lib.fp_abi_version() == cb.ABI_VERSION
+    assert lib.fp_params_size() == ctypes.sizeof(cb.FpAttnParams)
+    assert lib.fp_last_error() == b""
+
+
+def test_build_cache_hits(built, capsys):
+    again = cb.build(built.path.parent)
+    assert again.cached and again.seconds == 0.0 and again.path == built.path
+    assert cb.ptxas_usage(again.log) == cb.ptxas_usage(built.log)
+    # the command line prebuild reports the hit too
+    assert cb.main(["--out", str(built.path.parent)]) == 0
+    assert "cache hit" in capsys.readouterr().out
+
+
+def test_build_key_tracks_sources(tmp_path, monkeypatch):
+    nvcc, include = cb.find_nvcc(), cb.find_cutlass_include()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUTLASS headers")
+    key = cb.build_key(nvcc, include)
+    assert cb.build_key(nvcc, include) == key
+    src = tmp_path / "csrc"
+    shutil.copytree(cb.SRC_DIR, src)
+    (src / cb.MAIN_SOURCE).write_text((src / cb.MAIN_SOURCE).read_text() + "\n// edit\n")
+    monkeypatch.setattr(cb, "SRC_DIR", src)
+    assert cb.build_key(nvcc, include) != key
+    assert cb.build_key(nvcc, include, ("-DX",)) != cb.build_key(nvcc, include)
+
+
+def test_explicit_library_path(built, monkeypatch, tmp_path):
+    monkeypatch.setenv(cb.ENV_LIB, str(built.path))
+    assert cb.unavailable_reason() is None and ca.available()
+    assert cb.library_path() == built.path
+    monkeypatch.setenv(cb.ENV_LIB, str(tmp_path / "missing.so"))
+    assert "is not a file" in cb.unavailable_reason()
+    assert not ca.available()
+    with pytest.raises(RuntimeError, match="not a file"):
+        cb.library_path()
+
+
+def test_unavailable_without_nvcc(monkeypatch):
+    monkeypatch.delenv(cb.ENV_LIB, raising=False)
+    monkeypatch.setattr(cb, "find_nvcc", lambda: None)
+    assert "nvcc not found" in cb.unavailable_reason()
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cb.build()
+
+
+def test_unavailable_without_headers(monkeypatch, tmp_path):
+    monkeypatch.delenv(cb.ENV_LIB, raising=False)
+    monkeypatch.setattr(cb, "find_nvcc", lambda: "/usr/bin/true")
+    monkeypatch.setenv(cb.ENV_INCLUDE, str(tmp_path))
+    assert cb.find_cutlass_include() is None
+    assert "headers not found" in cb.unavailable_reason()
+
+
+@needs_toolchain
+def test_layout_check(tmp_path):
+    """csrc/layout_check.cu: accumulator row/col views, the P -> A-operand register map, the
+    swizzled shared-memory layouts, evaluated on the CPU with the kernel's own CuTe types."""
+    t0 = time.perf_counter()
+    proc = cb.run_layout_check(tmp_path)
+    print(f"\nlayout check ({time.perf_counter() - t0:.1f} s):\n{proc.stdout}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layout checks passed" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# C ABI errors (checked before any CUDA call, so they run without a GPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_splits=0), b"num_splits"),
+    (dict(head_dim=96), b"head_dim 96"),
+    (dict(dtype=7), b"dtype 7"),
+    (dict(group_size=3, num_qo_heads=4), b"group_size"),
+    (dict(page_size=0), b"page_size"),
+    (dict(block_size=96), b"block_size"),
+    (dict(sk_s=100), b"strides"),
+    (dict(q=8), b"16-byte aligned"),
+    (dict(correction=1), b"mean correction needs"),
+])
+def test_abi_argument_errors(lib, kw, match):
+    p = _params(**kw)
+    status = lib.fp_sparse_attn_fwd(ctypes.byref(p), None)
+    assert status == cb.FP_ERR_ARGUMENT
+    assert match in lib.fp_last_error()
+
+
+def test_abi_null_params(lib):
+    assert lib.fp_sparse_attn_fwd(None, None) == cb.FP_ERR_ARGUMENT
+    assert b"NULL" in lib.fp_last_error()
+
+
+def test_abi_cuda_error_is_reported(lib):
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-driver path")
+    p = _params()
+    assert lib.fp_sparse_attn_fwd(ctypes.byref(p), None) == cb.FP_ERR_CUDA
+    assert b"cudaSetDevice" in lib.fp_last_error()
+
+
+# ------------------------------------------------------------------------------------------
+# Python-side input checks and backend selection
+# ------------------------------------------------------------------------------------------
+
+
+def _qkv(dtype=torch.bfloat16, d=128, hq=4, hkv=1):
+    q = torch.zeros(10, hq, d, dtype=dtype)
+    k = torch.zeros(3, 16, hkv, d, dtype=dtype)
+    return q, k, k.clone()
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: _qkv(dtype=torch.float32), "q: .*bfloat16 and float16"),
+    (lambda: _qkv(d=96), "q: .*head_dim"),
+    (lambda: (_qkv()[0], _qkv()[1].half(), _qkv()[2]), "k_pages: expected dtype"),
+    (lambda: (_qkv()[0], _qkv()[1], _qkv(d=64)[2]), "v_pages: expected head_dim"),
+    (lambda: (_qkv()[0].transpose(1, 2).contiguous().transpose(1, 2), *_qkv()[1:]),
+     "q: expected a contiguous last dimension"),
+    (lambda: (torch.zeros(10, 4, 132, dtype=torch.bfloat16)[..., 2:130], *_qkv()[1:]),
+     "q: expected 16-byte aligned rows"),
+    (lambda: _qkv(), "q: the CUTLASS kernel needs a CUDA tensor"),
+])
+def test_check_inputs_raise(make, match):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=match):
+        ca.check_inputs(q, k, v)
+    assert not ca.supports(q, k, v)
+
+
+def test_forced_cutlass_on_cpu_raises():
+    with pytest.raises(ValueError, match="backend: 'cutlass' needs a CUDA tensor"):
+        ops.resolve_backend("cutlass", torch.device("cpu"))
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="cutlass"):
+        ops.attention_planned(q, k, v, None, None, backend="cutlass")
+
+
+def test_backend_selection(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(ca, "available", lambda: True)
+    assert ops.cutlass_available(cuda)
+    assert ops.resolve_backend("cutlass", cuda) == "cutlass"
+    assert not ops.cutlass_available(torch.device("cpu"))
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
+    monkeypatch.setattr(ca, "available", lambda: False)
+    monkeypatch.setattr(cb, "unavailable_reason", lambda: "nvcc not found (test)")
+    with pytest.raises(ValueError, match="its library: nvcc not found"):
+        ops.resolve_backend("cutlass", cuda)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        ops.resolve_backend("cuda", cuda)
+
+
+def test_auto_prefers_cutlass_only_when_supported(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setattr(ops, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    assert ops._auto_cutlass(q, k, v)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: False)  # e.g. fp32 or d = 80: Triton
+    assert not ops._auto_cutlass(q, k, v)
+    monkeypatch.setattr(ops, "cutlass_available", lambda device: False)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    assert not ops._auto_cutlass(q, k, v)
