@@ -14,8 +14,11 @@ Where the library comes from, in order:
 3. a build on first use (nvcc from ``$CUDA_HOME/bin`` or ``PATH``; headers from
    ``FLASHPREFILL_CUTLASS_INCLUDE`` or the installed ``nvidia-cutlass`` package).
 
-``python -m kernels.cutlass_build --out DIR`` prebuilds into ``DIR`` (``libfp_cutlass.so``,
-``build.log`` with the ptxas resource usage, ``build.json``) and prints the per-kernel usage.
+``python -m kernels.cutlass_build --out DIR`` prebuilds into ``DIR`` and prints the per-kernel
+ptxas usage: ``libfp_cutlass.so`` (CUDA runtime linked statically: needs glibc >= 2.34) and
+``libfp_cutlass_cudart_shared.so`` (links ``libcudart.so.13``, which a CUDA torch has already
+loaded; glibc >= 2.3), each with its ``.log`` (nvcc command, ptxas output) and ``.json``. The
+loader falls back to the second when the first does not load on the GPU host.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
+LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
 ABI_VERSION = 1  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_fwd.cu")
@@ -53,8 +57,11 @@ NVCC_FLAGS = (
     "-Xptxas", "-v",
     "-shared",
     "-Xcompiler", "-fPIC",
-    "-cudart", "static",  # no libcudart.so dependency: loads without a driver or toolkit
 )
+# static: no libcudart.so dependency, loads anywhere (no driver or toolkit) with glibc >= 2.34;
+# shared: resolves libcudart.so.13 by soname (already in a CUDA torch process), old glibc
+CUDART_FLAGS = {"static": ("-cudart", "static"), "shared": ("-cudart", "shared")}
+LIB_NAMES = {"static": LIB_NAME, "shared": LIB_NAME_SHARED_RT}
 FP_OK, FP_ERR_ARGUMENT, FP_ERR_CUDA = 0, 1, 2
 DTYPE_CODES = {"bfloat16": 0, "float16": 1}
 
@@ -156,26 +163,30 @@ def unavailable_reason() -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def build(out_dir: str | Path | None = None, *, force: bool = False) -> BuildResult:
+def build(out_dir: str | Path | None = None, *, force: bool = False,
+          cudart: str = "static") -> BuildResult:
     """Compile ``csrc/`` into ``out_dir`` (default: the cache directory of the build key);
-    a present library with the same key is reused unless ``force``."""
+    a present library with the same key is reused unless ``force``. ``cudart``: how the CUDA
+    runtime is linked, ``static`` or ``shared``."""
+    if cudart not in CUDART_FLAGS:
+        raise ValueError(f"cudart: expected one of {tuple(CUDART_FLAGS)}, got {cudart!r}")
     nvcc, include = find_nvcc(), find_cutlass_include()
     if nvcc is None or include is None:
         raise RuntimeError(f"cannot build the CUTLASS attention library: {unavailable_reason()}")
-    key = build_key(nvcc, include)
+    flags = NVCC_FLAGS + CUDART_FLAGS[cudart]
+    key = build_key(nvcc, include, CUDART_FLAGS[cudart])
     target_dir = Path(out_dir) if out_dir is not None else cache_root() / key
-    target = target_dir / LIB_NAME
-    meta_path = target_dir / "build.json"
+    target = target_dir / LIB_NAMES[cudart]
+    log_path, meta_path = target.with_suffix(".log"), target.with_suffix(".json")
     if target.is_file() and not force and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         if meta.get("key") == key:
-            log_path = target_dir / "build.log"
             log = log_path.read_text() if log_path.is_file() else ""
             return BuildResult(target, 0.0, True, log)
     target_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target_dir)
     os.close(fd)
-    cmd = [nvcc, *NVCC_FLAGS, f"-I{include}", f"-I{SRC_DIR}", str(SRC_DIR / MAIN_SOURCE), "-o", tmp]
+    cmd = [nvcc, *flags, f"-I{include}", f"-I{SRC_DIR}", str(SRC_DIR / MAIN_SOURCE), "-o", tmp]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -184,9 +195,9 @@ def build(out_dir: str | Path | None = None, *, force: bool = False) -> BuildRes
         os.unlink(tmp)
         raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{log[-6000:]}")
     os.replace(tmp, target)  # atomic: concurrent builders never see a partial library
-    (target_dir / "build.log").write_text(log)
+    log_path.write_text(log)
     meta = {"key": key, "seconds": round(seconds, 1), "nvcc": nvcc_version(nvcc).splitlines()[-1],
-            "include": str(include), "flags": list(NVCC_FLAGS), "kernels": ptxas_usage(log)}
+            "include": str(include), "flags": list(flags), "kernels": ptxas_usage(log)}
     meta_path.write_text(json.dumps(meta, indent=1))
     return BuildResult(target, seconds, False, log)
 
@@ -240,9 +251,24 @@ def library_path() -> Path:
     return build().path
 
 
+def _open(path: str) -> ctypes.CDLL:
+    """CDLL of ``path``; when it does not load (e.g. the static-runtime build on a host whose
+    glibc is older than 2.34), the shared-runtime build next to it."""
+    try:
+        return ctypes.CDLL(path)
+    except OSError as first:
+        sibling = Path(path).with_name(LIB_NAME_SHARED_RT)
+        if Path(path).name == LIB_NAME_SHARED_RT or not sibling.is_file():
+            raise
+        try:
+            return ctypes.CDLL(str(sibling))
+        except OSError as second:
+            raise OSError(f"{path}: {first}; {sibling}: {second}") from second
+
+
 @functools.lru_cache(maxsize=None)
 def _load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
+    lib = _open(path)
     lib.fp_abi_version.restype = ctypes.c_int
     lib.fp_abi_version.argtypes = []
     lib.fp_params_size.restype = ctypes.c_size_t
@@ -306,16 +332,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="build into this folder (default: the cache); carry it to the GPU host "
                          f"and set {ENV_LIB}=DIR/{LIB_NAME}")
     ap.add_argument("--force", action="store_true", help="rebuild even when the key matches")
+    ap.add_argument("--cudart", choices=("static", "shared", "both"), default=None,
+                    help="CUDA runtime linking (default: both with --out, static otherwise)")
     ap.add_argument("--check-layouts", action="store_true",
                     help="also compile and run csrc/layout_check.cu (host-side index checks)")
     args = ap.parse_args(argv)
-    result = build(args.out, force=args.force)
-    print(f"library  {result.path}")
-    print(f"seconds  {result.seconds:.1f}" + ("  (cache hit)" if result.cached else ""))
-    for row in ptxas_usage(result.log):
+    cudart = args.cudart or ("both" if args.out else "static")
+    flavours = ("static", "shared") if cudart == "both" else (cudart,)
+    results = [build(args.out, force=args.force, cudart=f) for f in flavours]
+    for result in results:
+        print(f"library  {result.path}")
+        print(f"seconds  {result.seconds:.1f}" + ("  (cache hit)" if result.cached else ""))
+    for row in ptxas_usage(results[0].log):
         print(f"kernel   {row['kernel']:<22} registers {row.get('registers', '?'):>3}  "
               f"stack {row.get('stack', '?')}  spill stores {row.get('spill_stores', '?')}  "
               f"spill loads {row.get('spill_loads', '?')}")
+    result = results[0]
     if args.check_layouts:
         with tempfile.TemporaryDirectory() as tmp:
             proc = run_layout_check(tmp)

@@ -496,10 +496,17 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
         (p.head_dim == 64 || p.head_dim == 128)))
     return fail(FP_ERR_ARGUMENT, "unsupported dtype %d / head_dim %d (bf16/fp16, 64/128)", p.dtype,
                 p.head_dim);
-  cudaError_t err = cudaSetDevice(p.device);  // this library's runtime keeps its own current device
-  if (err != cudaSuccess) return cuda_fail(err, "cudaSetDevice");
+  // launch on the tensors' device and leave the caller's current device as it was (with a
+  // shared CUDA runtime it is torch's)
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
+  if (previous != p.device && (err = cudaSetDevice(p.device)) != cudaSuccess)
+    return cuda_fail(err, "cudaSetDevice");
   LaunchFn f{p, static_cast<cudaStream_t>(stream)};
-  return dispatch(p.dtype, p.head_dim, f);
+  const int status = dispatch(p.dtype, p.head_dim, f);
+  if (previous != p.device) cudaSetDevice(previous);
+  return status;
 }
 
 int fp_kernel_attributes(int dtype, int head_dim, int* out4) {
