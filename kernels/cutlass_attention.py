@@ -153,7 +153,7 @@ def sparse_attention(
         num_splits=num_splits, words_per_seg=words, group_size=plan.group_size,
         num_qo_heads=hq, head_dim=d, page_size=plan.page_size, block_size=cfg.block_size,
         dtype=cutlass_build.DTYPE_CODES[str(q.dtype).removeprefix("torch.")],
-        correction=int(correction), dense=int(dense), device=q.device.index,
+        correction=int(correction), dense=int(dense), device=q.device.index or 0,
         qk_scale_log2=cfg.softmax_scale(d) * _LOG2E,
     )
     stream = torch.cuda.current_stream(q.device).cuda_stream

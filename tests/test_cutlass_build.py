@@ -286,3 +286,80 @@ def test_auto_prefers_cutlass_only_when_supported(monkeypatch):
     monkeypatch.setattr(ops, "cutlass_available", lambda device: False)
     monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
     assert not ops._auto_cutlass(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------
+# the wrapper's parameter block, on CPU tensors with the library call recorded (no GPU)
+# ------------------------------------------------------------------------------------------
+
+
+class _FakeLib:
+    def __init__(self):
+        self.calls = []
+
+    def fp_sparse_attn_fwd(self, params_ref, stream):
+        p = params_ref._obj
+        self.calls.append({name: getattr(p, name) for name, _ in cb.FpAttnParams._fields_})
+        return cb.FP_OK
+
+
+class _FakePrepass:
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        def run(seg_offsets, kv_tiles, bits, words, **kw):
+            self.grids.append((grid, words, kw))
+        return run
+
+
+@pytest.mark.parametrize("dense,splits,corr", [(False, 1, True), (False, 3, False), (True, 2, True)])
+def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
+    from kernels import SparseConfig, plan_prefill
+    from kernels import reference as ref
+    from kernels import triton_attention as ta
+    from tests.helpers import make_batch
+
+    cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=64, window_tokens=64,
+                       mean_correction=corr)
+    batch = make_batch([150, 1], [70, 300], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                       page_size=16, seed=0, dtype=torch.bfloat16, needles=1, block_size=128)
+    plan = plan_prefill(*batch.args(), cfg)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
+    fake, prepass = _FakeLib(), _FakePrepass()
+    monkeypatch.setattr(ca, "check_inputs", lambda q, k, v: None)
+    monkeypatch.setattr(cb, "load_library", lambda: fake)
+    monkeypatch.setattr(ta, "_selected_blocks", prepass)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan,
+                                   None if dense else index, num_splits=splits, dense=dense)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert lse.shape == batch.q.shape[:2] and lse.dtype == torch.float32
+    (p,) = fake.calls
+    q, k = batch.q, batch.k_pages
+    assert p["q"] == q.data_ptr() and p["k"] == k.data_ptr() and p["v"] == batch.v_pages.data_ptr()
+    assert p["out"] == out.data_ptr() and p["lse"] == lse.data_ptr()
+    assert (p["sq_t"], p["sq_h"]) == (8 * 64, 64)
+    assert (p["sk_p"], p["sk_s"], p["sk_h"]) == (16 * 2 * 64, 2 * 64, 64)
+    assert p["s_pt"] == plan.page_table.stride(0)
+    assert p["total_q"] == 151 and p["num_qo_heads"] == 8 and p["group_size"] == 4
+    assert p["total_tiles"] == plan.total_tiles and p["num_segments"] == plan.num_segments
+    assert p["num_splits"] == splits and p["dense"] == int(dense)
+    assert p["head_dim"] == 64 and p["page_size"] == 16 and p["block_size"] == 128
+    assert p["dtype"] == 0 and p["device"] == 0
+    assert p["qk_scale_log2"] == pytest.approx(1.4426950408889634 / 8.0)
+    assert (p["o_part"] is not None) == (splits > 1) and (p["lse_part"] is not None) == (splits > 1)
+    correction = corr and not dense
+    assert p["correction"] == int(correction)
+    if correction:
+        words = max(1, -(-plan.max_blocks // 64)) * 2
+        assert p["words_per_seg"] == words
+        assert prepass.grids == [((plan.num_segments,), words, dict(TPB=2, BLOCK_E=128, num_warps=4))]
+        assert (p["skb_t"], p["skb_h"]) == (2 * 64, 64) and p["kbar"] and p["corr_bits"]
+    else:
+        assert p["kbar"] is None and p["corr_bits"] is None and not prepass.grids
+    if dense:
+        assert p["seg_offsets"] is None and p["kv_tiles"] is None
+    else:
+        assert p["seg_offsets"] == index.seg_offsets.data_ptr()
+        assert p["kv_tiles"] == index.kv_tiles.data_ptr()
