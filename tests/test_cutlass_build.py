@@ -363,3 +363,27 @@ def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
     else:
         assert p["seg_offsets"] == index.seg_offsets.data_ptr()
         assert p["kv_tiles"] == index.kv_tiles.data_ptr()
+
+
+def test_cutlass_backend_decodes_with_triton(monkeypatch):
+    """backend='cutlass' flows from the model executor into decode too: Triton's decode kernel,
+    not the reference's."""
+    import sys
+    import types
+
+    from kernels import decode
+
+    called = []
+    fake = types.ModuleType("kernels.triton_decode")
+    fake.paged_decode = lambda *a, **kw: called.append(True) or ("out", "lse")
+    import kernels
+
+    monkeypatch.setitem(sys.modules, "kernels.triton_decode", fake)
+    monkeypatch.setattr(kernels, "triton_decode", fake, raising=False)
+    monkeypatch.setattr(decode, "resolve_backend", lambda backend, device: backend)
+    q = torch.zeros(2, 4, 64)
+    k = torch.zeros(3, 16, 1, 64)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    assert decode.paged_decode(q, k, k.clone(), table, lens, backend="cutlass") == ("out", "lse")
+    assert called
