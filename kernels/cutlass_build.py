@@ -290,7 +290,13 @@ def _load(path: str) -> ctypes.CDLL:
 
 
 def load_library() -> ctypes.CDLL:
-    """The loaded library (built first when needed); RuntimeError when that is impossible."""
+    """The loaded library (built first when needed); RuntimeError when that is impossible.
+    Resolved once per process and ``FLASHPREFILL_CUTLASS_LIB`` value (no hashing per call)."""
+    return _load_for(os.environ.get(ENV_LIB))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_for(explicit: str | None) -> ctypes.CDLL:
     return _load(str(library_path().resolve()))
 
 
