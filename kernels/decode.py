@@ -211,7 +211,7 @@ def paged_decode(
             q.new_empty(q.shape),
             torch.empty(0, q.shape[1], dtype=torch.float32, device=q.device),
         )
-    if backend == "triton":
+    if backend in ("triton", "cutlass"):  # the CUTLASS backend has no decode kernel: Triton's
         from . import triton_decode
 
         return triton_decode.paged_decode(

@@ -1,5 +1,5 @@
 """Public entry points and backend dispatch (reference on CPU, Triton on GPU or under
-``TRITON_INTERPRET=1``)."""
+``TRITON_INTERPRET=1``; the CUTLASS attention stage on GPU when its library is available)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from .fp8 import Fp8Descales
 from .index import SparseIndex
 from .plan import PrefillPlan, make_plan
 
-Backend = Literal["auto", "reference", "triton"]
-_BACKENDS = ("auto", "reference", "triton")
+Backend = Literal["auto", "reference", "triton", "cutlass"]
+_BACKENDS = ("auto", "reference", "triton", "cutlass")
 
 
 def triton_available(device: torch.device) -> bool:
@@ -30,9 +30,29 @@ def triton_available(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cutlass_available(device: torch.device) -> bool:
+    """The CUTLASS attention library is prebuilt (``FLASHPREFILL_CUTLASS_LIB``) or buildable
+    (nvcc and the CUTLASS headers), and the tensors are on a CUDA device."""
+    if device.type != "cuda":
+        return False
+    from . import cutlass_attention
+
+    return cutlass_attention.available()
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> triton on CUDA, else reference (the attention stage then prefers cutlass:
+    ``attention_planned``); ``cutlass`` runs the index stage with Triton."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "cutlass":
+        if not cutlass_available(device):
+            from .cutlass_build import unavailable_reason
+
+            why = f"a CUDA tensor, got tensors on {device}" if device.type != "cuda" else (
+                f"its library: {unavailable_reason()}")
+            raise ValueError(f"backend: 'cutlass' needs {why}")
+        return backend
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available(device) else "reference"
     if backend == "triton" and not triton_available(device):
@@ -101,7 +121,7 @@ def build_index_planned(
     *, backend: Backend = "auto", descales: Fp8Descales | None = None,
 ) -> SparseIndex:
     _check_planned_descales(q, descales)
-    if resolve_backend(backend, q.device) == "triton":
+    if resolve_backend(backend, q.device) in ("triton", "cutlass"):
         from . import triton_index
 
         return triton_index.build_index(q, k_pages, v_pages, plan, descales=descales)
@@ -113,11 +133,23 @@ def attention_planned(
     index: SparseIndex, *, backend: Backend = "auto", descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_planned_descales(q, descales)
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "cutlass" or (backend == "auto" and resolved == "triton" and descales is None
+                                 and _auto_cutlass(q, k_pages, v_pages)):
+        from . import cutlass_attention  # forced: unsupported inputs raise ValueError
+
+        return cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index)
+    if resolved == "triton":
         from . import triton_attention
 
         return triton_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
     return reference.sparse_attention(q, k_pages, v_pages, plan, index, descales)
+
+
+def _auto_cutlass(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    from . import cutlass_attention
+
+    return cutlass_available(q.device) and cutlass_attention.supports(q, k_pages, v_pages)
 
 
 def build_index(

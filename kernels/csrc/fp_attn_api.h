@@ -1,0 +1,87 @@
+// Plain C ABI of the CUTLASS/CuTe attention stage (loaded from Python with ctypes, so the
+// library never links against torch: a build made on a CPU machine runs under any torch).
+//
+// Every pointer is a device pointer; strides are in elements. The Python mirror of
+// FpAttnParams is kernels/cutlass_build.py:FpAttnParams (checked by fp_params_size()).
+#ifndef FP_ATTN_API_H
+#define FP_ATTN_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FP_ABI_VERSION 1
+
+enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
+
+enum FpStatus {
+  FP_OK = 0,
+  FP_ERR_ARGUMENT = 1,     // unsupported dtype / head_dim, bad shape or alignment
+  FP_ERR_CUDA = 2,         // a CUDA runtime call failed (message in fp_last_error())
+};
+
+typedef struct FpAttnParams {
+  // tensors
+  const void* q;             // [total_q, Hq, d], q dtype
+  const void* k;             // [num_pages, page_size, Hkv, d]
+  const void* v;             // [num_pages, page_size, Hkv, d]
+  const void* kbar;          // [total_blocks, Hkv, d] block means in q dtype (correction only)
+  const void* vbar;
+  void* out;                 // [total_q, Hq, d] contiguous, q dtype
+  float* lse;                // [total_q, Hq] contiguous, natural log
+  float* o_part;             // [num_splits, total_q * Hq, d] (num_splits > 1)
+  float* lse_part;           // [num_splits, total_q * Hq], base-2 log (num_splits > 1)
+  const int32_t* seg_offsets;  // [num_segments + 1] (sparse)
+  const int32_t* kv_tiles;     // CSR tile list (sparse)
+  const int32_t* order;        // [num_segments] segments by decreasing work
+  const int32_t* corr_bits;    // [num_segments, words_per_seg] selected-block bitmask
+  const int32_t* cu_seqlens_q; // [B + 1]
+  const int32_t* seqlens_kv;   // [B]
+  const int32_t* cu_qtiles;    // [B + 1]
+  const int32_t* cu_blocks;    // [B + 1]
+  const int32_t* tile_seq;     // [total_tiles]
+  const int32_t* page_table;   // [B, max_pages]
+  // strides (elements)
+  int64_t sq_t, sq_h;
+  int64_t sk_p, sk_s, sk_h;
+  int64_t sv_p, sv_s, sv_h;
+  int64_t skb_t, skb_h;
+  int64_t svb_t, svb_h;
+  int64_t s_pt;
+  // sizes and options
+  int32_t total_q;
+  int32_t total_tiles;
+  int32_t num_segments;
+  int32_t num_splits;
+  int32_t words_per_seg;
+  int32_t group_size;       // Hq / Hkv
+  int32_t num_qo_heads;
+  int32_t head_dim;         // 64 or 128
+  int32_t page_size;
+  int32_t block_size;       // logical block Bs (multiple of 64)
+  int32_t dtype;            // FpDtype
+  int32_t correction;       // mean correction on (sparse only)
+  int32_t dense;            // every visible tile, no index
+  int32_t device;           // CUDA device ordinal of every tensor
+  float qk_scale_log2;      // softmax scale * log2(e)
+  int32_t reserved;
+} FpAttnParams;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+int fp_abi_version(void);
+size_t fp_params_size(void);
+// Attention stage (and the split combine when num_splits > 1) on `stream` (a cudaStream_t).
+int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream);
+// Registers, spill bytes, static + dynamic shared memory of the attention kernel of a variant
+// (needs a GPU): out[0..3] = regs, local bytes, shared bytes, max threads.
+int fp_kernel_attributes(int dtype, int head_dim, int* out4);
+// Message of the last error of this thread ("" when none).
+const char* fp_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // FP_ATTN_API_H

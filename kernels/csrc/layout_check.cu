@@ -1,0 +1,160 @@
+// Host-side check of every index mapping sparse_attn_fwd.cu relies on, evaluated with the same
+// CuTe types on a CPU (no GPU needed): tests/test_cutlass_build.py compiles and runs it.
+//  1. the (rows, cols) view of the S and O accumulators groups each thread's values by row,
+//     each row is shared by the 4 lanes of a quad (lanes 4k..4k+3) whose columns partition it;
+//  2. LayoutPA maps each A-operand register of the P V wgmma to the S accumulator value holding
+//     the same (row, key) coordinate;
+//  3. the swizzled shared-memory layouts are bijections whose 16-byte chunks are contiguous
+//     (one cp.async each), and the V^T view addresses the same element as V;
+//  4. the warpgroup of a thread owns rows [64 w, 64 w + 64).
+#include <cstdio>
+#include <set>
+#include <vector>
+
+#include "sparse_attn_traits.cuh"
+
+using namespace cute;
+
+static int failures = 0;
+#define CHECK(cond, ...)                     \
+  do {                                       \
+    if (!(cond)) {                           \
+      if (failures < 20) {                   \
+        std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+        std::printf(__VA_ARGS__);            \
+        std::printf("\n");                   \
+      }                                      \
+      ++failures;                            \
+    }                                        \
+  } while (0)
+
+template <class T>
+void check_variant(const char* name) {
+  using Element = typename T::Element;
+  constexpr int M = T::kBlockM, N = T::kBlockN, D = T::kHeadDim;
+  typename T::TiledMmaS mma_s;
+  typename T::TiledMmaO mma_o;
+  CHECK(size(mma_s) == T::kThreads, "%s: TiledMmaS threads %d", name, int(size(mma_s)));
+  CHECK(size(mma_o) == T::kThreads, "%s: TiledMmaO threads %d", name, int(size(mma_o)));
+
+  // row of (thread, row slot) and the columns each thread holds in it
+  std::vector<std::vector<int>> rows_s(T::kThreads), rows_o(T::kThreads);
+  std::vector<std::vector<std::set<int>>> cols_s(T::kThreads), cols_o(T::kThreads);
+  for (int t = 0; t < T::kThreads; ++t) {
+    auto thr_s = mma_s.get_thread_slice(t);
+    auto thr_o = mma_o.get_thread_slice(t);
+    Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+    Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
+    Tensor fS = partition_fragment_C(mma_s, Shape<Int<M>, Int<N>>{});
+    CHECK(size(cS) == size(fS) && size(cS) == 32, "%s: S fragment size %d", name, int(size(cS)));
+    CHECK((size<1>(cS) == 1 && size<2>(cS) == 1 && size<0, 0>(cS) == 2 && size<0, 1>(cS) == 2 &&
+           size<0, 2>(cS) == N / 8),
+          "%s: S accumulator shape", name);
+    Tensor rcS = make_tensor(cS.data(), fp::acc_rowcol(cS.layout()));
+    Tensor rcO = make_tensor(cO.data(), fp::acc_rowcol(cO.layout()));
+    CHECK(size<0>(rcS) == 2 && size<0>(rcO) == 2, "%s: two rows per thread", name);
+    for (int i = 0; i < size<0>(rcS); ++i) {
+      int row = get<0>(rcS(i, 0));
+      rows_s[t].push_back(row);
+      cols_s[t].emplace_back();
+      for (int j = 0; j < size<1>(rcS); ++j) {
+        CHECK(get<0>(rcS(i, j)) == row, "%s: S row view mixes rows (t=%d)", name, t);
+        cols_s[t].back().insert(get<1>(rcS(i, j)));
+      }
+      CHECK(row / 64 == t / 128, "%s: thread %d holds S row %d outside its warpgroup", name, t, row);
+    }
+    for (int i = 0; i < size<0>(rcO); ++i) {
+      int row = get<0>(rcO(i, 0));
+      rows_o[t].push_back(row);
+      cols_o[t].emplace_back();
+      for (int j = 0; j < size<1>(rcO); ++j) {
+        CHECK(get<0>(rcO(i, j)) == row, "%s: O row view mixes rows (t=%d)", name, t);
+        cols_o[t].back().insert(get<1>(rcO(i, j)));
+      }
+      CHECK(row == rows_s[t][i], "%s: thread %d row slot %d: S row %d, O row %d", name, t, i,
+            rows_s[t][i], row);
+    }
+    // P (S accumulator, logical order) as the A operand of the P V product
+    Tensor cA = thr_o.partition_A(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+    typename T::LayoutPA la;
+    CHECK(size(cA) == size(la), "%s: A fragment size %d vs %d", name, int(size(cA)), int(size(la)));
+    CHECK(rank(cA) == 3 && size<2>(cA) == N / 16, "%s: A fragment k-blocks", name);
+    for (int e = 0; e < size(cA); ++e) {
+      auto coord = cA(e);                  // (row, key) of the A register
+      int idx = la(idx2crd(e, shape(cA)));
+      auto want = cS(idx);
+      CHECK(get<0>(coord) == get<0>(want) && get<1>(coord) == get<1>(want),
+            "%s: t=%d A elem %d holds (%d,%d), LayoutPA points at S (%d,%d)", name, t, e,
+            int(get<0>(coord)), int(get<1>(coord)), int(get<0>(want)), int(get<1>(want)));
+    }
+  }
+  // quads share rows; their columns partition the tile
+  for (int t = 0; t < T::kThreads; t += 4) {
+    for (int i = 0; i < 2; ++i) {
+      std::set<int> all_s, all_o;
+      int n_s = 0, n_o = 0;
+      for (int q = 0; q < 4; ++q) {
+        CHECK(rows_s[t + q][i] == rows_s[t][i], "%s: quad %d does not share S row slot %d", name, t, i);
+        all_s.insert(cols_s[t + q][i].begin(), cols_s[t + q][i].end());
+        all_o.insert(cols_o[t + q][i].begin(), cols_o[t + q][i].end());
+        n_s += cols_s[t + q][i].size();
+        n_o += cols_o[t + q][i].size();
+      }
+      CHECK(int(all_s.size()) == N && n_s == N, "%s: quad %d S row covers %d cols", name, t, int(all_s.size()));
+      CHECK(int(all_o.size()) == D && n_o == D, "%s: quad %d O row covers %d cols", name, t, int(all_o.size()));
+    }
+  }
+  // every row of the tile is held by exactly one quad
+  std::vector<int> row_owner(M, 0);
+  for (int t = 0; t < T::kThreads; t += 4)
+    for (int i = 0; i < 2; ++i) row_owner[rows_s[t][i]]++;
+  for (int r = 0; r < M; ++r) CHECK(row_owner[r] == 1, "%s: row %d held by %d quads", name, r, row_owner[r]);
+
+  // shared-memory layouts: bijective, chunk-contiguous; V^T view == V
+  alignas(1024) static Element buf[T::kBlockN * T::kHeadDim * T::kStages > M * D ? T::kBlockN * T::kHeadDim * T::kStages : M * D];
+  Tensor sQ = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVt{});
+  {
+    std::vector<int> seen(M * D, 0);
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < D; ++c) {
+        long off = &sQ(r, c) - buf;
+        CHECK(off >= 0 && off < M * D, "%s: sQ offset %ld", name, off);
+        if (off >= 0 && off < M * D) seen[off]++;
+        if (c % T::kChunk) CHECK(&sQ(r, c) == &sQ(r, c - c % T::kChunk) + c % T::kChunk, "%s: sQ chunk", name);
+        else CHECK(off % T::kChunk == 0, "%s: sQ chunk alignment", name);
+      }
+    for (int i = 0; i < M * D; ++i) CHECK(seen[i] == 1, "%s: sQ not a bijection at %d", name, i);
+  }
+  {
+    const int n = T::kBlockN * D * T::kStages;
+    std::vector<int> seen(n, 0);
+    for (int s = 0; s < T::kStages; ++s)
+      for (int r = 0; r < T::kBlockN; ++r)
+        for (int c = 0; c < D; ++c) {
+          long off = &sK(r, c, s) - buf;
+          CHECK(off >= 0 && off < n, "%s: sK offset %ld", name, off);
+          if (off >= 0 && off < n) seen[off]++;
+          CHECK(off / (T::kBlockN * D) == s, "%s: stage %d spills into another stage", name, s);
+          if (c % T::kChunk) CHECK(&sK(r, c, s) == &sK(r, c - c % T::kChunk, s) + c % T::kChunk, "%s: sK chunk", name);
+          else CHECK(off % T::kChunk == 0, "%s: sK chunk alignment", name);
+          CHECK(&sVt(c, r, s) == &sK(r, c, s), "%s: V^T view (%d,%d,%d)", name, c, r, s);
+        }
+    for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sKV not a bijection at %d", name, i);
+  }
+  std::printf("%s: smem %zu bytes (+1024 alignment pad)\n", name, sizeof(fp::SharedStorage<T>));
+}
+
+int main() {
+  check_variant<fp::AttnTraits<cutlass::bfloat16_t, 64>>("bf16 d64");
+  check_variant<fp::AttnTraits<cutlass::bfloat16_t, 128>>("bf16 d128");
+  check_variant<fp::AttnTraits<cutlass::half_t, 64>>("fp16 d64");
+  check_variant<fp::AttnTraits<cutlass::half_t, 128>>("fp16 d128");
+  if (failures) {
+    std::printf("%d failures\n", failures);
+    return 1;
+  }
+  std::printf("layout checks passed\n");
+  return 0;
+}

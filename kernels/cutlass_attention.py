@@ -1,0 +1,165 @@
+"""CUTLASS/CuTe attention stage of FlashPrefill V2 (``kernels/csrc/sparse_attn_fwd.cu``).
+
+The same function, signature and outputs as ``kernels.triton_attention.sparse_attention``
+(block-sparse attention over the CSR index with mean correction, ``lse`` in natural log), run by a
+CUDA C++ kernel on wgmma tensor cores, loaded through a C ABI (``kernels.cutlass_build``).
+
+Supports: CUDA tensors, bf16 / fp16, head_dim 64 and 128, any page size, PackGQA, varlen with
+prefixes, split-KV with an exact combine, ``dense=True``. Rows of q, k_pages and v_pages must be
+16-byte aligned (last dim contiguous, other strides multiples of 8 elements): true for tensors
+made by ``torch.empty``/``randn`` and views of whole heads.
+
+Does not: fp32 (the Triton kernel's exact-math test path), other head dims, FP8 (yet).
+
+Shared with the Triton kernel (one implementation each): the work order (``_work_order``), the
+automatic split count (``auto_num_splits``) and the selected-block bitmask prepass
+(``_selected_blocks``, a Triton kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from . import cutlass_build
+from .index import SparseIndex
+from .plan import PrefillPlan
+
+_LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+_CORR_CHUNK = 64  # block means per correction chunk (the kernel's BLOCK_N)
+_empty = torch.empty  # outputs and split partials (tests swap in a NaN-filled allocator)
+
+
+def available() -> bool:
+    """The library can be loaded or built here (a prebuilt path, or nvcc + CUTLASS headers)."""
+    return cutlass_build.unavailable_reason() is None
+
+
+def check_inputs(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+    """ValueError naming the argument when the kernel cannot take these tensors."""
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q: the CUTLASS kernel supports bfloat16 and float16, got {q.dtype} "
+                         "(use backend='triton' for float32)")
+    if q.dim() != 3 or q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"q: the CUTLASS kernel supports head_dim in {HEAD_DIMS}, got shape "
+                         f"{tuple(q.shape)} (use backend='triton')")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device}, got one on {t.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name}: expected head_dim {q.shape[-1]}, got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
+                             f"{t.stride()} (call .contiguous())")
+        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected 16-byte aligned rows (strides multiples of 8 "
+                             f"elements, aligned base), got strides {t.stride()} and address "
+                             f"{t.data_ptr():#x} (call .contiguous())")
+    if q.device.type != "cuda":
+        raise ValueError(f"q: the CUTLASS kernel needs a CUDA tensor, got one on {q.device}")
+
+
+def supports(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    try:
+        check_inputs(q, k_pages, v_pages)
+    except ValueError:
+        return False
+    return True
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: PrefillPlan,
+    index: SparseIndex | None,
+    *,
+    num_splits: int | None = None,
+    dense: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention stage over ``index`` (or every visible tile with ``dense=True``).
+
+    Inputs as validated by ``kernels.ops.plan_prefill``: ``q [Tq, Hq, d]``,
+    ``k_pages/v_pages [num_pages, page_size, Hkv, d]``. Returns ``out [Tq, Hq, d]`` in ``q.dtype``
+    and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
+    (``config.num_splits`` when positive). No host synchronisation.
+    """
+    check_inputs(q, k_pages, v_pages)
+    from . import triton_attention as ta  # scheduling helpers and the bitmask prepass
+
+    cfg = plan.config
+    tq, hq, d = q.shape
+    out = _empty((tq, hq, d), dtype=q.dtype, device=q.device)
+    lse = _empty((tq, hq), dtype=torch.float32, device=q.device)
+    num_segments = plan.num_segments
+    if tq == 0 or num_segments == 0:
+        return out, lse
+    if not dense and index is None:
+        raise ValueError("index: expected a SparseIndex (or pass dense=True), got None")
+    if num_splits is None:
+        num_splits = ta.auto_num_splits(plan, ta._num_sms(q.device.index))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
+    lib = cutlass_build.load_library()
+
+    correction = bool(cfg.mean_correction) and not dense
+    order = ta._work_order(plan, index, dense)
+    seg_offsets = kv_tiles = kbar = vbar = corr_bits = None
+    words = 0
+    if not dense:
+        seg_offsets, kv_tiles = index.seg_offsets, index.kv_tiles
+        if kv_tiles.numel() == 0:
+            kv_tiles = seg_offsets  # never dereferenced when every segment is empty
+    if correction:
+        # the scoring operands of the correction, rounded once per call (as the Triton kernel)
+        kbar = index.means.kbar.to(q.dtype).contiguous()
+        vbar = index.means.vbar.to(q.dtype).contiguous()
+        words = max(1, math.ceil(plan.max_blocks / _CORR_CHUNK)) * (_CORR_CHUNK // 32)
+        corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
+        if index.kv_tiles.numel():
+            ta._selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+                                                 TPB=cfg.tiles_per_block, BLOCK_E=128,
+                                                 num_warps=4)
+    o_part = lse_part = None
+    if num_splits > 1:
+        o_part = _empty((num_splits, tq, hq, d), dtype=torch.float32, device=q.device)
+        lse_part = _empty((num_splits, tq, hq), dtype=torch.float32, device=q.device)
+
+    pt = plan.page_table
+    p = cutlass_build.FpAttnParams(
+        q=_ptr(q), k=_ptr(k_pages), v=_ptr(v_pages), kbar=_ptr(kbar), vbar=_ptr(vbar),
+        out=_ptr(out), lse=_ptr(lse), o_part=_ptr(o_part), lse_part=_ptr(lse_part),
+        seg_offsets=_ptr(seg_offsets), kv_tiles=_ptr(kv_tiles), order=_ptr(order),
+        corr_bits=_ptr(corr_bits), cu_seqlens_q=_ptr(plan.cu_seqlens_q),
+        seqlens_kv=_ptr(plan.seqlens_kv_t), cu_qtiles=_ptr(plan.cu_qtiles),
+        cu_blocks=_ptr(plan.cu_blocks), tile_seq=_ptr(plan.tile_seq), page_table=_ptr(pt),
+        sq_t=q.stride(0), sq_h=q.stride(1),
+        sk_p=k_pages.stride(0), sk_s=k_pages.stride(1), sk_h=k_pages.stride(2),
+        sv_p=v_pages.stride(0), sv_s=v_pages.stride(1), sv_h=v_pages.stride(2),
+        skb_t=kbar.stride(0) if correction else 0, skb_h=kbar.stride(1) if correction else 0,
+        svb_t=vbar.stride(0) if correction else 0, svb_h=vbar.stride(1) if correction else 0,
+        s_pt=pt.stride(0),
+        total_q=tq, total_tiles=plan.total_tiles, num_segments=num_segments,
+        num_splits=num_splits, words_per_seg=words, group_size=plan.group_size,
+        num_qo_heads=hq, head_dim=d, page_size=plan.page_size, block_size=cfg.block_size,
+        dtype=cutlass_build.DTYPE_CODES[str(q.dtype).removeprefix("torch.")],
+        correction=int(correction), dense=int(dense), device=q.device.index or 0,
+        qk_scale_log2=cfg.softmax_scale(d) * _LOG2E,
+    )
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    status = lib.fp_sparse_attn_fwd(ctypes.byref(p), ctypes.c_void_p(stream))
+    cutlass_build.check_status(lib, status, "fp_sparse_attn_fwd")
+    return out, lse
+
+
+__all__ = ["sparse_attention", "available", "supports", "check_inputs"]

@@ -1,0 +1,389 @@
+"""CUTLASS attention library on a CPU machine: it compiles for sm_90a, loads through ctypes
+without a GPU driver, caches builds, rejects bad arguments, and the host-side layout check of
+its index mappings passes; backend selection rules of ``kernels.ops``.
+
+One nvcc compile per test session (``built`` fixture, time printed with ``-s``); skipped with the
+reason when nvcc or the CUTLASS headers are missing. The kernel's numerics are tested on a GPU
+(tests/test_cutlass_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cutlass_attention as ca
+from kernels import cutlass_build as cb
+from kernels import ops
+
+needs_toolchain = pytest.mark.skipif(
+    cb.find_nvcc() is None or cb.find_cutlass_include() is None,
+    reason="needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)",
+)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    if cb.find_nvcc() is None or cb.find_cutlass_include() is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)")
+    out = tmp_path_factory.mktemp("fp_cutlass")
+    t0 = time.perf_counter()
+    result = cb.build(out)
+    print(f"\nCUTLASS library built in {time.perf_counter() - t0:.1f} s: {result.path}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def built_shared(built):
+    """The shared-CUDA-runtime flavour, next to the static one (what --out prebuilds)."""
+    t0 = time.perf_counter()
+    result = cb.build(built.path.parent, cudart="shared")
+    print(f"\nshared-runtime flavour built in {time.perf_counter() - t0:.1f} s")
+    return result
+
+
+@pytest.fixture
+def lib(built):
+    return cb._load(str(built.path))
+
+
+def _params(**kw):
+    base = dict(num_splits=1, group_size=1, num_qo_heads=1, page_size=16, block_size=128,
+                dtype=0, head_dim=128, sq_t=128, sq_h=128, sk_p=2048, sk_s=128, sk_h=128,
+                sv_p=2048, sv_s=128, sv_h=128)
+    base.update(kw)
+    return cb.FpAttnParams(**base)
+
+
+# ------------------------------------------------------------------------------------------
+# build, load, cache
+# ------------------------------------------------------------------------------------------
+
+
+def test_builds_for_sm90a_without_spills(built):
+    assert built.path.is_file() and not built.cached
+    usage = cb.ptxas_usage(built.log)
+    kernels = {row["kernel"] for row in usage}
+    for dtype in ("bf16", "fp16"):
+        for d in (64, 128):
+            assert f"fwd<{dtype},d{d}>" in kernels and f"combine<{dtype},d{d}>" in kernels
+    for row in usage:
+        assert row["arch"] == "sm_90a"
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack"] == 0, row
+        assert row["registers"] <= 255, row
+
+
+def test_sass_has_wgmma_and_cp_async(built):
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        try:
+            import triton
+
+            cand = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+            cuobjdump = str(cand) if cand.exists() else None
+        except ImportError:
+            pass
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found")
+    import subprocess
+
+    sass = subprocess.run([cuobjdump, "-sass", str(built.path)], capture_output=True,
+                          text=True).stdout
+    assert "HGMMA.64x64x16.F32.BF16" in sass  # S = Q K^T
+    assert "HGMMA.64x128x16.F32.BF16" in sass  # O += P V at d = 128
+    assert ".tnspB" in sass  # V read MN-major from the K-major buffer
+    assert "LDGSTS" in sass  # cp.async K/V gather
+    assert "FENCE.VIEW.ASYNC.S" in sass  # generic -> async proxy before wgmma
+
+
+def test_loads_without_gpu_and_abi_matches(lib):
+    assert lib.fp_abi_version() == cb.ABI_VERSION
+    assert lib.fp_params_size() == ctypes.sizeof(cb.FpAttnParams)
+    assert lib.fp_last_error() == b""
+
+
+def test_build_cache_hits(built, built_shared, capsys):
+    again = cb.build(built.path.parent)
+    assert again.cached and again.seconds == 0.0 and again.path == built.path
+    assert cb.ptxas_usage(again.log) == cb.ptxas_usage(built.log)
+    # the command line prebuild (both flavours) reports the hits too
+    assert cb.main(["--out", str(built.path.parent)]) == 0
+    assert capsys.readouterr().out.count("cache hit") == 2
+
+
+def test_fallback_to_shared_runtime(built_shared, tmp_path):
+    """A static-runtime library that does not load (here: not a library at all) falls back to
+    the shared-runtime one next to it, which finds libcudart.so.13 already loaded (as in a CUDA
+    torch process; here the toolkit's, preloaded)."""
+    roots = [Path(cb.find_nvcc()).resolve().parent.parent, Path("/usr/local/cuda")]
+    found = [r / "lib64" / "libcudart.so.13" for r in roots if (r / "lib64" / "libcudart.so.13").exists()]
+    if not found:
+        pytest.skip("no libcudart.so.13 to stand in for torch's CUDA runtime")
+    cudart = found[0]
+    ctypes.CDLL(str(cudart), mode=ctypes.RTLD_GLOBAL)
+    shutil.copy(built_shared.path, tmp_path / cb.LIB_NAME_SHARED_RT)
+    (tmp_path / cb.LIB_NAME).write_text("not a shared object")
+    lib = cb._open(str(tmp_path / cb.LIB_NAME))
+    assert lib.fp_abi_version() == cb.ABI_VERSION
+    assert lib.fp_params_size() == ctypes.sizeof(cb.FpAttnParams)
+    (tmp_path / cb.LIB_NAME_SHARED_RT).unlink()
+    with pytest.raises(OSError):
+        cb._open(str(tmp_path / cb.LIB_NAME))
+
+
+def test_build_key_tracks_sources(tmp_path, monkeypatch):
+    nvcc, include = cb.find_nvcc(), cb.find_cutlass_include()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUTLASS headers")
+    key = cb.build_key(nvcc, include)
+    assert cb.build_key(nvcc, include) == key
+    src = tmp_path / "csrc"
+    shutil.copytree(cb.SRC_DIR, src)
+    (src / cb.MAIN_SOURCE).write_text((src / cb.MAIN_SOURCE).read_text() + "\n// edit\n")
+    monkeypatch.setattr(cb, "SRC_DIR", src)
+    assert cb.build_key(nvcc, include) != key
+    assert cb.build_key(nvcc, include, ("-DX",)) != cb.build_key(nvcc, include)
+
+
+def test_explicit_library_path(built, monkeypatch, tmp_path):
+    monkeypatch.setenv(cb.ENV_LIB, str(built.path))
+    assert cb.unavailable_reason() is None and ca.available()
+    assert cb.library_path() == built.path
+    monkeypatch.setenv(cb.ENV_LIB, str(tmp_path / "missing.so"))
+    assert "is not a file" in cb.unavailable_reason()
+    assert not ca.available()
+    with pytest.raises(RuntimeError, match="not a file"):
+        cb.library_path()
+
+
+def test_unavailable_without_nvcc(monkeypatch):
+    monkeypatch.delenv(cb.ENV_LIB, raising=False)
+    monkeypatch.setattr(cb, "find_nvcc", lambda: None)
+    assert "nvcc not found" in cb.unavailable_reason()
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cb.build()
+
+
+def test_unavailable_without_headers(monkeypatch, tmp_path):
+    monkeypatch.delenv(cb.ENV_LIB, raising=False)
+    monkeypatch.setattr(cb, "find_nvcc", lambda: "/usr/bin/true")
+    monkeypatch.setenv(cb.ENV_INCLUDE, str(tmp_path))
+    assert cb.find_cutlass_include() is None
+    assert "headers not found" in cb.unavailable_reason()
+
+
+@needs_toolchain
+def test_layout_check(tmp_path):
+    """csrc/layout_check.cu: accumulator row/col views, the P -> A-operand register map, the
+    swizzled shared-memory layouts, evaluated on the CPU with the kernel's own CuTe types."""
+    t0 = time.perf_counter()
+    proc = cb.run_layout_check(tmp_path)
+    print(f"\nlayout check ({time.perf_counter() - t0:.1f} s):\n{proc.stdout}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layout checks passed" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# C ABI errors (checked before any CUDA call, so they run without a GPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_splits=0), b"num_splits"),
+    (dict(head_dim=96), b"head_dim 96"),
+    (dict(dtype=7), b"dtype 7"),
+    (dict(group_size=3, num_qo_heads=4), b"group_size"),
+    (dict(page_size=0), b"page_size"),
+    (dict(block_size=96), b"block_size"),
+    (dict(sk_s=100), b"strides"),
+    (dict(q=8), b"16-byte aligned"),
+    (dict(correction=1), b"mean correction needs"),
+])
+def test_abi_argument_errors(lib, kw, match):
+    p = _params(**kw)
+    status = lib.fp_sparse_attn_fwd(ctypes.byref(p), None)
+    assert status == cb.FP_ERR_ARGUMENT
+    assert match in lib.fp_last_error()
+
+
+def test_abi_null_params(lib):
+    assert lib.fp_sparse_attn_fwd(None, None) == cb.FP_ERR_ARGUMENT
+    assert b"NULL" in lib.fp_last_error()
+
+
+def test_abi_cuda_error_is_reported(lib):
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-driver path")
+    p = _params()
+    assert lib.fp_sparse_attn_fwd(ctypes.byref(p), None) == cb.FP_ERR_CUDA
+    assert b"cudaGetDevice" in lib.fp_last_error()
+
+
+# ------------------------------------------------------------------------------------------
+# Python-side input checks and backend selection
+# ------------------------------------------------------------------------------------------
+
+
+def _qkv(dtype=torch.bfloat16, d=128, hq=4, hkv=1):
+    q = torch.zeros(10, hq, d, dtype=dtype)
+    k = torch.zeros(3, 16, hkv, d, dtype=dtype)
+    return q, k, k.clone()
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: _qkv(dtype=torch.float32), "q: .*bfloat16 and float16"),
+    (lambda: _qkv(d=96), "q: .*head_dim"),
+    (lambda: (_qkv()[0], _qkv()[1].half(), _qkv()[2]), "k_pages: expected dtype"),
+    (lambda: (_qkv()[0], _qkv()[1], _qkv(d=64)[2]), "v_pages: expected head_dim"),
+    (lambda: (_qkv()[0].transpose(1, 2).contiguous().transpose(1, 2), *_qkv()[1:]),
+     "q: expected a contiguous last dimension"),
+    (lambda: (torch.zeros(10, 4, 132, dtype=torch.bfloat16)[..., 2:130], *_qkv()[1:]),
+     "q: expected 16-byte aligned rows"),
+    (lambda: _qkv(), "q: the CUTLASS kernel needs a CUDA tensor"),
+])
+def test_check_inputs_raise(make, match):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=match):
+        ca.check_inputs(q, k, v)
+    assert not ca.supports(q, k, v)
+
+
+def test_forced_cutlass_on_cpu_raises():
+    with pytest.raises(ValueError, match="backend: 'cutlass' needs a CUDA tensor"):
+        ops.resolve_backend("cutlass", torch.device("cpu"))
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="cutlass"):
+        ops.attention_planned(q, k, v, None, None, backend="cutlass")
+
+
+def test_backend_selection(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(ca, "available", lambda: True)
+    assert ops.cutlass_available(cuda)
+    assert ops.resolve_backend("cutlass", cuda) == "cutlass"
+    assert not ops.cutlass_available(torch.device("cpu"))
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
+    monkeypatch.setattr(ca, "available", lambda: False)
+    monkeypatch.setattr(cb, "unavailable_reason", lambda: "nvcc not found (test)")
+    with pytest.raises(ValueError, match="its library: nvcc not found"):
+        ops.resolve_backend("cutlass", cuda)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        ops.resolve_backend("cuda", cuda)
+
+
+def test_auto_prefers_cutlass_only_when_supported(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setattr(ops, "cutlass_available", lambda device: True)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    assert ops._auto_cutlass(q, k, v)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: False)  # e.g. fp32 or d = 80: Triton
+    assert not ops._auto_cutlass(q, k, v)
+    monkeypatch.setattr(ops, "cutlass_available", lambda device: False)
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    assert not ops._auto_cutlass(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------
+# the wrapper's parameter block, on CPU tensors with the library call recorded (no GPU)
+# ------------------------------------------------------------------------------------------
+
+
+class _FakeLib:
+    def __init__(self):
+        self.calls = []
+
+    def fp_sparse_attn_fwd(self, params_ref, stream):
+        p = params_ref._obj
+        self.calls.append({name: getattr(p, name) for name, _ in cb.FpAttnParams._fields_})
+        return cb.FP_OK
+
+
+class _FakePrepass:
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        def run(seg_offsets, kv_tiles, bits, words, **kw):
+            self.grids.append((grid, words, kw))
+        return run
+
+
+@pytest.mark.parametrize("dense,splits,corr", [(False, 1, True), (False, 3, False), (True, 2, True)])
+def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
+    from kernels import SparseConfig, plan_prefill
+    from kernels import reference as ref
+    from kernels import triton_attention as ta
+    from tests.helpers import make_batch
+
+    cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=64, window_tokens=64,
+                       mean_correction=corr)
+    batch = make_batch([150, 1], [70, 300], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                       page_size=16, seed=0, dtype=torch.bfloat16, needles=1, block_size=128)
+    plan = plan_prefill(*batch.args(), cfg)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
+    fake, prepass = _FakeLib(), _FakePrepass()
+    monkeypatch.setattr(ca, "check_inputs", lambda q, k, v: None)
+    monkeypatch.setattr(cb, "load_library", lambda: fake)
+    monkeypatch.setattr(ta, "_selected_blocks", prepass)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan,
+                                   None if dense else index, num_splits=splits, dense=dense)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert lse.shape == batch.q.shape[:2] and lse.dtype == torch.float32
+    (p,) = fake.calls
+    q, k = batch.q, batch.k_pages
+    assert p["q"] == q.data_ptr() and p["k"] == k.data_ptr() and p["v"] == batch.v_pages.data_ptr()
+    assert p["out"] == out.data_ptr() and p["lse"] == lse.data_ptr()
+    assert (p["sq_t"], p["sq_h"]) == (8 * 64, 64)
+    assert (p["sk_p"], p["sk_s"], p["sk_h"]) == (16 * 2 * 64, 2 * 64, 64)
+    assert p["s_pt"] == plan.page_table.stride(0)
+    assert p["total_q"] == 151 and p["num_qo_heads"] == 8 and p["group_size"] == 4
+    assert p["total_tiles"] == plan.total_tiles and p["num_segments"] == plan.num_segments
+    assert p["num_splits"] == splits and p["dense"] == int(dense)
+    assert p["head_dim"] == 64 and p["page_size"] == 16 and p["block_size"] == 128
+    assert p["dtype"] == 0 and p["device"] == 0
+    assert p["qk_scale_log2"] == pytest.approx(1.4426950408889634 / 8.0)
+    assert (p["o_part"] is not None) == (splits > 1) and (p["lse_part"] is not None) == (splits > 1)
+    correction = corr and not dense
+    assert p["correction"] == int(correction)
+    if correction:
+        words = max(1, -(-plan.max_blocks // 64)) * 2
+        assert p["words_per_seg"] == words
+        assert prepass.grids == [((plan.num_segments,), words, dict(TPB=2, BLOCK_E=128, num_warps=4))]
+        assert (p["skb_t"], p["skb_h"]) == (2 * 64, 64) and p["kbar"] and p["corr_bits"]
+    else:
+        assert p["kbar"] is None and p["corr_bits"] is None and not prepass.grids
+    if dense:
+        assert p["seg_offsets"] is None and p["kv_tiles"] is None
+    else:
+        assert p["seg_offsets"] == index.seg_offsets.data_ptr()
+        assert p["kv_tiles"] == index.kv_tiles.data_ptr()
+
+
+def test_cutlass_backend_decodes_with_triton(monkeypatch):
+    """backend='cutlass' flows from the model executor into decode too: Triton's decode kernel,
+    not the reference's."""
+    import sys
+    import types
+
+    from kernels import decode
+
+    called = []
+    fake = types.ModuleType("kernels.triton_decode")
+    fake.paged_decode = lambda *a, **kw: called.append(True) or ("out", "lse")
+    import kernels
+
+    monkeypatch.setitem(sys.modules, "kernels.triton_decode", fake)
+    monkeypatch.setattr(kernels, "triton_decode", fake, raising=False)
+    monkeypatch.setattr(decode, "resolve_backend", lambda backend, device: backend)
+    q = torch.zeros(2, 4, 64)
+    k = torch.zeros(3, 16, 1, 64)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    assert decode.paged_decode(q, k, k.clone(), table, lens, backend="cutlass") == ("out", "lse")
+    assert called
