@@ -43,13 +43,11 @@ def check_decode_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Shapes, dtypes and devices (no sync); with ``check_values`` also the values of
     ``seqlens_kv`` and ``page_table`` and the descales (one device->host copy each).
-    FP8 pages: ``q`` stays bf16/fp16, ``k_descale``/``v_descale`` are required; returns them as
+    FP8 pages: ``q`` stays in its float dtype, ``k_descale``/``v_descale`` are required; returns them as
     ``[B, Hkv]`` views (else ``None``)."""
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     descales = None
     if _fp8.is_fp8(k_pages):
-        if q.dtype == torch.float32:
-            raise ValueError("q: expected bfloat16 or float16 with FP8 pages, got float32")
         # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its rules (as FP8 q)
         _, k_pages, v_pages = check_attention_inputs(q.to(_fp8.FP8_DTYPE) if q.numel() == 0 else
                                                      torch.empty(q.shape, dtype=_fp8.FP8_DTYPE, device=q.device),
@@ -189,7 +187,7 @@ def paged_decode(
     max_seqlen_kv: host-known upper bound of ``seqlens_kv``, only used to choose num_splits.
     check_values: validate the values of ``seqlens_kv`` and ``page_table`` (one host sync);
     pass False in a loop whose metadata is known good (the KV pool builds it).
-    FP8 pages (``float8_e4m3fn``, V row-major or token-major) with bf16/fp16 ``q`` need
+    FP8 pages (``float8_e4m3fn``, V row-major or token-major) with a float ``q`` need
     ``k_descale``/``v_descale`` (float32, ``()``/``[1]``, ``[Hkv]`` or ``[B, Hkv]``).
     Returns ``out [B, Hq, d]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log).
     """

@@ -119,6 +119,15 @@ def descale_from_amax(amax: torch.Tensor, *, margin: float = 1.0) -> torch.Tenso
     return torch.clamp(amax.float() * float(margin) / FP8_MAX, min=_TINY)
 
 
+def pow2_descale(x: torch.Tensor, margin: float = 2.0) -> torch.Tensor:
+    """Per-head descale ``[H]`` of ``x [T, H, d]``: ``amax * margin / 448`` rounded *up* to a
+    power of two, so replicas that calibrate on the same data agree bit for bit even when their
+    amax differs in the last ulp, and dequantization is an exact exponent shift."""
+    amax = x.detach().float().abs().amax(dim=(0, 2)) if x.shape[0] else x.new_zeros(x.shape[1]).float()
+    raw = descale_from_amax(amax, margin=margin)
+    return torch.exp2(torch.ceil(torch.log2(raw)))
+
+
 def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """``x / descale`` saturated to +-448 and rounded (nearest even) to e4m3. ``descale``
     broadcasts against ``x``."""
@@ -148,6 +157,18 @@ def quantize_bshd(
     amax = x.detach().abs().amax(dim=(1, 3)) if x.shape[1] else x.new_zeros(x.shape[0], x.shape[2])
     descale = descale_from_amax(amax, margin=margin)
     return quantize(x, descale[:, None, :, None]), descale
+
+
+def quantize_per_head_pages(pages: torch.Tensor, *, margin: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged K or V ``[num_pages, page_size, Hkv, d]`` -> ``(pages8, descale [Hkv])``, one
+    factor per KV head over every page (a pool's granularity). Non-finite slots (poisoned
+    padding) are ignored for the amax and stay non-finite."""
+    if not isinstance(pages, torch.Tensor) or pages.dim() != 4 or not pages.is_floating_point() or is_fp8(pages):
+        raise ValueError(f"pages: expected a floating-point [num_pages, page_size, Hkv, d] tensor, got {_describe(pages)}")
+    x = pages.detach().float().abs()
+    amax = torch.where(torch.isfinite(x), x, torch.zeros((), device=x.device)).amax(dim=(0, 1, 3))
+    descale = descale_from_amax(amax, margin=margin)
+    return quantize(pages, descale[None, None, :, None]), descale
 
 
 def quantize_queries(
@@ -215,6 +236,6 @@ def _describe(x: object) -> str:
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "P_OFFSET", "OUT_DTYPE", "Fp8Descales", "is_fp8", "check_descales",
     "reject_descales", "descale_from_amax", "quantize", "quantize_per_tensor", "quantize_bshd",
-    "quantize_queries", "dequantize_queries", "dequantize_sequence", "requantize_means",
+    "quantize_queries", "quantize_per_head_pages", "dequantize_queries", "dequantize_sequence", "requantize_means",
     "block_descales",
 ]

@@ -11,6 +11,12 @@ interface, and for such names transformers passes ``attention_mask=None`` (check
 transformers 5.17 and 5.24). :class:`ForwardState` counts the masks it sees, so tests can
 check that.
 
+FP8 KV pools (``float8_e4m3fn``): K/V are written quantized with the pool's per-layer, per-KV-head
+descales; prefill quantizes q per tensor (amax on the device, no sync) and runs the FP8 operator
+(``kernels/fp8.py``); decode keeps q in the model dtype and reads the e4m3 pages with the
+descales. ``ForwardBatch.calibrate_kv`` (set by ``ModelRunner.calibrate_kv_scales``) makes each
+layer set its scales from the batch's K/V amax, rounded up to a power of two, before writing.
+
 Supported: causal full attention (Llama 3.x, Qwen2, Qwen3 full-attention layers), GQA/MQA.
 Not supported: sliding-window layers, attention dropout, soft-capping, returning weights.
 """
@@ -24,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels import ops, reference
+from kernels import fp8, ops, reference
 from kernels.config import SparseConfig
 from kernels.plan import PrefillPlan
 
@@ -79,6 +85,7 @@ class ForwardBatch:
     dense: bool = False
     backend: str = "auto"
     state: ForwardState = field(default_factory=ForwardState)
+    calibrate_kv: float | None = None  # FP8 pools: set each layer's scales (this margin) first
 
 
 def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +96,11 @@ def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
 def _prefill(
     batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    k_pages, v_pages = batch.pool.k[layer], batch.pool.v[layer]
+    pool = batch.pool
+    k_pages, v_pages = pool.k[layer], pool.v[layer]
+    q_descale = None
+    if pool.k_scale is not None:  # FP8 pool: per-tensor q scale, computed on the device
+        q, q_descale = fp8.quantize_per_tensor(q)
     config = batch.sparse_config
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
@@ -104,12 +115,16 @@ def _prefill(
 
     # One plan (one host sync) per forward, shared by every layer with the same head shape.
     plan, _ = batch.state.plan_for((q.shape[1], q.shape[2], config), build)
+    descales = None
+    if q_descale is not None:  # the pool's scales were validated when set: no sync here
+        descales = ops.plan_descales(q, plan, q_descale, pool.k_scale[layer], pool.v_scale[layer],
+                                     check_values=False)
     backend = ops.resolve_backend(batch.backend, q.device)
     if batch.dense and backend == "reference":
-        out, _ = reference.dense_attention(q, k_pages, v_pages, plan)
+        out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out
-    index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend)
-    out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=backend)
+    index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+    out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=backend, descales=descales)
     return out
 
 
@@ -117,11 +132,15 @@ def _decode(batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | N
     from kernels.decode import paged_decode
 
     scale = batch.sparse_config.scale if batch.sparse_config.scale is not None else scaling
+    pool = batch.pool
+    fp8_pool = pool.k_scale is not None
     out, _ = paged_decode(
-        q, batch.pool.k[layer], batch.pool.v[layer], batch.page_table, batch.seqlens_kv,
+        q, pool.k[layer], pool.v[layer], batch.page_table, batch.seqlens_kv,
         scale=scale, num_splits=batch.sparse_config.num_splits, max_seqlen_kv=batch.max_seqlen_kv,
-        check_values=False,  # the pool built the page table and lengths
+        check_values=False,  # the pool built the page table and lengths, and checked its scales
         backend=batch.backend,
+        k_descale=pool.k_scale[layer] if fp8_pool else None,
+        v_descale=pool.v_scale[layer] if fp8_pool else None,
     )
     return out
 
@@ -164,11 +183,14 @@ def paged_attention_forward(
         batch.state.masks_seen += 1
 
     pool = batch.pool
-    pool_dtype = pool.k.dtype
-    k = _to_tokens_major(key).to(pool_dtype)
-    v = _to_tokens_major(value).to(pool_dtype)
+    # FP8 pools quantize in ``write``; the query keeps the model dtype (prefill quantizes it)
+    work_dtype = query.dtype if pool.k_scale is not None else pool.k.dtype
+    k = _to_tokens_major(key).to(work_dtype)
+    v = _to_tokens_major(value).to(work_dtype)
+    if batch.calibrate_kv is not None and pool.k_scale is not None:
+        pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
     pool.write(layer, batch.slots, k, v)
-    q = _to_tokens_major(query).to(pool_dtype)
+    q = _to_tokens_major(query).to(work_dtype)
     if batch.mode is ForwardMode.DECODE:
         out = _decode(batch, layer, q, scaling)
     else:

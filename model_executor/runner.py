@@ -84,11 +84,11 @@ class ModelRunner:
                 "pool: expected (num_layers, num_kv_heads, head_dim) = "
                 f"{want} from the model config, got {got}"
             )
-        if self.pool.k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.pool.k.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(
-                f"pool: expected a float32, bfloat16 or float16 pool (FP8 pools are not wired into "
-                f"the model runner yet), got {self.pool.k.dtype}"
+                f"pool: expected a float32, bfloat16, float16 or float8_e4m3fn pool, got {self.pool.k.dtype}"
             )
+
         if self.pool.k.device != self.device:
             raise ValueError(f"device: expected the pool's device {self.pool.k.device}, got {self.device}")
 
@@ -138,6 +138,7 @@ class ModelRunner:
         lengths: list[int],
         mode: ForwardMode,
         logits_to_keep: torch.Tensor | int,
+        calibrate_kv: float | None = None,
     ) -> torch.Tensor:
         dev = self.device
         cu = [0]
@@ -155,6 +156,7 @@ class ModelRunner:
             max_seqlen_kv=max(seqlens_kv),
             dense=max(seqlens_kv) < self.dense_below,
             backend=self.backend,
+            calibrate_kv=calibrate_kv,
         )
         out = self.model(
             input_ids=input_ids.to(dev)[None],
@@ -192,6 +194,34 @@ class ModelRunner:
             rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
             logits_to_keep=last.to(self.device),
         )
+
+    CALIBRATION_ID = "__fp8_kv_calibration__"
+
+    def calibrate_kv_scales(self, token_ids: Sequence[int] | None = None, *, margin: float = 2.0) -> None:
+        """FP8 pools: set every layer's K/V descales from one prefill of ``token_ids`` (default:
+        2048 seeded pseudo-random ids, fewer if the free pages hold less), ``amax * margin / 448`` rounded up to a power of two.
+        Replicas of one model calibrated this way get identical scales, which KV transfer
+        between them requires. The calibration request's pages are released afterwards."""
+        if self.pool.k_scale is None:
+            raise ValueError(f"pool: only FP8 pools have scales to calibrate, this one stores {self.pool.k.dtype}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1.0:
+            raise ValueError(f"margin: expected a number >= 1, got {margin!r}")
+        if token_ids is None:  # 2048 tokens, or what the free pages hold (the ids are a prefix)
+            n = min(2048, self.pool.free_pages * self.page_size)
+            gen = torch.Generator().manual_seed(0)
+            token_ids = torch.randint(0, self.vocab_size, (2048,), generator=gen)[:n].tolist()
+        ids = self._check_tokens("token_ids", token_ids)
+        if ids.numel() == 0:
+            raise ValueError("token_ids: expected at least one calibration token")
+        rid = self.CALIBRATION_ID
+        self.pool.reserve(rid, int(ids.numel()))
+        try:
+            self._forward(
+                [rid], ids, torch.arange(ids.numel()), [0], [int(ids.numel())], ForwardMode.PREFILL,
+                logits_to_keep=1, calibrate_kv=float(margin),
+            )
+        finally:
+            self.pool.release(rid)
 
     def decode(self, request_ids: Sequence[str], last_token_ids: Sequence[int]) -> torch.Tensor:
         """One token per request (its latest sampled token, not yet in the pool); returns

@@ -16,6 +16,7 @@ from kernels.config import SparseConfig
 
 TRANSPORTS = ("auto", "object_store", "nccl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate")
 
@@ -63,6 +64,9 @@ class ServiceConfig:
     device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
         bfloat16 when the replica sees a GPU, else CPU and float32).
     page_size, prefill_kv_pages, decode_kv_pages: KV pool geometry per replica.
+    kv_cache_dtype: "auto" (the model dtype) or "fp8_e4m3": FP8 KV pools on both sides and the
+        FP8 prefill operator (q quantized per tensor); every replica calibrates identical
+        power-of-two K/V scales from one fixed prompt at start (``kv_scale_margin`` x amax).
     alpha, block_size, sink_tokens, window_tokens, dense_below: the prefill operator.
     max_batch_tokens: prompt tokens per prefill forward (a longer prompt is split at this
         budget); batch_wait_ms: how long a prefill replica waits to grow a batch once the first
@@ -99,6 +103,8 @@ class ServiceConfig:
     dtype: str = "auto"
     seed: int = 0
     page_size: int = 64
+    kv_cache_dtype: str = "auto"
+    kv_scale_margin: float = 2.0
     prefill_kv_pages: int = 1024
     decode_kv_pages: int = 1024
     alpha: float = 0.1
@@ -139,6 +145,9 @@ class ServiceConfig:
             raise ValueError(f"device: expected one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _float("kv_scale_margin", self.kv_scale_margin, 1.0, 1e6)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
         _int("seed", self.seed, 0)

@@ -59,15 +59,18 @@ class WorkerRuntime:
         device = resolve_device(config)
         dtype = resolve_dtype(config, device)
         loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
         pool = KVPool(
             KVPoolConfig(
                 num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
-                page_size=config.page_size, dtype=dtype, device=str(device), num_pages=num_pages,
+                page_size=config.page_size, dtype=kv_dtype, device=str(device), num_pages=num_pages,
             )
         )
         runner = ModelRunner(
             loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device
         )
+        if pool.k_scale is not None:  # same prompt, same model: every replica gets the same scales
+            runner.calibrate_kv_scales(margin=config.kv_scale_margin)
         return cls(config, loaded, pool, runner, device)
 
 

@@ -58,8 +58,9 @@ def test_smoke_json_shape(bench, smoke):
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     assert saved["mode"] == "cpu-smoke" and saved["backend"] == "reference"
     assert saved["environment"]["torch"] == torch.__version__
-    assert [(r["family"], r["alpha"]) for r in saved["rows"]] == [
-        (f, a) for f in ("structured", "graded") for a in bench.ALPHAS
+    dtypes = ("bf16", "fp8") if bench.fp8_dtype() else ("bf16",)
+    assert [(r["family"], r["dtype"], r["alpha"]) for r in saved["rows"]] == [
+        (f, dt, a) for f in ("structured", "graded") for dt in dtypes for a in bench.ALPHAS
     ]
     assert {r["dtype"] for r in saved["rows"]} == ({"bf16", "fp8"} if bench.fp8_dtype() else {"bf16"})
     assert ("skipped" in saved["fp8"]) == (bench.fp8_dtype() is None)
@@ -74,7 +75,8 @@ def test_smoke_json_shape(bench, smoke):
 def test_smoke_numbers_are_sane(smoke):
     _, saved = smoke
     for fam in ("structured", "graded"):
-        rows = sorted((r for r in saved["rows"] if r["family"] == fam), key=lambda r: r["alpha"])
+        rows = sorted((r for r in saved["rows"] if r["family"] == fam and r["dtype"] == "bf16"),
+                      key=lambda r: r["alpha"])
         dens = [r["density"] for r in rows]
         mass = [r["retained_mass"] for r in rows]
         assert all(0 < d < 1 for d in dens)
@@ -88,11 +90,17 @@ def test_smoke_numbers_are_sane(smoke):
             assert r["rel_l2_dtype_floor"] < r["rel_l2_corrected"] < 0.05
             assert r["max_abs_corrected"] < r["max_abs_uncorrected"]
             assert 0.5 < r["retained_mass_min"] <= r["retained_mass"] < 1.0
-    graded = sorted((r for r in saved["rows"] if r["family"] == "graded"), key=lambda r: r["alpha"])
+        # FP8 (inputs quantized, errors against the unquantized fp32 reference): correction
+        # still helps, and the error stays a few percent
+        for r in (r for r in saved["rows"] if r["family"] == fam and r["dtype"] == "fp8"):
+            assert r["rel_l2_corrected"] < r["rel_l2_uncorrected"], r
+            assert r["rel_l2_corrected"] < 0.08, r
+    graded = sorted((r for r in saved["rows"] if r["family"] == "graded" and r["dtype"] == "bf16"),
+                    key=lambda r: r["alpha"])
     # graded inputs: alpha moves the density and the error (0.0125 -> 0.2)
     assert graded[0]["density"] > graded[-1]["density"] + 0.03
     assert graded[0]["rel_l2_uncorrected"] < graded[-1]["rel_l2_uncorrected"]
-    structured = [r for r in saved["rows"] if r["family"] == "structured"]
+    structured = [r for r in saved["rows"] if r["family"] == "structured" and r["dtype"] == "bf16"]
     meta = next(m for m in saved["inputs"] if m["family"] == "structured")
     # calibrated inputs: the index selects what the generator planted, whatever alpha
     assert all(abs(r["density"] - meta["predicted_density"]) < 0.02 for r in structured)
@@ -224,7 +232,9 @@ def test_plot_accuracy_writes_pngs(smoke, tmp_path):
     assert names == ["fidelity_error_vs_length_t.png", "fidelity_vs_alpha_t.png", "retrieval_accuracy_t.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
-    table = plot.markdown_fidelity(saved)
+    table = plot.markdown_fidelity({**saved, "rows": [r for r in saved["rows"] if r["dtype"] == "bf16"]})
     # structured inputs: one row for all alphas (same selection); graded: one row per alpha
     assert table.count("| 2K | all (0.0125-0.2) |") == 1 and table.count("| 2K |") == 1 + len(bench_alphas(saved))
+    if any(r["dtype"] == "fp8" for r in saved["rows"]):
+        assert "**graded inputs, fp8**" in plot.markdown_fidelity(saved)
     assert "0.75" in plot.markdown_retrieval(retrieval)

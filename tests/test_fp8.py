@@ -467,13 +467,14 @@ def test_decode_fp8_bad_descales(kw, match):
                      backend="reference", **call)
 
 
-def test_decode_descales_rejected_for_bf16_pages_and_fp32_q_with_fp8():
+def test_decode_descales_rejected_for_bf16_pages_and_fp8_queries():
     from kernels.decode import paged_decode
 
     batch, q = _decode_case()
     with pytest.raises(ValueError, match="k_descale: descale factors are only for float8_e4m3fn pages"):
         paged_decode(q, batch.k_deq.bfloat16(), batch.v_deq.bfloat16(), batch.page_table,
                      batch.seqlens_kv, k_descale=batch.k_descale, backend="reference")
-    with pytest.raises(ValueError, match="q: expected bfloat16 or float16 with FP8 pages"):
-        paged_decode(q.float(), batch.k_pages, batch.v_pages, batch.page_table, batch.seqlens_kv,
-                     k_descale=batch.k_descale, v_descale=batch.v_descale, backend="reference")
+    with pytest.raises(ValueError, match="q: expected dtype in"):
+        paged_decode(q.to(torch.float8_e4m3fn), batch.k_pages, batch.v_pages, batch.page_table,
+                     batch.seqlens_kv, k_descale=batch.k_descale, v_descale=batch.v_descale,
+                     backend="reference")

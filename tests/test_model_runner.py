@@ -394,3 +394,53 @@ def test_gpu_bf16_prefill_close_to_sdpa_and_generation_runs():
     out = generate(prompts, SamplingParams(temperature=0, max_new_tokens=16), model=ours,
                    sparse_config=sparse, dense_below=512)
     assert all(len(r.output_token_ids) == 16 for r in out)
+
+
+# -- FP8 KV pool ---------------------------------------------------------------------------
+def _fp8_runner(loaded, *, config=DENSE, dense_below=0):
+    pool = make_pool(loaded, num_pages=64, page_size=16, dtype=torch.float8_e4m3fn)
+    runner = ModelRunner(loaded.model, pool, config, dense_below=dense_below)
+    runner.calibrate_kv_scales()
+    return runner
+
+
+def test_fp8_pool_calibration_is_deterministic_pow2_and_frees_its_pages(tiny):
+    a, b = _fp8_runner(tiny), _fp8_runner(tiny)
+    assert torch.equal(a.pool.k_scale, b.pool.k_scale) and torch.equal(a.pool.v_scale, b.pool.v_scale)
+    for scales in (a.pool.k_scale, a.pool.v_scale):
+        assert (scales > 0).all() and (scales != 1.0).any()
+        assert torch.equal(torch.exp2(torch.round(torch.log2(scales))), scales)  # powers of two
+    assert a.pool.free_pages == a.pool.num_pages
+    assert not a.pool.has(ModelRunner.CALIBRATION_ID)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_fp8_pool_prefill_and_decode_close_to_full_precision(tiny, sparse):
+    config = SparseConfig(alpha=0.2, block_size=64, sink_tokens=64, window_tokens=64) if sparse else DENSE
+    prompt = _prompts([300])[0]
+    logits = []
+    for runner in (_runner(tiny, config=config, page_size=16), _fp8_runner(tiny, config=config)):
+        runner.ensure_capacity("r", len(prompt) + 2)
+        first = runner.prefill([PrefillItem("r", prompt)])
+        nxt = int(first.argmax())
+        step = runner.decode(["r"], [nxt])
+        logits.append((first, step))
+    for full, quant in zip(logits[0], logits[1]):
+        # e4m3 keeps 3 mantissa bits of every q/K/V element; the tiny model's random weights
+        # give sharp attention, so its logits move by ~20% (a wrong scale or layout gives ~100%),
+        # and the top token survives
+        assert ((quant - full).norm() / full.norm()).item() < 0.3
+        assert int(quant.argmax()) == int(full.argmax())
+
+
+def test_fp8_calibration_errors(tiny):
+    runner = _runner(tiny)
+    with pytest.raises(ValueError, match="pool: only FP8 pools have scales to calibrate"):
+        runner.calibrate_kv_scales()
+    fp8_runner = _fp8_runner(tiny)
+    with pytest.raises(ValueError, match="margin: expected a number >= 1"):
+        fp8_runner.calibrate_kv_scales(margin=0.5)
+    with pytest.raises(ValueError, match="token_ids: expected at least one calibration token"):
+        fp8_runner.calibrate_kv_scales([])
+    with pytest.raises(ValueError, match="token_ids: token id"):
+        fp8_runner.calibrate_kv_scales([10**6])

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("ray.serve")
 
@@ -303,6 +304,40 @@ def test_prefill_chunk_tokens_option():
             ServiceConfig.from_dict({"prefill_chunk_tokens": bad})
     with pytest.raises(ValueError, match=r"prefill_chunk_tokens: expected at most max_batch_tokens \(8192\), got 16384"):
         ServiceConfig.from_dict({"prefill_chunk_tokens": 16384})
+
+
+def test_kv_cache_dtype_option():
+    assert ServiceConfig().kv_cache_dtype == "auto"
+    cfg = ServiceConfig.from_dict({"kv_cache_dtype": "fp8_e4m3", "kv_scale_margin": 4.0})
+    assert ServiceConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in ("fp8", "float8_e4m3fn", None, 8):
+        with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+            ServiceConfig.from_dict({"kv_cache_dtype": bad})
+    for bad in (0.5, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="kv_scale_margin: expected a number in"):
+            ServiceConfig.from_dict({"kv_scale_margin": bad})
+
+
+def test_fp8_replicas_calibrate_identical_scales_and_prefill():
+    """Two prefill replicas and a decode replica of one FP8 service build equal pool scales
+    (KV transfer checks them), and a prompt prefills through the FP8 pool."""
+    from decode_worker.deployment import DecodeServer
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.deployment import PrefillServer
+    from prefill_worker.engine import PrefillRequest
+
+    opts = {"kv_cache_dtype": "fp8_e4m3", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 48,
+            "decode_kv_pages": 48}
+    servers = [PrefillServer(opts), PrefillServer(opts), DecodeServer(opts)]
+    pools = [srv.runtime.pool for srv in servers]
+    assert all(p.dtype == torch.float8_e4m3fn for p in pools)
+    for p in pools[1:]:
+        assert torch.equal(p.k_scale, pools[0].k_scale) and torch.equal(p.v_scale, pools[0].v_scale)
+    engine = servers[0].engine
+    (res,) = engine.prefill([PrefillRequest("a", [256] + list(range(40)), SamplingParams(temperature=0.0))])
+    assert res.kv_len == 41 and 0 <= res.first_token < 259
+    engine.release("a")
+    assert pools[0].free_pages == pools[0].num_pages
 
 
 def test_prefill_replica_prefills_in_chunks_of_prefill_chunk_tokens():
