@@ -2,6 +2,8 @@
 # One planned GPU session on the lent H200: GPU tests, then the benchmarks named as arguments
 # (default: all). Logs and JSON go to $OUT/h200.tar.gz (the device tool brings back $OUT).
 # Usage on the device: bash scripts/h200_run.sh [tests] [index] [operator] [decode] [...]
+# (CUTLASS steps need FLASHPREFILL_CUTLASS_LIB pointing at a library built here and carried:
+#  python -m kernels.cutlass_build --out build/cutlass)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
@@ -27,6 +29,13 @@ for s in "${steps[@]}"; do
     fidelity_quick) run bench_fidelity_quick 90 python3 benchmarks/bench_fidelity.py --quick ;;
     retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
+    fp8_tests) run gpu_tests_fp8 150 python3 -m pytest -m gpu tests/test_fp8.py tests/test_triton_attention.py -q -p no:cacheprovider -rfE ;;
+    cutlass_tests) run gpu_tests_cutlass 200 python3 -m pytest -m gpu tests/test_cutlass_attention.py -q -s -p no:cacheprovider -rfE ;;
+    cutlass_memcheck) run cutlass_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k sanitizer -q -p no:cacheprovider ;;
+    cutlass_racecheck) run cutlass_racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k sanitizer -q -p no:cacheprovider ;;
+    cutlass_bench) run bench_cutlass 200 python3 benchmarks/bench_cutlass.py ;;
+    operator_fp8) run bench_operator_fp8 330 python3 benchmarks/bench_operator.py --fp8 --merge --lengths 8192,32768,131072 --batch 1 --no-sweep ;;
+    fidelity) run bench_fidelity 240 python3 benchmarks/bench_fidelity.py ;;
     structured_density) run bench_structured_density 120 python3 benchmarks/bench_structured_density.py ;;
     *) run "$s" 300 python3 "benchmarks/bench_$s.py" ;;
   esac
