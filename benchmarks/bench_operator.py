@@ -142,6 +142,8 @@ def _env(device) -> dict:
 
 
 def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # set by whoever ships the tree to a host (the GPU host's
+        return os.environ["GIT_COMMIT"]  # checkout is a copy whose git state is not the run's)
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -151,7 +153,7 @@ def _commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:
         pass
-    return os.environ.get("GIT_COMMIT") or os.environ.get("FP_COMMIT", "unknown")
+    return os.environ.get("FP_COMMIT", "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
