@@ -3,6 +3,7 @@
 Never imports Ray at module import time (the object-store transport imports it when used).
 """
 
+from .channel import ChannelConfig, ChannelTransport, payload_checksum
 from .pool import KVPool, KVPoolConfig, PoolExhausted
 from .transfer import (
     KVFrameHeader,
@@ -19,6 +20,8 @@ from .transfer import (
 )
 
 __all__ = [
+    "ChannelConfig",
+    "ChannelTransport",
     "KVPool",
     "KVPoolConfig",
     "PoolExhausted",
@@ -31,6 +34,7 @@ __all__ = [
     "TransferTicket",
     "adopt_frame",
     "pack_pages",
+    "payload_checksum",
     "read_frame",
     "select_transport",
 ]
