@@ -677,7 +677,9 @@ class ChannelTransport(KVTransport):
     async def _inbound_channel(self, sender_id: str, device: torch.device) -> Channel:
         loop = asyncio.get_running_loop()
         if self._store is None:
-            self._store = await loop.run_in_executor(self._executor, self._host_store)
+            store = await loop.run_in_executor(self._executor, self._host_store)
+            if self._store is None:  # two first transfers may race here: keep one store
+                self._store = store
         ch = self._inbound.get(sender_id)
         if ch is not None and not ch.broken and time.monotonic() - ch.last_used <= self.config.idle_reopen_s:
             return ch
