@@ -1,29 +1,36 @@
-"""Page-granular KV shipping between a prefill pool and a decode pool.
+"""Page-granular KV shipping between a prefill pool and a decode pool: the header, frames,
+and the transports.
 
-What travels for one request is a *frame*: one contiguous ``uint8`` buffer
+Every transfer of one request is described by a :class:`KVFrameHeader` (msgpack): request
+id, token and page counts, geometry (layers, page size, KV heads, head_dim), dtype, FP8
+scales, payload size and a checksum whose kind it names. The payload is the request's pages
+over all layers, K then V, each ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
+in the pool's dtype (whole pages: the tail of the last page is padding and travels too).
 
-    b"FPKV" | u32 big-endian header length | msgpack header | payload
+Over the object store the header and payload travel together as a *frame*, one contiguous
+``uint8`` buffer
 
-The payload is the request's pages over all layers, K then V, each
-``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` in the pool's dtype (whole pages:
-the tail of the last page is padding and travels too). The header says who the pages belong
-to and what shape/dtype they have, and carries a CRC-32 of the payload. The receiver checks
-the framing, the header (strict msgpack limits, no ext types, no pickle, exact key set),
-the length and the checksum *before* it takes a page, then adopts pages in its own pool and
-scatters the payload into them. Any failure after adopting releases those pages and raises
-:class:`TransferError` with a :class:`TransferFailure` reason, so callers can decide between
-retrying (checksum, truncation, a lost object) and failing the request (shape mismatch).
+    b"FPKV" | u32 big-endian header length | msgpack header (checksum: CRC-32) | payload
 
-Transports (all behind :class:`KVTransport`):
+The receiver checks the framing, the header (strict msgpack limits, no ext types, no pickle,
+exact key set), the length and the checksum *before* it takes a page, then adopts pages in
+its own pool and scatters the payload into them. Any failure after adopting releases those
+pages and raises :class:`TransferError` with a :class:`TransferFailure` reason, so callers can
+decide between retrying (checksum, truncation, a lost object, an unusable transport) and
+failing the request (shape mismatch, malformed data).
+
+Transports (all behind :class:`KVTransport`; :func:`select_transport` picks one from the
+``transport`` option and the pool's device):
 - :class:`LocalTransport`: the frame stays in process (tests, single-process tools).
-- :class:`ObjectStoreTransport` (the default): ``ray.put`` of the frame (CPU bytes, so it
-  works across nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
-- :class:`NcclTransport`: GPU to GPU over ``ray.util.collective`` (NCCL). GPU-only and not
-  exercised by the CPU tests; :func:`select_transport` decides when it may be used.
+- :class:`ObjectStoreTransport`: ``ray.put`` of the frame (CPU bytes, so it works across
+  nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
+- ``kv_transfer.channel.ChannelTransport`` ("nccl" between CUDA pools, "gloo" between CPU
+  pools): the header goes through Ray, the payload device to device over a 2-rank process
+  group of the pair, checked by an on-device checksum (``checksum_kind="wsum64"``).
 
-Ownership: the sender keeps its pages until the receiver acknowledges (the service calls the
-prefill replica's ``release`` after the decode replica has adopted them), so a failed transfer
-can be shipped again from the same pages.
+Ownership: the sender keeps its pages until the receiver acknowledges (the service closes
+the prefill replica's lease stream once the decode replica has adopted them), so a failed
+transfer leaves the sender's copy intact until the lease ends.
 """
 
 from __future__ import annotations
