@@ -32,7 +32,6 @@ The commit comes from ``GIT_COMMIT`` when set (the GPU host may have no git).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
