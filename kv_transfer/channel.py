@@ -266,8 +266,8 @@ class Channel:
             opts = ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=max(_NCCL_WATCHDOG_S, 4 * self.connect_timeout_s))
             opts.is_high_priority_stream = False
-            if hasattr(opts, "group_name"):
-                opts.group_name = self.prefix.rstrip("/")
+            if hasattr(opts, "group_name"):  # for NCCL's logs; unique per end (a test may hold both)
+                opts.group_name = f"{self.prefix}rank{self.rank}"
             pg = ProcessGroupNCCL(store, self.rank, 2, opts)  # lazy: the communicator comes with the first op
         if self.broken:  # closed while we were connecting
             _abort_pg(pg)

@@ -459,3 +459,55 @@ def test_export_checks(pair):
         pair.sender.export(src, "nobody")
     ticket = pair.sender.export(src, "r")
     assert isinstance(ticket, TransferTicket) and ticket.nbytes == KVFrameHeader.decode(ticket.handle["header"]).payload_bytes
+
+
+# ----------------------------------------------------------------------------- NCCL (2 GPUs)
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="NCCL channel between cuda:0 and cuda:1 needs 2 GPUs")
+
+
+def _cuda_pool(index: int, dtype: torch.dtype):
+    from kv_transfer.pool import KVPool, KVPoolConfig
+
+    return KVPool(KVPoolConfig(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype=dtype, num_pages=64,
+                               device=f"cuda:{index}"))
+
+
+def _fill_on_device(pool, rid: str, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.reserve(rid, n)
+    slots = pool.slot_mapping([rid], [0], [n])
+    for layer in range(pool.num_layers):
+        k = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
+        v = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
+        pool.write(layer, slots, k, v)
+    pool.set_seq_len(rid, n)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_nccl_channel_between_two_gpus(dtype):
+    src, dst = _cuda_pool(0, dtype), _cuda_pool(1, dtype)
+    cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0)  # the first op builds the communicator
+    sender = ChannelTransport("cuda:0", identity={"replica_id": "P"}, config=cfg)
+    receiver = ChannelTransport("cuda:1", identity={"replica_id": "D"},
+                                call_sender=lambda s, r: sender.serve_send(r), config=cfg)
+    try:
+        assert sender.name == receiver.name == "nccl"
+        dst.reserve("other", 40)
+        for i, n in enumerate((1, 100, 333)):
+            rid = f"r{i}"
+            _fill_on_device(src, rid, n, seed=n)
+            pages = run(receiver.receive(sender.export(src, rid), dst))
+            assert pages == dst.pages(rid) and dst.seq_len(rid) == n
+            assert torch.equal(gather_pages(src, src.pages(rid)).cpu(), gather_pages(dst, pages).cpu())
+        _fill_on_device(src, "bad", 50, seed=1)
+        with pytest.raises(TransferError) as info:
+            run(receiver.receive(sender.export(src, "bad", fault="flip"), dst))
+        assert info.value.reason is TransferFailure.CHECKSUM and not dst.has("bad")
+        run(receiver.receive(sender.export(src, "bad"), dst))  # a new generation: a new communicator
+        assert torch.equal(gather_pages(src, src.pages("bad")).cpu(), gather_pages(dst, dst.pages("bad")).cpu())
+        assert receiver.counters()["channels_opened"] == 2 and sender.counters()["channel_sends"] == 5
+    finally:
+        sender.close()
+        receiver.close()
