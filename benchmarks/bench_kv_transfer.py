@@ -6,7 +6,8 @@ pinned to one GPU each (``num_gpus=1``), as a prefill and a decode replica would
 
 (a) the link, two baselines: a ``cuda:0 -> cuda:1`` copy of the same byte count in this
     process (peer-to-peer over NVLink), and a raw NCCL send/recv of one contiguous buffer
-    between the two actors (over the same 2-rank process group our channels use);
+    between the two actors (a 2-rank process group built as our channels build theirs, no
+    gather, checksum or scatter);
 (b) ``ChannelTransport`` end to end: gather the pages on GPU 0, checksum, the header through
     Ray, the decode side reserves pages and calls the sender back, NCCL send/recv, checksum,
     scatter into the decode pool on GPU 1;
