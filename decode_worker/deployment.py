@@ -3,9 +3,11 @@
 One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
 
 ``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
-1. fetches the shipped pages through the KV transport, verifies them (checksum, shape) and
-   adopts them into this replica's pool; on failure yields one ``transfer_error`` event
-   (nothing stays allocated) and ends;
+1. fetches the shipped pages through the KV transport the ticket names (the object store, or
+   a channel: then it reserves the pages and asks the prefill replica holding them to send
+   them, see ``kv_transfer.channel``), verifies them (checksum, shape) and adopts them into
+   this replica's pool; on failure yields one ``transfer_error`` event (nothing stays
+   allocated; after a channel failure it says ``fallback: "object_store"``) and ends;
 2. yields ``adopted`` (the acknowledgement: the ingress now lets the prefill replica free
    its copy);
 3. hands the request to the DecodeLoop and yields ``tokens`` events (one or more token ids
@@ -29,10 +31,12 @@ from typing import Any
 from ray import serve
 
 from decode_worker.engine import DecodeEngine, StepOutput
-from kv_transfer.transfer import ObjectStoreTransport, TransferError, TransferFailure
+from kv_transfer.channel import ChannelTransport
+from kv_transfer.transfer import KVTransport, ObjectStoreTransport, TransferError, TransferFailure, select_transport
 from router.config import ServiceConfig
 from router.protocol import params_from_dict
-from router.runtime import WorkerRuntime, replica_id, rss_bytes
+from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from router.scheduling import routing_hint
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,6 +57,24 @@ class _Cancel:
 
 class _LoopFailed(RuntimeError):
     pass
+
+
+class PrefillCaller:
+    """Channel transfers: deliver a send request to the one prefill replica holding the pages
+    (a Serve call to its ``send_pages``, pinned to it by ``PrefillRequestRouter``)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[tuple[str, str], Any] = {}
+
+    async def __call__(self, sender: dict, request: dict) -> dict:
+        key = (sender.get("app"), sender.get("deployment"))
+        if not all(isinstance(k, str) for k in key):
+            raise ValueError(f"sender: expected its Serve app and deployment, got {sender!r}")
+        handle = self._handles.get(key)
+        if handle is None:  # asks the controller once: off the event loop
+            handle = await asyncio.to_thread(serve.get_deployment_handle, key[1], key[0])
+            self._handles[key] = handle
+        return await handle.send_pages.remote(request, routing=routing_hint(replica=sender["replica_id"]))
 
 
 class DecodeLoop:
@@ -155,8 +177,9 @@ class DecodeServer:
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0)
-        self.transport = ObjectStoreTransport()
+        self.receivers = self._make_receivers()  # ticket.transport -> what receives it
         self.replica_id = replica_id()
+        self.transfers: collections.Counter = collections.Counter()  # adopted, by transport
         self.transfer_failures = 0
         self.refused_full = 0
         self.completed = 0
@@ -164,6 +187,14 @@ class DecodeServer:
         # A request is adopted only when its final footprint fits next to everyone else's, so
         # a running request never runs out of pages mid-stream (no "abort" under load).
         self._footprints: dict[str, int] = {}
+
+    def _make_receivers(self) -> dict[str, KVTransport]:
+        receivers: dict[str, KVTransport] = {"object_store": ObjectStoreTransport()}
+        if select_transport(self.config.transport, device=self.pool.device) != "object_store":
+            channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
+                                        call_sender=PrefillCaller())
+            receivers[channels.name] = channels
+        return receivers
 
     @property
     def committed_pages(self) -> int:
@@ -194,14 +225,23 @@ class DecodeServer:
         submitted = False
         finished = False
         try:
+            transport = getattr(ticket, "transport", None)
             try:
-                await self.transport.receive(ticket, self.pool)
+                receiver = self.receivers.get(transport)
+                if receiver is None:
+                    raise TransferError(TransferFailure.UNAVAILABLE,
+                                        f"this replica receives {sorted(self.receivers)}, not {transport!r}", rid)
+                await receiver.receive(ticket, self.pool)
             except TransferError as exc:
                 self.transfer_failures += 1
-                logger.warning("KV transfer for %s failed: %s", rid, exc.reason.value)
+                logger.warning("KV transfer for %s over %s failed: %s", rid, transport, exc.reason.value)
+                # a channel that failed (not a full pool) is avoided for this request's retry
+                fallback = "object_store" if transport != "object_store" and exc.reason is not TransferFailure.POOL_EXHAUSTED else None
                 yield {"type": "transfer_error", "reason": exc.reason.value, "retryable": exc.retryable,
-                       "message": str(exc), "replica_id": self.replica_id}
+                       "message": str(exc), "replica_id": self.replica_id, "transport": transport,
+                       "fallback": fallback}
                 return
+            self.transfers[transport] += 1
             yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
                    "num_pages": len(self.pool.pages(rid))}
             params = params_from_dict(request["params"])
@@ -249,10 +289,12 @@ class DecodeServer:
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "transfer_failures": self.transfer_failures,
+            "transfers": dict(self.transfers),
             "refused_full": self.refused_full,
             "steps": self.loop.steps,
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
+            **{k: v for r in self.receivers.values() for k, v in r.counters().items()},
         }
 
     def record_replica_metadata(self) -> dict:
@@ -266,6 +308,10 @@ class DecodeServer:
         task = self.loop._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
+
+    def __del__(self) -> None:  # Serve calls it when the replica stops: close channels
+        for receiver in getattr(self, "receivers", {}).values():
+            receiver.close()
 
 
 

@@ -3,12 +3,12 @@
 Never imports Ray at module import time (the object-store transport imports it when used).
 """
 
+from .channel import ChannelConfig, ChannelTransport, payload_checksum
 from .pool import KVPool, KVPoolConfig, PoolExhausted
 from .transfer import (
     KVFrameHeader,
     KVTransport,
     LocalTransport,
-    NcclTransport,
     ObjectStoreTransport,
     TransferError,
     TransferFailure,
@@ -20,19 +20,21 @@ from .transfer import (
 )
 
 __all__ = [
+    "ChannelConfig",
+    "ChannelTransport",
     "KVPool",
     "KVPoolConfig",
     "PoolExhausted",
     "KVFrameHeader",
     "KVTransport",
     "LocalTransport",
-    "NcclTransport",
     "ObjectStoreTransport",
     "TransferError",
     "TransferFailure",
     "TransferTicket",
     "adopt_frame",
     "pack_pages",
+    "payload_checksum",
     "read_frame",
     "select_transport",
 ]

@@ -1,34 +1,42 @@
-"""Page-granular KV shipping between a prefill pool and a decode pool.
+"""Page-granular KV shipping between a prefill pool and a decode pool: the header, frames,
+and the transports.
 
-What travels for one request is a *frame*: one contiguous ``uint8`` buffer
+Every transfer of one request is described by a :class:`KVFrameHeader` (msgpack): request
+id, token and page counts, geometry (layers, page size, KV heads, head_dim), dtype, FP8
+scales, payload size and a checksum whose kind it names. The payload is the request's pages
+over all layers, K then V, each ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
+in the pool's dtype (whole pages: the tail of the last page is padding and travels too).
 
-    b"FPKV" | u32 big-endian header length | msgpack header | payload
+Over the object store the header and payload travel together as a *frame*, one contiguous
+``uint8`` buffer
 
-The payload is the request's pages over all layers, K then V, each
-``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` in the pool's dtype (whole pages:
-the tail of the last page is padding and travels too). The header says who the pages belong
-to and what shape/dtype they have, and carries a CRC-32 of the payload. The receiver checks
-the framing, the header (strict msgpack limits, no ext types, no pickle, exact key set),
-the length and the checksum *before* it takes a page, then adopts pages in its own pool and
-scatters the payload into them. Any failure after adopting releases those pages and raises
-:class:`TransferError` with a :class:`TransferFailure` reason, so callers can decide between
-retrying (checksum, truncation, a lost object) and failing the request (shape mismatch).
+    b"FPKV" | u32 big-endian header length | msgpack header (checksum: CRC-32) | payload
 
-Transports (all behind :class:`KVTransport`):
+The receiver checks the framing, the header (strict msgpack limits, no ext types, no pickle,
+exact key set), the length and the checksum *before* it takes a page, then adopts pages in
+its own pool and scatters the payload into them. Any failure after adopting releases those
+pages and raises :class:`TransferError` with a :class:`TransferFailure` reason, so callers can
+decide between retrying (checksum, truncation, a lost object, an unusable transport) and
+failing the request (shape mismatch, malformed data).
+
+Transports (all behind :class:`KVTransport`; :func:`select_transport` picks one from the
+``transport`` option and the pool's device):
 - :class:`LocalTransport`: the frame stays in process (tests, single-process tools).
-- :class:`ObjectStoreTransport` (the default): ``ray.put`` of the frame (CPU bytes, so it
-  works across nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
-- :class:`NcclTransport`: GPU to GPU over ``ray.util.collective`` (NCCL). GPU-only and not
-  exercised by the CPU tests; :func:`select_transport` decides when it may be used.
+- :class:`ObjectStoreTransport`: ``ray.put`` of the frame (CPU bytes, so it works across
+  nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
+- ``kv_transfer.channel.ChannelTransport`` ("nccl" between CUDA pools, "gloo" between CPU
+  pools): the header goes through Ray, the payload device to device over a 2-rank process
+  group of the pair, checked by an on-device checksum (``checksum_kind="wsum64"``).
 
-Ownership: the sender keeps its pages until the receiver acknowledges (the service calls the
-prefill replica's ``release`` after the decode replica has adopted them), so a failed transfer
-can be shipped again from the same pages.
+Ownership: the sender keeps its pages until the receiver acknowledges (the service closes
+the prefill replica's lease stream once the decode replica has adopted them), so a failed
+transfer leaves the sender's copy intact until the lease ends.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import struct
 import warnings
@@ -43,7 +51,7 @@ import torch
 from .pool import KVPool, PoolExhausted
 
 FRAME_MAGIC = b"FPKV"
-FRAME_VERSION = 1
+FRAME_VERSION = 2
 _PREFIX = struct.Struct(">4sI")  # magic, header length
 MAX_HEADER_BYTES = 16 * 1024
 MAX_REQUEST_ID_LEN = 256
@@ -59,9 +67,13 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _HEADER_KEYS = frozenset(
     {
         "version", "request_id", "num_tokens", "num_pages", "page_size", "num_layers",
-        "num_kv_heads", "head_dim", "dtype", "payload_bytes", "crc32", "k_scale", "v_scale",
+        "num_kv_heads", "head_dim", "dtype", "payload_bytes", "checksum", "checksum_kind",
+        "k_scale", "v_scale",
     }
 )
+# "crc32": CRC-32 of the payload bytes (frames: computed on the host anyway);
+# "wsum64": kv_transfer.channel.payload_checksum, computed on the pool's device (channels).
+CHECKSUM_KINDS = ("crc32", "wsum64")
 
 
 class TransferFailure(str, enum.Enum):
@@ -73,16 +85,19 @@ class TransferFailure(str, enum.Enum):
     SHAPE = "shape"  # geometry or dtype differs from the receiving pool
     REQUEST_MISMATCH = "request_mismatch"  # the frame belongs to another request
     POOL_EXHAUSTED = "pool_exhausted"  # the receiving pool has no room
-    LOST = "lost"  # the transport lost the frame (sender died, object evicted)
-    UNAVAILABLE = "unavailable"  # the transport cannot be used here (e.g. NCCL without CUDA)
+    LOST = "lost"  # the transport lost the data (sender died, object evicted, channel failed or hung)
+    UNAVAILABLE = "unavailable"  # this transport cannot be used for this pair (backend, peer gone)
 
     @property
     def retryable(self) -> bool:
+        """Whether a new attempt can succeed (for LOST/UNAVAILABLE channel transfers: over the
+        object store); SHAPE, MALFORMED and REQUEST_MISMATCH are bugs or misconfiguration."""
         return self in (
             TransferFailure.TRUNCATED,
             TransferFailure.CHECKSUM,
             TransferFailure.POOL_EXHAUSTED,
             TransferFailure.LOST,
+            TransferFailure.UNAVAILABLE,
         )
 
 
@@ -106,7 +121,11 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVFrameHeader:
-    """The msgpack-framed metadata of one request's pages."""
+    """The msgpack metadata of one request's pages: the head of a frame (object store) or the
+    whole control message of a channel transfer (the payload then travels over the channel).
+
+    ``checksum`` is a CRC-32 when ``checksum_kind`` is ``"crc32"`` (frames) and a 64-bit
+    on-device weighted sum when it is ``"wsum64"`` (channels, see ``kv_transfer.channel``)."""
 
     request_id: str
     num_tokens: int
@@ -117,9 +136,10 @@ class KVFrameHeader:
     head_dim: int
     dtype: str
     payload_bytes: int
-    crc32: int
+    checksum: int
     k_scale: tuple[float, ...] | None = None
     v_scale: tuple[float, ...] | None = None
+    checksum_kind: str = "crc32"
     version: int = FRAME_VERSION
 
     @property
@@ -132,8 +152,8 @@ class KVFrameHeader:
         return (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
     def encode(self) -> bytes:
-        # crc32 as 4 fixed bytes: the header length does not depend on the checksum's value,
-        # so the frame can be laid out before the payload is gathered into it.
+        # the checksum as 8 fixed bytes: the header length does not depend on its value, so
+        # the frame can be laid out before the payload is gathered into it.
         return msgpack.packb(
             {
                 "version": self.version,
@@ -146,7 +166,8 @@ class KVFrameHeader:
                 "head_dim": self.head_dim,
                 "dtype": self.dtype,
                 "payload_bytes": self.payload_bytes,
-                "crc32": struct.pack(">I", self.crc32 & 0xFFFFFFFF),
+                "checksum": struct.pack(">Q", self.checksum & 0xFFFFFFFFFFFFFFFF),
+                "checksum_kind": self.checksum_kind,
                 "k_scale": list(self.k_scale) if self.k_scale is not None else None,
                 "v_scale": list(self.v_scale) if self.v_scale is not None else None,
             },
@@ -197,9 +218,16 @@ class KVFrameHeader:
                 raise TransferError(TransferFailure.MALFORMED, f"{key}: expected an int >= {minimum}, got {value!r}", rid)
         if obj["dtype"] not in _DTYPES:
             raise TransferError(TransferFailure.MALFORMED, f"dtype: expected one of {sorted(_DTYPES)}, got {obj['dtype']!r}", rid)
-        crc = obj["crc32"]
-        if not isinstance(crc, bytes) or len(crc) != 4:
-            raise TransferError(TransferFailure.MALFORMED, "crc32: expected 4 bytes", rid)
+        checksum = obj["checksum"]
+        if not isinstance(checksum, bytes) or len(checksum) != 8:
+            raise TransferError(TransferFailure.MALFORMED, "checksum: expected 8 bytes", rid)
+        checksum = struct.unpack(">Q", checksum)[0]
+        if obj["checksum_kind"] not in CHECKSUM_KINDS:
+            raise TransferError(
+                TransferFailure.MALFORMED, f"checksum_kind: expected one of {CHECKSUM_KINDS}, got {obj['checksum_kind']!r}", rid
+            )
+        if obj["checksum_kind"] == "crc32" and checksum > 0xFFFFFFFF:
+            raise TransferError(TransferFailure.MALFORMED, "checksum: a CRC-32 has 32 bits", rid)
         scales = []
         for key in ("k_scale", "v_scale"):
             s = obj[key]
@@ -219,9 +247,10 @@ class KVFrameHeader:
             head_dim=obj["head_dim"],
             dtype=obj["dtype"],
             payload_bytes=obj["payload_bytes"],
-            crc32=struct.unpack(">I", crc)[0],
+            checksum=checksum,
             k_scale=scales[0],
             v_scale=scales[1],
+            checksum_kind=obj["checksum_kind"],
         )
         if header.num_pages != -(-header.num_tokens // header.page_size):
             raise TransferError(
@@ -251,23 +280,32 @@ def _pool_scales(pool: KVPool) -> tuple[tuple[float, ...] | None, tuple[float, .
     )
 
 
-def pack_pages(pool: KVPool, request_id: str) -> np.ndarray:
-    """Gather ``request_id``'s pages (all layers, K then V) into one frame (``uint8`` numpy,
-    CPU). The pages stay allocated in ``pool``: the caller releases them after the ack."""
+def describe_pages(pool: KVPool, request_id: str, *, checksum_kind: str = "crc32") -> tuple[KVFrameHeader, list[int]]:
+    """The header (checksum 0: filled in once the payload is gathered) and the pages that
+    carry ``request_id``'s committed tokens. Pages reserved beyond ``seq_len`` are left out."""
     pages = pool.pages(request_id)
     num_tokens = pool.seq_len(request_id)
     needed = pool.pages_for(num_tokens)
     if needed > len(pages):
         raise ValueError(f"request_id: {request_id!r} holds {len(pages)} pages, fewer than its {num_tokens} tokens need")
-    pages = pages[:needed]  # pages reserved beyond seq_len carry nothing yet
+    pages = pages[:needed]
     k_scale, v_scale = _pool_scales(pool)
     elem = pool.k.element_size()
     one = pool.num_layers * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * elem
     header = KVFrameHeader(
         request_id=request_id, num_tokens=num_tokens, num_pages=len(pages), page_size=pool.page_size,
         num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-        dtype=_DTYPE_NAMES[pool.dtype], payload_bytes=2 * one, crc32=0, k_scale=k_scale, v_scale=v_scale,
+        dtype=_DTYPE_NAMES[pool.dtype], payload_bytes=2 * one, checksum=0, k_scale=k_scale, v_scale=v_scale,
+        checksum_kind=checksum_kind,
     )
+    return header, pages
+
+
+def pack_pages(pool: KVPool, request_id: str) -> np.ndarray:
+    """Gather ``request_id``'s pages (all layers, K then V) into one frame (``uint8`` numpy,
+    CPU). The pages stay allocated in ``pool``: the caller releases them after the ack."""
+    header, pages = describe_pages(pool, request_id)
+    one = header.payload_bytes // 2
     raw_header = header.encode()
     if len(raw_header) > MAX_HEADER_BYTES:
         raise ValueError(f"request_id: header of {len(raw_header)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -280,7 +318,7 @@ def pack_pages(pool: KVPool, request_id: str) -> np.ndarray:
         gathered = src.view(torch.uint8).index_select(1, index)
         out[part * one : (part + 1) * one].copy_(gathered.reshape(-1).cpu())
     crc = zlib.crc32(memoryview(frame[start:]))
-    header = KVFrameHeader(**{**header.__dict__, "crc32": crc})
+    header = dataclasses.replace(header, checksum=crc)
     raw_header = header.encode()
     frame[: _PREFIX.size] = np.frombuffer(_PREFIX.pack(FRAME_MAGIC, len(raw_header)), dtype=np.uint8)
     frame[_PREFIX.size : start] = np.frombuffer(raw_header, dtype=np.uint8)
@@ -303,6 +341,10 @@ def read_frame(frame: Any, *, verify_checksum: bool = True) -> tuple[KVFrameHead
     if len(buf) < _PREFIX.size + header_len:
         raise TransferError(TransferFailure.TRUNCATED, "frame: ends inside its header")
     header = KVFrameHeader.decode(buf[_PREFIX.size : _PREFIX.size + header_len])
+    if header.checksum_kind != "crc32":
+        raise TransferError(
+            TransferFailure.MALFORMED, f"checksum_kind: frames carry a CRC-32, got {header.checksum_kind!r}", header.request_id
+        )
     payload = buf[_PREFIX.size + header_len :]
     if len(payload) != header.payload_bytes:
         raise TransferError(
@@ -312,16 +354,17 @@ def read_frame(frame: Any, *, verify_checksum: bool = True) -> tuple[KVFrameHead
         )
     if verify_checksum:
         crc = zlib.crc32(payload)
-        if crc != header.crc32:
+        if crc != header.checksum:
             raise TransferError(
                 TransferFailure.CHECKSUM,
-                f"payload CRC-32 {crc:08x} does not match the header's {header.crc32:08x}",
+                f"payload CRC-32 {crc:08x} does not match the header's {header.checksum:08x}",
                 header.request_id,
             )
     return header, payload
 
 
-def _check_geometry(header: KVFrameHeader, pool: KVPool) -> None:
+def check_geometry(header: KVFrameHeader, pool: KVPool) -> None:
+    """``TransferFailure.SHAPE`` unless ``header`` describes pages ``pool`` can hold as they are."""
     want = (pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, _DTYPE_NAMES[pool.dtype])
     got = (header.num_layers, header.page_size, header.num_kv_heads, header.head_dim, header.dtype)
     if want != got:
@@ -345,13 +388,8 @@ def adopt_frame(pool: KVPool, frame: Any, *, request_id: str | None = None) -> l
             f"expected the pages of {request_id!r}, got those of {header.request_id!r}",
             request_id,
         )
-    _check_geometry(header, pool)
-    try:
-        pages = pool.adopt(header.request_id, header.num_tokens)
-    except PoolExhausted as exc:
-        raise TransferError(TransferFailure.POOL_EXHAUSTED, str(exc), header.request_id) from None
-    except ValueError as exc:  # already holds pages under this id
-        raise TransferError(TransferFailure.REQUEST_MISMATCH, str(exc), header.request_id) from None
+    check_geometry(header, pool)
+    pages = adopt_pages(pool, header)
     try:
         one = header.payload_bytes // 2
         with warnings.catch_warnings():  # read-only buffers (Ray's zero-copy get): we only read
@@ -369,14 +407,26 @@ def adopt_frame(pool: KVPool, frame: Any, *, request_id: str | None = None) -> l
     return pages
 
 
+def adopt_pages(pool: KVPool, header: KVFrameHeader) -> list[int]:
+    """Reserve (all or nothing) the pages ``header``'s request needs in ``pool``."""
+    try:
+        return pool.adopt(header.request_id, header.num_tokens)
+    except PoolExhausted as exc:
+        raise TransferError(TransferFailure.POOL_EXHAUSTED, str(exc), header.request_id) from None
+    except ValueError as exc:  # already holds pages under this id
+        raise TransferError(TransferFailure.REQUEST_MISMATCH, str(exc), header.request_id) from None
+
+
 # ---------------------------------------------------------------------------- transports
 @dataclass(frozen=True)
 class TransferTicket:
     """What the sender hands to whoever routes the request to a receiver.
 
-    ``handle`` is transport-specific: the frame itself (local), a one-element list holding
-    the ``ObjectRef`` (object store; the list keeps Ray from resolving the ref when the ticket
-    is passed as an argument), or the NCCL rendezvous (rank, group) for GPU transfers.
+    ``transport`` names the receiver that can take it ("local", "object_store", or a channel
+    backend: "nccl", "gloo"). ``handle`` is transport-specific: the frame itself (local), a
+    one-element list holding the ``ObjectRef`` (object store; the list keeps Ray from
+    resolving the ref when the ticket is passed as an argument), or the msgpack header plus
+    the sender's address (channels).
     """
 
     request_id: str
@@ -391,23 +441,32 @@ class KVTransport(abc.ABC):
     """Sender: ``export`` (pages stay in the sender's pool); receiver: ``receive``."""
 
     name: str = "abstract"
+    fault_modes: tuple[str, ...] = ()  # what ``export(fault=...)`` can inject
 
     @abc.abstractmethod
     def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
-        """Ship ``request_id``'s pages; ``fault`` ("flip"/"truncate") damages the frame on
+        """Ship ``request_id``'s pages; ``fault`` (one of ``fault_modes``) damages the transfer on
         purpose (fault-injection drills and tests)."""
 
     @abc.abstractmethod
     async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]: ...
 
     def discard(self, ticket: TransferTicket) -> None:
-        """Sender-side cleanup of a ticket that will not be received (optional)."""
+        """Sender-side cleanup of a ticket that is done with (received or abandoned)."""
+
+    def counters(self) -> dict[str, int]:
+        """Counters for the replica's stats (none by default)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the transport holds (connections, threads); the replica is stopping."""
 
 
 class LocalTransport(KVTransport):
     """In-process frames (tests and single-process tools)."""
 
     name = "local"
+    fault_modes = ("flip", "truncate")
 
     def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
         frame = _maybe_corrupt(pack_pages(pool, request_id), fault)
@@ -423,6 +482,7 @@ class ObjectStoreTransport(KVTransport):
     fetch fails with ``TransferFailure.LOST`` (retryable elsewhere)."""
 
     name = "object_store"
+    fault_modes = ("flip", "truncate")
 
     def __init__(self, fetch_timeout_s: float = 60.0) -> None:
         self.fetch_timeout_s = fetch_timeout_s
@@ -455,113 +515,34 @@ class ObjectStoreTransport(KVTransport):
         return await asyncio.to_thread(adopt_frame, pool, frame, request_id=ticket.request_id)
 
 
-class NcclTransport(KVTransport):
-    """GPU to GPU over NCCL (``ray.util.collective``), GPU-only.
-
-    The sender gathers the pages into a contiguous CUDA tensor per K/V and keeps it staged
-    under the request id; the ticket carries the sender's rank, the group and a small header
-    (shape, dtype, CRC-32 of the gathered bytes computed on the device side copy). The
-    receiver allocates pages, posts ``recv`` from the sender's rank while the sender's
-    ``send_staged`` (called through the service once the receiver is ready) posts ``send``.
-    Needs: both pools on CUDA, both actors in the same collective group (created when the
-    replicas start). Not exercised by the CPU test-suite.
-    """
-
-    name = "nccl"
-
-    def __init__(self, group_name: str, rank: int) -> None:
-        self.group_name = group_name
-        self.rank = rank
-        self._staged: dict[str, tuple[torch.Tensor, KVFrameHeader]] = {}
-
-    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
-        if fault is not None:
-            raise ValueError("fault: fault injection is not supported by the NCCL transport")
-        if pool.device.type != "cuda":
-            raise TransferError(TransferFailure.UNAVAILABLE, "NCCL transport needs a CUDA pool", request_id)
-        pages = pool.pages(request_id)[: pool.pages_for(pool.seq_len(request_id))]
-        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-        staged = torch.stack([pool.k.index_select(1, index), pool.v.index_select(1, index)]).contiguous()
-        k_scale, v_scale = _pool_scales(pool)
-        header = KVFrameHeader(
-            request_id=request_id, num_tokens=pool.seq_len(request_id), num_pages=len(pages),
-            page_size=pool.page_size, num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
-            head_dim=pool.head_dim, dtype=_DTYPE_NAMES[pool.dtype],
-            payload_bytes=staged.numel() * staged.element_size(),
-            crc32=0, k_scale=k_scale, v_scale=v_scale,
-        )
-        self._staged[request_id] = (staged, header)
-        handle = {"group": self.group_name, "src_rank": self.rank, "header": header.encode()}
-        return TransferTicket(request_id, self.name, header.num_tokens, len(pages), header.payload_bytes, handle)
-
-    def send_staged(self, request_id: str, dst_rank: int) -> None:
-        from ray.util import collective
-
-        staged, _ = self._staged.pop(request_id)
-        collective.send(staged.view(torch.uint8), dst_rank, self.group_name)
-
-    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
-        from ray.util import collective
-
-        if pool.device.type != "cuda":
-            raise TransferError(TransferFailure.UNAVAILABLE, "NCCL transport needs a CUDA pool", ticket.request_id)
-        header = KVFrameHeader.decode(ticket.handle["header"])
-        _check_geometry(header, pool)
-        try:
-            pages = pool.adopt(header.request_id, header.num_tokens)
-        except PoolExhausted as exc:
-            raise TransferError(TransferFailure.POOL_EXHAUSTED, str(exc), header.request_id) from None
-        try:
-            buf = torch.empty(header.payload_bytes, dtype=torch.uint8, device=pool.device)
-            collective.recv(buf, ticket.handle["src_rank"], ticket.handle["group"])
-            kv = buf.view(header.torch_dtype).view((2, *header.page_shape))
-            index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-            pool.k.index_copy_(1, index, kv[0])
-            pool.v.index_copy_(1, index, kv[1])
-        except BaseException:
-            pool.release(header.request_id)
-            raise
-        return pages
-
-    def discard(self, ticket: TransferTicket) -> None:
-        self._staged.pop(ticket.request_id, None)
-
-
 def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle: Any) -> TransferTicket:
     num_tokens = pool.seq_len(request_id)
     return TransferTicket(request_id, name, num_tokens, pool.pages_for(num_tokens), int(frame.nbytes), handle)
 
 
-TRANSPORTS = ("auto", "object_store", "nccl", "local")
+TRANSPORTS = ("auto", "object_store", "nccl", "gloo", "local")
 
 
-def select_transport(
-    requested: str,
-    *,
-    sender_device: str | torch.device,
-    receiver_device: str | torch.device,
-    nccl_group_ready: bool,
-) -> str:
-    """Which transport a sender/receiver pair uses.
+def select_transport(requested: str, *, device: str | torch.device) -> str:
+    """Which transport a replica whose KV pool lives on ``device`` exports with.
 
-    ``auto``: NCCL when both pools are on CUDA and the collective group is up, else the object
-    store. An explicit ``nccl`` that cannot work raises ``ValueError`` (a configuration error,
-    not a silent slowdown).
+    ``auto``: a channel over NCCL for CUDA pools, else the object store. ``nccl`` (channels
+    between CUDA pools) and ``gloo`` (the same channels between CPU pools: tests, CPU-only
+    clusters) are refused with ``ValueError`` where the pool's device does not fit: a
+    configuration error, not a silent slowdown.
     """
     if requested not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {requested!r}")
-    both_cuda = torch.device(sender_device).type == "cuda" and torch.device(receiver_device).type == "cuda"
-    if requested == "nccl":
-        if not both_cuda:
-            raise ValueError(
-                f"transport: 'nccl' needs CUDA pools on both sides, got {sender_device} -> {receiver_device}; "
-                "use 'object_store' (or 'auto')"
-            )
-        if not nccl_group_ready:
-            raise ValueError("transport: 'nccl' needs the prefill/decode collective group; it is not initialised")
-        return "nccl"
+    kind = torch.device(device).type
     if requested == "auto":
-        return "nccl" if both_cuda and nccl_group_ready else "object_store"
+        return "nccl" if kind == "cuda" else "object_store"
+    if requested == "nccl" and kind != "cuda":
+        raise ValueError(
+            f"transport: 'nccl' needs a CUDA KV pool, this one is on {device}; "
+            "use 'gloo' (channels between CPU pools), 'object_store' or 'auto'"
+        )
+    if requested == "gloo" and kind != "cpu":
+        raise ValueError(f"transport: 'gloo' moves CPU KV pools, this one is on {device}; use 'nccl' or 'auto'")
     return requested
 
 

@@ -11,6 +11,8 @@ a token budget and runs ``PrefillEngine.prefill`` off the event loop).
    the decode replica has acknowledged (adopted) them, or until ``lease_timeout_s``;
 3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
    ingress crash).
+With channel transports (``nccl``/``gloo``) the decode replica that adopts the pages calls
+``send_pages`` on this very replica (a call pinned by the router) while the lease is open.
 Because the lease is an ongoing request, a replica being scaled down drains it before it
 stops: pages a decode replica is still fetching are never pulled away.
 """
@@ -26,11 +28,12 @@ from typing import Any
 
 from ray import serve
 
-from kv_transfer.transfer import KVTransport, ObjectStoreTransport
+from kv_transfer.channel import ChannelTransport
+from kv_transfer.transfer import KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from router.config import ServiceConfig
 from router.protocol import RequestError, params_from_dict
-from router.runtime import WorkerRuntime, replica_id, rss_bytes
+from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from router.scheduling import PrefillCostModel
 
 logger = logging.getLogger("ray.serve")
@@ -180,6 +183,7 @@ class PrefillServer:
             batch_wait_s=self.config.batch_wait_ms / 1000.0,
             max_queued_tokens=self.config.max_queued_prefill_tokens, retry_after_s=self.config.retry_after_s,
         )
+        self.object_store = ObjectStoreTransport()
         self.transport = self._make_transport()
         self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
@@ -188,11 +192,10 @@ class PrefillServer:
         self.completed = 0
 
     def _make_transport(self) -> KVTransport:
-        if self.config.transport == "nccl":
-            # The NCCL transport (kv_transfer.NcclTransport) needs a collective group spanning
-            # prefill and decode replicas; Serve does not form one yet, so refuse loudly.
-            raise ValueError("transport: 'nccl' is not wired into the Serve deployments yet; use 'auto' or 'object_store'")
-        return ObjectStoreTransport()
+        kind = select_transport(self.config.transport, device=self.pool.device)
+        if kind == "object_store":
+            return self.object_store
+        return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity())
 
     # -- the request path ----------------------------------------------------------------
     async def prefill(self, request: dict, routing: dict | None = None):
@@ -210,15 +213,17 @@ class PrefillServer:
             self.active -= 1
             self.completed += 1
             raise
+        # a retry after a failed channel transfer asks for the object store
+        exporter = self.object_store if request.get("transport") == "object_store" else self.transport
+        ticket = None
         try:
             fault = None
-            if self._faults_left > 0:
+            if self._faults_left > 0 and self.config.fault_injection.mode in exporter.fault_modes:
                 self._faults_left -= 1
                 fault = self.config.fault_injection.mode
-            ticket = None
             t_export = time.monotonic()
             if not request.get("skip_transfer"):
-                ticket = await asyncio.to_thread(self.transport.export, self.pool, rid, fault=fault)
+                ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
             export_s = time.monotonic() - t_export
             self._leases[rid] = time.monotonic() + self.config.lease_timeout_s
             yield {
@@ -238,11 +243,21 @@ class PrefillServer:
                 logger.warning("prefill lease of %s expired after %.0fs; releasing its pages", rid, self.config.lease_timeout_s)
         finally:
             self._leases.pop(rid, None)
+            if ticket is not None:
+                exporter.discard(ticket)  # a channel's staging copy, if not sent yet
             if self.pool.has(rid):
                 self.engine.release(rid)
                 self.batcher.pages_freed()
             self.active -= 1
             self.completed += 1
+
+    async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
+        """Channel transports: a decode replica that reserved room for a request's pages asks
+        this replica (which holds them, under a lease) to send them over their channel."""
+        if not isinstance(self.transport, ChannelTransport):
+            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
+                    "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
+        return await self.transport.serve_send(request)
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:
@@ -259,6 +274,7 @@ class PrefillServer:
             "batches": self.batcher.batches,
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
+            **self.transport.counters(),
         }
 
     def record_replica_metadata(self) -> dict:
@@ -272,6 +288,11 @@ class PrefillServer:
         task = self.batcher._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
+
+    def __del__(self) -> None:  # Serve calls it when the replica stops: close channels
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.close()
 
 
 

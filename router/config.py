@@ -14,11 +14,11 @@ from typing import Any
 
 from kernels.config import SparseConfig
 
-TRANSPORTS = ("auto", "object_store", "nccl")
+TRANSPORTS = ("auto", "object_store", "nccl", "gloo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_MODES = ("flip", "truncate")
+FAULT_MODES = ("flip", "truncate", "break")
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -36,7 +36,9 @@ def _float(name: str, value: Any, minimum: float, maximum: float = math.inf) -> 
 @dataclass(frozen=True)
 class FaultInjection:
     """Drills and tests only (all off by default): damage the first ``corrupt_transfers`` KV
-    frames a prefill replica ships (``mode``: "flip" a byte or "truncate" the frame); hold
+    transfers a prefill replica ships (``mode``: "flip" a byte, "truncate" the frame (object
+    store only) or "break" the channel instead of sending (channels only); transfers the mode
+    does not apply to are shipped intact and not counted); hold
     every prefill call ``prefill_delay_ms`` before it queues, and every decode step
     ``decode_step_delay_ms``, so that a drill can kill a replica mid-request."""
 
@@ -78,8 +80,12 @@ class ServiceConfig:
         it answers "overloaded" (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After).
     max_running: requests one decode replica decodes per step.
     max_model_len: prompt + generated tokens per request.
-    transport: KV transport ("auto": NCCL between CUDA pools when available, else the
-        object store). transfer_retries: new attempts after a retryable transfer failure.
+    transport: how KV pages travel from prefill to decode. "object_store": framed CPU bytes
+        through Ray's object store (any devices, any nodes). "nccl": pairwise channels between
+        CUDA pools (GPU to GPU, no host copy); "gloo": the same channels between CPU pools.
+        "auto": "nccl" where the pools are on CUDA, else the object store. A failed channel
+        transfer is retried over the object store. transfer_retries: new attempts after a
+        retryable transfer failure.
     lease_timeout_s: how long a prefill replica keeps pages for a decode side that never
         acknowledges (a crashed ingress), then frees them.
     expected_density: the routing cost model's expected fraction of causal pairs computed

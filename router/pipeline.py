@@ -10,9 +10,10 @@ Page ownership along the way (see docs/ARCHITECTURE.md):
   string) makes the decode replica cancel the request and free its pages.
 Every exit path (success, error, cancellation) closes whatever stream is still open.
 
-Retries: a retryable transfer failure (checksum, truncation, lost object, no room on the
-decode replica) or a prefill or decode replica dying before the pages were adopted re-runs the
-prefill, up to ``transfer_retries`` times. Tokens already sent to the client are kept: the
+Retries: a retryable transfer failure (checksum, truncation, lost object, failed channel, no
+room on the decode replica) or a prefill or decode replica dying before the pages were adopted
+re-runs the prefill, up to ``transfer_retries`` times; after a failed channel transfer the
+retries of that request ship their pages through the object store. Tokens already sent to the client are kept: the
 decode side continues from the first token that was emitted.
 
 Resume: a decode replica dying mid-stream (Ray Serve retries nothing in flight) is answered by
@@ -111,6 +112,7 @@ class DisaggregatedPipeline:
         generated: list[int] = []  # every token the client has been sent, in order
         attempt: _Attempt | None = None
         attempts = resumes = 0
+        transport: str | None = None  # "object_store" once a channel transfer of this request failed
         try:
             while True:
                 # -- connect: prefill (+ transfer) until a decode replica has adopted the pages.
@@ -126,7 +128,8 @@ class DisaggregatedPipeline:
                     life.to(RequestPhase.PREFILLING)
                     try:
                         event = await self._start_prefill(attempt, req, context, step_params, cost,
-                                                          skip_transfer=not generated and req.max_tokens == 1)
+                                                          skip_transfer=not generated and req.max_tokens == 1,
+                                                          transport=transport)
                     except Exception as exc:
                         self._close(attempt)
                         if _is_replica_failure(exc) and n < self.config.transfer_retries:
@@ -168,6 +171,8 @@ class DisaggregatedPipeline:
                         life.to(RequestPhase.DECODING)
                         break
                     self._close(attempt)
+                    if event.get("fallback") == "object_store":
+                        transport = "object_store"
                     if not (event.get("retryable") and n < self.config.transfer_retries):
                         raise self._transfer_error(event)
                     logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.get("reason"))
@@ -238,13 +243,15 @@ class DisaggregatedPipeline:
 
     # -- steps -------------------------------------------------------------------------
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: dict,
-                             cost: float, *, skip_transfer: bool) -> dict:
+                             cost: float, *, skip_transfer: bool, transport: str | None = None) -> dict:
         payload = {
             "request_id": attempt.worker_request_id,
             "prompt_token_ids": context,
             "params": params,
             "skip_transfer": skip_transfer,
         }
+        if transport is not None:
+            payload["transport"] = transport
         attempt.prefill_stream = self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)))
         )

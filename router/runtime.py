@@ -91,3 +91,27 @@ def replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:
         return "local"
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (channel stores listen there); loopback outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
+def replica_identity() -> dict:
+    """How a replica names itself in channel tickets: its Serve replica id, application and
+    deployment (enough for a peer to call it back); ``{"replica_id": "local"}`` outside Serve."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return {"replica_id": ctx.replica_id.unique_id, "app": ctx.app_name, "deployment": ctx.deployment}
+    except Exception:
+        return {"replica_id": "local"}

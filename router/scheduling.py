@@ -17,6 +17,8 @@ Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
 - replicas whose free KV pages cannot hold the prompt go last; the rest are ranked by
   outstanding work, and replicas within 10% (or one small request) of the least loaded
   form the first tier, where Serve picks by queue length.
+- a call whose hint names a ``replica`` (a decode replica asking the holder of a request's
+  KV pages to send them over a channel) goes to that replica only.
 
 :class:`DecodeRequestRouter` ranks decode replicas by free KV pages (they must hold the
 prompt plus ``max_tokens``) and running + waiting requests relative to ``max_running``.
@@ -25,6 +27,7 @@ prompt plus ``max_tokens``) and running + waiting requests relative to ``max_run
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +66,23 @@ class PrefillCostModel:
         return self.token_weight * new + pairs * self.density(prompt_len)
 
 
-def routing_hint(*, cost: float = 0.0, pages: int = 0) -> dict:
+# How long a call pinned to a replica this router does not (yet) list waits for it, before any
+# replica may take the call (to refuse it at once: see PrefillRequestRouter).
+PIN_GRACE_S = 2.0
+
+
+def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = None) -> dict:
     """What the ingress tells the routers about a call (a plain dict: it travels to the replica
-    as a keyword argument, which ignores it)."""
-    return {"cost": float(cost), "pages": int(pages)}
+    as a keyword argument, which ignores it). ``replica``: pin the call to that replica id."""
+    hint = {"cost": float(cost), "pages": int(pages)}
+    if replica is not None:
+        hint["replica"] = str(replica)
+    return hint
+
+
+def _replica_key(replica: Any) -> str:
+    rid = replica.replica_id
+    return str(getattr(rid, "unique_id", rid))
 
 
 def _hint(pending: Any) -> dict:
@@ -144,6 +160,8 @@ class PrefillRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
         hint = _hint(pending_request)
+        if hint.get("replica") is not None:
+            return self._pinned(candidate_replicas, str(hint["replica"]), pending_request)
         need = int(hint.get("pages", 0))
         fits, tight = [], []
         for r in candidate_replicas:
@@ -154,6 +172,21 @@ class PrefillRequestRouter(RequestRouter):
         if tight:
             ranked.extend([r] for _, r in sorted(tight, key=lambda x: x[0]))
         return ranked
+
+    @staticmethod
+    def _pinned(candidate_replicas: list, pin: str, pending_request: Any) -> list[list]:
+        """A call for one replica (a decode replica asking the holder of a request's pages to
+        send them). Replicas that are stopping or dead are not candidates: after a short grace
+        (a replica this router has not heard of yet) every replica may take the call, and any
+        other than ``pin`` refuses it at once, so the transfer fails over instead of waiting
+        out its timeout."""
+        match = [r for r in candidate_replicas if _replica_key(r) == pin]
+        if match:
+            return [match]
+        created = getattr(pending_request, "created_at", None)
+        if isinstance(created, (int, float)) and time.time() - created < PIN_GRACE_S:
+            return []
+        return [list(candidate_replicas)] if candidate_replicas else []
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
         hint = _hint(pending_request)

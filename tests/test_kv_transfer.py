@@ -15,7 +15,6 @@ from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,
     LocalTransport,
-    NcclTransport,
     TransferError,
     TransferFailure,
     adopt_frame,
@@ -197,25 +196,30 @@ def test_fp8_scales_must_match():
 
 
 def test_select_transport():
-    assert select_transport("auto", sender_device="cpu", receiver_device="cpu", nccl_group_ready=True) == "object_store"
-    assert select_transport("auto", sender_device="cuda:0", receiver_device="cuda:1", nccl_group_ready=True) == "nccl"
-    assert select_transport("auto", sender_device="cuda:0", receiver_device="cuda:1", nccl_group_ready=False) == "object_store"
-    assert select_transport("auto", sender_device="cuda", receiver_device="cpu", nccl_group_ready=True) == "object_store"
-    assert select_transport("object_store", sender_device="cuda", receiver_device="cuda", nccl_group_ready=True) == "object_store"
-    with pytest.raises(ValueError, match="CUDA pools on both sides"):
-        select_transport("nccl", sender_device="cpu", receiver_device="cuda", nccl_group_ready=True)
-    with pytest.raises(ValueError, match="collective group"):
-        select_transport("nccl", sender_device="cuda", receiver_device="cuda", nccl_group_ready=False)
+    assert select_transport("auto", device="cpu") == "object_store"
+    assert select_transport("auto", device="cuda:1") == "nccl"
+    assert select_transport("object_store", device="cuda") == "object_store"
+    assert select_transport("nccl", device="cuda") == "nccl"
+    assert select_transport("gloo", device="cpu") == "gloo"
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA KV pool"):
+        select_transport("nccl", device="cpu")
+    with pytest.raises(ValueError, match="'gloo' moves CPU KV pools"):
+        select_transport("gloo", device="cuda")
     with pytest.raises(ValueError, match="transport"):
-        select_transport("rdma", sender_device="cpu", receiver_device="cpu", nccl_group_ready=False)
+        select_transport("rdma", device="cpu")
 
 
-def test_nccl_transport_refuses_cpu_pools():
+def test_frames_carry_crc32_only():
     src = make_pool()
-    fill(src, "r", 4)
-    with pytest.raises(TransferError) as info:
-        NcclTransport("g", 0).export(src, "r")
-    assert info.value.reason is TransferFailure.UNAVAILABLE
+    fill(src, "r", 5)
+    frame = pack_pages(src, "r")
+    header, payload = read_frame(frame)
+    assert header.checksum_kind == "crc32" and header.checksum < 2**32
+    other = KVFrameHeader(**{**header.__dict__, "checksum_kind": "wsum64"}).encode()
+    bad = FRAME_MAGIC + struct.pack(">I", len(other)) + other + bytes(payload)
+    with pytest.raises(TransferError, match="frames carry a CRC-32") as info:
+        read_frame(bad)
+    assert info.value.reason is TransferFailure.MALFORMED
 
 
 def test_empty_request():

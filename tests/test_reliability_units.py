@@ -173,6 +173,7 @@ def test_no_pickle_or_eval_on_request_and_transfer_paths():
     import no pickle/marshal/dill and call no eval/exec; msgpack is only read with limits."""
     cli = {"__main__.py", "client.py", "launcher.py"}  # command-line tools, not request paths
     files = [*sorted(p for p in (ROOT / "router").glob("*.py") if p.name not in cli), ROOT / "kv_transfer" / "transfer.py",
+             ROOT / "kv_transfer" / "channel.py",
              ROOT / "prefill_worker" / "deployment.py", ROOT / "decode_worker" / "deployment.py"]
     for path in files:
         tree = ast.parse(path.read_text())
@@ -382,6 +383,25 @@ def test_replica_failures_before_adoption_are_retried_then_503():
     pipe = _pipeline(lambda p, n: _prefill(p, n, die=lambda n: True), _decode)
     out, error = _run(pipe, REQ)
     assert out == [] and error.status == 503 and error.code == "prefill_unavailable" and error.retry_after_s == 1
+
+
+def test_failed_channel_transfer_is_retried_over_the_object_store():
+    def decode(payload, n):
+        if n == 1:  # the first attempt's channel broke
+            return _Stream([{"type": "transfer_error", "reason": "lost", "retryable": True, "message": "channel down",
+                             "replica_id": "d1", "transport": "nccl", "fallback": "object_store"}])
+        return _decode(payload, n)
+
+    pipe = _pipeline(_prefill, decode)
+    out, error = _run(pipe, REQ)
+    assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
+    prefills = pipe._prefill.prefill.calls
+    assert "transport" not in prefills[0] and prefills[1]["transport"] == "object_store"
+    assert out[-1].timing["prefill_attempts"] == 2
+    # a full decode pool is no reason to leave the channel: no fallback asked
+    pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=n == 1))
+    out, error = _run(pipe, REQ)
+    assert error is None and all("transport" not in c for c in pipe._prefill.prefill.calls)
 
 
 def test_decode_pool_full_everywhere_is_429_with_retry_hint():

@@ -184,6 +184,28 @@ def test_prefill_router_ranks_by_outstanding_causal_work():
     assert len(asyncio.run(router.choose_replicas([FakeReplica("p"), FakeReplica("q")], None))[0]) == 2
 
 
+def test_prefill_router_pins_calls_for_one_replica():
+    import time
+
+    router = _router(PrefillRequestRouter)
+    a = FakeReplica("a", {"outstanding_cost": 0.0})
+    b = FakeReplica("b", {"outstanding_cost": 1e9, "free_pages": 0})  # the worst choice, but it holds the pages
+
+    def pinned(replica, age_s=0.0):
+        return SimpleNamespace(args=[], kwargs={"routing": routing_hint(replica=replica)}, created_at=time.time() - age_s,
+                               metadata=SimpleNamespace(internal_request_id="send"))
+
+    assert routing_hint(replica="b") == {"cost": 0.0, "pages": 0, "replica": "b"}
+    assert [[r.name for r in t] for t in asyncio.run(router.choose_replicas([a, b], pinned("b")))] == [["b"]]
+    # Serve's real replica ids carry the id string in unique_id
+    real = FakeReplica(SimpleNamespace(unique_id="abc123"))
+    assert asyncio.run(router.choose_replicas([a, real], pinned("abc123"))) == [[real]]
+    # not (yet) listed: wait a little for it, then let anyone answer (and refuse at once)
+    assert asyncio.run(router.choose_replicas([a], pinned("gone"))) == []
+    assert asyncio.run(router.choose_replicas([a], pinned("gone", age_s=10.0))) == [[a]]
+    assert asyncio.run(router.choose_replicas([], pinned("gone", age_s=10.0))) == []
+
+
 def test_decode_router_prefers_room_then_low_load():
     router = _router(DecodeRequestRouter)
     full = FakeReplica("full", {"free_pages": 2, "num_pages": 100, "running": 0, "max_running": 8})
@@ -219,6 +241,9 @@ def test_service_config():
     cfg = ServiceConfig.from_dict({"alpha": 0.0, "fault_injection": {"corrupt_transfers": 2}})
     assert cfg.sparse_config.alpha == 0.0 and cfg.fault_injection.corrupt_transfers == 2
     assert ServiceConfig.from_dict(cfg.to_dict()) == cfg and cfg.model_id == "builtin:tiny"
+    for transport in ("auto", "object_store", "nccl", "gloo"):
+        assert ServiceConfig.from_dict({"transport": transport}).transport == transport
+    assert ServiceConfig.from_dict({"fault_injection": {"mode": "break"}}).fault_injection.mode == "break"
     for bad in ({"alpha": 2}, {"transport": "carrier-pigeon"}, {"page_size": 0}, {"bogus": 1},
                 {"block_size": 100}, {"fault_injection": {"mode": "melt"}}, {"debug_routing": "yes"}):
         with pytest.raises((ValueError, TypeError)):
