@@ -18,11 +18,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(config: ServiceConfig) -> torch.device:
+    """The replica's device, with its index (``cuda:0``, not ``cuda``: tensors report the
+    indexed form, and the pool and the runner compare devices)."""
     if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+    elif config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but this replica sees no GPU (num_gpus in ray_actor_options?)")
-    return torch.device(config.device)
+    elif config.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
