@@ -116,6 +116,7 @@ class BenchConfig:
     smoke: bool = False
     http_port: int = 8000
     grpc_port: int = 9000
+    transport: str = "auto"  # KV transport of every configuration (auto: NCCL channels on GPUs)
 
     def __post_init__(self) -> None:
         for name in self.configs:
@@ -164,7 +165,7 @@ def base_options(cfg: BenchConfig) -> dict[str, Any]:
         "model": cfg.model, "seed": cfg.seed, "max_model_len": longest + cfg.max_tokens,
         "default_max_tokens": cfg.max_tokens, "max_batch_tokens": longest,
         "max_queued_prefill_tokens": 1 << 40, "adopt_wait_s": 600.0, "lease_timeout_s": 900.0,
-        "max_request_bytes": 16 << 20, "batch_wait_ms": 2.0,
+        "max_request_bytes": 16 << 20, "batch_wait_ms": 2.0, "transport": cfg.transport,
     }
     if cfg.smoke:
         return {**common, "device": "cpu", "dtype": "float32", "torch_threads": 1, "page_size": 16,
@@ -587,6 +588,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="skip (and record) configurations and cells that would end past this")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--transport", default=None, choices=("auto", "object_store", "nccl"),
+                    help="KV transport of every configuration (default auto: NCCL channels between GPUs)")
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
     ap.add_argument("--merge", action="store_true", help="keep the other configurations already in --out")
@@ -612,6 +615,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
         if getattr(args, flag) is not None:
             values[key] = getattr(args, flag)
     values["fp8"] = args.fp8
+    if args.transport is not None:
+        values["transport"] = args.transport
     try:
         cfg = BenchConfig(**values)
     except ValueError as exc:
