@@ -103,6 +103,8 @@ def plan_descales(
     if not fp8.is_fp8(q):
         fp8.reject_descales(q_descale, k_descale, v_descale, q.dtype)
         return None
+    if plan.head_dim < 32:  # Hopper's fp8 MMA reduces over 32 elements at a time
+        raise ValueError(f"q: FP8 inputs need head_dim >= 32, got {plan.head_dim}")
     return fp8.check_descales(
         q_descale, k_descale, v_descale, batch=plan.batch_size, num_kv_heads=plan.num_kv_heads,
         device=q.device, check_values=check_values,

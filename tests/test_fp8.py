@@ -223,6 +223,12 @@ def test_descales_rejected_for_bf16_and_mixed_dtypes():
                            backend="reference", **batch.descales())
 
 
+def test_fp8_needs_head_dim_32():
+    batch = fp8_batch([20], [0], hq=2, hkv=1, d=16, page_size=16, device="cpu")
+    with pytest.raises(ValueError, match="q: FP8 inputs need head_dim >= 32, got 16"):
+        ops.sparse_prefill(*batch.args(), backend="reference", **batch.descales())
+
+
 def test_planned_calls_need_descales_for_fp8():
     batch = _small_batch()
     plan = ops.plan_prefill(*batch.args(), SparseConfig())
