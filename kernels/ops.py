@@ -149,8 +149,15 @@ def attention_planned(
 
 
 def _auto_cutlass(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """``auto`` takes the CUTLASS kernel only when ``FLASHPREFILL_CUTLASS_LIB`` names a library
+    (opt-in): v0 is correct but 0.65x the Triton kernel (BENCHMARKS.md), so ``auto`` must not
+    build it on first use and run the slower kernel. Once a version beats Triton this becomes
+    "whenever available"."""
     from . import cutlass_attention
+    from .cutlass_build import ENV_LIB
 
+    if not os.environ.get(ENV_LIB):
+        return False
     return cutlass_available(q.device) and cutlass_attention.supports(q, k_pages, v_pages)
 
 

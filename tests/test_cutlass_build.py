@@ -280,6 +280,10 @@ def test_auto_prefers_cutlass_only_when_supported(monkeypatch):
     q, k, v = _qkv()
     monkeypatch.setattr(ops, "cutlass_available", lambda device: True)
     monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    monkeypatch.delenv("FLASHPREFILL_CUTLASS_LIB", raising=False)
+    assert not ops._auto_cutlass(q, k, v)  # opt-in: a buildable library is not enough for auto
+    monkeypatch.setenv("FLASHPREFILL_CUTLASS_LIB", "/some/libfp_cutlass.so")
+    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
     assert ops._auto_cutlass(q, k, v)
     monkeypatch.setattr(ca, "supports", lambda q, k, v: False)  # e.g. fp32 or d = 80: Triton
     assert not ops._auto_cutlass(q, k, v)
