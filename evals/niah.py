@@ -347,8 +347,8 @@ def record_index_calls(log: DensityLog, *, measure: bool = True):
 
     original = ops.build_index_planned
 
-    def wrapped(q, k_pages, v_pages, plan, *, backend="auto"):
-        index = original(q, k_pages, v_pages, plan, backend=backend)
+    def wrapped(q, k_pages, v_pages, plan, **kw):  # backend, descales: passed through
+        index = original(q, k_pages, v_pages, plan, **kw)
         if not measure:
             d = float("nan")
         elif plan.config.alpha == 0.0:
