@@ -35,8 +35,9 @@ from typing import Sequence
 
 import torch
 
+from kernels import fp8
+
 POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-FP8_E4M3_MAX = 448.0
 
 
 class PoolExhausted(RuntimeError):
@@ -350,14 +351,12 @@ class KVPool:
 
 def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor:
     """Per-head descale ``[H]`` so that ``x [T, H, d] / scale`` spans e4m3's range."""
-    amax = x.detach().float().abs().amax(dim=(0, 2))
-    return torch.clamp(amax * margin / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    return fp8.descale_from_amax(x.detach().float().abs().amax(dim=(0, 2)), margin=margin)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [T, H, d] / scale [H]`` saturated to +-448 and rounded to e4m3."""
-    y = x.float() / scale.view(1, -1, 1)
-    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    """``x [T, H, d] / scale [H]`` saturated to +-448 and rounded to e4m3 (``kernels.fp8``)."""
+    return fp8.quantize(x, scale.view(1, -1, 1))
 
 
 def _describe(x: object) -> str:

@@ -70,3 +70,18 @@ def make_batch(
         q.to(dtype).to(device), k_pages.to(device), v_pages.to(device), table.to(device),
         cu.to(device), skv.to(device), keys, values,
     )
+
+
+def poison_empty(monkeypatch, module) -> None:
+    """Make ``module._empty`` (the allocator a kernel wrapper uses for outputs and split
+    partials) fill floating-point tensors with NaN, so any element a kernel leaves unwritten
+    shows in the comparison."""
+    real_empty = torch.empty
+
+    def empty(*shape, dtype=None, device=None, **kw):
+        t = real_empty(*shape, dtype=dtype, device=device, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(module, "_empty", empty)

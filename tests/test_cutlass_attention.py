@@ -14,7 +14,6 @@ Sanitizer (tiny shapes, one test):
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -40,6 +39,7 @@ pytestmark = [pytest.mark.gpu,
 
 from kernels import cutlass_attention as ca  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
+from tests.helpers import poison_empty  # noqa: E402
 from tests.test_triton_attention import (CASES, _case, _case_id,  # noqa: E402
                                          _lowprec_sparse_attention, _pruning_stats)
 
@@ -54,15 +54,7 @@ DEVICE = "cuda"
 @pytest.fixture(autouse=True)
 def _nan_outputs(monkeypatch):
     """Kernel outputs and split partials start as NaN: any element left unwritten shows."""
-    real_empty = torch.empty
-
-    def empty(*shape, dtype=None, device=None, **kw):
-        t = real_empty(*shape, dtype=dtype, device=device, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ca, "_empty", empty)
+    poison_empty(monkeypatch, ca)
 
 
 def _diagnose(out, expect, plan, tol, label):

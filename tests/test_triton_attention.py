@@ -18,7 +18,7 @@ from kernels import SparseConfig, plan_prefill
 from kernels import reference as ref
 from kernels.config import KV_TILE
 from kernels.paged import gather_kv
-from tests.helpers import make_batch
+from tests.helpers import make_batch, poison_empty
 
 ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -146,15 +146,7 @@ def _pruning_stats(plan, index):
 
 def _nan_outputs(monkeypatch):
     """Kernel outputs and split partials start as NaN: any element left unwritten shows."""
-    real_empty = torch.empty
-
-    def empty(*shape, dtype=None, device=None, **kw):
-        t = real_empty(*shape, dtype=dtype, device=device, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ta, "_empty", empty)
+    poison_empty(monkeypatch, ta)
 
 
 def _check_close(out, lse, batch, plan, index):
