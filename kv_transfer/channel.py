@@ -168,29 +168,41 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return int(total.item()) & _U64
 
 
-def _byte_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-    # bytes, not elements: index_select/index_copy_ have no FP8 kernels, and a copy is exact anyway
-    return pool.k.view(torch.uint8), pool.v.view(torch.uint8)
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _word_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's K and V as the widest integer words a row of ``head_dim`` elements divides
+    into (int64 for bf16 and fp8 at d = 128): index_select/index_copy_ move one element per
+    index computation, so 8-byte words move 8x the bytes per step of a byte view (and integer
+    views also cover FP8, which those kernels do not support). A copy is exact either way."""
+    row_bytes = pool.head_dim * pool.k.element_size()
+    for word in _WORDS:
+        size = torch.empty((), dtype=word).element_size()
+        if row_bytes % size == 0:
+            return pool.k.view(word), pool.v.view(word)
+    raise AssertionError("unreachable: uint8 divides every row")
 
 
 def gather_pages(pool: KVPool, pages: list[int]) -> torch.Tensor:
     """``pages`` of every layer, K then V, as one contiguous ``uint8`` tensor on the pool's
-    device: ``[2, num_layers, len(pages), page_size, num_kv_heads, head_dim]`` bytes, flat."""
-    k, v = _byte_view(pool)
-    out = torch.empty((2, k.shape[0], len(pages), *k.shape[2:]), dtype=torch.uint8, device=pool.device)
+    device: ``[2, num_layers, len(pages), page_size, num_kv_heads, head_dim]`` elements' bytes,
+    flat."""
+    k, v = _word_view(pool)
+    out = torch.empty((2, k.shape[0], len(pages), *k.shape[2:]), dtype=k.dtype, device=pool.device)
     if pages:
         index = torch.tensor(pages, dtype=torch.long, device=pool.device)
         for part, src in enumerate((k, v)):
             torch.index_select(src, 1, index, out=out[part])
-    return out.view(-1)
+    return out.view(-1).view(torch.uint8)
 
 
 def scatter_pages(pool: KVPool, pages: list[int], payload: torch.Tensor) -> None:
     """The inverse of :func:`gather_pages`: ``payload`` into ``pages`` of ``pool``."""
-    k, v = _byte_view(pool)
+    k, v = _word_view(pool)
     if not pages:
         return
-    block = payload.view(2, k.shape[0], len(pages), *k.shape[2:])
+    block = payload.view(k.dtype).view(2, k.shape[0], len(pages), *k.shape[2:])
     index = torch.tensor(pages, dtype=torch.long, device=pool.device)
     for part, dst in enumerate((k, v)):
         dst.index_copy_(1, index, block[part])
