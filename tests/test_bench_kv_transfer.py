@@ -32,3 +32,20 @@ def test_cpu_smoke_writes_a_complete_report(tmp_path):
         assert r["channel"]["detail"]["export_ms"] > 0 and r["channel_vs_copy"] > 0
     assert report["counters"]["decode"]["channel_receives"] == 2 * 3  # (warmup + iters) per size
     assert report["counters"]["prefill"]["channel_staged"] == 0
+
+
+def test_kv_pack_cpu_smoke(tmp_path):
+    """bench_kv_pack runs (gather / checksum / scatter timings) and its checks hold on CPU."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv_pack.py"
+    spec = importlib.util.spec_from_file_location("bench_kv_pack", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "pack.json"
+    assert mod.main(["--cpu-smoke", "--iters", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [40, 100]
+    assert all(r[k] > 0 for r in rows for k in ("gather_ms", "gather_bytes_ms", "checksum_ms", "scatter_ms"))
