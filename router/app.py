@@ -13,6 +13,7 @@ No ``from __future__ import annotations`` here: FastAPI reads the handlers' anno
 import time (``request: Request`` must be the class, not a string).
 """
 
+import dataclasses
 import json
 import logging
 import time
@@ -321,16 +322,24 @@ class OpenAIIngress:
 
 
 # --------------------------------------------------------------------------- the builder
-def _default_worker_options(config: ServiceConfig) -> dict:
-    """GPU replicas when the cluster has GPUs and the config does not pin the CPU."""
-    import ray
+def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = None) -> dict:
+    """GPU replicas when the cluster has GPUs and the config does not pin the CPU: one GPU each
+    with two or more GPUs; with exactly one, prefill and decode share it (half each)."""
+    if cluster_gpus is None:
+        import ray
 
+        cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
     gpus = 0.0
-    if config.device != "cpu" and ray.is_initialized():
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-    if config.device == "cuda":
+    if config.device != "cpu":
+        gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
+    if config.device == "cuda" and gpus == 0.0:
         gpus = 1.0
     return {"ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
+
+
+def _shares_gpu(options: dict) -> bool:
+    gpus = options.get("ray_actor_options", {}).get("num_gpus", 0) or 0
+    return 0 < gpus < 1
 
 
 def build_application(
@@ -348,11 +357,16 @@ def build_application(
     from prefill_worker.deployment import make_prefill_deployment
 
     config = ServiceConfig.from_dict(config)
+    worker_defaults = _default_worker_options(config)
+    prefill_opts = {**worker_defaults, **(prefill or {})}
+    decode_opts = {**worker_defaults, **(decode or {})}
+    if config.transport == "auto" and (_shares_gpu(prefill_opts) or _shares_gpu(decode_opts)):
+        # replicas sharing a GPU: NCCL will not put two ranks on one device
+        config = dataclasses.replace(config, transport="object_store")
     raw = config.to_dict()
     worker_raw = config.worker_dict()  # the auth token stays with the ingress
-    worker_defaults = _default_worker_options(config)
-    prefill_dep = make_prefill_deployment(config, **{**worker_defaults, **(prefill or {})})
-    decode_dep = make_decode_deployment(config, **{**worker_defaults, **(decode or {})})
+    prefill_dep = make_prefill_deployment(config, **prefill_opts)
+    decode_dep = make_decode_deployment(config, **decode_opts)
     ingress_options: dict[str, Any] = {
         "name": "OpenAIIngress",
         "max_ongoing_requests": 256,

@@ -383,3 +383,19 @@ def test_prefill_replica_prefills_in_chunks_of_prefill_chunk_tokens():
         assert server.engine.forward_batches == (1 if chunk is None else 4)
         server.engine.release("r")
     assert firsts[None] == firsts[32]
+
+
+def test_default_worker_gpus_and_transport_on_a_shared_gpu():
+    """With one GPU, prefill and decode share it (half each) and ``auto`` becomes the object
+    store (NCCL will not put two ranks on one device); with two or more, one GPU each."""
+    from router.app import _default_worker_options, _shares_gpu
+
+    cfg = ServiceConfig()
+    one = _default_worker_options(cfg, cluster_gpus=1)
+    two = _default_worker_options(cfg, cluster_gpus=2)
+    none = _default_worker_options(cfg, cluster_gpus=0)
+    assert one["ray_actor_options"]["num_gpus"] == 0.5 and _shares_gpu(one)
+    assert two["ray_actor_options"]["num_gpus"] == 1.0 and not _shares_gpu(two)
+    assert none["ray_actor_options"]["num_gpus"] == 0.0 and not _shares_gpu(none)
+    assert _default_worker_options(ServiceConfig(device="cpu"), cluster_gpus=4)["ray_actor_options"]["num_gpus"] == 0.0
+    assert _default_worker_options(ServiceConfig(device="cuda"), cluster_gpus=0)["ray_actor_options"]["num_gpus"] == 1.0
