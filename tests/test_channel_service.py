@@ -95,20 +95,31 @@ def test_greedy_outputs_match_and_every_transfer_used_a_channel(service):
         assert got == want and obj["timing"]["prefill_attempts"] == 1
         got, _ = complete(service, "channel", ids, max_tokens, stream=True)
         assert got == want
-    # concurrent requests spread over both prefill replicas: each send must reach the holder
+    # concurrent requests spread over both prefill replicas: each send must reach the holder.
+    # Whether one burst overlaps enough to use both depends on the machine's load: up to three
+    # bursts, and at least one must have used both replicas.
     ids = prompt_of(333, seed=3)
     want = oracle_tokens(CONFIGS["channel"], ids, 3)
-    results: list = []
-    threads = [threading.Thread(target=lambda: results.append(complete(service, "channel", ids, 3))) for _ in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert all(got == want and obj["timing"]["prefill_attempts"] == 1 for got, obj in results)
-    assert len({obj["routing"]["prefill_replica"] for _, obj in results}) == 2
+    used: set = set()
+    bursts = 0
+    for _ in range(3):
+        bursts += 1
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(complete(service, "channel", ids, 3)))
+                   for _ in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert len(results) == 6
+        assert all(got == want and obj["timing"]["prefill_attempts"] == 1 for got, obj in results)
+        used = {obj["routing"]["prefill_replica"] for _, obj in results}
+        if len(used) == 2:
+            break
+    assert len(used) == 2
     wait_pools_idle("channel")
     pre, dec = replica_stats("channel", "PrefillServer"), replica_stats("channel", "DecodeServer")
-    total = 2 * len(cases) + 6
+    total = 2 * len(cases) + 6 * bursts
     assert [s["transfers"] for s in dec] == [{"gloo": total}]
     assert _sum(dec, "channel_receives") == total == _sum(pre, "channel_sends")
     assert _sum(dec, "transfer_failures") == 0 and _sum(dec, "channel_failures") == 0
