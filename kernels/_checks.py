@@ -59,12 +59,14 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_attention_inputs(
-    q: object, k_pages: object, v_pages: object
+    q: object, k_pages: object, v_pages: object, *, kv_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [Tq, Hq, d], k_pages/v_pages [num_pages, page_size, Hkv, d], one dtype and device."""
+    """q [Tq, Hq, d], k_pages/v_pages [num_pages, page_size, Hkv, d] on one device, the pages
+    in q's dtype (or ``kv_dtype``: decode reads FP8 pages with a 16/32-bit query)."""
     q = check_tensor("q", q, ndim=3, dtypes=OPERATOR_DTYPES)
-    k_pages = check_tensor("k_pages", k_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
-    v_pages = check_tensor("v_pages", v_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
+    want = (q.dtype if kv_dtype is None else kv_dtype,)
+    k_pages = check_tensor("k_pages", k_pages, ndim=4, dtypes=want, device=q.device)
+    v_pages = check_tensor("v_pages", v_pages, ndim=4, dtypes=want, device=q.device)
     if tuple(v_pages.shape) != tuple(k_pages.shape):
         raise ValueError(
             f"v_pages: expected the shape of k_pages {tuple(k_pages.shape)}, got {tuple(v_pages.shape)}"

@@ -48,17 +48,13 @@ def check_decode_inputs(
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     descales = None
     if _fp8.is_fp8(k_pages):
-        # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its rules (as FP8 q)
-        _, k_pages, v_pages = check_attention_inputs(q.to(_fp8.FP8_DTYPE) if q.numel() == 0 else
-                                                     torch.empty(q.shape, dtype=_fp8.FP8_DTYPE, device=q.device),
-                                                     k_pages, v_pages)
-        if q.stride(-1) != 1 and q.numel():
-            raise ValueError(f"q: expected the last dimension contiguous, got strides {q.stride()}")
-        ds = _fp8.check_descales(
-            torch.ones(1, device=q.device), k_descale, v_descale, batch=q.shape[0],
-            num_kv_heads=k_pages.shape[2], device=q.device, check_values=check_values,
-        )
-        descales = (ds.k, ds.v)
+        # [B, Hq, d] has the rank of the prefill's [Tq, Hq, d]: share its rules
+        q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages, kv_dtype=_fp8.FP8_DTYPE)
+        named = [(name, _fp8.descale_view(name, t, q.shape[0], k_pages.shape[2], q.device))
+                 for name, t in (("k_descale", k_descale), ("v_descale", v_descale))]
+        if check_values:
+            _fp8.check_descale_values(named)
+        descales = (named[0][1], named[1][1])
     else:
         q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
         for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):

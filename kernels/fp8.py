@@ -52,7 +52,11 @@ class Fp8Descales:
         return (*self.q.stride(), *self.k.stride(), *self.v.stride())
 
 
-def _descale_view(name: str, t: object, batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+def descale_view(name: str, t: object, batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """One descale argument as a ``[batch, num_kv_heads]`` float32 view (no copy, no sync);
+    ``ValueError`` naming ``name`` for None, a non-tensor, another dtype, device or shape."""
+    if t is None:
+        raise ValueError(f"{name}: FP8 inputs need descale factors, got None")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a float32 torch.Tensor of descale factors, got {type(t).__name__}")
     if t.dtype != torch.float32:
@@ -84,19 +88,25 @@ def check_descales(
 ) -> Fp8Descales:
     """Validate the three descales (type, dtype, device, shape and, with ``check_values``,
     positive and finite: one device->host read). Raises ``ValueError`` naming the argument."""
-    views = []
-    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is None:
-            raise ValueError(f"{name}: FP8 inputs need descale factors, got None")
-        views.append(_descale_view(name, t, batch, num_kv_heads, device))
-    if check_values and batch and num_kv_heads:
-        bad = torch.stack([~(torch.isfinite(x) & (x > 0)).all() for x in views]).tolist()
-        for name, x, is_bad in zip(("q_descale", "k_descale", "v_descale"), views, bad):
-            if is_bad:
-                vals = x.flatten().tolist()
-                shown = vals[:8] + (["..."] if len(vals) > 8 else [])
-                raise ValueError(f"{name}: expected positive finite descale factors, got {shown}")
-    return Fp8Descales(q=views[0], k=views[1], v=views[2])
+    named = [(name, descale_view(name, t, batch, num_kv_heads, device))
+             for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))]
+    if check_values:
+        check_descale_values(named)
+    return Fp8Descales(q=named[0][1], k=named[1][1], v=named[2][1])
+
+
+def check_descale_values(named: list[tuple[str, torch.Tensor]]) -> None:
+    """``ValueError`` naming the first descale with a zero, negative or non-finite factor (one
+    device->host read for all of them)."""
+    named = [(name, x) for name, x in named if x.numel()]
+    if not named:
+        return
+    bad = torch.stack([~(torch.isfinite(x) & (x > 0)).all() for _, x in named]).tolist()
+    for (name, x), is_bad in zip(named, bad):
+        if is_bad:
+            vals = x.flatten().tolist()
+            shown = vals[:8] + (["..."] if len(vals) > 8 else [])
+            raise ValueError(f"{name}: expected positive finite descale factors, got {shown}")
 
 
 def reject_descales(q_descale: object, k_descale: object, v_descale: object, dtype: torch.dtype) -> None:
@@ -235,6 +245,7 @@ def _describe(x: object) -> str:
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "P_OFFSET", "OUT_DTYPE", "Fp8Descales", "is_fp8", "check_descales",
+    "descale_view", "check_descale_values",
     "reject_descales", "descale_from_amax", "quantize", "quantize_per_tensor", "quantize_bshd",
     "quantize_queries", "quantize_per_head_pages", "dequantize_queries", "dequantize_sequence", "requantize_means",
     "block_descales",
