@@ -128,30 +128,11 @@ COLUMNS = [
 ]
 
 
-def table(rows: list[dict]) -> str:
-    head = [c[0] for c in COLUMNS]
-    body = []
-    for r in rows:
-        cells = []
-        for _, key, fmt in COLUMNS:
-            val = r.get(key)
-            if isinstance(val, dict):
-                val = ",".join(val) or None
-            cells.append("-" if val is None else (fmt.format(val) if not isinstance(val, str) else val))
-        body.append(cells)
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
-    return "\n".join(lines)
-
-
 def merge_rows(path: Path, new_rows: list[dict], env: dict) -> None:
     """Add ``new_rows`` to the results file, replacing only cutlass rows of the same case."""
     data = json.loads(path.read_text()) if path.is_file() else {"env": env, "rows": []}
-    keys = {(r["batch"], r["seqlen"], r.get("target_density"), r.get("dtype")) for r in new_rows}
-    kept = [r for r in data.get("rows", [])
-            if not (r.get("kernel") == "cutlass"
-                    and (r.get("batch"), r.get("seqlen"), r.get("target_density"), r.get("dtype")) in keys)]
+    keys = {bo._row_key(r) for r in new_rows}  # (kernel, dtype, V layout, B, L, target): cutlass rows only
+    kept = [r for r in data.get("rows", []) if bo._row_key(r) not in keys]
     data["rows"] = kept + new_rows
     data["env_cutlass"] = env  # the top-level env stays bench_operator's
     path.write_text(json.dumps(data, indent=1))
@@ -187,7 +168,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     merge_rows(out, rows, env)
     print(f"\nadded {len(rows)} cutlass rows to {out} ({time.time() - t_start:.0f} s)")
-    print(table(rows))
+    print(bo.table(rows, COLUMNS))
 
 
 if __name__ == "__main__":

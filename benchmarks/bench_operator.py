@@ -628,12 +628,13 @@ COLUMNS = [
 ]
 
 
-def table(rows: list[dict]) -> str:
-    head = [c[0] for c in COLUMNS]
+def table(rows: list[dict], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
+    """Right-aligned text table of ``rows`` over ``columns`` (header, key, format)."""
+    head = [c[0] for c in columns]
     body = []
     for r in rows:
         cells = []
-        for _, key, fmt in COLUMNS:
+        for _, key, fmt in columns:
             val = r.get(key)
             if isinstance(val, dict):
                 val = ",".join(val) or None

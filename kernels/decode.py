@@ -124,8 +124,8 @@ def _reference_run(
         keys = gather_kv(k_pages, page_table, b, length).float()  # [L, Hkv, d]
         vals = gather_kv(v_pages, page_table, b, length).float()
         if descales is not None:
-            keys = keys * descales[0][b][None, :, None]
-            vals = vals * descales[1][b][None, :, None]
+            keys = _fp8.dequantize_sequence(keys, descales[0][b])
+            vals = _fp8.dequantize_sequence(vals, descales[1][b])
         qb = q[b].float().view(hkv, g, d)
         s = scale * torch.einsum("hgd,lhd->hgl", qb, keys)  # [Hkv, g, L]: one row per query head
         row_lse = torch.logsumexp(s, dim=-1, keepdim=True)

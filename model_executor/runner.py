@@ -88,7 +88,6 @@ class ModelRunner:
             raise ValueError(
                 f"pool: expected a float32, bfloat16, float16 or float8_e4m3fn pool, got {self.pool.k.dtype}"
             )
-
         if self.pool.k.device != self.device:
             raise ValueError(f"device: expected the pool's device {self.pool.k.device}, got {self.device}")
 
@@ -199,7 +198,8 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, token_ids: Sequence[int] | None = None, *, margin: float = 2.0) -> None:
         """FP8 pools: set every layer's K/V descales from one prefill of ``token_ids`` (default:
-        2048 seeded pseudo-random ids, fewer if the free pages hold less), ``amax * margin / 448`` rounded up to a power of two.
+        2048 seeded pseudo-random ids, fewer if the free pages hold less), ``amax * margin /
+        448`` rounded up to a power of two.
         Replicas of one model calibrated this way get identical scales, which KV transfer
         between them requires. The calibration request's pages are released afterwards."""
         if self.pool.k_scale is None:
