@@ -12,6 +12,10 @@ Triton index stage. Per length:
 - effective TFLOP/s over the selected work (``4 d`` per selected (head, query, key) pair, as
   bench_operator), dense TFLOP/s over the causal pairs.
 
+``--kernels ws128,ws64,v0`` times each compiled variant (``cutlass_build.KERNELS``) on the same
+inputs after checking it against the first; the row's main columns are the first variant's,
+``by_kernel`` holds every variant's times (a second table).
+
 Usage (H200, ``PYTHONPATH=$PWD``, ``FLASHPREFILL_CUTLASS_LIB`` pointing at a prebuilt library):
 ``python3 benchmarks/bench_cutlass.py`` (about 2 minutes). Prints a table last; adds rows with
 ``kernel="cutlass"`` to ``benchmarks/results/operator_h200.json`` (earlier cutlass rows of the same
@@ -45,7 +49,8 @@ LENGTHS = (8192, 32768, 131072)
 DENSE_MAX = 32768
 
 
-def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: bool) -> dict:
+def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: bool,
+               kernels: tuple[str, ...] = (cutlass_build.DEFAULT_KERNEL,)) -> dict:
     op_cfg = SparseConfig()
     row: dict = {"batch": 1, "seqlen": length, "dtype": cfg.dtype, "kernel": "cutlass",
                  "target_density": None, "gpu": env["gpu"], "date": env["date"],
@@ -65,9 +70,9 @@ def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: b
     work_flop = 4.0 * bo.D * sel_pairs
     dense_flop = 4.0 * bo.D * all_pairs
 
-    def ours(p=plan, dense=False):
+    def ours(p=plan, dense=False, kernel=kernels[0]):
         return ca.sparse_attention(qf, k_pages, v_pages, p, None if dense else index,
-                                   num_splits=splits, dense=dense)
+                                   num_splits=splits, dense=dense, kernel=kernel)
 
     def triton(p=plan, dense=False):
         return ta.sparse_attention(qf, k_pages, v_pages, p, None if dense else index,
@@ -88,6 +93,13 @@ def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: b
         row["triton_check_err"] = float((tri.float() - expect.float()).abs().max())
     err = row.get("check_err", row["diff_vs_triton"])
     row["check_ok"] = row["finite"] and err <= cfg.check_tol
+    row["kernel_variant"] = kernels[0]
+    for other in kernels[1:]:  # every variant must agree with the first before any timing
+        o2, l2 = ours(kernel=other)
+        d = float((o2.float() - out.float()).abs().max())
+        row.setdefault("variant_diff", {})[other] = d
+        row["check_ok"] = row["check_ok"] and bool(torch.isfinite(o2).all()) and d <= cfg.check_tol
+        del o2, l2
     del out, lse, tri, tri_lse
     print(f"L={length}: density {row['density']:.3f}, splits {splits}, "
           f"check {row.get('check_err')}, vs triton {row['diff_vs_triton']:.3g}", flush=True)
@@ -108,6 +120,21 @@ def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: b
         row["triton_dense_ms"] = bo.bench_ms(lambda: triton(dense=True), device, budget)
         row["dense_tflops"] = dense_flop / row["dense_ms"] / 1e9
         row["triton_dense_tflops"] = dense_flop / row["triton_dense_ms"] / 1e9
+    by_kernel = {}
+    for kern in kernels:  # the first is timed above; each variant's times side by side
+        t = {"attention_ms": row["attention_ms"], "attention_nocorr_ms": row["attention_nocorr_ms"]}
+        if kern != kernels[0]:
+            t = {"attention_ms": bo.bench_ms(lambda: ours(kernel=kern), device, budget),
+                 "attention_nocorr_ms": bo.bench_ms(lambda: ours(plan_nc, kernel=kern), device, budget)}
+            if length <= DENSE_MAX:
+                t["dense_ms"] = bo.bench_ms(lambda: ours(dense=True, kernel=kern), device, budget)
+        elif "dense_ms" in row:
+            t["dense_ms"] = row["dense_ms"]
+        t["attention_tflops"] = work_flop / t["attention_ms"] / 1e9
+        t["attention_nocorr_tflops"] = work_flop / t["attention_nocorr_ms"] / 1e9
+        t["speedup_vs_triton"] = row["triton_attention_ms"] / t["attention_ms"]
+        by_kernel[kern] = t
+    row["by_kernel"] = by_kernel
     row["case_s"] = time.time() - t0
     del q, k, v, qf, k_pages, v_pages, index
     torch.cuda.empty_cache()
@@ -128,6 +155,14 @@ COLUMNS = [
 ]
 
 
+VARIANT_COLUMNS = [
+    ("L", "seqlen", "{}"), ("kernel", "kernel_variant", "{}"), ("ms", "attention_ms", "{:.2f}"),
+    ("TF", "attention_tflops", "{:.0f}"), ("nc ms", "attention_nocorr_ms", "{:.2f}"),
+    ("nc TF", "attention_nocorr_tflops", "{:.0f}"), ("dense ms", "dense_ms", "{:.2f}"),
+    ("x tri", "speedup_vs_triton", "{:.2f}"),
+]
+
+
 def merge_rows(path: Path, new_rows: list[dict], env: dict) -> None:
     """Add ``new_rows`` to the results file, replacing only cutlass rows of the same case."""
     data = json.loads(path.read_text()) if path.is_file() else {"env": env, "rows": []}
@@ -143,12 +178,18 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", type=str, default=",".join(str(x) for x in LENGTHS))
     ap.add_argument("--budget-ms", type=float, default=300.0)
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
+    ap.add_argument("--kernels", type=str, default=",".join(cutlass_build.KERNELS),
+                    help="variants to time (the first fills the row's main columns)")
     args = ap.parse_args(argv)
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    bad = [k for k in kernels if k not in cutlass_build.KERNELS]
+    if not kernels or bad:
+        ap.error(f"--kernels: expected names from {tuple(cutlass_build.KERNELS)}, got {args.kernels!r}")
     device = torch.device("cuda")
     env = bo._env(device)
     env["cutlass_library"] = str(cutlass_build.library_path())
-    env["cutlass_kernels"] = {f"bf16_d{d}": cutlass_build.kernel_attributes("bfloat16", d)
-                              for d in (64, 128)}
+    env["cutlass_kernels"] = {f"{k}_bf16_d{d}": cutlass_build.kernel_attributes("bfloat16", d, k)
+                              for k in kernels for d in (64, 128)}
     print(env, flush=True)
     cfg = dataclasses.replace(bo.BenchConfig(), budget_ms=args.budget_ms)
     rows = []
@@ -156,7 +197,8 @@ def main(argv=None) -> None:
     t_start = time.time()
     for i, length in enumerate(lengths):
         try:
-            row = run_length(length, cfg, device, env, check_reference=(i == 0 and length <= 16384))
+            row = run_length(length, cfg, device, env, check_reference=(i == 0 and length <= 16384),
+                             kernels=kernels)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             row = {"batch": 1, "seqlen": length, "kernel": "cutlass", "dtype": cfg.dtype,
@@ -169,6 +211,10 @@ def main(argv=None) -> None:
     merge_rows(out, rows, env)
     print(f"\nadded {len(rows)} cutlass rows to {out} ({time.time() - t_start:.0f} s)")
     print(bo.table(rows, COLUMNS))
+    variant_rows = [{"seqlen": r["seqlen"], "kernel_variant": k, **t}
+                    for r in rows for k, t in r.get("by_kernel", {}).items()]
+    print()
+    print(bo.table(variant_rows, VARIANT_COLUMNS))
 
 
 if __name__ == "__main__":

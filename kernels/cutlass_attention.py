@@ -86,15 +86,21 @@ def sparse_attention(
     *,
     num_splits: int | None = None,
     dense: bool = False,
+    kernel: str = cutlass_build.DEFAULT_KERNEL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage over ``index`` (or every visible tile with ``dense=True``).
 
     Inputs as validated by ``kernels.ops.plan_prefill``: ``q [Tq, Hq, d]``,
     ``k_pages/v_pages [num_pages, page_size, Hkv, d]``. Returns ``out [Tq, Hq, d]`` in ``q.dtype``
     and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
-    (``config.num_splits`` when positive). No host synchronisation.
+    (``config.num_splits`` when positive). ``kernel`` picks the compiled variant
+    (``cutlass_build.KERNELS``: ``ws128`` the warp-specialized kernel with 128 keys per step,
+    ``ws64`` with 64, ``v0`` the first version; for benchmarks and tests). No host
+    synchronisation.
     """
     check_inputs(q, k_pages, v_pages)
+    if kernel not in cutlass_build.KERNELS:
+        raise ValueError(f"kernel: expected one of {tuple(cutlass_build.KERNELS)}, got {kernel!r}")
     from . import triton_attention as ta  # scheduling helpers and the bitmask prepass
 
     cfg = plan.config
@@ -154,7 +160,7 @@ def sparse_attention(
         num_qo_heads=hq, head_dim=d, page_size=plan.page_size, block_size=cfg.block_size,
         dtype=cutlass_build.DTYPE_CODES[str(q.dtype).removeprefix("torch.")],
         correction=int(correction), dense=int(dense), device=q.device.index or 0,
-        qk_scale_log2=cfg.softmax_scale(d) * _LOG2E,
+        qk_scale_log2=cfg.softmax_scale(d) * _LOG2E, kernel_variant=cutlass_build.KERNELS[kernel],
     )
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = lib.fp_sparse_attn_fwd(ctypes.byref(p), ctypes.c_void_p(stream))

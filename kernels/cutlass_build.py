@@ -41,11 +41,14 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 1  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 2  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_fwd.cu")
+SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"
 ENV_LIB = "FLASHPREFILL_CUTLASS_LIB"
+# FpKernel in csrc/fp_attn_api.h: v1 warp-specialized with 128 / 64 keys per step, v0
+KERNELS = {"ws128": 0, "ws64": 1, "v0": 2}
+DEFAULT_KERNEL = "ws128"
 ENV_INCLUDE = "FLASHPREFILL_CUTLASS_INCLUDE"
 ENV_CACHE = "FLASHPREFILL_CACHE"
 NVCC_FLAGS = (
@@ -81,7 +84,7 @@ class FpAttnParams(ctypes.Structure):
         "total_q", "total_tiles", "num_segments", "num_splits", "words_per_seg", "group_size",
         "num_qo_heads", "head_dim", "page_size", "block_size", "dtype", "correction", "dense",
         "device",
-    )] + [("qk_scale_log2", ctypes.c_float), ("reserved", ctypes.c_int32)]
+    )] + [("qk_scale_log2", ctypes.c_float), ("kernel_variant", ctypes.c_int32)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +279,7 @@ def _load(path: str) -> ctypes.CDLL:
     lib.fp_sparse_attn_fwd.restype = ctypes.c_int
     lib.fp_sparse_attn_fwd.argtypes = [ctypes.POINTER(FpAttnParams), ctypes.c_void_p]
     lib.fp_kernel_attributes.restype = ctypes.c_int
-    lib.fp_kernel_attributes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.fp_kernel_attributes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
     lib.fp_last_error.restype = ctypes.c_char_p
     lib.fp_last_error.argtypes = []
     version = lib.fp_abi_version()
@@ -306,11 +309,13 @@ def check_status(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (status {status}): {msg}")
 
 
-def kernel_attributes(dtype: str, head_dim: int) -> dict:
+def kernel_attributes(dtype: str, head_dim: int, variant: str = DEFAULT_KERNEL) -> dict:
     """Registers, local (spill) bytes, shared bytes of the attention kernel (needs a GPU)."""
+    if variant not in KERNELS:
+        raise ValueError(f"variant: expected one of {tuple(KERNELS)}, got {variant!r}")
     lib = load_library()
     out = (ctypes.c_int * 4)()
-    check_status(lib, lib.fp_kernel_attributes(DTYPE_CODES[dtype], head_dim, out),
+    check_status(lib, lib.fp_kernel_attributes(KERNELS[variant], DTYPE_CODES[dtype], head_dim, out),
                  "fp_kernel_attributes")
     return {"registers": out[0], "local_bytes": out[1], "shared_bytes": out[2],
             "max_threads": out[3]}

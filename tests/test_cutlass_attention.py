@@ -51,6 +51,17 @@ DEVICE = "cuda"
 # ------------------------------------------------------------------------------------------
 
 
+_KERNEL = {"variant": None}
+
+
+@pytest.fixture(autouse=True, params=["ws128", "ws64", "v0"])
+def kernel_variant(request):
+    """Every test runs each compiled kernel variant (cutlass_build.KERNELS) through ``_run``."""
+    _KERNEL["variant"] = request.param
+    yield request.param
+    _KERNEL["variant"] = None
+
+
 @pytest.fixture(autouse=True)
 def _nan_outputs(monkeypatch):
     """Kernel outputs and split partials start as NaN: any element left unwritten shows."""
@@ -114,7 +125,8 @@ def _check_close(out, lse, batch, plan, index, label=""):
 
 
 def _run(batch, plan, index, **kw):
-    out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index, **kw)
+    out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index,
+                                   kernel=_KERNEL["variant"], **kw)
     torch.cuda.synchronize()  # a kernel fault surfaces here, in the test that caused it
     return out, lse
 
@@ -124,15 +136,17 @@ def _run(batch, plan, index, **kw):
 # ------------------------------------------------------------------------------------------
 
 
-def test_kernel_attributes_no_spill():
+def test_kernel_attributes_no_spill(kernel_variant):
     from kernels import cutlass_build
 
+    threads = 256 if kernel_variant == "v0" else 384
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128):
-            attrs = cutlass_build.kernel_attributes(dtype, d)
-            print(f"fwd<{dtype}, d{d}>: {attrs}")
+            attrs = cutlass_build.kernel_attributes(dtype, d, kernel_variant)
+            print(f"{kernel_variant} fwd<{dtype}, d{d}>: {attrs}")
             assert attrs["local_bytes"] == 0
-            assert attrs["max_threads"] >= 256  # launchable with 256 threads at this smem
+            assert attrs["max_threads"] >= threads  # launchable with its threads at this smem
+            assert attrs["shared_bytes"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("dense", [True, False])
@@ -278,21 +292,21 @@ def test_long_against_reference(length, page_size, corr):
     _check_close(out, lse, batch, plan, index, f"L={length} ps={page_size}")
 
 
-def test_no_host_sync_and_dense_splits_agree():
+def test_no_host_sync_and_dense_splits_agree(kernel_variant):
     cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=256, window_tokens=512)
     batch, plan = _case([4096, 100], [0, 3000], hq=32, hkv=8, d=128, page_size=64, cfg=cfg,
                         dtype=torch.bfloat16, device=DEVICE, needles=8)
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
     args = (batch.q, batch.k_pages, batch.v_pages, plan, index)
-    ca.sparse_attention(*args)  # load the library and compile the prepass outside the check
-    ca.sparse_attention(*args, num_splits=4)
-    ca.sparse_attention(*args, dense=True)
+    ca.sparse_attention(*args, kernel=kernel_variant)  # load the library, compile the prepass
+    ca.sparse_attention(*args, kernel=kernel_variant, num_splits=4)
+    ca.sparse_attention(*args, kernel=kernel_variant, dense=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        base, base_lse = ca.sparse_attention(*args, num_splits=1)
-        split, split_lse = ca.sparse_attention(*args, num_splits=4)
-        dense, dense_lse = ca.sparse_attention(*args, dense=True)
+        base, base_lse = ca.sparse_attention(*args, kernel=kernel_variant, num_splits=1)
+        split, split_lse = ca.sparse_attention(*args, kernel=kernel_variant, num_splits=4)
+        dense, dense_lse = ca.sparse_attention(*args, kernel=kernel_variant, dense=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert (split.float() - base.float()).abs().max().item() <= 2 ** -7 * 2
@@ -327,13 +341,14 @@ def test_dispatch_through_ops():
     (dict(num_splits=0), "num_splits"),
     (dict(num_splits=2.0), "num_splits"),
     (dict(num_splits=True), "num_splits"),
+    (dict(kernel="ws256"), "kernel"),
 ])
 def test_bad_arguments_raise(kwargs, match):
     cfg = SparseConfig()
     batch, plan = _case([10], [0], hq=2, hkv=1, d=64, page_size=16, cfg=cfg, needles=0,
                         device=DEVICE)
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
-    call = dict(index=index)
+    call = dict(index=index, kernel=_KERNEL["variant"])
     call.update(kwargs)
     idx = call.pop("index")
     with pytest.raises(ValueError, match=match):

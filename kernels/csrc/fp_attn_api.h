@@ -9,9 +9,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 1
+#define FP_ABI_VERSION 2
 
 enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
+
+// Attention kernel: v1 warp-specialized with 128 or 64 keys per softmax step, or v0
+// (docs/PERF_NOTES.md "CUTLASS").
+enum FpKernel { FP_KERNEL_WS128 = 0, FP_KERNEL_WS64 = 1, FP_KERNEL_V0 = 2 };
 
 enum FpStatus {
   FP_OK = 0,
@@ -63,7 +67,7 @@ typedef struct FpAttnParams {
   int32_t dense;            // every visible tile, no index
   int32_t device;           // CUDA device ordinal of every tensor
   float qk_scale_log2;      // softmax scale * log2(e)
-  int32_t reserved;
+  int32_t kernel_variant;   // FpKernel
 } FpAttnParams;
 
 #ifdef __cplusplus
@@ -76,7 +80,7 @@ size_t fp_params_size(void);
 int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream);
 // Registers, spill bytes, static + dynamic shared memory of the attention kernel of a variant
 // (needs a GPU): out[0..3] = regs, local bytes, shared bytes, max threads.
-int fp_kernel_attributes(int dtype, int head_dim, int* out4);
+int fp_kernel_attributes(int variant, int dtype, int head_dim, int* out4);
 // Message of the last error of this thread ("" when none).
 const char* fp_last_error(void);
 

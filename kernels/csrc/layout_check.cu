@@ -29,24 +29,30 @@ static int failures = 0;
   } while (0)
 
 template <class T>
+size_t storage_bytes() {
+  if constexpr (T::kThreads == T::kMmaThreads) return sizeof(fp::SharedStorage<T>);  // v0
+  else return sizeof(fp::WsSharedStorage<T>);
+}
+
+template <class T>
 void check_variant(const char* name) {
   using Element = typename T::Element;
   constexpr int M = T::kBlockM, N = T::kBlockN, D = T::kHeadDim;
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
-  CHECK(size(mma_s) == T::kThreads, "%s: TiledMmaS threads %d", name, int(size(mma_s)));
-  CHECK(size(mma_o) == T::kThreads, "%s: TiledMmaO threads %d", name, int(size(mma_o)));
+  CHECK(size(mma_s) == T::kMmaThreads, "%s: TiledMmaS threads %d", name, int(size(mma_s)));
+  CHECK(size(mma_o) == T::kMmaThreads, "%s: TiledMmaO threads %d", name, int(size(mma_o)));
 
   // row of (thread, row slot) and the columns each thread holds in it
-  std::vector<std::vector<int>> rows_s(T::kThreads), rows_o(T::kThreads);
-  std::vector<std::vector<std::set<int>>> cols_s(T::kThreads), cols_o(T::kThreads);
-  for (int t = 0; t < T::kThreads; ++t) {
+  std::vector<std::vector<int>> rows_s(T::kMmaThreads), rows_o(T::kMmaThreads);
+  std::vector<std::vector<std::set<int>>> cols_s(T::kMmaThreads), cols_o(T::kMmaThreads);
+  for (int t = 0; t < T::kMmaThreads; ++t) {
     auto thr_s = mma_s.get_thread_slice(t);
     auto thr_o = mma_o.get_thread_slice(t);
     Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
     Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
     Tensor fS = partition_fragment_C(mma_s, Shape<Int<M>, Int<N>>{});
-    CHECK(size(cS) == size(fS) && size(cS) == 32, "%s: S fragment size %d", name, int(size(cS)));
+    CHECK(size(cS) == size(fS) && size(cS) == N / 2, "%s: S fragment size %d", name, int(size(cS)));
     CHECK((size<1>(cS) == 1 && size<2>(cS) == 1 && size<0, 0>(cS) == 2 && size<0, 1>(cS) == 2 &&
            size<0, 2>(cS) == N / 8),
           "%s: S accumulator shape", name);
@@ -89,7 +95,7 @@ void check_variant(const char* name) {
     }
   }
   // quads share rows; their columns partition the tile
-  for (int t = 0; t < T::kThreads; t += 4) {
+  for (int t = 0; t < T::kMmaThreads; t += 4) {
     for (int i = 0; i < 2; ++i) {
       std::set<int> all_s, all_o;
       int n_s = 0, n_o = 0;
@@ -106,7 +112,7 @@ void check_variant(const char* name) {
   }
   // every row of the tile is held by exactly one quad
   std::vector<int> row_owner(M, 0);
-  for (int t = 0; t < T::kThreads; t += 4)
+  for (int t = 0; t < T::kMmaThreads; t += 4)
     for (int i = 0; i < 2; ++i) row_owner[rows_s[t][i]]++;
   for (int r = 0; r < M; ++r) CHECK(row_owner[r] == 1, "%s: row %d held by %d quads", name, r, row_owner[r]);
 
@@ -143,7 +149,9 @@ void check_variant(const char* name) {
         }
     for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sKV not a bijection at %d", name, i);
   }
-  std::printf("%s: smem %zu bytes (+1024 alignment pad)\n", name, sizeof(fp::SharedStorage<T>));
+  const size_t smem = storage_bytes<T>();
+  CHECK(smem + 1024 <= 227 * 1024, "%s: %zu bytes of shared memory (+1024 pad) > 227 KB", name, smem);
+  std::printf("%s: smem %zu bytes (+1024 alignment pad)\n", name, smem);
 }
 
 int main() {
@@ -151,6 +159,11 @@ int main() {
   check_variant<fp::AttnTraits<cutlass::bfloat16_t, 128>>("bf16 d128");
   check_variant<fp::AttnTraits<cutlass::half_t, 64>>("fp16 d64");
   check_variant<fp::AttnTraits<cutlass::half_t, 128>>("fp16 d128");
+  // v1 (warp-specialized): the consumer warpgroups' MMAs, as instantiated by sparse_attn_fwd.cu
+  check_variant<fp::WsTraits<cutlass::bfloat16_t, 128, 128, 3>>("ws128 bf16 d128");
+  check_variant<fp::WsTraits<cutlass::bfloat16_t, 64, 128, 4>>("ws128 bf16 d64");
+  check_variant<fp::WsTraits<cutlass::bfloat16_t, 128, 64, 5>>("ws64 bf16 d128");
+  check_variant<fp::WsTraits<cutlass::half_t, 64, 64, 8>>("ws64 fp16 d64");
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;

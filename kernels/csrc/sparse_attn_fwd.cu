@@ -24,6 +24,9 @@
 #include <cstdio>
 #include <cstring>
 
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "fp_attn_api.h"
 #include "sparse_attn_traits.cuh"
 
@@ -344,6 +347,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_kernel(const F
   }
 }
 
+#include "sparse_attn_ws.cuh"
+
 // Exact merge of the split partials (base-2 LSE): one warp per (token, head) row.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) combine_splits_kernel(const float* o_part,
@@ -397,41 +402,68 @@ int cuda_fail(cudaError_t err, const char* where) {
   return FP_ERR_CUDA;
 }
 
+// The attention kernel of a (variant, dtype, head_dim) and its dynamic shared memory.
+template <class Element, int kHeadDim>
+struct Variants {
+  using V0 = fp::AttnTraits<Element, kHeadDim>;
+  using Ws128 = fp::WsTraits<Element, kHeadDim, 128, kHeadDim == 128 ? 3 : 4>;
+  using Ws64 = fp::WsTraits<Element, kHeadDim, 64, kHeadDim == 128 ? 5 : 8>;
+
+  template <class F>
+  static int with(int variant, F&& f) {
+    switch (variant) {
+      case FP_KERNEL_WS128:
+        return f(fp::sparse_attn_fwd_ws_kernel<Ws128>, sizeof(fp::WsSharedStorage<Ws128>) + 1024,
+                 Ws128::kThreads);
+      case FP_KERNEL_WS64:
+        return f(fp::sparse_attn_fwd_ws_kernel<Ws64>, sizeof(fp::WsSharedStorage<Ws64>) + 1024,
+                 Ws64::kThreads);
+      case FP_KERNEL_V0:
+        return f(fp::sparse_attn_fwd_kernel<V0>, sizeof(fp::SharedStorage<V0>) + 1024, V0::kThreads);
+      default:
+        return fail(FP_ERR_ARGUMENT, "unknown kernel variant %d", variant);
+    }
+  }
+};
+
 template <class Element, int kHeadDim>
 int launch(const FpAttnParams& p, cudaStream_t stream) {
-  using T = fp::AttnTraits<Element, kHeadDim>;
-  const size_t smem = sizeof(fp::SharedStorage<T>) + 1024;
-  auto kernel = fp::sparse_attn_fwd_kernel<T>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return cuda_fail(err, "cudaFuncSetAttribute");
   const long grid = long(p.num_segments) * p.num_splits;
   if (grid == 0) return FP_OK;
-  kernel<<<dim3(unsigned(grid)), dim3(T::kThreads), smem, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return cuda_fail(err, "sparse_attn_fwd launch");
+  int status = Variants<Element, kHeadDim>::with(
+      p.kernel_variant, [&](auto kernel, size_t smem, int threads) -> int {
+        cudaError_t err =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+        if (err != cudaSuccess) return cuda_fail(err, "cudaFuncSetAttribute");
+        kernel<<<dim3(unsigned(grid)), dim3(threads), smem, stream>>>(p);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return cuda_fail(err, "sparse_attn_fwd launch");
+        return FP_OK;
+      });
+  if (status != FP_OK) return status;
   if (p.num_splits > 1) {
     const int64_t n_rows = int64_t(p.total_q) * p.num_qo_heads;
     const int64_t blocks = (n_rows + 7) / 8;
     fp::combine_splits_kernel<Element, kHeadDim><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(
         p.o_part, p.lse_part, static_cast<Element*>(p.out), p.lse, n_rows, p.num_splits);
-    err = cudaGetLastError();
+    cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_fail(err, "combine_splits launch");
   }
   return FP_OK;
 }
 
 template <class Element, int kHeadDim>
-int attributes(int* out4) {
-  using T = fp::AttnTraits<Element, kHeadDim>;
-  cudaFuncAttributes a;
-  cudaError_t err = cudaFuncGetAttributes(&a, fp::sparse_attn_fwd_kernel<T>);
-  if (err != cudaSuccess) return cuda_fail(err, "cudaFuncGetAttributes");
-  out4[0] = a.numRegs;
-  out4[1] = int(a.localSizeBytes);
-  out4[2] = int(a.sharedSizeBytes + sizeof(fp::SharedStorage<T>) + 1024);
-  out4[3] = a.maxThreadsPerBlock;
-  return FP_OK;
+int attributes(int variant, int* out4) {
+  return Variants<Element, kHeadDim>::with(variant, [&](auto kernel, size_t smem, int) -> int {
+    cudaFuncAttributes a;
+    cudaError_t err = cudaFuncGetAttributes(&a, kernel);
+    if (err != cudaSuccess) return cuda_fail(err, "cudaFuncGetAttributes");
+    out4[0] = a.numRegs;
+    out4[1] = int(a.localSizeBytes);
+    out4[2] = int(a.sharedSizeBytes + smem);
+    out4[3] = a.maxThreadsPerBlock;
+    return FP_OK;
+  });
 }
 
 struct LaunchFn {
@@ -442,9 +474,10 @@ struct LaunchFn {
 };
 
 struct AttrFn {
+  int variant;
   int* out4;
   template <class E, int D>
-  int operator()() { return attributes<E, D>(out4); }
+  int operator()() { return attributes<E, D>(variant, out4); }
 };
 
 // dispatch on (dtype, head_dim) to a compiled instantiation
@@ -509,10 +542,10 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
   return status;
 }
 
-int fp_kernel_attributes(int dtype, int head_dim, int* out4) {
+int fp_kernel_attributes(int variant, int dtype, int head_dim, int* out4) {
   g_error[0] = '\0';
   if (out4 == nullptr) return fail(FP_ERR_ARGUMENT, "out4 is NULL");
-  AttrFn f{out4};
+  AttrFn f{variant, out4};
   return dispatch(dtype, head_dim, f);
 }
 

@@ -23,6 +23,7 @@ struct AttnTraits {
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 4;
   static constexpr int kThreads = 256;
+  static constexpr int kMmaThreads = 256;  // threads of the tiled MMAs
   static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte cp.async
   static constexpr int kChunksPerRow = kHeadDim / kChunk;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
@@ -71,6 +72,69 @@ struct SharedStorage {
   cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> v;
   float bias[T::kStages][T::kBlockN];  // correction chunks: log2 |B_J| or -inf per column
   int tile[T::kStages];                // 64-token tile index staged in each buffer
+};
+
+}  // namespace fp
+
+namespace fp {
+
+// v1: warp-specialized. One producer warpgroup (cp.async gathers through the page table into
+// a kStages ring, mbarrier full/empty handshakes) and two consumer warpgroups (64 of the 128
+// rows each). A stage holds kBlockN keys = kBlockN / 64 CSR tiles (64 keys each), so one
+// softmax step covers two list entries at kBlockN = 128.
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct WsTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kTileN = 64;  // keys per CSR tile
+  static constexpr int kTilesPerStage = kBlockN / kTileN;
+  static constexpr int kStages = kStages_;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static constexpr int kMmaThreads = kConsumerThreads;
+  static constexpr int kProducerRegs = 40;   // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kChunk = 16 / sizeof(Element);
+  static constexpr int kChunksPerRow = kHeadDim / kChunk;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(kBlockN == 64 || kBlockN == 128, "64 or 128 keys per stage");
+
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileO = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using WarpGroups = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaS = decltype(make_tiled_mma(
+      gmma::ss_op_selector<Element, Element, float, TileS>(), WarpGroups{}));
+  using TiledMmaO = decltype(make_tiled_mma(
+      gmma::rs_op_selector<Element, Element, float, TileO, gmma::Major::K, gmma::Major::MN>(),
+      WarpGroups{}));
+
+  using SmemAtom = gmma::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{},
+      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                  Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
+  // S accumulator ((2, 2, N/8), 1, 1) -> A operand ((2, 2, 2), 1, N/16): a k-block of 16 keys
+  // is two consecutive column groups of 8 (as AttnTraits::LayoutPA, for any N)
+  using LayoutPA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
+                          Stride<Stride<_1, _2, _4>, _0, _8>>;
+};
+
+template <class T>
+struct WsSharedStorage {
+  using Element = typename T::Element;
+  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> v;
+  uint64_t full[T::kStages];   // producer -> consumers: the stage's copies landed
+  uint64_t empty[T::kStages];  // consumers -> producer: both warpgroups are done with it
+  uint64_t q_full;
 };
 
 }  // namespace fp

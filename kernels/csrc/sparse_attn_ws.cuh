@@ -1,0 +1,363 @@
+// v1 of the attention stage: warp-specialized (FA3's execution model on the CSR index).
+// Included by sparse_attn_fwd.cu (inside namespace fp, after its PTX helpers).
+//
+// CTA = 3 warpgroups. Warpgroup 0 (producer, setmaxnreg down) loads Q once, then walks the
+// same item sequence as the consumers (CSR positions from the top, then the correction
+// chunks), gathering each item's K/V rows through the page table with 16-byte cp.async into
+// a kStages ring; `cp.async.mbarrier.arrive.noinc` on full[s] signals the stage when the
+// copies land. Warpgroups 1 and 2 (consumers, setmaxnreg up) own rows 0-63 / 64-127 of the
+// 128-row PackGQA tile. Each consumer overlaps the softmax of item k with the tensor cores:
+//   issue S_k = Q K_k^T; issue O += P_{k-1} V_{k-1}; wait S_k; softmax(S_k) while PV runs;
+//   wait PV; release stage k-1 (one arrive per warpgroup on empty[s]); O *= alpha_k; P_k = S_k.
+// Neither side needs the other's metadata: both compute an item's tiles from the index.
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
+  constexpr int kTileN = T::kTileN, kTilesPerStage = T::kTilesPerStage, kStages = T::kStages;
+  constexpr int kChunk = T::kChunk, kChunksPerRow = T::kChunksPerRow;
+  constexpr int kProducerThreads = T::kProducerThreads;
+
+  extern __shared__ char smem_raw[];
+  const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  WsSharedStorage<T>& ss = *reinterpret_cast<WsSharedStorage<T>*>(smem_raw + pad);
+
+  const int tid = threadIdx.x;
+  const int num_splits = p.num_splits;
+  const int rank = blockIdx.x / num_splits;
+  const int u = blockIdx.x % num_splits;
+  const int seg = p.order[rank];
+  const int h = seg / p.total_tiles;
+  const int t = seg % p.total_tiles;
+  const int b = p.tile_seq[t];
+  const int tile = t - p.cu_qtiles[b];
+  const int q0 = p.cu_seqlens_q[b];
+  const int lq = p.cu_seqlens_q[b + 1] - q0;
+  const int lkv = p.seqlens_kv[b];
+  const int prefix = lkv - lq;
+  const int g = p.group_size;
+
+  const int r0 = tile * kBlockM;
+  const int rows_valid = min(kBlockM, g * lq - r0);
+  const int lo = r0 / g + prefix;
+  const int hi = (r0 + rows_valid - 1) / g + prefix;
+  const int first_masked = (lo + 1) / kTileN;  // CSR tiles >= this cross the diagonal
+
+  int seg_lo = 0, n_list, n_diag;
+  if (p.dense) {
+    n_list = hi / kTileN + 1;
+    n_diag = n_list - first_masked;
+  } else {
+    seg_lo = p.seg_offsets[seg];
+    n_list = p.seg_offsets[seg + 1] - seg_lo;
+    n_diag = 0;
+    while (n_diag < n_list && p.kv_tiles[seg_lo + n_list - 1 - n_diag] >= first_masked) ++n_diag;
+  }
+  const int per_split = (n_list + num_splits - 1) / num_splits;
+  const int i_hi = max(n_list - u * per_split, 0);
+  const int i_lo = max(n_list - (u + 1) * per_split, 0);
+  const int i_mid = n_list - n_diag;
+  const int n_main = (i_hi - i_lo + kTilesPerStage - 1) / kTilesPerStage;  // items over the list
+
+  int n_blocks_full = 0, n_corr = 0;
+  if (p.correction && !p.dense && u == num_splits - 1) {
+    n_blocks_full = (lo + 1 < lkv) ? (lo + 1) / p.block_size
+                                   : (lkv + p.block_size - 1) / p.block_size;
+    n_corr = (n_blocks_full + kBlockN - 1) / kBlockN;
+  }
+  const int n_items = n_main + n_corr;
+
+  // the CSR tile of half `hf` of list item k, or -1 past the split's range
+  auto item_tile = [&](int k, int hf) -> int {
+    const int pos = i_hi - 1 - k * kTilesPerStage - hf;
+    if (pos < i_lo) return -1;
+    return p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos);
+  };
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cutlass::arch::ClusterBarrier::init(&ss.full[s], kProducerThreads);
+      cutlass::arch::ClusterBarrier::init(&ss.empty[s], 2);
+    }
+    cutlass::arch::ClusterBarrier::init(&ss.q_full, kProducerThreads);
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (tid < kProducerThreads) {
+    // ------------------------------------------------------------------ producer warpgroup
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    const int ptid = tid;
+    const Element* q_ptr = static_cast<const Element*>(p.q);
+    const Element* k_ptr = static_cast<const Element*>(p.k);
+    const Element* v_ptr = static_cast<const Element*>(p.v);
+    const Element* k_head = k_ptr + h * p.sk_h;
+    const Element* v_head = v_ptr + h * p.sv_h;
+    const int32_t* pt_row = p.page_table + b * p.s_pt;
+    const int page_size = p.page_size;
+    const bool tile_in_one_page = (page_size % kTileN) == 0;
+
+    // partial unrolling: fully unrolled gathers hoist 64-bit addresses past the producer's
+    // 40 registers and spill
+    static_assert(kBlockM * kChunksPerRow % kProducerThreads == 0);
+#pragma unroll 2
+    for (int i = 0; i < kBlockM * kChunksPerRow / kProducerThreads; ++i) {
+      const int c = ptid + i * kProducerThreads;
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+      const int pr = r0 + r;
+      const bool ok = r < rows_valid;
+      const Element* src = ok ? q_ptr + int64_t(q0 + pr / g) * p.sq_t +
+                                    int64_t(h * g + pr % g) * p.sq_h + col
+                              : q_ptr;
+      cp_async_16(&sQ(r, col), src, ok);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&ss.q_full);
+
+    const int64_t blk0 = p.correction ? p.cu_blocks[b] : 0;
+    const int last_blk = max(n_blocks_full - 1, 0);
+    const Element* kb_head = static_cast<const Element*>(p.kbar) + h * p.skb_h;
+    const Element* vb_head = static_cast<const Element*>(p.vbar) + h * p.svb_h;
+    static_assert(kTileN * kChunksPerRow % kProducerThreads == 0);
+    constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
+
+    for (int k = 0; k < n_items; ++k) {
+      const int st = k % kStages;
+      cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((k / kStages) & 1) ^ 1);
+      if (k < n_main) {
+#pragma unroll 1
+        for (int hf = 0; hf < kTilesPerStage; ++hf) {
+          const int n = item_tile(k, hf);  // uniform over the CTA
+          const int j0 = n * kTileN;
+          int64_t page0 = 0;
+          if (tile_in_one_page && n >= 0) page0 = pt_row[j0 / page_size];
+#pragma unroll 2
+          for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
+            const int c = ptid + i * kProducerThreads;
+            const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+            const int j = j0 + r;
+            const bool ok = n >= 0 && j < lkv;  // zero-fill: masked keys must not carry NaN into P V
+            int64_t page, slot;
+            if (tile_in_one_page) {
+              page = page0;
+              slot = j0 % page_size + r;
+            } else {
+              page = ok ? pt_row[j / page_size] : 0;
+              slot = j % page_size;
+            }
+            const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
+            const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
+            cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
+            cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+          }
+        }
+      } else {
+        const int chunk = k - n_main;
+#pragma unroll 2
+        for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+          const int c = ptid + i * kProducerThreads;
+          const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+          // clamped rows stay in bounds; the consumers give their columns a -inf bias
+          const int64_t row = blk0 + min(chunk * kBlockN + r, last_blk);
+          cp_async_16(&sK(r, col, st), kb_head + row * p.skb_t + col, true);
+          cp_async_16(&sV(r, col, st), vb_head + row * p.svb_t + col, true);
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumer warpgroups
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  const int ctid = tid - kProducerThreads;
+  typename T::TiledMmaS mma_s;
+  typename T::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_o = mma_o.get_thread_slice(ctid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+  Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  constexpr int kRows = 2;
+  static_assert(size<0>(decltype(S.layout()){}) == kRows, "two rows per thread");
+  Tensor rP = make_tensor<Element>(Shape<Int<size(decltype(tSrS.layout()){})>>{});
+  Tensor tOrP = make_tensor(rP.data(), typename T::LayoutPA{});
+  clear(tOrO);
+
+  float row_max[kRows], row_sum[kRows];
+  int key_limit[kRows];
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    row_max[i] = neg_inf();
+    row_sum[i] = 0.f;  // this thread's partial (its quad's columns), reduced in the epilogue
+    key_limit[i] = (r0 + int(get<0>(cSrc(i, 0)))) / g + prefix;
+  }
+  const float qk_scale = p.qk_scale_log2;
+  const float log2_block = log2f(float(p.block_size));
+  const bool is_signaller = (ctid % 128) == 0;
+
+  auto issue_s = [&](int st) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_s.accumulate_ = gmma::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, st), tSrS);
+      mma_s.accumulate_ = gmma::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  auto issue_pv = [&](int st) {
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st), tOrO);
+    warpgroup_commit_batch();
+  };
+  auto wait_full = [&](int k) {
+    cutlass::arch::ClusterBarrier::wait(&ss.full[k % kStages], (k / kStages) & 1);
+    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads the async one
+  };
+  auto release = [&](int k) {
+    if (is_signaller) cutlass::arch::ClusterBarrier::arrive(&ss.empty[k % kStages]);
+  };
+
+  // online softmax of item k on the S accumulator: scores -> exp2(s - m); returns alpha
+  auto softmax = [&](int k, float (&alpha)[kRows]) {
+    const bool corr = k >= n_main;
+    // the stage's two CSR tiles as scalars (an array indexed by a column would live in local memory)
+    int tile_lo = -1, tile_hi = -1;
+    bool masked = false;
+    if (!corr) {
+      tile_lo = item_tile(k, 0);
+      tile_hi = kTilesPerStage > 1 ? item_tile(k, 1) : tile_lo;
+      const int pos_top = i_hi - 1 - k * kTilesPerStage;
+      masked = pos_top >= i_mid || tile_hi < 0;
+    }
+    const int chunk = k - n_main;
+    float mx[kRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) mx[i] = neg_inf();
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(S); ++j) {
+      const int col = get<1>(cSrc(0, j));  // a column's coordinate does not depend on the row
+      if (corr) {
+        const int J = chunk * kBlockN + col;
+        float bias = neg_inf();
+        if (J < n_blocks_full) {
+          const int32_t word = __ldg(p.corr_bits + int64_t(seg) * p.words_per_seg + (J >> 5));
+          if (((word >> (J & 31)) & 1) == 0) {
+            const int size = min((J + 1) * p.block_size, lkv) - J * p.block_size;
+            bias = size == p.block_size ? log2_block : log2f(float(max(size, 1)));
+          }
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i) S(i, j) = S(i, j) * qk_scale + bias;
+      } else if (masked) {
+        const int n = col < kTileN ? tile_lo : tile_hi;
+        const int key = n * kTileN + col % kTileN;
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i)
+          S(i, j) = (n < 0 || key > key_limit[i] || key >= lkv) ? neg_inf() : S(i, j) * qk_scale;
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i) S(i, j) *= qk_scale;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) mx[i] = fmaxf(mx[i], S(i, j));
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float m_new = fmaxf(row_max[i], quad_max(mx[i]));
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;
+      alpha[i] = exp2f(row_max[i] - m_use);
+      row_max[i] = m_new;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        const float e = exp2f(S(i, j) - m_use);
+        S(i, j) = e;
+        sum += e;
+      }
+      row_sum[i] = row_sum[i] * alpha[i] + sum;
+    }
+  };
+  auto convert_p = [&]() {
+    CUTE_UNROLL
+    for (int e = 0; e < size(rP); ++e) rP(e) = Element(tSrS(e));
+  };
+
+  cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
+  fence_proxy_async();
+  if (n_items > 0) {
+    float alpha[kRows];
+    wait_full(0);
+    issue_s(0);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    softmax(0, alpha);
+    convert_p();
+    for (int k = 1; k < n_items; ++k) {
+      wait_full(k);
+      issue_s(k % kStages);
+      issue_pv((k - 1) % kStages);
+      warpgroup_wait<1>();  // S_k landed; P_{k-1} V_{k-1} may still run
+      warpgroup_fence_operand(tSrS);
+      softmax(k, alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      release(k - 1);
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(O); ++j) O(i, j) *= alpha[i];
+      }
+      convert_p();
+    }
+    issue_pv((n_items - 1) % kStages);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    release(n_items - 1);
+  }
+
+  // ---- epilogue: normalise, write out + lse (or the split partials) -------------------------
+  const int num_qo_heads = p.num_qo_heads;
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const float l = quad_sum(row_sum[i]);
+    const int r = get<0>(cOrc(i, 0));
+    if (r >= rows_valid) continue;
+    const int pr = r0 + r;
+    const int64_t out_row = int64_t(q0 + pr / g) * num_qo_heads + h * g + pr % g;
+    const bool has = l > 0.f;
+    const float inv = has ? 1.f / l : 0.f;
+    const float lse2 = has ? row_max[i] + log2f(l) : neg_inf();
+    if (num_splits == 1) {
+      Element* out = static_cast<Element*>(p.out) + out_row * kHeadDim;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = Element(O(i, j) * inv);
+      if ((ctid & 3) == 0) p.lse[out_row] = lse2 * 0.6931471805599453f;
+    } else {
+      const int64_t prow = int64_t(u) * p.total_q * num_qo_heads + out_row;
+      float* out = p.o_part + prow * kHeadDim;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = O(i, j) * inv;
+      if ((ctid & 3) == 0) p.lse_part[prow] = lse2;
+    }
+  }
+}
