@@ -95,6 +95,10 @@ struct WsTraits {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kMmaThreads = kConsumerThreads;
+  // CSR entries whose tile and page the producer looks up together (one thread each), so the
+  // dependent index -> page-table -> K/V loads cost one round trip per kTableTiles entries
+  static constexpr int kTableTiles = 64;
+  static_assert(kTableTiles % kTilesPerStage == 0 && kTableTiles <= kProducerThreads);
   static constexpr int kProducerRegs = 40;   // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
   static constexpr int kConsumerRegs = 232;
   static constexpr int kChunk = 16 / sizeof(Element);
@@ -135,6 +139,9 @@ struct WsSharedStorage {
   uint64_t full[T::kStages];   // producer -> consumers: the stage's copies landed
   uint64_t empty[T::kStages];  // consumers -> producer: both warpgroups are done with it
   uint64_t q_full;
+  // the producer's next T::kTableTiles CSR entries from the top: tile index and first page
+  int32_t tab_tile[T::kTableTiles];
+  int32_t tab_page[T::kTableTiles];
 };
 
 }  // namespace fp

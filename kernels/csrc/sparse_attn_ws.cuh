@@ -11,6 +11,14 @@
 //   wait PV; release stage k-1 (one arrive per warpgroup on empty[s]); O *= alpha_k; P_k = S_k.
 // Neither side needs the other's metadata: both compute an item's tiles from the index.
 
+// 2^x in one MUFU op: exp2f without fast-math adds denormal handling (compare, scale, fixup)
+// around it, which also costs registers in the softmax
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p) {
   using Element = typename T::Element;
@@ -124,18 +132,32 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     const Element* kb_head = static_cast<const Element*>(p.kbar) + h * p.skb_h;
     const Element* vb_head = static_cast<const Element*>(p.vbar) + h * p.svb_h;
     static_assert(kTileN * kChunksPerRow % kProducerThreads == 0);
+    constexpr int kProducerBarrier = 1;  // named barrier of the producer warpgroup (0: __syncthreads)
     constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
 
+    constexpr int kTable = T::kTableTiles;
     for (int k = 0; k < n_items; ++k) {
       const int st = k % kStages;
+      const int e0 = k * kTilesPerStage;  // first list entry (from the top) of item k
+      if (k < n_main && e0 % kTable == 0) {
+        // refill the lookup table for entries e0 .. e0 + kTable - 1: kTable independent
+        // index and page-table reads in flight at once instead of two dependent ones per tile
+        cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);  // last table read
+        if (ptid < kTable) {
+          const int pos = i_hi - 1 - e0 - ptid;
+          const int n = pos < i_lo ? -1 : (p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos));
+          ss.tab_tile[ptid] = n;
+          ss.tab_page[ptid] = (n >= 0 && tile_in_one_page) ? pt_row[n * kTileN / page_size] : 0;
+        }
+        cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);
+      }
       cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((k / kStages) & 1) ^ 1);
       if (k < n_main) {
 #pragma unroll 1
         for (int hf = 0; hf < kTilesPerStage; ++hf) {
-          const int n = item_tile(k, hf);  // uniform over the CTA
+          const int n = ss.tab_tile[(e0 + hf) % kTable];  // uniform over the CTA
           const int j0 = n * kTileN;
-          int64_t page0 = 0;
-          if (tile_in_one_page && n >= 0) page0 = pt_row[j0 / page_size];
+          const int64_t page0 = ss.tab_page[(e0 + hf) % kTable];
 #pragma unroll 2
           for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
             const int c = ptid + i * kProducerThreads;
@@ -207,7 +229,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     key_limit[i] = (r0 + int(get<0>(cSrc(i, 0)))) / g + prefix;
   }
   const float qk_scale = p.qk_scale_log2;
+  // log2 |B_J|: every block is full but possibly the sequence's last one
   const float log2_block = log2f(float(p.block_size));
+  const int last_J = n_blocks_full - 1;
+  const float log2_last =
+      log2f(float(max(min(n_blocks_full * p.block_size, lkv) - last_J * p.block_size, 1)));
   const bool is_signaller = (ctid % 128) == 0;
 
   auto issue_s = [&](int st) {
@@ -244,53 +270,57 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     int tile_lo = -1, tile_hi = -1;
     bool masked = false;
     if (!corr) {
-      tile_lo = item_tile(k, 0);
-      tile_hi = kTilesPerStage > 1 ? item_tile(k, 1) : tile_lo;
       const int pos_top = i_hi - 1 - k * kTilesPerStage;
-      masked = pos_top >= i_mid || tile_hi < 0;
+      masked = pos_top >= i_mid || pos_top - (kTilesPerStage - 1) < i_lo;  // diagonal or half empty
+      if (masked) {  // a few items per segment: read the index directly
+        tile_lo = item_tile(k, 0);
+        tile_hi = kTilesPerStage > 1 ? item_tile(k, 1) : tile_lo;
+      }
     }
     const int chunk = k - n_main;
-    float mx[kRows];
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) mx[i] = neg_inf();
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(S); ++j) {
-      const int col = get<1>(cSrc(0, j));  // a column's coordinate does not depend on the row
-      if (corr) {
-        const int J = chunk * kBlockN + col;
+    // one branch per item, not per column (the compiler does not unswitch the column loop)
+    if (corr) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        const int J = chunk * kBlockN + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
         float bias = neg_inf();
         if (J < n_blocks_full) {
           const int32_t word = __ldg(p.corr_bits + int64_t(seg) * p.words_per_seg + (J >> 5));
-          if (((word >> (J & 31)) & 1) == 0) {
-            const int size = min((J + 1) * p.block_size, lkv) - J * p.block_size;
-            bias = size == p.block_size ? log2_block : log2f(float(max(size, 1)));
-          }
+          if (((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
         }
         CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) S(i, j) = S(i, j) * qk_scale + bias;
-      } else if (masked) {
+        for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
+      }
+    } else if (masked) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        const int col = get<1>(cSrc(0, j));
         const int n = col < kTileN ? tile_lo : tile_hi;
         const int key = n * kTileN + col % kTileN;
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i)
-          S(i, j) = (n < 0 || key > key_limit[i] || key >= lkv) ? neg_inf() : S(i, j) * qk_scale;
-      } else {
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) S(i, j) *= qk_scale;
+          if (n < 0 || key > key_limit[i] || key >= lkv) S(i, j) = neg_inf();
       }
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) mx[i] = fmaxf(mx[i], S(i, j));
     }
+    float mx[kRows];
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const float m_new = fmaxf(row_max[i], quad_max(mx[i]));
+      mx[i] = neg_inf();
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) mx[i] = fmaxf(mx[i], S(i, j));
+    }
+    // raw scores stay unscaled (max commutes with the positive scale): one FFMA per exp2
+    const float sc = corr ? 1.f : qk_scale;
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float m_new = fmaxf(row_max[i], quad_max(mx[i]) * sc);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      alpha[i] = exp2f(row_max[i] - m_use);
+      alpha[i] = fast_exp2(row_max[i] - m_use);
       row_max[i] = m_new;
       float sum = 0.f;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(S); ++j) {
-        const float e = exp2f(S(i, j) - m_use);
+        const float e = fast_exp2(fmaf(S(i, j), sc, -m_use));
         S(i, j) = e;
         sum += e;
       }
@@ -319,6 +349,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       warpgroup_wait<1>();  // S_k landed; P_{k-1} V_{k-1} may still run
       warpgroup_fence_operand(tSrS);
       softmax(k, alpha);
+      // the softmax must run while P_{k-1} V_{k-1} does. ptxas schedules the wait to the top of
+      // the basic block that holds the max/exp2 code, serialising them after the PV GEMM; a
+      // branch on the row sums (never taken: they are sums of exponentials) ends the block there.
+      // (__trap() there would make ptxas keep a stack and spill; an empty nanosleep does not.)
+      warpgroup_fence_operand(tSrS);
+      if (row_sum[0] < 0.f || row_sum[1] < 0.f) asm volatile("nanosleep.u32 1;");
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       release(k - 1);
