@@ -131,8 +131,13 @@ def _process_alive(pid: int, pidns: str | None) -> bool | None:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        pass
+    try:  # a process that exited but was not reaped yet still answers kill(0): its state says
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in (b"Z", b"X")
 
 
 # ---------------------------------------------------------------------------- ticket parts

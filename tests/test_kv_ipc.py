@@ -34,7 +34,6 @@ from kv_transfer.ipc import (
 from kv_transfer.pool import KVPool, KVPoolConfig, _plain_cuda_segments
 from kv_transfer.transfer import (
     FRAME_MAGIC,
-    IPC_OR_NCCL,
     KVFrameHeader,
     KVTransport,
     TransferError,
@@ -42,7 +41,6 @@ from kv_transfer.transfer import (
     TransferTicket,
     pack_pages,
     read_frame,
-    select_transport,
 )
 from tests.test_kv_transfer import fill, make_pool, tokens_of
 
@@ -442,6 +440,12 @@ def test_process_alive():
     ns = os.readlink("/proc/self/ns/pid")
     assert _process_alive(os.getpid(), ns) is True
     assert _process_alive(dead_pid(), ns) is False
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while _process_alive(zombie.pid, ns) and time.monotonic() < deadline:  # exited, not reaped
+        time.sleep(0.01)
+    assert os.path.exists(f"/proc/{zombie.pid}") and _process_alive(zombie.pid, ns) is False
+    zombie.wait()
     assert _process_alive(os.getpid(), "pid:[1]") is None and _process_alive(os.getpid(), None) is None
 
 
@@ -710,17 +714,6 @@ def test_checksum_kind_none():
     assert info.value.reason is TransferFailure.MALFORMED
 
 
-def test_select_transport():
-    assert select_transport("auto", device="cpu") == "object_store"
-    assert select_transport("auto", device="cuda:0") == IPC_OR_NCCL == "cuda_ipc+nccl"
-    assert select_transport("cuda_ipc", device=torch.device("cuda", 1)) == "cuda_ipc"
-    assert select_transport("nccl", device="cuda") == "nccl" and select_transport("gloo", device="cpu") == "gloo"
-    assert select_transport("object_store", device="cuda:0") == "object_store"
-    for requested, device in (("cuda_ipc", "cpu"), ("nccl", "cpu"), ("gloo", "cuda:0"), ("carrier-pigeon", "cpu")):
-        with pytest.raises(ValueError, match="transport"):
-            select_transport(requested, device=device)
-
-
 def test_cuda_pools_are_allocated_outside_expandable_segments(monkeypatch):
     calls: list = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
@@ -802,10 +795,9 @@ def _gpu_sender(conn, alloc_conf: str) -> None:
             setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
                 or torch.cuda.memory._set_allocator_settings
             setter(alloc_conf)
-            scratch = torch.empty(8 << 20, dtype=torch.uint8, device="cuda:0")
+            torch.empty(8 << 20, dtype=torch.uint8, device="cuda:0")  # freed, its segment stays cached
             if not any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot()):
                 raise AssertionError("expandable segments did not take effect: the test would prove nothing")
-            del scratch
         pools = {}
         sender = CudaIpcTransport(identity={"replica_id": "P"}, lease_timeout_s=120.0)
         out = []
