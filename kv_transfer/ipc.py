@@ -7,8 +7,8 @@ device), and the object store moves about 0.5 GB/s through host memory (30 s for
 a 128K-token request). Here the bytes never leave the GPU.
 
 One transfer:
-1. ``export`` (prefill replica, after prefill): waits until the device has finished the
-   prefill's writes (``torch.cuda.synchronize``), describes the pages (``describe_pages``,
+1. ``export`` (prefill replica, after prefill): waits until the prefill's writes are
+   done (an event on the current stream), describes the pages (``describe_pages``,
    ``checksum_kind="none"``) and returns a ticket holding the msgpack header, the sender's
    identity and process id, the physical GPU's UUID, the sender's page ids and pool size, and
    CUDA IPC handles of the pool's K and V storages (``UntypedStorage._share_cuda_``, taken
@@ -453,6 +453,7 @@ class CudaIpcTransport(KVTransport):
         self._uuid_of = uuid_of or device_uuid
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-ipc")
         self._lock = threading.Lock()  # the dicts below (event loop and worker threads)
+        self._share_lock = threading.Lock()  # a pool's first exports, concurrent: share it once
         self._shared: "weakref.WeakKeyDictionary[KVPool, _SharedPool]" = weakref.WeakKeyDictionary()
         self._exported: dict[str, threading.Lock] = {}  # sender: request id -> its staging lock
         self._staged: dict[str, TransferTicket] = {}  # sender: fallback tickets staged for receivers
@@ -474,8 +475,13 @@ class CudaIpcTransport(KVTransport):
         header, pages = describe_pages(pool, request_id, checksum_kind="none")
         shared = self._share_pool(pool)
         if pool.device.type == "cuda":
-            # the prefill's writes (any stream of this process) land before another process reads
-            torch.cuda.synchronize(pool.device)
+            # The prefill wrote the pages on the current (default) stream and read the first token
+            # back, so they are normally done; this makes it hold whatever ran before. An event
+            # on the stream, not a device sync: that would also wait for the next batch, which
+            # the batcher may be running already.
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(pool.device))
+            written.synchronize()
         handle = {
             "header": header.encode(),
             "sender": dict(self.identity),
@@ -497,18 +503,21 @@ class CudaIpcTransport(KVTransport):
         return TransferTicket(request_id, self.name, header.num_tokens, header.num_pages, header.payload_bytes, handle)
 
     def _share_pool(self, pool: KVPool) -> _SharedPool:
-        with self._lock:
-            shared = self._shared.get(pool)
-        if shared is not None:
+        # once per storage: every share wraps the storage again for torch's refcount
+        with self._share_lock:
+            with self._lock:
+                shared = self._shared.get(pool)
+            if shared is not None:
+                return shared
+            uuid = self._uuid_of(pool.device)
+            if not _short_str(uuid):
+                raise TransferError(TransferFailure.UNAVAILABLE,
+                                    f"cuda_ipc shares pools on CUDA devices, this one is on {pool.device}")
+            (k, keep_k), (v, keep_v) = self._share_storage(pool.k), self._share_storage(pool.v)
+            shared = _SharedPool(uuid, k, v, (keep_k, keep_v))
+            with self._lock:
+                self._shared[pool] = shared
             return shared
-        uuid = self._uuid_of(pool.device)
-        if not _short_str(uuid):
-            raise TransferError(TransferFailure.UNAVAILABLE,
-                                f"cuda_ipc shares pools on CUDA devices, this one is on {pool.device}")
-        (k, keep_k), (v, keep_v) = self._share_storage(pool.k), self._share_storage(pool.v)
-        shared = _SharedPool(uuid, k, v, (keep_k, keep_v))
-        with self._lock:
-            return self._shared.setdefault(pool, shared)
 
     def _share_storage(self, tensor: torch.Tensor) -> tuple[dict, Any]:
         """The ticket part for ``tensor``'s storage, and what must stay alive with the pool."""
@@ -694,7 +703,7 @@ class CudaIpcTransport(KVTransport):
             return base
         try:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            # no IPC event: export synchronized the device, so the prefill's writes are done
+            # no IPC event: export waited for the prefill's writes before the ticket left
             storage = torch.UntypedStorage._new_shared_cuda(
                 index, part.handle, part.size, part.offset, part.ref_counter, part.ref_counter_offset, b"", False
             )
