@@ -524,7 +524,11 @@ class CudaIpcTransport(KVTransport):
         if tensor.device.type != "cuda":
             raise TransferError(TransferFailure.UNAVAILABLE, f"cuda_ipc shares CUDA pools, this one is on {tensor.device}")
         storage = tensor.untyped_storage()
-        _dev, handle, size, offset, ref_counter, ref_counter_offset, _event, _sync = storage._share_cuda_()
+        try:
+            _dev, handle, size, offset, ref_counter, ref_counter_offset, _event, _sync = storage._share_cuda_()
+        except Exception as exc:  # e.g. an allocator that cannot export (cudaMallocAsync backend)
+            raise TransferError(TransferFailure.UNAVAILABLE, f"cannot share the KV pool over CUDA IPC: "
+                                f"{type(exc).__name__}: {exc}; use transport nccl or object_store") from None
         if not handle or not ref_counter:
             raise TransferError(TransferFailure.UNAVAILABLE, "torch gave no CUDA IPC handle for the pool")
         part = {"handle": bytes(handle), "size": int(size), "offset": int(offset), "ref_counter": bytes(ref_counter),
