@@ -116,7 +116,7 @@ class BenchConfig:
     smoke: bool = False
     http_port: int = 8000
     grpc_port: int = 9000
-    transport: str = "auto"  # KV transport of every configuration (auto: NCCL channels on GPUs)
+    transport: str = "auto"  # KV transport of every configuration (auto: CUDA IPC on a shared GPU, else NCCL)
 
     def __post_init__(self) -> None:
         for name in self.configs:
@@ -588,8 +588,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="skip (and record) configurations and cells that would end past this")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--transport", default=None, choices=("auto", "object_store", "nccl"),
-                    help="KV transport of every configuration (default auto: NCCL channels between GPUs)")
+    ap.add_argument("--transport", default=None, choices=("auto", "object_store", "nccl", "cuda_ipc"),
+                    help="KV transport of every configuration (default auto: CUDA IPC on a shared GPU, "
+                         "NCCL channels between GPUs)")
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
     ap.add_argument("--merge", action="store_true", help="keep the other configurations already in --out")

@@ -3,11 +3,13 @@
 One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
 
 ``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
-1. fetches the shipped pages through the KV transport the ticket names (the object store, or
-   a channel: then it reserves the pages and asks the prefill replica holding them to send
-   them, see ``kv_transfer.channel``), verifies them (checksum, shape) and adopts them into
-   this replica's pool; on failure yields one ``transfer_error`` event (nothing stays
-   allocated; after a channel failure it says ``fallback: "object_store"``) and ends;
+1. fetches the shipped pages through the KV transport the ticket names (the object store; a
+   channel: then it reserves the pages and asks the prefill replica holding them to send
+   them, see ``kv_transfer.channel``; or CUDA IPC: it copies them out of the prefill
+   replica's pool on the same GPU, or has them come over the channel from another GPU, see
+   ``kv_transfer.ipc``), verifies them (checksum or device, shape) and adopts them into this
+   replica's pool; on failure yields one ``transfer_error`` event (nothing stays allocated;
+   after a channel or IPC failure it says ``fallback: "object_store"``) and ends;
 2. yields ``adopted`` (the acknowledgement: the ingress now lets the prefill replica free
    its copy);
 3. hands the request to the DecodeLoop and yields ``tokens`` events (one or more token ids
@@ -32,7 +34,15 @@ from ray import serve
 
 from decode_worker.engine import DecodeEngine, StepOutput
 from kv_transfer.channel import ChannelTransport
-from kv_transfer.transfer import KVTransport, ObjectStoreTransport, TransferError, TransferFailure, select_transport
+from kv_transfer.ipc import CudaIpcTransport
+from kv_transfer.transfer import (
+    IPC_OR_NCCL,
+    KVTransport,
+    ObjectStoreTransport,
+    TransferError,
+    TransferFailure,
+    select_transport,
+)
 from router.config import ServiceConfig
 from router.protocol import params_from_dict
 from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
@@ -60,10 +70,14 @@ class _LoopFailed(RuntimeError):
 
 
 class PrefillCaller:
-    """Channel transfers: deliver a send request to the one prefill replica holding the pages
-    (a Serve call to its ``send_pages``, pinned to it by ``PrefillRequestRouter``)."""
+    """Channel and IPC-fallback transfers: deliver a request to the one prefill replica holding
+    the pages (a Serve call to its ``method``, ``send_pages`` or ``stage_pages``, pinned to it
+    by ``PrefillRequestRouter``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str = "send_pages") -> None:
+        if method not in ("send_pages", "stage_pages"):
+            raise ValueError(f"method: expected 'send_pages' or 'stage_pages', got {method!r}")
+        self.method = method
         self._handles: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, sender: dict, request: dict) -> dict:
@@ -74,7 +88,8 @@ class PrefillCaller:
         if handle is None:  # asks the controller once: off the event loop
             handle = await asyncio.to_thread(serve.get_deployment_handle, key[1], key[0])
             self._handles[key] = handle
-        return await handle.send_pages.remote(request, routing=routing_hint(replica=sender["replica_id"]))
+        call = getattr(handle, self.method)
+        return await call.remote(request, routing=routing_hint(replica=sender["replica_id"]))
 
 
 class DecodeLoop:
@@ -190,10 +205,16 @@ class DecodeServer:
 
     def _make_receivers(self) -> dict[str, KVTransport]:
         receivers: dict[str, KVTransport] = {"object_store": ObjectStoreTransport()}
-        if select_transport(self.config.transport, device=self.pool.device) != "object_store":
+        kind = select_transport(self.config.transport, device=self.pool.device)
+        channels = None
+        if kind not in ("object_store", "cuda_ipc"):
             channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
                                         call_sender=PrefillCaller())
             receivers[channels.name] = channels
+        if kind in ("cuda_ipc", IPC_OR_NCCL):
+            # the channel is also the IPC transport's way to pages on another GPU
+            receivers["cuda_ipc"] = CudaIpcTransport(identity=replica_identity(), fallback=channels,
+                                                     call_sender=PrefillCaller("stage_pages") if channels else None)
         return receivers
 
     @property
@@ -308,6 +329,13 @@ class DecodeServer:
         task = self.loop._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
+        for receiver in self.receivers.values():
+            if isinstance(receiver, CudaIpcTransport):
+                if receiver.device_error is not None:  # a failed IPC copy left the CUDA context unusable
+                    raise RuntimeError(f"CUDA context broken by a KV copy: {receiver.device_error}")
+                # Serve's health-check period is also the clock that closes mappings of prefill
+                # replicas that went away (a mapping can keep a dead replica's pool allocated)
+                receiver.sweep()
 
     def __del__(self) -> None:  # Serve calls it when the replica stops: close channels
         for receiver in getattr(self, "receivers", {}).values():

@@ -4,6 +4,7 @@ Never imports Ray at module import time (the object-store transport imports it w
 """
 
 from .channel import ChannelConfig, ChannelTransport, payload_checksum
+from .ipc import CudaIpcTransport
 from .pool import KVPool, KVPoolConfig, PoolExhausted
 from .transfer import (
     KVFrameHeader,
@@ -22,6 +23,7 @@ from .transfer import (
 __all__ = [
     "ChannelConfig",
     "ChannelTransport",
+    "CudaIpcTransport",
     "KVPool",
     "KVPoolConfig",
     "PoolExhausted",

@@ -22,6 +22,9 @@ Bookkeeping per request: its page list and ``seq_len`` (tokens written/committed
 only grow (``reserve``) until ``release``. Allocation is all-or-nothing and raises the typed
 ``PoolExhausted`` that the scheduler acts on (preempt, queue, or spill).
 
+CUDA pools are allocated outside torch's expandable segments (see ``_plain_cuda_segments``) so
+that a decode replica on the same GPU can map them through CUDA IPC (``kv_transfer.ipc``).
+
 Thread safety: one ``threading.Lock`` guards the free list and the request table (Ray
 actors may run async handlers on several threads). ``write`` touches only tensor data of
 pages the caller owns and takes no lock.
@@ -29,6 +32,9 @@ pages the caller owns and takes no lock.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -144,8 +150,9 @@ class KVPool:
         self.device = torch.device(config.device)
         shape = (config.num_layers, self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
         # zeros, not empty: padding slots hold finite values, so a masked read stays finite
-        self.k = torch.zeros(shape, dtype=config.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=config.dtype, device=self.device)
+        with _plain_cuda_segments(self.device):
+            self.k = torch.zeros(shape, dtype=config.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=config.dtype, device=self.device)
         if config.dtype == torch.float8_e4m3fn:
             scale_shape = (config.num_layers, config.num_kv_heads)
             self.k_scale: torch.Tensor | None = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
@@ -347,6 +354,41 @@ class KVPool:
     def calibrate_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, margin: float = 1.0) -> None:
         """FP8 pools: per-KV-head scales ``amax * margin / 448`` from sample ``k, v [T, Hkv, d]``."""
         self.set_scales(layer, fp8_scale_from_amax(k, margin=margin), fp8_scale_from_amax(v, margin=margin))
+
+
+_EXPANDABLE_ON = re.compile(r"expandable_segments\s*:\s*True")
+
+
+@contextlib.contextmanager
+def _plain_cuda_segments(device: torch.device):
+    """Allocate outside torch's expandable segments, where the process turned them on through
+    ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``.
+
+    Why: a same-GPU decode replica maps this pool through CUDA IPC (``kv_transfer.ipc``). A
+    plain segment is shared with ``cudaIpcGetMemHandle``; an expandable one through a POSIX fd
+    that the importer pulls with ``pidfd_getfd``, which needs ptrace rights over the exporter
+    that sibling Ray workers usually lack (Yama ``ptrace_scope=1``, container seccomp). The
+    pool is one fixed allocation, so expandable segments buy it nothing. The setting is
+    process-wide while it lasts (pools are built at replica start, before serving); the
+    original string is set back whole, since parsing a settings string resets the keys it
+    leaves out."""
+    conf_var = next((v for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                     if _EXPANDABLE_ON.search(os.environ.get(v, ""))), None)
+    if device.type != "cuda" or conf_var is None:
+        yield
+        return
+    original = os.environ[conf_var]
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    try:
+        setter(_EXPANDABLE_ON.sub("expandable_segments:False", original))
+        switched = True
+    except Exception:  # an allocator without the option: allocate as configured
+        switched = False
+    try:
+        yield
+    finally:
+        if switched:
+            setter(original)
 
 
 def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor:

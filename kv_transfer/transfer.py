@@ -27,6 +27,10 @@ Transports (all behind :class:`KVTransport`; :func:`select_transport` picks one 
 - ``kv_transfer.channel.ChannelTransport`` ("nccl" between CUDA pools, "gloo" between CPU
   pools): the header goes through Ray, the payload device to device over a 2-rank process
   group of the pair, checked by an on-device checksum (``checksum_kind="wsum64"``).
+- ``kv_transfer.ipc.CudaIpcTransport`` ("cuda_ipc", CUDA pools on one physical GPU): the
+  receiver maps the sender's pool through CUDA IPC and copies the pages device to device
+  (``checksum_kind="none"``); with a fallback transport (``auto``: the NCCL channel) it moves
+  pages between pools on different GPUs too.
 
 Ownership: the sender keeps its pages until the receiver acknowledges (the service closes
 the prefill replica's lease stream once the decode replica has adopted them), so a failed
@@ -72,8 +76,10 @@ _HEADER_KEYS = frozenset(
     }
 )
 # "crc32": CRC-32 of the payload bytes (frames: computed on the host anyway);
-# "wsum64": kv_transfer.channel.payload_checksum, computed on the pool's device (channels).
-CHECKSUM_KINDS = ("crc32", "wsum64")
+# "wsum64": kv_transfer.channel.payload_checksum, computed on the pool's device (channels);
+# "none": no checksum (checksum 0): a device-local copy between two pools on one GPU
+# (kv_transfer.ipc), where no wire or staging buffer sits between the bytes read and written.
+CHECKSUM_KINDS = ("crc32", "wsum64", "none")
 
 
 class TransferFailure(str, enum.Enum):
@@ -124,8 +130,9 @@ class KVFrameHeader:
     """The msgpack metadata of one request's pages: the head of a frame (object store) or the
     whole control message of a channel transfer (the payload then travels over the channel).
 
-    ``checksum`` is a CRC-32 when ``checksum_kind`` is ``"crc32"`` (frames) and a 64-bit
-    on-device weighted sum when it is ``"wsum64"`` (channels, see ``kv_transfer.channel``)."""
+    ``checksum`` is a CRC-32 when ``checksum_kind`` is ``"crc32"`` (frames), a 64-bit
+    on-device weighted sum when it is ``"wsum64"`` (channels, see ``kv_transfer.channel``) and
+    0 when it is ``"none"`` (same-GPU copies, see ``kv_transfer.ipc``)."""
 
     request_id: str
     num_tokens: int
@@ -228,6 +235,8 @@ class KVFrameHeader:
             )
         if obj["checksum_kind"] == "crc32" and checksum > 0xFFFFFFFF:
             raise TransferError(TransferFailure.MALFORMED, "checksum: a CRC-32 has 32 bits", rid)
+        if obj["checksum_kind"] == "none" and checksum != 0:
+            raise TransferError(TransferFailure.MALFORMED, "checksum: expected 0 with checksum_kind 'none'", rid)
         scales = []
         for key in ("k_scale", "v_scale"):
             s = obj[key]
@@ -422,11 +431,12 @@ def adopt_pages(pool: KVPool, header: KVFrameHeader) -> list[int]:
 class TransferTicket:
     """What the sender hands to whoever routes the request to a receiver.
 
-    ``transport`` names the receiver that can take it ("local", "object_store", or a channel
-    backend: "nccl", "gloo"). ``handle`` is transport-specific: the frame itself (local), a
-    one-element list holding the ``ObjectRef`` (object store; the list keeps Ray from
-    resolving the ref when the ticket is passed as an argument), or the msgpack header plus
-    the sender's address (channels).
+    ``transport`` names the receiver that can take it ("local", "object_store", a channel
+    backend: "nccl", "gloo", or "cuda_ipc"). ``handle`` is transport-specific: the frame itself
+    (local), a one-element list holding the ``ObjectRef`` (object store; the list keeps Ray
+    from resolving the ref when the ticket is passed as an argument), the msgpack header plus
+    the sender's address (channels), or the header plus the sender's GPU, pages and CUDA IPC
+    handles of its pool (cuda_ipc).
     """
 
     request_id: str
@@ -520,25 +530,31 @@ def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle:
     return TransferTicket(request_id, name, num_tokens, pool.pages_for(num_tokens), int(frame.nbytes), handle)
 
 
-TRANSPORTS = ("auto", "object_store", "nccl", "gloo", "local")
+TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo", "local")
+# What ``auto`` means for CUDA pools: CUDA IPC when the receiver's pool is on the sender's GPU,
+# the NCCL channel otherwise (kv_transfer.ipc.CudaIpcTransport with a ChannelTransport fallback).
+IPC_OR_NCCL = "cuda_ipc+nccl"
 
 
 def select_transport(requested: str, *, device: str | torch.device) -> str:
     """Which transport a replica whose KV pool lives on ``device`` exports with.
 
-    ``auto``: a channel over NCCL for CUDA pools, else the object store. ``nccl`` (channels
-    between CUDA pools) and ``gloo`` (the same channels between CPU pools: tests, CPU-only
-    clusters) are refused with ``ValueError`` where the pool's device does not fit: a
-    configuration error, not a silent slowdown.
+    ``auto``: for CUDA pools :data:`IPC_OR_NCCL` (CUDA IPC between pools on one physical GPU,
+    where NCCL refuses two ranks on one device; the NCCL channel between GPUs), else the object
+    store. ``cuda_ipc`` alone (CUDA pools only) fails a transfer to a pool on another GPU,
+    which the service then retries over the object store. ``nccl`` (channels between CUDA
+    pools) and ``gloo`` (the same channels between CPU pools: tests, CPU-only clusters) are
+    refused with ``ValueError`` where the pool's device does not fit: a configuration error, not
+    a silent slowdown.
     """
     if requested not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {requested!r}")
     kind = torch.device(device).type
     if requested == "auto":
-        return "nccl" if kind == "cuda" else "object_store"
-    if requested == "nccl" and kind != "cuda":
+        return IPC_OR_NCCL if kind == "cuda" else "object_store"
+    if requested in ("nccl", "cuda_ipc") and kind != "cuda":
         raise ValueError(
-            f"transport: 'nccl' needs a CUDA KV pool, this one is on {device}; "
+            f"transport: {requested!r} needs a CUDA KV pool, this one is on {device}; "
             "use 'gloo' (channels between CPU pools), 'object_store' or 'auto'"
         )
     if requested == "gloo" and kind != "cpu":

@@ -13,6 +13,9 @@ a token budget and runs ``PrefillEngine.prefill`` off the event loop).
    ingress crash).
 With channel transports (``nccl``/``gloo``) the decode replica that adopts the pages calls
 ``send_pages`` on this very replica (a call pinned by the router) while the lease is open.
+With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on the same GPU copies the pages straight
+out of this replica's pool during the lease; one on another GPU first calls ``stage_pages``
+(pinned too) to have them exported over the NCCL channel, then ``send_pages``.
 Because the lease is an ongoing request, a replica being scaled down drains it before it
 stops: pages a decode replica is still fetching are never pulled away.
 """
@@ -29,7 +32,8 @@ from typing import Any
 from ray import serve
 
 from kv_transfer.channel import ChannelTransport
-from kv_transfer.transfer import KVTransport, ObjectStoreTransport, TransferFailure, select_transport
+from kv_transfer.ipc import CudaIpcTransport
+from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from router.config import ServiceConfig
 from router.protocol import RequestError, params_from_dict
@@ -195,7 +199,19 @@ class PrefillServer:
         kind = select_transport(self.config.transport, device=self.pool.device)
         if kind == "object_store":
             return self.object_store
+        if kind in ("cuda_ipc", IPC_OR_NCCL):
+            fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity()) \
+                if kind == IPC_OR_NCCL else None
+            return CudaIpcTransport(identity=replica_identity(), fallback=fallback,
+                                    lease_timeout_s=self.config.lease_timeout_s)
         return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity())
+
+    def _channel(self) -> ChannelTransport | None:
+        """The channel this replica sends over: its transport, or the fallback of cuda_ipc."""
+        transport = self.transport
+        if isinstance(transport, CudaIpcTransport):
+            transport = transport.fallback
+        return transport if isinstance(transport, ChannelTransport) else None
 
     # -- the request path ----------------------------------------------------------------
     async def prefill(self, request: dict, routing: dict | None = None):
@@ -254,10 +270,20 @@ class PrefillServer:
     async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
         """Channel transports: a decode replica that reserved room for a request's pages asks
         this replica (which holds them, under a lease) to send them over their channel."""
-        if not isinstance(self.transport, ChannelTransport):
+        channel = self._channel()
+        if channel is None:
             return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
                     "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
-        return await self.transport.serve_send(request)
+        return await channel.serve_send(request)
+
+    async def stage_pages(self, request: dict, routing: dict | None = None) -> dict:
+        """cuda_ipc with a fallback: a decode replica on another GPU asks this replica to export
+        a leased request's pages over the fallback channel; the reply carries that ticket."""
+        if not isinstance(self.transport, CudaIpcTransport):
+            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value, "ticket": None,
+                    "message": f"this replica ships KV pages with {self.transport.name!r}, not cuda_ipc"}
+        # a device gather and checksum: off the event loop
+        return await asyncio.to_thread(self.transport.serve_stage, self.pool, request)
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:

@@ -13,7 +13,6 @@ No ``from __future__ import annotations`` here: FastAPI reads the handlers' anno
 import time (``request: Request`` must be the class, not a string).
 """
 
-import dataclasses
 import json
 import logging
 import time
@@ -324,7 +323,8 @@ class OpenAIIngress:
 # --------------------------------------------------------------------------- the builder
 def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = None) -> dict:
     """GPU replicas when the cluster has GPUs and the config does not pin the CPU: one GPU each
-    with two or more GPUs; with exactly one, prefill and decode share it (half each)."""
+    with two or more GPUs; with exactly one, prefill and decode share it (half each), and
+    ``auto`` moves their KV pages over CUDA IPC (NCCL refuses two ranks on one device)."""
     if cluster_gpus is None:
         import ray
 
@@ -335,11 +335,6 @@ def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = 
     if config.device == "cuda" and gpus == 0.0:
         gpus = 1.0
     return {"ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
-
-
-def _shares_gpu(options: dict) -> bool:
-    gpus = options.get("ray_actor_options", {}).get("num_gpus", 0) or 0
-    return 0 < gpus < 1
 
 
 def build_application(
@@ -360,9 +355,6 @@ def build_application(
     worker_defaults = _default_worker_options(config)
     prefill_opts = {**worker_defaults, **(prefill or {})}
     decode_opts = {**worker_defaults, **(decode or {})}
-    if config.transport == "auto" and (_shares_gpu(prefill_opts) or _shares_gpu(decode_opts)):
-        # replicas sharing a GPU: NCCL will not put two ranks on one device
-        config = dataclasses.replace(config, transport="object_store")
     raw = config.to_dict()
     worker_raw = config.worker_dict()  # the auth token stays with the ingress
     prefill_dep = make_prefill_deployment(config, **prefill_opts)

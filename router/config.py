@@ -14,7 +14,7 @@ from typing import Any
 
 from kernels.config import SparseConfig
 
-TRANSPORTS = ("auto", "object_store", "nccl", "gloo")
+TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
@@ -37,7 +37,8 @@ def _float(name: str, value: Any, minimum: float, maximum: float = math.inf) -> 
 class FaultInjection:
     """Drills and tests only (all off by default): damage the first ``corrupt_transfers`` KV
     transfers a prefill replica ships (``mode``: "flip" a byte, "truncate" the frame (object
-    store only) or "break" the channel instead of sending (channels only); transfers the mode
+    store only) or "break" the channel instead of sending (channels) or the ticket's GPU
+    (cuda_ipc: the receiver finds no usable route); transfers the mode
     does not apply to are shipped intact and not counted); hold
     every prefill call ``prefill_delay_ms`` before it queues, and every decode step
     ``decode_step_delay_ms``, so that a drill can kill a replica mid-request."""
@@ -83,9 +84,11 @@ class ServiceConfig:
     transport: how KV pages travel from prefill to decode. "object_store": framed CPU bytes
         through Ray's object store (any devices, any nodes). "nccl": pairwise channels between
         CUDA pools (GPU to GPU, no host copy); "gloo": the same channels between CPU pools.
-        "auto": "nccl" where the pools are on CUDA, else the object store. A failed channel
-        transfer is retried over the object store. transfer_retries: new attempts after a
-        retryable transfer failure.
+        "cuda_ipc": the decode replica copies the pages out of the prefill replica's pool on
+        the same GPU (CUDA IPC; pools on different GPUs fail over to the object store).
+        "auto": for CUDA pools CUDA IPC where prefill and decode share a GPU and "nccl"
+        between GPUs, else the object store. A failed channel or IPC transfer is retried over
+        the object store. transfer_retries: new attempts after a retryable transfer failure.
     lease_timeout_s: how long a prefill replica keeps pages for a decode side that never
         acknowledges (a crashed ingress), then frees them.
     expected_density: the routing cost model's expected fraction of causal pairs computed

@@ -197,12 +197,16 @@ def test_fp8_scales_must_match():
 
 def test_select_transport():
     assert select_transport("auto", device="cpu") == "object_store"
-    assert select_transport("auto", device="cuda:1") == "nccl"
+    # CUDA: IPC between pools on one GPU, the NCCL channel between GPUs (kv_transfer.ipc)
+    assert select_transport("auto", device="cuda:1") == "cuda_ipc+nccl"
     assert select_transport("object_store", device="cuda") == "object_store"
     assert select_transport("nccl", device="cuda") == "nccl"
+    assert select_transport("cuda_ipc", device=torch.device("cuda", 0)) == "cuda_ipc"
     assert select_transport("gloo", device="cpu") == "gloo"
     with pytest.raises(ValueError, match="'nccl' needs a CUDA KV pool"):
         select_transport("nccl", device="cpu")
+    with pytest.raises(ValueError, match="'cuda_ipc' needs a CUDA KV pool"):
+        select_transport("cuda_ipc", device="cpu")
     with pytest.raises(ValueError, match="'gloo' moves CPU KV pools"):
         select_transport("gloo", device="cuda")
     with pytest.raises(ValueError, match="transport"):

@@ -241,7 +241,7 @@ def test_service_config():
     cfg = ServiceConfig.from_dict({"alpha": 0.0, "fault_injection": {"corrupt_transfers": 2}})
     assert cfg.sparse_config.alpha == 0.0 and cfg.fault_injection.corrupt_transfers == 2
     assert ServiceConfig.from_dict(cfg.to_dict()) == cfg and cfg.model_id == "builtin:tiny"
-    for transport in ("auto", "object_store", "nccl", "gloo"):
+    for transport in ("auto", "object_store", "nccl", "cuda_ipc", "gloo"):
         assert ServiceConfig.from_dict({"transport": transport}).transport == transport
     assert ServiceConfig.from_dict({"fault_injection": {"mode": "break"}}).fault_injection.mode == "break"
     for bad in ({"alpha": 2}, {"transport": "carrier-pigeon"}, {"page_size": 0}, {"bogus": 1},
@@ -386,16 +386,75 @@ def test_prefill_replica_prefills_in_chunks_of_prefill_chunk_tokens():
 
 
 def test_default_worker_gpus_and_transport_on_a_shared_gpu():
-    """With one GPU, prefill and decode share it (half each) and ``auto`` becomes the object
-    store (NCCL will not put two ranks on one device); with two or more, one GPU each."""
-    from router.app import _default_worker_options, _shares_gpu
+    """With one GPU, prefill and decode share it (half each) and ``auto`` stays ``auto`` (CUDA
+    IPC moves their pages; before, it was forced to the object store); with two or more GPUs,
+    one GPU each."""
+    from router.app import _default_worker_options, build_application
 
     cfg = ServiceConfig()
     one = _default_worker_options(cfg, cluster_gpus=1)
     two = _default_worker_options(cfg, cluster_gpus=2)
     none = _default_worker_options(cfg, cluster_gpus=0)
-    assert one["ray_actor_options"]["num_gpus"] == 0.5 and _shares_gpu(one)
-    assert two["ray_actor_options"]["num_gpus"] == 1.0 and not _shares_gpu(two)
-    assert none["ray_actor_options"]["num_gpus"] == 0.0 and not _shares_gpu(none)
+    assert one["ray_actor_options"]["num_gpus"] == 0.5
+    assert two["ray_actor_options"]["num_gpus"] == 1.0
+    assert none["ray_actor_options"]["num_gpus"] == 0.0
     assert _default_worker_options(ServiceConfig(device="cpu"), cluster_gpus=4)["ray_actor_options"]["num_gpus"] == 0.0
     assert _default_worker_options(ServiceConfig(device="cuda"), cluster_gpus=0)["ray_actor_options"]["num_gpus"] == 1.0
+    app = build_application(cfg, prefill=one, decode=one)
+    prefill_app, decode_app, raw = app._bound_deployment.init_args
+    assert raw["transport"] == "auto"
+    assert prefill_app._bound_deployment.init_args[0]["transport"] == "auto"
+    assert decode_app._bound_deployment.init_args[0]["transport"] == "auto"
+
+
+def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
+    """What each transport choice builds in the replicas (the CUDA choices forced onto CPU
+    pools: the fallback channel is then gloo), and the prefill replica's stage_pages."""
+    import decode_worker.deployment as dd
+    import prefill_worker.deployment as pd
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.transfer import IPC_OR_NCCL
+
+    opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "lease_timeout_s": 42.0}
+    for kind in (IPC_OR_NCCL, "cuda_ipc"):
+        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
+        monkeypatch.setattr(dd, "select_transport", lambda requested, device, kind=kind: kind)
+        pre, dec = pd.PrefillServer(opts), dd.DecodeServer(opts)
+        try:
+            ipc = pre.transport
+            assert isinstance(ipc, CudaIpcTransport) and ipc.lease_timeout_s == 42.0
+            receiver = dec.receivers["cuda_ipc"]
+            assert isinstance(receiver, CudaIpcTransport)
+            stats = pre.record_routing_stats()
+            assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
+            request = {"request_id": "r", "sender_id": ipc.replica_id, "transport": "gloo"}
+            reply = asyncio.run(pre.stage_pages(request))
+            if kind == IPC_OR_NCCL:
+                assert isinstance(ipc.fallback, ChannelTransport) and pre._channel() is ipc.fallback
+                assert set(dec.receivers) == {"object_store", "cuda_ipc", "gloo"}
+                assert receiver.fallback is dec.receivers["gloo"]
+                assert isinstance(receiver.call_sender, dd.PrefillCaller) and receiver.call_sender.method == "stage_pages"
+                assert dec.receivers["gloo"].call_sender.method == "send_pages"
+                assert "channel_sends" in stats and "channel_receives" in dec.record_routing_stats()
+                assert reply["ok"] is False and reply["reason"] == "lost"  # no such lease
+            else:
+                assert ipc.fallback is None and pre._channel() is None
+                assert set(dec.receivers) == {"object_store", "cuda_ipc"} and receiver.fallback is None
+                assert reply["ok"] is False and reply["reason"] == "unavailable"
+                reply = asyncio.run(pre.send_pages({}))
+                assert reply["ok"] is False and "not over channels" in reply["message"]
+            dec.check_health()
+            receiver.device_error = "CUDA error: an illegal memory access was encountered"
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                dec.check_health()
+        finally:
+            pre.transport.close()
+            for r in dec.receivers.values():
+                r.close()
+    monkeypatch.undo()
+    pre = pd.PrefillServer({**opts, "transport": "object_store"})
+    reply = asyncio.run(pre.stage_pages({"request_id": "r", "sender_id": "x", "transport": "nccl"}))
+    assert reply["ok"] is False and reply["reason"] == "unavailable" and "object_store" in reply["message"]
+    with pytest.raises(ValueError, match="method"):
+        dd.PrefillCaller("generate")
