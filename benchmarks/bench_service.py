@@ -979,6 +979,7 @@ def merge_groups(cfg: BenchConfig, groups: list[Group], records: list[dict]) -> 
 def group_record(group: Group, outcome: dict, partial_path: Path, log: Path, **extra) -> dict:
     """Group k's record from its process's outcome and partial file."""
     partial, why = read_partial(partial_path)
+    tail = None
     if outcome.get("killed"):
         status, error = "killed", outcome["killed"]
     elif outcome.get("returncode") == 0 and partial is not None:
@@ -986,12 +987,13 @@ def group_record(group: Group, outcome: dict, partial_path: Path, log: Path, **e
     elif outcome.get("returncode") is None:
         status, error = "running", None
     else:
+        tail = _tail(log)
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "(empty log)")
         status = "error"
-        error = f"exit status {outcome.get('returncode')}" + (f", {why}" if why else "") + \
-            f"; log tail:\n{_tail(log)}"
+        error = f"exit status {outcome.get('returncode')}" + (f", {why}" if why else "") + f"; last log line: {last}"
     return {"index": group.index, "configs": list(group.configs), "gpus": list(group.devices), "status": status,
-            "error": error, "returncode": outcome.get("returncode"), "wall_s": outcome.get("wall_s"),
-            "pid": outcome.get("pid"),
+            "error": error[:1000] if error else error, "log_tail": tail, "returncode": outcome.get("returncode"),
+            "wall_s": outcome.get("wall_s"), "pid": outcome.get("pid"),
             "log": str(log), "partial_path": str(partial_path), **extra,
             "ray_cluster": ((partial or {}).get("env") or {}).get("ray_cluster"), "partial": partial}
 

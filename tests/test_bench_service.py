@@ -316,15 +316,16 @@ def test_merge_groups_records_failed_and_cut_groups(tmp_path):
     ]
     assert [r["status"] for r in records] == ["ok", "error", "killed"]
     assert records[0]["ray_cluster"] == {"gcs_address": "127.0.0.1:1"} and records[2]["http_port"] == 8123
-    assert records[1]["error"].startswith("exit status 1, no partial results file; log tail:")
-    assert "RuntimeError: boom" in records[1]["error"]
+    assert records[1]["error"] == "exit status 1, no partial results file; last log line: RuntimeError: boom"
+    assert records[1]["log_tail"].startswith("starting\nTraceback") and records[0]["log_tail"] is None
     confs = bench.merge_groups(cfg, groups, records)
     assert [c["name"] for c in confs] == list(bench.CONFIG_ORDER)
     by = {c["name"]: c for c in confs}
     assert by["dense"]["status"] == by["sparse_bf16"]["status"] == "ok"
     assert by["dense"]["placement"] == {"group": 0, "gpus": ["0"], "layout": bench.layout_text(cfg)}
     assert by["sparse_fp8"]["status"] == "error" and by["sparse_fp8"]["cells"] == []
-    assert by["sparse_fp8"]["reason"].startswith("not run: group 1 error: exit status 1") and "boom" in by["sparse_fp8"]["reason"]
+    assert by["sparse_fp8"]["reason"] == ("not run: group 1 error: exit status 1, no partial results file; last log "
+                                          "line: RuntimeError: boom")
     assert by["sparse_fp8"]["placement"]["gpus"] == ["1"]
     cut = by["sparse_bf16_chunk8k"]
     assert cut["status"] == "error" and cut["reason"].startswith("cut: group 2 killed during this configuration")
@@ -340,6 +341,7 @@ def test_merge_groups_records_failed_and_cut_groups(tmp_path):
                                                                ("pending", "group 2 is still running")]
     unreadable = bench.group_record(groups[1], {"returncode": 0}, tmp_path / "g3.json", tmp_path / "g3.log")
     assert unreadable["status"] == "error" and "exit status 0, unreadable partial results" in unreadable["error"]
+    assert unreadable["error"].endswith("last log line: (empty log)")
 
 
 def _alive(pid: int) -> bool:
@@ -413,3 +415,101 @@ def test_run_children_stops_every_group_when_interrupted(tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+# a stand-in for a group's bench_service.py: argv[1] says what it does, the rest are the child's arguments
+STUB = """import json, os, sys, time
+what, args = sys.argv[1], sys.argv[2:]
+print('stub', what, ' '.join(args), flush=True)
+if what == 'fail':
+    sys.exit('RuntimeError: boom')
+if what == 'hang':
+    time.sleep(120)
+result = json.load(open(what))
+result['env'] = {'ray_cluster': {k: os.environ.get(k) for k in ('RAY_TMPDIR', 'CUDA_VISIBLE_DEVICES', 'GIT_COMMIT')},
+                 'argv': args}
+json.dump(result, open(args[args.index('--out') + 1], 'w'))
+"""
+
+
+def test_run_parallel_merges_groups_and_keeps_a_failed_groups_error(monkeypatch, tmp_path, capsys):
+    """Three stub groups on GPUs 0, 1, 2: one finishes, one fails, one is stopped at the time
+    budget; --merge keeps a configuration of the existing file."""
+    monkeypatch.setattr(bench, "CHILD_MARGIN_S", {"gpu": 1.0, "cpu": 1.0})
+    monkeypatch.setattr(bench, "KILL_MARGIN_S", 14.0)  # budget 20 s: the hanging group is stopped after 6 s
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1", "2"])
+    argv = ["--parallel", "dense,sparse_bf16;sparse_fp8;sparse_bf16_chunk8k", "--requests", "5", "--time-budget-s", "20",
+            "--out", str(tmp_path / "service.json"), "--merge"]
+    cfg, args = bench.parse_args(argv)
+    (tmp_path / "g0.json").write_text(json.dumps({"configurations": [_conf("dense"), _conf("sparse_bf16")]}))
+    out = tmp_path / "service.json"
+    out.write_text(json.dumps({"configurations": [_conf("sparse_bf16_chunk16k"), _conf("dense", "error")]}))
+    stale = tmp_path / "service_parallel" / "group1.json"  # an earlier run's partial must not be merged
+    stale.parent.mkdir()
+    stale.write_text(json.dumps({"configurations": [_conf("sparse_fp8")]}))
+    what = {0: str(tmp_path / "g0.json"), 1: "fail", 2: "hang"}
+    result = bench.run_parallel(cfg, args.groups, argv, out, True, bench.Budget(cfg.time_budget_s),
+                                child_command=lambda k, a: [sys.executable, "-c", STUB, what[k], *a])
+    result = json.loads(json.dumps(result))
+    assert json.loads(out.read_text()) == result
+    assert result["env"]["command"].endswith("--parallel 'dense,sparse_bf16;sparse_fp8;sparse_bf16_chunk8k' "
+                                             f"--requests 5 --time-budget-s 20 --out {out} --merge")
+    groups = result["parallel"]["groups"]
+    assert [g["status"] for g in groups] == ["ok", "error", "killed"]
+    assert [g["gpus"] for g in groups] == [["0"], ["1"], ["2"]]
+    assert groups[0]["ray_cluster"] == {"RAY_TMPDIR": groups[0]["RAY_TMPDIR"], "CUDA_VISIBLE_DEVICES": "0",
+                                        "GIT_COMMIT": "abc1234"}
+    assert not Path(groups[0]["RAY_TMPDIR"]).exists() and Path(groups[1]["RAY_TMPDIR"]).is_dir()  # kept: it failed
+    assert len({g["RAY_TMPDIR"] for g in groups}) == 3
+    assert len({p for g in groups for p in (g["http_port"], g["grpc_port"])}) == 6
+    assert groups[1]["error"].endswith("last log line: RuntimeError: boom") and "stub fail" in groups[1]["log_tail"]
+    assert groups[2]["error"].startswith("time budget: SIGTERM at ")
+    assert 0 < groups[0]["time_budget_s"] <= 19.0 and "--fp8" in groups[1]["command"]
+    assert "--configs dense,sparse_bf16 --rates 1.0,4.0,16.0 --requests 5" in groups[0]["command"]
+    by = {c["name"]: c for c in result["configurations"]}
+    assert [c["name"] for c in result["configurations"]] == ["sparse_bf16_chunk16k", "dense", "sparse_bf16",
+                                                              "sparse_fp8", "sparse_bf16_chunk8k"]
+    assert by["dense"]["status"] == "ok" and by["dense"]["placement"]["gpus"] == ["0"]  # this run's, not the file's
+    assert "placement" not in by["sparse_bf16_chunk16k"]  # kept from the existing file
+    assert by["sparse_fp8"]["status"] == "error" and "boom" in by["sparse_fp8"]["reason"]
+    assert by["sparse_bf16_chunk8k"]["reason"].startswith("not run: group 2 killed: time budget")
+    assert result["targets"]["ttft_p50_ratio_at_lowest_rate"]["dense_over_sparse"] == pytest.approx(4.5)
+    assert result["placement"].startswith("parallel groups, each its own process and local Ray: group 0 (dense, "
+                                          "sparse_bf16) on GPU 0; group 1 (sparse_fp8) on GPU 1")
+    assert result["config"]["configs"] == ["dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k"]
+    printed = capsys.readouterr().out
+    assert "[g1] stub fail" in printed and "[g2] time budget: stopping group 2" in printed
+    assert "sparse_bf16_chunk16k" in printed and "targets:" in printed
+    assert (tmp_path / "service_parallel" / "group2.log").read_text().startswith("stub hang --gpus 1")
+    for g in groups[1:]:
+        __import__("shutil").rmtree(g["RAY_TMPDIR"], ignore_errors=True)
+
+
+def test_cpu_smoke_parallel_groups_end_to_end(tmp_path):
+    """Two --cpu-smoke groups at once, each its own process and local Ray (two clusters on this
+    host at the same time, neither joining the other), merged into one file."""
+    pytest.importorskip("ray.serve")
+    out = tmp_path / "par.json"
+    env = {**os.environ, "GIT_COMMIT": "abc1234", "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--cpu-smoke", "--parallel",
+                           "sparse_bf16;sparse_bf16_chunk8k", "--rates", "8", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    groups = result["parallel"]["groups"]
+    assert [(g["status"], g["configs"]) for g in groups] == [("ok", ["sparse_bf16"]), ("ok", ["sparse_bf16_chunk8k"])]
+    clusters = [g["ray_cluster"] for g in groups]
+    assert clusters[0]["gcs_address"] != clusters[1]["gcs_address"] and clusters[0]["session"] != clusters[1]["session"]
+    assert [c["RAY_TMPDIR"] for c in clusters] == [g["RAY_TMPDIR"] for g in groups]
+    assert not any(Path(g["RAY_TMPDIR"]).exists() for g in groups)  # removed after a successful group
+    assert result["wall_s"] < 0.9 * sum(g["wall_s"] for g in groups)  # they ran at the same time
+    assert result["env"]["commit"] == "abc1234" and "--parallel 'sparse_bf16;sparse_bf16_chunk8k'" in result["env"]["command"]
+    assert result["targets"]["zero_lost"] is True
+    for k, conf in enumerate(result["configurations"]):
+        assert conf["status"] == "ok" and conf["placement"] == {"group": k, "gpus": [], "layout": "CPU (smoke)"}
+        (cell,) = conf["cells"]
+        assert cell["rate"] == 8.0 and cell["summary"]["sent"] == cell["summary"]["completed"] == 4
+    assert "[g0] [sparse_bf16] rate 8/s" in proc.stdout and "[g1] [sparse_bf16_chunk8k] rate 8/s" in proc.stdout
+    assert "[g0] ok" in proc.stdout and "TTFT p50" in proc.stdout
+    assert (tmp_path / "par_parallel" / "group1.log").read_text().count("[sparse_bf16_chunk8k] rate 8/s") == 1
