@@ -49,6 +49,25 @@ benchmarks/bench_service.py --gpus 1 --requests 24 --cell-seconds 10 --drain-sec
 output file) split a run in parts. ``--cpu-smoke``: the tiny structured model on CPU, one
 configuration, two short cells, a temporary output file (seconds). Writes
 ``benchmarks/results/service_h200.json`` (``--out``) and PNG plots next to it; prints a table.
+
+Groups at once, one GPU (pair) each: ``--parallel "dense,sparse_bf16;sparse_fp8,sparse_bf16_chunk8k,
+sparse_bf16_chunk16k" --gpus 1`` (instead of ``--configs``; naming ``sparse_fp8`` runs it) starts
+one ``bench_service.py`` per group (``;``-separated), group k on GPU k (``--gpus 1``) or GPUs 2k
+and 2k+1 (``--gpus 2``), refused when the host has fewer (``CUDA_VISIBLE_DEVICES`` when set, else
+``nvidia-smi``); with ``--cpu-smoke`` every group runs on CPU. Each group gets the same workload
+options, its own ``CUDA_VISIBLE_DEVICES``, HTTP and gRPC ports, ``RAY_TMPDIR`` (so ``ray.init``
+starts a fresh local cluster of its own: its own session, GCS and raylet, recorded as
+``ray_cluster``), no ``RAY_ADDRESS``, its own dashboard metrics port and 1/groups of Ray's
+default object store share; it runs in its own session, its output is prefixed ``[gK]`` on
+stdout and kept in ``<out stem>_parallel/groupK.log`` next to its partial results
+``groupK.json``. With ``--time-budget-s`` each group gets the remaining budget less
+``CHILD_MARGIN_S`` (60 s on GPUs: its teardown) and a group still running ``KILL_MARGIN_S``
+before the end is stopped with every process of its session (recorded). The partial results
+are merged into ``--out`` as each group ends and at the end (with ``--merge``, the file's other
+configurations stay): every configuration gets its ``placement`` (group, GPUs, layout), the
+groups' records (status, error, ports, command, Ray cluster) are under ``parallel``, a failed
+group's configurations are recorded with its error and the others' results kept; table,
+``targets`` and plots as for one process. SIGTERM or Ctrl-C stops every group too.
 """
 
 from __future__ import annotations
