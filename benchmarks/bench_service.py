@@ -49,6 +49,25 @@ benchmarks/bench_service.py --gpus 1 --requests 24 --cell-seconds 10 --drain-sec
 output file) split a run in parts. ``--cpu-smoke``: the tiny structured model on CPU, one
 configuration, two short cells, a temporary output file (seconds). Writes
 ``benchmarks/results/service_h200.json`` (``--out``) and PNG plots next to it; prints a table.
+
+Groups at once, one GPU (pair) each: ``--parallel "dense,sparse_bf16;sparse_fp8,sparse_bf16_chunk8k,
+sparse_bf16_chunk16k" --gpus 1`` (instead of ``--configs``; naming ``sparse_fp8`` runs it) starts
+one ``bench_service.py`` per group (``;``-separated), group k on GPU k (``--gpus 1``) or GPUs 2k
+and 2k+1 (``--gpus 2``), refused when the host has fewer (``CUDA_VISIBLE_DEVICES`` when set, else
+``nvidia-smi``); with ``--cpu-smoke`` every group runs on CPU. Each group gets the same workload
+options, its own ``CUDA_VISIBLE_DEVICES``, HTTP and gRPC ports, ``RAY_TMPDIR`` (so ``ray.init``
+starts a fresh local cluster of its own: its own session, GCS and raylet, recorded as
+``ray_cluster``), no ``RAY_ADDRESS``, its own dashboard metrics port and 1/groups of Ray's
+default object store share; it runs in its own session, its output is prefixed ``[gK]`` on
+stdout and kept in ``<out stem>_parallel/groupK.log`` next to its partial results
+``groupK.json``. With ``--time-budget-s`` each group gets the remaining budget less
+``CHILD_MARGIN_S`` (60 s on GPUs: its teardown) and a group still running ``KILL_MARGIN_S``
+before the end is stopped with every process of its session (recorded). The partial results
+are merged into ``--out`` as each group ends and at the end (with ``--merge``, the file's other
+configurations stay): every configuration gets its ``placement`` (group, GPUs, layout), the
+groups' records (status, error, ports, command, Ray cluster) are under ``parallel``, a failed
+group's configurations are recorded with its error and the others' results kept; table,
+``targets`` and plots as for one process. SIGTERM or Ctrl-C stops every group too.
 """
 
 from __future__ import annotations
@@ -60,10 +79,14 @@ import datetime
 import json
 import os
 import random
+import shutil
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -91,6 +114,13 @@ DEPLOY_ESTIMATE_S = {"gpu": 45.0, "cpu": 20.0}  # start two replicas + warm-up, 
 WARMUP_TIMEOUT_S = 600.0  # the first configuration's warm-up compiles the Triton kernels
 QUIET = {"enable_access_log": False}  # no log line per request and replica call during the cells
 TEARDOWN_S = 20.0  # graceful shutdown bound of every replica: a cut cell may leave a forward running
+# --parallel: a child's --time-budget-s is the parent's remaining budget less this (its teardown,
+# Ray shutdown and plots run past its own budget); children still running KILL_MARGIN_S before the
+# parent's budget ends are stopped (SIGTERM to the process group, SIGKILL KILL_GRACE_S later)
+CHILD_MARGIN_S = {"gpu": 60.0, "cpu": 20.0}
+KILL_MARGIN_S = 10.0
+KILL_GRACE_S = 10.0
+RAY_OBJECT_STORE_PROPORTION = 0.3  # Ray's default share of memory per cluster; --parallel divides it among groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +348,24 @@ def environment(argv: list[str]) -> dict:
     return {"gpus": _gpus(), "torch": torch.__version__, "cuda": torch.version.cuda, "ray": ray.__version__,
             "transformers": transformers.__version__, "python": sys.version.split()[0],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "command": "PYTHONPATH=$PWD python3 benchmarks/bench_service.py " + " ".join(argv),
+            "commit": _commit(), "command": "PYTHONPATH=$PWD python3 benchmarks/bench_service.py " + shlex.join(argv),
             "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
+def layout_text(cfg: BenchConfig) -> str:
+    """Where the replicas of one configuration run."""
+    return ("CPU (smoke)" if cfg.smoke else
+            "1 GPU: prefill and decode replicas share it (num_gpus 0.5 each)" if cfg.gpus == 1 else
+            "2 GPUs: one per replica (num_gpus 1 each)")
+
+
+def ray_cluster() -> dict:
+    """The local cluster this process started (which one, when several run on the host)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"gcs_address": ctx.gcs_address, "session": ctx.get_session_name(),
+            "RAY_TMPDIR": os.environ.get("RAY_TMPDIR"), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def _free_port() -> int:
@@ -592,9 +638,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
                     help="KV transport of every configuration (default auto: CUDA IPC on a shared GPU, "
                          "NCCL channels between GPUs)")
     ap.add_argument("--http-port", type=int, default=None)
+    ap.add_argument("--grpc-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
     ap.add_argument("--merge", action="store_true", help="keep the other configurations already in --out")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny structured model on CPU, two short cells")
+    ap.add_argument("--parallel", default=None, metavar="GROUPS",
+                    help="groups of configurations separated by ';', e.g. 'dense,sparse_bf16;sparse_fp8,"
+                         "sparse_bf16_chunk8k': the groups run at the same time, each in its own process and local "
+                         "Ray, group k on GPU k (--gpus 1) or GPUs 2k and 2k+1 (--gpus 2), on CPU with --cpu-smoke; "
+                         "naming sparse_fp8 runs it (no --fp8); results merged into --out")
     ap.add_argument("--plot-only", action="store_true",
                     help="no run: redraw the plots and reprint the table of an existing --out file")
     args = ap.parse_args(argv)
@@ -612,17 +664,50 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     for flag, key in (("requests", "requests"), ("cell_seconds", "cell_seconds"), ("drain_seconds", "drain_seconds"),
                       ("request_timeout", "request_timeout_s"), ("max_tokens", "max_tokens"),
                       ("prefill_kv_pages", "prefill_kv_pages"), ("decode_kv_pages", "decode_kv_pages"),
-                      ("time_budget_s", "time_budget_s"), ("seed", "seed"), ("http_port", "http_port")):
+                      ("time_budget_s", "time_budget_s"), ("seed", "seed"), ("http_port", "http_port"),
+                      ("grpc_port", "grpc_port")):
         if getattr(args, flag) is not None:
             values[key] = getattr(args, flag)
     values["fp8"] = args.fp8
     if args.transport is not None:
         values["transport"] = args.transport
+    groups = None
+    if args.parallel is not None:
+        for flag, given in (("--configs", args.configs is not None), ("--plot-only", args.plot_only),
+                            ("--http-port", args.http_port is not None), ("--grpc-port", args.grpc_port is not None)):
+            if given:
+                ap.error(f"--parallel: not with {flag} (the groups name the configurations; each group gets free "
+                         "ports; --plot-only redraws a merged file without --parallel)")
+        try:
+            groups = parse_groups(args.parallel)
+        except ValueError as exc:
+            ap.error(str(exc))
+        values["configs"] = tuple(n for n in CONFIG_ORDER if any(n in g for g in groups))
+        if args.fp8 and "sparse_fp8" not in values["configs"]:
+            ap.error("--fp8: with --parallel, name sparse_fp8 in a group instead")
+        values["fp8"] = "sparse_fp8" in values["configs"]
     try:
         cfg = BenchConfig(**values)
     except ValueError as exc:
         ap.error(str(exc))
+    args.groups = None
+    if groups is not None:
+        margin = CHILD_MARGIN_S["cpu" if cfg.smoke else "gpu"]
+        if cfg.time_budget_s is not None and cfg.time_budget_s <= margin:
+            ap.error(f"--time-budget-s: with --parallel it must exceed {margin:g} s (each group's process gets the "
+                     f"budget less {margin:g} s for its teardown), got {cfg.time_budget_s:g}")
+        try:
+            args.groups = assign_devices(groups, cfg, visible_gpus())
+        except ValueError as exc:
+            ap.error(str(exc))
     return cfg, args
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Whole or not at all: a reader (the ``--parallel`` parent) or a kill never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def plot_only(out_path: Path) -> dict:
@@ -631,9 +716,404 @@ def plot_only(out_path: Path) -> dict:
         raise SystemExit(f"bench_service: --plot-only needs an existing results file, {out_path} is missing")
     result = json.loads(out_path.read_text())
     result["plots"] = plot(result.get("configurations", []), out_path)
-    out_path.write_text(json.dumps(result, indent=1))
+    write_json(out_path, result)
     print(format_table(table_rows(result.get("configurations", []))))
     print("plots:", result["plots"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# --parallel: groups of configurations in child processes, each with its own local Ray
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One ``--parallel`` group: its configurations and the host GPUs its process sees."""
+
+    index: int
+    configs: tuple[str, ...]
+    devices: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES entries; () on CPU (--cpu-smoke)
+
+
+def parse_groups(spec: str) -> list[tuple[str, ...]]:
+    """``"a,b;c"`` -> ``[("a", "b"), ("c",)]``, each group in ``CONFIG_ORDER``; ValueError for an
+    empty group or name, an unknown configuration, or one named in two groups."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--parallel: expected groups of configurations separated by ';', got {spec!r}")
+    groups: list[tuple[str, ...]] = []
+    seen: dict[str, int] = {}
+    for k, part in enumerate(spec.split(";")):
+        names = [x.strip() for x in part.split(",")]
+        if not all(names):
+            raise ValueError(f"--parallel: group {k} of {spec!r} is empty or has an empty name (separate groups with "
+                             "';' and the configurations of a group with ',')")
+        for name in names:
+            if name not in CONFIGURATIONS:
+                raise ValueError(f"--parallel: unknown configuration {name!r} in group {k}; expected names from "
+                                 f"{list(CONFIGURATIONS)}")
+            if name in seen:
+                where = f"group {seen[name]} and group {k}" if seen[name] != k else f"group {k} twice"
+                raise ValueError(f"--parallel: {name!r} is in {where}; each configuration runs once")
+            seen[name] = k
+        groups.append(tuple(n for n in CONFIG_ORDER if n in names))
+    return groups
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs the groups may use: the entries of ``CUDA_VISIBLE_DEVICES`` when it is set, else
+    the indices of every GPU ``nvidia-smi`` lists (no CUDA in this process)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    return [str(i) for i in range(len(_gpus()))]
+
+
+def assign_devices(groups: list[tuple[str, ...]], cfg: BenchConfig, visible: list[str]) -> list[Group]:
+    """Group k gets ``visible[k * gpus : (k + 1) * gpus]`` (nothing on CPU); ValueError when the
+    host has too few."""
+    if cfg.smoke:
+        return [Group(k, g) for k, g in enumerate(groups)]
+    need = len(groups) * cfg.gpus
+    if len(visible) < need:
+        raise ValueError(f"--parallel: {len(groups)} group(s) with --gpus {cfg.gpus} need {need} GPU(s), this host has "
+                         f"{len(visible)} ({','.join(visible) or 'none visible'})")
+    return [Group(k, g, tuple(visible[k * cfg.gpus:(k + 1) * cfg.gpus])) for k, g in enumerate(groups)]
+
+
+def child_argv(cfg: BenchConfig, group: Group, *, out: Path, http_port: int, grpc_port: int,
+               time_budget_s: float | None) -> list[str]:
+    """The arguments of a group's ``bench_service.py``: the parent's workload (every option
+    spelled out, so the seed, prompts and cells are the same), the group's configurations,
+    its own ports, partial output and budget."""
+    argv = ["--cpu-smoke"] if cfg.smoke else ["--gpus", str(cfg.gpus)]
+    argv += ["--configs", ",".join(group.configs), "--rates", ",".join(repr(r) for r in cfg.rates),
+             "--requests", str(cfg.requests), "--cell-seconds", repr(cfg.cell_seconds),
+             "--drain-seconds", repr(cfg.drain_seconds), "--request-timeout", repr(cfg.request_timeout_s),
+             "--lengths", ",".join(str(n) for n in cfg.lengths), "--max-tokens", str(cfg.max_tokens),
+             "--seed", str(cfg.seed), "--transport", cfg.transport,
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--out", str(out)]
+    for flag, value in (("--prefill-kv-pages", cfg.prefill_kv_pages), ("--decode-kv-pages", cfg.decode_kv_pages),
+                        ("--time-budget-s", time_budget_s)):
+        if value is not None:
+            argv += [flag, repr(value)]
+    if "sparse_fp8" in group.configs:
+        argv.append("--fp8")
+    return argv
+
+
+def child_env(group: Group, *, groups: int, ray_tmpdir: str, metrics_port: int, commit: str,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """A group's environment: its GPUs, a Ray temp dir of its own (its own session and
+    ``ray_current_cluster``: ``ray.init`` starts a fresh cluster, never joins another group's),
+    no ``RAY_ADDRESS``, its own dashboard metrics port, ``1/groups`` of Ray's default object
+    store share (the groups share the host's /dev/shm), the parent's commit."""
+    env = dict(os.environ if base is None else base)
+    env.pop("RAY_ADDRESS", None)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
+    env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), *paths]), "RAY_TMPDIR": ray_tmpdir,
+                "DASHBOARD_METRIC_PORT": str(metrics_port), "GIT_COMMIT": commit, "PYTHONUNBUFFERED": "1",
+                "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": f"{RAY_OBJECT_STORE_PROPORTION / groups:.4f}"})
+    if group.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(group.devices)
+    return env
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _pump(stream, log: Path, prefix: str, lock: threading.Lock, out) -> None:
+    """Copy a child's output to its log and, line by line with ``prefix``, to ``out``."""
+    with open(log, "w", encoding="utf-8") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid`` (Linux ``/proc``; [] elsewhere). A child
+    started in its own session keeps its local Ray there: the GCS, raylet and agents share the
+    child's process group, Ray's workers (replicas, controller) each make their own group."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session ...
+        if len(fields) > 3 and fields[0] != "Z" and fields[3] == str(sid):
+            out.append(int(entry))
+    return out
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(proc.pid):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> str:
+    """Stop a child started with ``start_new_session``: SIGTERM to its process group and every
+    process of its session (its local Ray and Ray's workers), SIGKILL to whatever is left after
+    ``grace_s``. Returns what it took."""
+    _signal_session(proc, signal.SIGTERM)
+    t_end = time.monotonic() + grace_s
+    while time.monotonic() < t_end and (proc.poll() is None or session_members(proc.pid)):
+        time.sleep(0.1)
+    how = "SIGTERM"
+    if proc.poll() is None or session_members(proc.pid):
+        how = f"SIGTERM, SIGKILL after {grace_s:g} s"
+        _signal_session(proc, signal.SIGKILL)
+    proc.wait()
+    return how
+
+
+def run_children(commands: list[list[str]], envs: list[dict[str, str]], logs: list[Path], *,
+                 deadline: float | None = None, on_exit=lambda k, outcome: None, out=None,
+                 grace_s: float = KILL_GRACE_S) -> list[dict]:
+    """Run the commands at once, each in its own session, output to its log and to ``out``
+    (stdout) prefixed ``[gK]``; children still running at ``deadline`` (``time.monotonic()``)
+    are stopped with every process of their session (:func:`stop_group`). ``on_exit(k, outcome)`` when
+    child k ends. Returns per child: returncode, wall_s, killed (how, or None), pid."""
+    out = sys.stdout if out is None else out
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    outcomes = [{"returncode": None, "wall_s": None, "killed": None} for _ in commands]
+    try:
+        for k, (cmd, env, log) in enumerate(zip(commands, envs, logs)):
+            log.parent.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                                    start_new_session=True)
+            procs.append(proc)
+            outcomes[k]["pid"] = proc.pid  # also its session and process group id
+            pump = threading.Thread(target=_pump, args=(proc.stdout, log, f"[g{k}] ", lock, out), daemon=True)
+            pump.start()
+            pumps.append(pump)
+        while True:
+            for k, proc in enumerate(procs):
+                if outcomes[k]["returncode"] is None and proc.poll() is not None:
+                    outcomes[k].update(returncode=proc.returncode, wall_s=time.monotonic() - t0)
+                    on_exit(k, dict(outcomes[k]))
+            running = [k for k, o in enumerate(outcomes) if o["returncode"] is None]
+            if not running:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                for k in running:
+                    with lock:
+                        out.write(f"[g{k}] time budget: stopping group {k} (session {procs[k].pid})\n")
+                        out.flush()
+                    outcomes[k]["killed"] = f"time budget: {stop_group(procs[k], grace_s)} at " \
+                                            f"{time.monotonic() - t0:.0f} s"
+                    outcomes[k].update(returncode=procs[k].returncode, wall_s=time.monotonic() - t0)
+                    on_exit(k, dict(outcomes[k]))
+                break
+            time.sleep(0.2)
+    except BaseException as exc:  # Ctrl-C, SIGTERM (see run_parallel), a failed start: no child outlives this
+        for k, proc in enumerate(procs):
+            if proc.poll() is None:
+                how = stop_group(proc, grace_s)
+                outcomes[k].update(returncode=proc.returncode, wall_s=time.monotonic() - t0,
+                                   killed=f"interrupted ({type(exc).__name__}: {exc}): {how}")
+                on_exit(k, dict(outcomes[k]))
+        raise
+    finally:
+        for pump in pumps:
+            pump.join(timeout=5.0)  # a Ray process that kept the pipe open does not hold the parent
+    return outcomes
+
+
+def _tail(path: Path, lines: int = 15, chars: int = 1500) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])[-chars:]
+
+
+def read_partial(path: Path) -> tuple[dict | None, str | None]:
+    """A group's partial results, or (None, why not)."""
+    try:
+        return json.loads(path.read_text()), None
+    except FileNotFoundError:
+        return None, "no partial results file"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable partial results: {exc}"[:300]
+
+
+def merge_groups(cfg: BenchConfig, groups: list[Group], records: list[dict]) -> list[dict]:
+    """Every group's configurations, in ``CONFIG_ORDER``, each with its ``placement`` (group,
+    host GPUs, layout). ``records[k]``: group k's record (``status``, ``error``, ``partial``:
+    its results or None). A configuration a failed or stopped group did not finish is kept
+    with its completed cells and ``status: error``; one it never reached is recorded as not
+    run, with the group's error."""
+    confs: dict[str, dict] = {}
+    for group, rec in zip(groups, records):
+        place = {"group": group.index, "gpus": list(group.devices), "layout": layout_text(cfg)}
+        got = {c["name"]: c for c in (rec.get("partial") or {}).get("configurations", [])}
+        for name in group.configs:
+            conf = got.get(name)
+            if rec["status"] == "running":  # an intermediate save: as far as the group got
+                conf = conf or {"name": name, "service_options": dict(CONFIGURATIONS[name]), "cells": [],
+                                "status": "pending", "reason": f"group {group.index} is still running"}
+            elif conf is None:
+                conf = {"name": name, "service_options": dict(CONFIGURATIONS[name]), "cells": [], "status": "error",
+                        "reason": f"not run: group {group.index} {rec['status']}: {rec.get('error')}"[:1500]}
+            elif conf.get("status") == "running":
+                conf = {**conf, "status": "error",
+                        "reason": f"cut: group {group.index} {rec['status']} during this configuration (its "
+                                  f"completed cells are kept): {rec.get('error')}"[:1500]}
+            confs[name] = {**conf, "placement": place}
+    return [confs[n] for n in CONFIG_ORDER if n in confs]
+
+
+def group_record(group: Group, outcome: dict, partial_path: Path, log: Path, **extra) -> dict:
+    """Group k's record from its process's outcome and partial file."""
+    partial, why = read_partial(partial_path)
+    tail = None
+    if outcome.get("killed"):
+        status, error = "killed", outcome["killed"]
+    elif outcome.get("returncode") == 0 and partial is not None:
+        status, error = "ok", None
+    elif outcome.get("returncode") is None:
+        status, error = "running", None
+    else:
+        tail = _tail(log)
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "(empty log)")
+        status = "error"
+        error = f"exit status {outcome.get('returncode')}" + (f", {why}" if why else "") + f"; last log line: {last}"
+    return {"index": group.index, "configs": list(group.configs), "gpus": list(group.devices), "status": status,
+            "error": error[:1000] if error else error, "log_tail": tail, "returncode": outcome.get("returncode"),
+            "wall_s": outcome.get("wall_s"), "pid": outcome.get("pid"),
+            "log": str(log), "partial_path": str(partial_path), **extra,
+            "ray_cluster": ((partial or {}).get("env") or {}).get("ray_cluster"), "partial": partial}
+
+
+def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_path: Path, merge: bool,
+                 budget: Budget, child_command=None) -> dict:
+    """``--parallel``: one ``bench_service.py`` per group at once (see :func:`child_argv`,
+    :func:`child_env`), their output prefixed on stdout, their partial JSONs merged into
+    ``out_path`` as each ends and at the end; table, targets, plots as a single run.
+    ``child_command(k, argv)`` replaces the child's command line (tests)."""
+    work = out_path.with_name(out_path.stem + "_parallel")
+    work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob("group*"):  # a stale partial must not pass for this run's
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    env = environment(argv)  # env["gpus"]: every GPU of the host; env["command"]: this command
+    commit = env["commit"]  # every child records the same commit
+    print(env, flush=True)
+    previous = json.loads(out_path.read_text()).get("configurations", []) if merge and out_path.exists() else []
+    margin = CHILD_MARGIN_S["cpu" if cfg.smoke else "gpu"]
+    child_budget = None if cfg.time_budget_s is None else round(cfg.time_budget_s - budget.elapsed - margin, 1)
+    deadline = None if cfg.time_budget_s is None else budget.t0 + cfg.time_budget_s - KILL_MARGIN_S
+    if child_budget is not None and child_budget <= 0:
+        raise SystemExit(f"bench_service: --time-budget-s {cfg.time_budget_s:g} leaves the groups no time")
+    ports = _free_ports(3 * len(groups))
+    tmp_root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()  # short: Ray's socket paths
+    commands, envs, logs, partials, extras = [], [], [], [], []
+    for g in groups:
+        http_port, grpc_port, metrics_port = ports[3 * g.index:3 * g.index + 3]
+        partial, log = work / f"group{g.index}.json", work / f"group{g.index}.log"
+        ray_tmp = tempfile.mkdtemp(prefix=f"raybench-g{g.index}-", dir=tmp_root)
+        args = child_argv(cfg, g, out=partial, http_port=http_port, grpc_port=grpc_port, time_budget_s=child_budget)
+        commands.append(child_command(g.index, args) if child_command else
+                        [sys.executable, str(Path(__file__).resolve()), *args])
+        envs.append(child_env(g, groups=len(groups), ray_tmpdir=ray_tmp, metrics_port=metrics_port, commit=commit))
+        logs.append(log)
+        partials.append(partial)
+        extras.append({"http_port": http_port, "grpc_port": grpc_port, "time_budget_s": child_budget,
+                       "RAY_TMPDIR": ray_tmp, "command": "python3 benchmarks/bench_service.py " + shlex.join(args)})
+        print(f"[g{g.index}] {', '.join(g.configs)} on {'GPU ' + ','.join(g.devices) if g.devices else 'CPU'}: "
+              f"{extras[-1]['command']}", flush=True)
+    result: dict[str, Any] = {
+        "benchmark": "service under open-loop load: dense vs sparse prefill (router/, prefill_worker/, decode_worker/)",
+        "env": env, "config": dataclasses.asdict(cfg), "service_base_options": base_options(cfg),
+        "placement": "parallel groups, each its own process and local Ray: " + "; ".join(
+            f"group {g.index} ({', '.join(g.configs)}) on {'GPU ' + ','.join(g.devices) if g.devices else 'CPU'}"
+            for g in groups) + f"; in each: {layout_text(cfg)}",
+        "configurations": [],
+    }
+    outcomes: list[dict] = [{"returncode": None} for _ in groups]
+
+    def save() -> None:
+        records = [group_record(g, o, partials[g.index], logs[g.index], **extras[g.index])
+                   for g, o in zip(groups, outcomes)]
+        done = merge_groups(cfg, groups, records)
+        names = {c["name"] for c in done}
+        result["configurations"] = [c for c in previous if c["name"] not in names] + done
+        result["parallel"] = {"spec": ";".join(",".join(g.configs) for g in groups), "child_margin_s": margin,
+                              "kill_margin_s": KILL_MARGIN_S,
+                              "groups": [{k: v for k, v in r.items() if k != "partial"} for r in records]}
+        result["table"] = table_rows(result["configurations"])
+        result["targets"] = targets(result["configurations"])
+        result["wall_s"] = budget.elapsed
+        write_json(out_path, result)
+
+    def ended(k: int, outcome: dict) -> None:
+        outcomes[k] = outcome
+        save()  # what the finished groups measured is on disk whatever happens to the others
+
+    stopping = []
+
+    def interrupted(signum, _frame):
+        if not stopping:  # once: a second signal must not cut the groups' shutdown short
+            stopping.append(signum)
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # run_children stops the groups
+
+    # SIGTERM (a timeout around this run) or SIGINT (ignored by default in a background job)
+    # must not leave the groups running, and holding their GPUs, after the parent
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        outcomes[:] = run_children(commands, envs, logs, deadline=deadline, on_exit=ended)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    save()
+    for g in groups:
+        status = result["parallel"]["groups"][g.index]["status"]
+        if status == "ok":  # a failed group's Ray logs stay (the path is in the record)
+            shutil.rmtree(extras[g.index]["RAY_TMPDIR"], ignore_errors=True)
+        print(f"[g{g.index}] {status}" + ("" if status == "ok" else
+              f": {result['parallel']['groups'][g.index]['error']}"), flush=True)
+    result["plots"] = plot(result["configurations"], out_path)
+    write_json(out_path, result)
+    print(f"\nwrote {out_path} ({budget.elapsed:.0f} s; groups' logs and partial results in {work})")
+    print(f"{cfg.requests} requests at most per cell, none sent after {cfg.cell_seconds:g} s, in-flight ones cut "
+          f"{cfg.drain_seconds:g} s later; prompts {list(cfg.lengths)} tokens, {cfg.max_tokens} output tokens. "
+          "TTFT/TPOT: client side (s, ms); tok/s, req/s: over the busy time; queue..other: server-side medians (s).")
+    print(format_table(result["table"]))
+    print("targets:", json.dumps(result["targets"]))
     return result
 
 
@@ -651,6 +1131,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # inherited by the replicas
     budget = Budget(cfg.time_budget_s)
+    if args.groups is not None:
+        return run_parallel(cfg, args.groups, argv, out_path, args.merge, budget)
 
     import ray
     from ray import serve
@@ -661,6 +1143,7 @@ def main(argv: list[str] | None = None) -> dict:
                               num_cpus=max(8, os.cpu_count() or 1))
     start_local_ray(local)
     env = environment(argv)
+    env["ray_cluster"] = ray_cluster()
     print(env, flush=True)
     if not cfg.smoke:
         have = ray.cluster_resources().get("GPU", 0)
@@ -684,9 +1167,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {
         "benchmark": "service under open-loop load: dense vs sparse prefill (router/, prefill_worker/, decode_worker/)",
         "env": env, "config": config, "service_base_options": base_options(cfg),
-        "placement": ("CPU (smoke)" if cfg.smoke else
-                      "1 GPU: prefill and decode replicas share it (num_gpus 0.5 each)" if cfg.gpus == 1 else
-                      "2 GPUs: one per replica (num_gpus 1 each)"),
+        "placement": layout_text(cfg),
         "configurations": [],
     }
 
@@ -696,7 +1177,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["table"] = table_rows(result["configurations"])
         result["targets"] = targets(result["configurations"])
         result["wall_s"] = budget.elapsed
-        out_path.write_text(json.dumps(result, indent=1))
+        write_json(out_path, result)
 
     done: list[dict] = []
     try:
@@ -712,7 +1193,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.shutdown()
     save(done)
     result["plots"] = plot(result["configurations"], out_path)
-    out_path.write_text(json.dumps(result, indent=1))
+    write_json(out_path, result)
     print(f"\nwrote {out_path} ({budget.elapsed:.0f} s)")
     print(f"{cfg.requests} requests at most per cell, none sent after {cfg.cell_seconds:g} s, in-flight ones cut "
           f"{cfg.drain_seconds:g} s later; prompts {list(cfg.lengths)} tokens, {cfg.max_tokens} output tokens. "

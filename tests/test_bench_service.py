@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,341 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
             assert t["queue_s"] + t["prefill_s"] + t["export_s"] <= t["ttft_s"] + slack
             assert t["ttft_s"] <= rec["ttft_s"] + slack  # the service's TTFT within the client's
             assert t["ttft_s"] + t["transfer_s"] + t["first_decode_s"] <= t["total_s"] + slack
+
+
+# ----------------------------------------------------------------------------- --parallel
+def test_parse_groups():
+    spec = "dense,sparse_bf16;sparse_fp8,sparse_bf16_chunk8k,sparse_bf16_chunk16k"
+    assert bench.parse_groups(spec) == [("dense", "sparse_bf16"),
+                                        ("sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k")]
+    assert bench.parse_groups(" sparse_bf16 , dense ") == [("dense", "sparse_bf16")]  # the usual run order
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("", "separated by ';'"), ("  ", "separated by ';'"), ("dense;", "group 1 .* empty"), (";dense", "group 0 .* empty"),
+    ("dense,,sparse_bf16", "empty name"), ("dense;fast", "unknown configuration 'fast' in group 1"),
+    ("dense;sparse_bf16,dense", "'dense' is in group 0 and group 1"), ("dense,dense", "group 0 twice"),
+])
+def test_parse_groups_rejects(spec, match):
+    with pytest.raises(ValueError, match=f"--parallel: .*{match}"):
+        bench.parse_groups(spec)
+
+
+def test_assign_devices_and_visible_gpus(monkeypatch):
+    cfg = bench.BenchConfig()
+    groups = [("dense",), ("sparse_bf16",)]
+    assert [g.devices for g in bench.assign_devices(groups, cfg, ["0", "1"])] == [("0",), ("1",)]
+    two = dataclasses.replace(cfg, gpus=2)
+    got = bench.assign_devices(groups, two, ["2", "3", "4", "5", "6"])
+    assert [(g.index, g.configs, g.devices) for g in got] == [(0, ("dense",), ("2", "3")), (1, ("sparse_bf16",), ("4", "5"))]
+    with pytest.raises(ValueError, match=r"2 group\(s\) with --gpus 2 need 4 GPU\(s\), this host has 3 \(0,1,2\)"):
+        bench.assign_devices(groups, two, ["0", "1", "2"])
+    with pytest.raises(ValueError, match="need 2 GPU.*has 0 .none visible"):
+        bench.assign_devices(groups, cfg, [])
+    smoke = bench.BenchConfig(**bench.SMOKE)
+    assert [g.devices for g in bench.assign_devices(groups * 3, smoke, [])] == [()] * 6  # CPU: no GPU needed
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert bench.visible_gpus() == ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert bench.visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(bench, "_gpus", lambda: ["NVIDIA H200, 143771 MiB, 580"] * 2)
+    assert bench.visible_gpus() == ["0", "1"]
+
+
+def test_parallel_arguments(monkeypatch):
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1"])
+    cfg, args = bench.parse_args(["--parallel", "dense,sparse_bf16;sparse_fp8,sparse_bf16_chunk8k", "--requests", "8"])
+    assert cfg.configs == ("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k") and cfg.fp8
+    assert cfg.run_configs == cfg.configs and cfg.requests == 8
+    assert [(g.configs, g.devices) for g in args.groups] == [(("dense", "sparse_bf16"), ("0",)),
+                                                             (("sparse_fp8", "sparse_bf16_chunk8k"), ("1",))]
+    cfg, args = bench.parse_args(["--parallel", "dense;sparse_bf16", "--seed", "3"])
+    assert not cfg.fp8 and cfg.seed == 3
+    _, args = bench.parse_args(["--gpus", "2"])
+    assert args.groups is None  # no --parallel: the single-process run
+    _, args = bench.parse_args(["--cpu-smoke", "--parallel", "dense;sparse_bf16;sparse_fp8"])  # CPU: any number
+    assert [g.devices for g in args.groups] == [(), (), ()]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--parallel", "dense;nope"], "--parallel: unknown configuration 'nope'"),
+    (["--parallel", "dense;dense"], "--parallel: 'dense' is in group 0 and group 1"),
+    (["--parallel", "dense;"], "--parallel: group 1"),
+    (["--parallel", "dense;sparse_bf16;sparse_bf16_chunk8k"], r"--parallel: 3 group\(s\) with --gpus 1 need 3 GPU"),
+    (["--parallel", "dense;sparse_bf16", "--gpus", "2"], r"--parallel: 2 group\(s\) with --gpus 2 need 4 GPU"),
+    (["--parallel", "dense", "--configs", "dense"], "--parallel: not with --configs"),
+    (["--parallel", "dense", "--plot-only"], "--parallel: not with --plot-only"),
+    (["--parallel", "dense", "--http-port", "8000"], "--parallel: not with --http-port"),
+    (["--parallel", "dense", "--grpc-port", "9000"], "--parallel: not with --grpc-port"),
+    (["--parallel", "dense;sparse_bf16", "--fp8"], "--fp8: with --parallel, name sparse_fp8 in a group"),
+    (["--parallel", "dense;sparse_bf16", "--time-budget-s", "60"], "--time-budget-s: with --parallel it must exceed 60"),
+    (["--parallel", "dense", "--requests", "0"], "requests"),
+])
+def test_parallel_arguments_rejected(monkeypatch, capsys, argv, match):
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("base", [
+    [], ["--gpus", "2", "--rates", "0.5,2", "--requests", "7", "--cell-seconds", "9.5", "--drain-seconds", "0",
+         "--request-timeout", "33", "--lengths", "4096,65536", "--max-tokens", "16", "--seed", "5", "--transport",
+         "object_store", "--prefill-kv-pages", "3000", "--decode-kv-pages", "9000", "--time-budget-s", "500"],
+    ["--cpu-smoke", "--requests", "3"],
+])
+def test_child_argv_replays_the_parents_workload(monkeypatch, tmp_path, base):
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    cfg, args = bench.parse_args(base + ["--parallel", "dense,sparse_bf16;sparse_fp8"])
+    for group in args.groups:
+        argv = bench.child_argv(cfg, group, out=tmp_path / "g.json", http_port=8123, grpc_port=9123, time_budget_s=321.5)
+        child, child_args = bench.parse_args(argv)
+        assert child_args.groups is None and child_args.out == str(tmp_path / "g.json")
+        assert (child.configs, child.fp8) == (group.configs, "sparse_fp8" in group.configs)
+        assert (child.http_port, child.grpc_port, child.time_budget_s) == (8123, 9123, 321.5)
+        same = {"configs": child.configs, "fp8": child.fp8, "http_port": child.http_port, "grpc_port": child.grpc_port,
+                "time_budget_s": child.time_budget_s}
+        assert dataclasses.replace(cfg, **same) == child  # the same seed, prompts, cells, pools, transport
+    assert "--time-budget-s" not in bench.child_argv(cfg, args.groups[0], out=tmp_path / "g.json", http_port=1,
+                                                     grpc_port=2, time_budget_s=None)
+
+
+def test_child_env(tmp_path):
+    base = {"PATH": "/bin", "PYTHONPATH": f"/x{os.pathsep}{ROOT}", "RAY_ADDRESS": "127.0.0.1:6379",
+            "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    env = bench.child_env(bench.Group(1, ("dense",), ("2", "3")), groups=2, ray_tmpdir="/tmp/r1", metrics_port=4711,
+                          commit="abc1234", base=base)
+    assert "RAY_ADDRESS" not in env and env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["RAY_TMPDIR"] == "/tmp/r1"
+    assert env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/x" and env["GIT_COMMIT"] == "abc1234" and env["PATH"] == "/bin"
+    assert (env["DASHBOARD_METRIC_PORT"], env["RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION"]) == ("4711", "0.1500")
+    assert base["RAY_ADDRESS"] == "127.0.0.1:6379"  # the parent's own environment is untouched
+    cpu = bench.child_env(bench.Group(0, ("dense",)), groups=3, ray_tmpdir="/tmp/r0", metrics_port=1, commit="c",
+                          base={"CUDA_VISIBLE_DEVICES": "7"})
+    assert cpu["CUDA_VISIBLE_DEVICES"] == "7" and cpu["RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION"] == "0.1000"
+    ports = bench._free_ports(6)
+    assert len(set(ports)) == 6
+
+
+def _conf(name, status="ok", rates=(1.0, 16.0)):
+    return {"name": name, "status": status, "service_options": dict(bench.CONFIGURATIONS[name]),
+            "cells": [{"rate": r, "status": "ok", "summary": _summary(r, 2.0 if "sparse" in name else 9.0, 100.0)}
+                      for r in rates]}
+
+
+def test_merge_groups_records_failed_and_cut_groups(tmp_path):
+    cfg = bench.BenchConfig(configs=("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k"),
+                            fp8=True)
+    groups = [bench.Group(0, ("dense", "sparse_bf16"), ("0",)), bench.Group(1, ("sparse_fp8",), ("1",)),
+              bench.Group(2, ("sparse_bf16_chunk8k", "sparse_bf16_chunk16k"), ("2",))]
+    bench.write_json(tmp_path / "g0.json", {"env": {"ray_cluster": {"gcs_address": "127.0.0.1:1"}},
+                                            "configurations": [_conf("sparse_bf16"), _conf("dense")]})
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "g1.log").write_text("starting\nTraceback (most recent call last):\nRuntimeError: boom\n")
+    bench.write_json(tmp_path / "g2.json", {"configurations": [_conf("sparse_bf16_chunk8k", "running", rates=(1.0,))]})
+    (tmp_path / "g3.json").write_text('{"configurations": [')  # cut mid-write
+    records = [
+        bench.group_record(groups[0], {"returncode": 0, "wall_s": 50.0}, tmp_path / "g0.json", tmp_path / "g0.log"),
+        bench.group_record(groups[1], {"returncode": 1, "wall_s": 9.0}, tmp_path / "g1.json", tmp_path / "g1.log"),
+        bench.group_record(groups[2], {"returncode": -15, "killed": "time budget: SIGTERM at 80 s"}, tmp_path / "g2.json",
+                           tmp_path / "g2.log", http_port=8123),
+    ]
+    assert [r["status"] for r in records] == ["ok", "error", "killed"]
+    assert records[0]["ray_cluster"] == {"gcs_address": "127.0.0.1:1"} and records[2]["http_port"] == 8123
+    assert records[1]["error"] == "exit status 1, no partial results file; last log line: RuntimeError: boom"
+    assert records[1]["log_tail"].startswith("starting\nTraceback") and records[0]["log_tail"] is None
+    confs = bench.merge_groups(cfg, groups, records)
+    assert [c["name"] for c in confs] == list(bench.CONFIG_ORDER)
+    by = {c["name"]: c for c in confs}
+    assert by["dense"]["status"] == by["sparse_bf16"]["status"] == "ok"
+    assert by["dense"]["placement"] == {"group": 0, "gpus": ["0"], "layout": bench.layout_text(cfg)}
+    assert by["sparse_fp8"]["status"] == "error" and by["sparse_fp8"]["cells"] == []
+    assert by["sparse_fp8"]["reason"] == ("not run: group 1 error: exit status 1, no partial results file; last log "
+                                          "line: RuntimeError: boom")
+    assert by["sparse_fp8"]["placement"]["gpus"] == ["1"]
+    cut = by["sparse_bf16_chunk8k"]
+    assert cut["status"] == "error" and cut["reason"].startswith("cut: group 2 killed during this configuration")
+    assert len(cut["cells"]) == 1 and cut["placement"]["group"] == 2  # its completed cell is kept
+    assert by["sparse_bf16_chunk16k"]["reason"] == "not run: group 2 killed: time budget: SIGTERM at 80 s"
+    rows = bench.table_rows(confs)
+    assert [r["config"] for r in rows] == ["dense", "dense", "sparse_bf16", "sparse_bf16", "sparse_fp8",
+                                           "sparse_bf16_chunk8k", "sparse_bf16_chunk16k"]
+    assert bench.targets(confs)["ttft_p50_ratio_at_lowest_rate"]["dense_over_sparse"] == pytest.approx(4.5)
+    running = bench.group_record(groups[2], {"returncode": None}, tmp_path / "g2.json", tmp_path / "g2.log")
+    confs = bench.merge_groups(cfg, groups[2:], [running])  # an intermediate save while group 2 still runs
+    assert [(c["status"], c.get("reason")) for c in confs] == [("running", None),
+                                                               ("pending", "group 2 is still running")]
+    unreadable = bench.group_record(groups[1], {"returncode": 0}, tmp_path / "g3.json", tmp_path / "g3.log")
+    assert unreadable["status"] == "error" and "exit status 0, unreadable partial results" in unreadable["error"]
+    assert unreadable["error"].endswith("last log line: (empty log)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# a child that starts a grandchild in a process group of its own (as Ray's workers do), then waits
+FAMILY = ("import os, subprocess, sys, time\n"
+          "g = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgrp(); time.sleep(120)'])\n"
+          "print('grandchild', g.pid, flush=True)\n"
+          "if sys.argv[1] == 'stubborn':\n"
+          "    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+          "time.sleep(120)\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc sessions")
+def test_run_children_logs_prefixes_and_stops_sessions(tmp_path):
+    import io
+    import time
+
+    out, ended = io.StringIO(), []
+    cmds = [[sys.executable, "-c", "import sys; print('one'); print('two'); sys.exit(3)"],
+            [sys.executable, "-c", FAMILY, "polite"], [sys.executable, "-c", FAMILY, "stubborn"]]
+    logs = [tmp_path / f"g{k}.log" for k in range(3)]
+    t0 = time.monotonic()
+    outcomes = bench.run_children(cmds, [dict(os.environ)] * 3, logs, deadline=time.monotonic() + 4.0, out=out,
+                                  on_exit=lambda k, o: ended.append((k, o["returncode"])), grace_s=1.0)
+    assert time.monotonic() - t0 < 15
+    assert (outcomes[0]["returncode"], outcomes[0]["killed"]) == (3, None) and outcomes[0]["wall_s"] < 4.0
+    assert outcomes[1]["killed"].startswith("time budget: SIGTERM at ") and outcomes[1]["returncode"] == -15
+    assert outcomes[2]["killed"].startswith("time budget: SIGTERM, SIGKILL after 1 s")
+    assert [k for k, _ in ended] == [0, 1, 2] and ended[0][1] == 3
+    assert logs[0].read_text() == "one\ntwo\n"
+    text = out.getvalue()
+    assert "[g0] one\n[g0] two\n" in text and "[g1] time budget: stopping group 1" in text
+    for k in (1, 2):
+        assert not bench.session_members(outcomes[k]["pid"])
+        grandchild = int(logs[k].read_text().split()[1])
+        for _ in range(50):  # SIGKILLed grandchildren are reaped by init
+            if not _alive(grandchild):
+                break
+            time.sleep(0.1)
+        assert not _alive(grandchild), f"group {k}'s grandchild {grandchild} (own process group) survived"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc sessions")
+def test_run_children_stops_every_group_when_interrupted(tmp_path):
+    import time
+
+    ended = []
+
+    def on_exit(k, outcome):
+        ended.append((k, outcome))
+        if k == 0:
+            raise RuntimeError("parent interrupted")
+
+    cmds = [[sys.executable, "-c", "pass"], [sys.executable, "-c", FAMILY, "polite"]]
+    with pytest.raises(RuntimeError, match="parent interrupted"):
+        bench.run_children(cmds, [dict(os.environ)] * 2, [tmp_path / "a.log", tmp_path / "b.log"],
+                           on_exit=on_exit, grace_s=2.0, out=open(os.devnull, "w"))
+    assert [k for k, _ in ended] == [0, 1]
+    assert ended[1][1]["killed"].startswith("interrupted (RuntimeError: parent interrupted): SIGTERM")
+    grandchild = int((tmp_path / "b.log").read_text().split()[1])
+    assert ended[1][1]["pid"] > 0 and not bench.session_members(ended[1][1]["pid"])  # nothing left in that session
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+
+
+# a stand-in for a group's bench_service.py: argv[1] says what it does, the rest are the child's arguments
+STUB = """import json, os, sys, time
+what, args = sys.argv[1], sys.argv[2:]
+print('stub', what, ' '.join(args), flush=True)
+if what == 'fail':
+    sys.exit('RuntimeError: boom')
+if what == 'hang':
+    time.sleep(120)
+result = json.load(open(what))
+result['env'] = {'ray_cluster': {k: os.environ.get(k) for k in ('RAY_TMPDIR', 'CUDA_VISIBLE_DEVICES', 'GIT_COMMIT')},
+                 'argv': args}
+json.dump(result, open(args[args.index('--out') + 1], 'w'))
+"""
+
+
+def test_run_parallel_merges_groups_and_keeps_a_failed_groups_error(monkeypatch, tmp_path, capsys):
+    """Three stub groups on GPUs 0, 1, 2: one finishes, one fails, one is stopped at the time
+    budget; --merge keeps a configuration of the existing file."""
+    monkeypatch.setattr(bench, "CHILD_MARGIN_S", {"gpu": 1.0, "cpu": 1.0})
+    monkeypatch.setattr(bench, "KILL_MARGIN_S", 14.0)  # budget 20 s: the hanging group is stopped after 6 s
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    monkeypatch.setattr(bench, "visible_gpus", lambda: ["0", "1", "2"])
+    argv = ["--parallel", "dense,sparse_bf16;sparse_fp8;sparse_bf16_chunk8k", "--requests", "5", "--time-budget-s", "20",
+            "--out", str(tmp_path / "service.json"), "--merge"]
+    cfg, args = bench.parse_args(argv)
+    (tmp_path / "g0.json").write_text(json.dumps({"configurations": [_conf("dense"), _conf("sparse_bf16")]}))
+    out = tmp_path / "service.json"
+    out.write_text(json.dumps({"configurations": [_conf("sparse_bf16_chunk16k"), _conf("dense", "error")]}))
+    stale = tmp_path / "service_parallel" / "group1.json"  # an earlier run's partial must not be merged
+    stale.parent.mkdir()
+    stale.write_text(json.dumps({"configurations": [_conf("sparse_fp8")]}))
+    what = {0: str(tmp_path / "g0.json"), 1: "fail", 2: "hang"}
+    result = bench.run_parallel(cfg, args.groups, argv, out, True, bench.Budget(cfg.time_budget_s),
+                                child_command=lambda k, a: [sys.executable, "-c", STUB, what[k], *a])
+    result = json.loads(json.dumps(result))
+    assert json.loads(out.read_text()) == result
+    assert result["env"]["command"].endswith("--parallel 'dense,sparse_bf16;sparse_fp8;sparse_bf16_chunk8k' "
+                                             f"--requests 5 --time-budget-s 20 --out {out} --merge")
+    groups = result["parallel"]["groups"]
+    assert [g["status"] for g in groups] == ["ok", "error", "killed"]
+    assert [g["gpus"] for g in groups] == [["0"], ["1"], ["2"]]
+    assert groups[0]["ray_cluster"] == {"RAY_TMPDIR": groups[0]["RAY_TMPDIR"], "CUDA_VISIBLE_DEVICES": "0",
+                                        "GIT_COMMIT": "abc1234"}
+    assert not Path(groups[0]["RAY_TMPDIR"]).exists() and Path(groups[1]["RAY_TMPDIR"]).is_dir()  # kept: it failed
+    assert len({g["RAY_TMPDIR"] for g in groups}) == 3
+    assert len({p for g in groups for p in (g["http_port"], g["grpc_port"])}) == 6
+    assert groups[1]["error"].endswith("last log line: RuntimeError: boom") and "stub fail" in groups[1]["log_tail"]
+    assert groups[2]["error"].startswith("time budget: SIGTERM at ")
+    assert 0 < groups[0]["time_budget_s"] <= 19.0 and "--fp8" in groups[1]["command"]
+    assert "--configs dense,sparse_bf16 --rates 1.0,4.0,16.0 --requests 5" in groups[0]["command"]
+    by = {c["name"]: c for c in result["configurations"]}
+    assert [c["name"] for c in result["configurations"]] == ["sparse_bf16_chunk16k", "dense", "sparse_bf16",
+                                                              "sparse_fp8", "sparse_bf16_chunk8k"]
+    assert by["dense"]["status"] == "ok" and by["dense"]["placement"]["gpus"] == ["0"]  # this run's, not the file's
+    assert "placement" not in by["sparse_bf16_chunk16k"]  # kept from the existing file
+    assert by["sparse_fp8"]["status"] == "error" and "boom" in by["sparse_fp8"]["reason"]
+    assert by["sparse_bf16_chunk8k"]["reason"].startswith("not run: group 2 killed: time budget")
+    assert result["targets"]["ttft_p50_ratio_at_lowest_rate"]["dense_over_sparse"] == pytest.approx(4.5)
+    assert result["placement"].startswith("parallel groups, each its own process and local Ray: group 0 (dense, "
+                                          "sparse_bf16) on GPU 0; group 1 (sparse_fp8) on GPU 1")
+    assert result["config"]["configs"] == ["dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k"]
+    printed = capsys.readouterr().out
+    assert "[g1] stub fail" in printed and "[g2] time budget: stopping group 2" in printed
+    assert "sparse_bf16_chunk16k" in printed and "targets:" in printed
+    assert (tmp_path / "service_parallel" / "group2.log").read_text().startswith("stub hang --gpus 1")
+    for g in groups[1:]:
+        __import__("shutil").rmtree(g["RAY_TMPDIR"], ignore_errors=True)
+
+
+def test_cpu_smoke_parallel_groups_end_to_end(tmp_path):
+    """Two --cpu-smoke groups at once, each its own process and local Ray (two clusters on this
+    host at the same time, neither joining the other), merged into one file."""
+    pytest.importorskip("ray.serve")
+    out = tmp_path / "par.json"
+    env = {**os.environ, "GIT_COMMIT": "abc1234", "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--cpu-smoke", "--parallel",
+                           "sparse_bf16;sparse_bf16_chunk8k", "--rates", "8", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    groups = result["parallel"]["groups"]
+    assert [(g["status"], g["configs"]) for g in groups] == [("ok", ["sparse_bf16"]), ("ok", ["sparse_bf16_chunk8k"])]
+    clusters = [g["ray_cluster"] for g in groups]
+    assert clusters[0]["gcs_address"] != clusters[1]["gcs_address"] and clusters[0]["session"] != clusters[1]["session"]
+    assert [c["RAY_TMPDIR"] for c in clusters] == [g["RAY_TMPDIR"] for g in groups]
+    assert not any(Path(g["RAY_TMPDIR"]).exists() for g in groups)  # removed after a successful group
+    assert result["wall_s"] < 0.9 * sum(g["wall_s"] for g in groups)  # they ran at the same time
+    assert result["env"]["commit"] == "abc1234" and "--parallel 'sparse_bf16;sparse_bf16_chunk8k'" in result["env"]["command"]
+    assert result["targets"]["zero_lost"] is True
+    for k, conf in enumerate(result["configurations"]):
+        assert conf["status"] == "ok" and conf["placement"] == {"group": k, "gpus": [], "layout": "CPU (smoke)"}
+        (cell,) = conf["cells"]
+        assert cell["rate"] == 8.0 and cell["summary"]["sent"] == cell["summary"]["completed"] == 4
+    assert "[g0] [sparse_bf16] rate 8/s" in proc.stdout and "[g1] [sparse_bf16_chunk8k] rate 8/s" in proc.stdout
+    assert "[g0] ok" in proc.stdout and "TTFT p50" in proc.stdout
+    assert (tmp_path / "par_parallel" / "group1.log").read_text().count("[sparse_bf16_chunk8k] rate 8/s") == 1
