@@ -121,7 +121,7 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
           f"({options.prefill_replicas} prefill, {options.decode_replicas} decode replica(s))")
     print(f"  HTTP (OpenAI): {base}/v1/completions  {base}/v1/chat/completions  {base}/v1/models  {base}/health")
     print(f"  gRPC:          {options.host}:{options.grpc_port}  flashprefill.v1.FlashPrefill/Generate, GenerateStream")
-    print(f"  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
+    print("  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
     stop = threading.Event()
     # explicit handlers: a launcher started in the background inherits an ignored SIGINT
