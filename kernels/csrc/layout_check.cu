@@ -149,6 +149,25 @@ void check_variant(const char* name) {
         }
     for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sKV not a bijection at %d", name, i);
   }
+  // v1 fills whole 64-key tiles with TMA boxes of 64 rows x 64 elements (128 bytes) under the
+  // 128B swizzle: each box must be a contiguous 8 KB block at &sK(64 hf, 64 cb, s) whose bytes
+  // follow the hardware pattern (16-byte chunk index XOR row % 8)
+  if constexpr (T::kThreads != T::kMmaThreads) {
+    static_assert(sizeof(Element) == 2);
+    for (int s = 0; s < T::kStages; ++s)
+      for (int hf = 0; hf < T::kBlockN / 64; ++hf)
+        for (int cb = 0; cb < D / 64; ++cb) {
+          const char* base = reinterpret_cast<const char*>(&sK(hf * 64, cb * 64, s));
+          CHECK((base - reinterpret_cast<const char*>(buf)) % 1024 == 0, "%s: TMA box not 1024-aligned", name);
+          for (int r = 0; r < 64; ++r)
+            for (int c = 0; c < 64; ++c) {
+              const long got = reinterpret_cast<const char*>(&sK(hf * 64 + r, cb * 64 + c, s)) - base;
+              const long want = r * 128 + (((c * 2 / 16) ^ (r % 8)) * 16) + (c * 2) % 16;
+              CHECK(got == want, "%s: TMA box (s%d,h%d,c%d) element (%d,%d) at %ld, swizzle says %ld", name,
+                    s, hf, cb, r, c, got, want);
+            }
+        }
+  }
   const size_t smem = storage_bytes<T>();
   CHECK(smem + 1024 <= 227 * 1024, "%s: %zu bytes of shared memory (+1024 pad) > 227 KB", name, smem);
   std::printf("%s: smem %zu bytes (+1024 alignment pad)\n", name, smem);

@@ -18,6 +18,8 @@
 // O += P V (wgmma RS, P converted in registers). One __syncthreads per tile.
 // Does not (yet): warp specialization / setmaxnreg, a persistent scheduler, TMA, softmax-GEMM
 // overlap across tiles, two CSR entries per step, FP8 (docs/PERF_NOTES.md "CUTLASS").
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdarg>
@@ -31,6 +33,14 @@
 #include "sparse_attn_traits.cuh"
 
 namespace fp {
+
+// TMA descriptors of the K and V pools (ws kernels; enabled when a page holds whole 64-key
+// tiles). Passed as a __grid_constant__ kernel parameter: TMA reads descriptors in param space.
+struct FpTmaMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+  int enabled;
+};
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -79,7 +89,8 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
 }
 
 template <class T>
-__global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_kernel(const FpAttnParams p) {
+__global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_kernel(const FpAttnParams p,
+                                                                         const __grid_constant__ FpTmaMaps) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
   constexpr int kStages = T::kStages, kThreads = T::kThreads;
@@ -426,16 +437,58 @@ struct Variants {
   }
 };
 
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A [num_pages, page_size, Hkv, d] pool as a 4-D tensor map (d, head, slot, page) whose box is
+// one 64-key tile of one head, 64 elements (128 bytes, the 128B swizzle's row) wide.
+int encode_pool_map(CUtensorMap* map, const void* base, int64_t s_page, int64_t s_slot,
+                    int64_t s_head, const FpAttnParams& p, const char* what) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the driver");
+  const size_t es = 2;  // bf16 and fp16
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
+                              cuuint64_t(p.page_size), cuuint64_t(p.num_pages)};
+  const cuuint64_t strides[3] = {cuuint64_t(s_head) * es, cuuint64_t(s_slot) * es, cuuint64_t(s_page) * es};
+  const cuuint32_t box[4] = {64, 1, 64, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, p.dtype == FP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed: CUresult %d", what, int(r));
+  return FP_OK;
+}
+
 template <class Element, int kHeadDim>
 int launch(const FpAttnParams& p, cudaStream_t stream) {
   const long grid = long(p.num_segments) * p.num_splits;
   if (grid == 0) return FP_OK;
+  fp::FpTmaMaps maps;
+  std::memset(&maps, 0, sizeof(maps));
+  // TMA for whole tiles: a page must hold whole 64-key tiles (the gathers go through cp.async otherwise)
+  if (p.kernel_variant != FP_KERNEL_V0 && p.page_size % 64 == 0 && p.num_pages > 0) {
+    int st = encode_pool_map(&maps.k, p.k, p.sk_p, p.sk_s, p.sk_h, p, "k");
+    if (st == FP_OK) st = encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, p, "v");
+    if (st != FP_OK) return st;
+    maps.enabled = 1;
+  }
   int status = Variants<Element, kHeadDim>::with(
       p.kernel_variant, [&](auto kernel, size_t smem, int threads) -> int {
         cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         if (err != cudaSuccess) return cuda_fail(err, "cudaFuncSetAttribute");
-        kernel<<<dim3(unsigned(grid)), dim3(threads), smem, stream>>>(p);
+        kernel<<<dim3(unsigned(grid)), dim3(threads), smem, stream>>>(p, maps);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_fail(err, "sparse_attn_fwd launch");
         return FP_OK;
@@ -510,6 +563,7 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
     return fail(FP_ERR_ARGUMENT, "group_size %d does not divide num_qo_heads %d", p.group_size,
                 p.num_qo_heads);
   if (p.page_size < 1) return fail(FP_ERR_ARGUMENT, "page_size must be >= 1, got %d", p.page_size);
+  if (p.num_pages < 0) return fail(FP_ERR_ARGUMENT, "num_pages must be >= 0, got %d", p.num_pages);
   if (p.block_size < 64 || p.block_size % 64)
     return fail(FP_ERR_ARGUMENT, "block_size must be a positive multiple of 64, got %d", p.block_size);
   const long strides[] = {p.sq_t, p.sq_h, p.sk_p, p.sk_s, p.sk_h, p.sv_p, p.sv_s, p.sv_h};

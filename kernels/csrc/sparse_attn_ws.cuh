@@ -19,8 +19,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// one TMA box (completes on `mbar` with its byte count) and the expected-bytes update that
+// precedes it on the stage's full barrier
+__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, uint64_t* mbar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(smem)),
+      "l"(map), "r"(smem_u32(mbar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* mbar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(mbar)), "r"(bytes) : "memory");
+}
+
 template <class T>
-__global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p) {
+__global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p,
+                                                                            const __grid_constant__ FpTmaMaps tma) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
   constexpr int kTileN = T::kTileN, kTilesPerStage = T::kTilesPerStage, kStages = T::kStages;
@@ -153,8 +168,36 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       }
       cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((k / kStages) & 1) ^ 1);
       if (k < n_main) {
+        // whole tiles in one page go by TMA (one thread, 2 x d/64 boxes per tile); a partial or
+        // missing tile by everyone's cp.async with zero-fill (its keys past Lkv must not carry
+        // stale pool bytes, NaN included, into P V)
+        int by_tma = 0;
+        if (tma.enabled) {
+          CUTE_UNROLL
+          for (int hf = 0; hf < kTilesPerStage; ++hf) {
+            const int n = ss.tab_tile[(e0 + hf) % kTable];
+            if (n >= 0 && (n + 1) * kTileN <= lkv) by_tma |= 1 << hf;
+          }
+        }
+        if (by_tma && ptid == 0) {
+          constexpr uint32_t kTileBytes = 2 * kTileN * kHeadDim * sizeof(Element);  // K and V
+          mbarrier_expect_tx(&ss.full[st], __popc(by_tma) * kTileBytes);
+          CUTE_UNROLL
+          for (int hf = 0; hf < kTilesPerStage; ++hf) {
+            if (!(by_tma >> hf & 1)) continue;
+            const int n = ss.tab_tile[(e0 + hf) % kTable];
+            const int slot0 = (n * kTileN) % page_size;
+            const int page = ss.tab_page[(e0 + hf) % kTable];
+            CUTE_UNROLL
+            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+              tma_load_4d(&sK(hf * kTileN, cb * 64, st), &tma.k, &ss.full[st], cb * 64, h, slot0, page);
+              tma_load_4d(&sV(hf * kTileN, cb * 64, st), &tma.v, &ss.full[st], cb * 64, h, slot0, page);
+            }
+          }
+        }
 #pragma unroll 1
         for (int hf = 0; hf < kTilesPerStage; ++hf) {
+          if (by_tma >> hf & 1) continue;
           const int n = ss.tab_tile[(e0 + hf) % kTable];  // uniform over the CTA
           const int j0 = n * kTileN;
           const int64_t page0 = ss.tab_page[(e0 + hf) % kTable];
@@ -163,7 +206,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
             const int c = ptid + i * kProducerThreads;
             const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
             const int j = j0 + r;
-            const bool ok = n >= 0 && j < lkv;  // zero-fill: masked keys must not carry NaN into P V
+            const bool ok = n >= 0 && j < lkv;
             int64_t page, slot;
             if (tile_in_one_page) {
               page = page0;
