@@ -280,16 +280,37 @@ def test_auto_prefers_cutlass_only_when_supported(monkeypatch):
     q, k, v = _qkv()
     monkeypatch.setattr(ops, "cutlass_available", lambda device: True)
     monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+    monkeypatch.setattr(ops, "_cutlass_loads", lambda: True)
     monkeypatch.delenv("FLASHPREFILL_CUTLASS_LIB", raising=False)
-    assert not ops._auto_cutlass(q, k, v)  # opt-in: a buildable library is not enough for auto
-    monkeypatch.setenv("FLASHPREFILL_CUTLASS_LIB", "/some/libfp_cutlass.so")
-    monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
-    assert ops._auto_cutlass(q, k, v)
+    assert ops._auto_cutlass(q, k, v)  # buildable or cached is enough: v1 beats Triton
     monkeypatch.setattr(ca, "supports", lambda q, k, v: False)  # e.g. fp32 or d = 80: Triton
     assert not ops._auto_cutlass(q, k, v)
     monkeypatch.setattr(ops, "cutlass_available", lambda device: False)
     monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
     assert not ops._auto_cutlass(q, k, v)
+
+
+def test_auto_falls_back_once_when_the_library_does_not_load(monkeypatch, caplog):
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("nvcc failed (1): test")
+
+    monkeypatch.setattr(cb, "load_library", broken)
+    ops._cutlass_loads.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kernels.ops"):
+            assert ops._cutlass_loads() is False
+            assert ops._cutlass_loads() is False
+        assert len(calls) == 1  # decided once per process
+        assert "nvcc failed (1): test" in caplog.text and "using Triton" in caplog.text
+        q, k, v = _qkv()
+        monkeypatch.setattr(ops, "cutlass_available", lambda device: True)
+        monkeypatch.setattr(ca, "supports", lambda q, k, v: True)
+        assert not ops._auto_cutlass(q, k, v)
+    finally:
+        ops._cutlass_loads.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------
