@@ -24,7 +24,9 @@ short lengths), otherwise against FlexAttention on the same pairs with correctio
 
 Usage (H200, ``PYTHONPATH=$PWD``): ``python3 benchmarks/bench_operator.py`` (about 5-8 minutes);
 ``--quick`` (32K and 128K, B=1); ``--lengths 32768,131072 --batch 1 --skip-baselines``;
-``--tune`` sweeps num_warps / num_stages at 64K. Prints a table last; writes
+``--tune`` sweeps num_warps / num_stages at 64K; ``--attention cutlass --merge`` times the
+same operator with the CUTLASS attention stage (library via ``FLASHPREFILL_CUTLASS_LIB``) as
+rows ``kernel="operator_cutlass"`` beside the Triton rows. Prints a table last; writes
 ``benchmarks/results/operator_h200.json``.
 """
 
@@ -80,6 +82,7 @@ class BenchConfig:
     budget_ms: float = 300.0  # timing budget per measurement
     device: str = "cuda"
     fp8: bool = False  # also time the FP8 (e4m3) operator on the same inputs (two V layouts)
+    attention: str = "triton"  # attention stage: "triton" or "cutlass" (rows kernel="operator_cutlass")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,8 +378,9 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     op_cfg = SparseConfig()
-    row: dict = {"batch": batch, "seqlen": length, "dtype": cfg.dtype, "kernel": "triton",
-                 "target_density": target, "gpu": env["gpu"], "date": env["date"],
+    kernel = "triton" if cfg.attention == "triton" else "operator_cutlass"
+    row: dict = {"batch": batch, "seqlen": length, "dtype": cfg.dtype, "kernel": kernel,
+                 "attention_backend": cfg.attention, "target_density": target, "gpu": env["gpu"], "date": env["date"],
                  "commit": env["commit"], "errors": {}}
     t0 = time.time()
     q, k, v, row["inputs"] = make_inputs(length, batch, target, cfg, device)
@@ -396,8 +400,14 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
     work_flop = 4.0 * D * sel_pairs
     dense_flop = 4.0 * D * all_pairs
 
-    def attention(p=plan):
-        return ta.sparse_attention(qf, k_pages, v_pages, p, index, num_splits=splits)
+    if cfg.attention == "cutlass":
+        from kernels import cutlass_attention as ca
+        attend = ca.sparse_attention
+    else:
+        attend = ta.sparse_attention
+
+    def attention(p=plan, idx=index):
+        return attend(qf, k_pages, v_pages, p, idx, num_splits=splits)
 
     # correctness first
     out, lse = attention()
@@ -426,9 +436,8 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
     row["index_ms"] = bench_ms(lambda: build(qf, k_pages, v_pages, plan), device, cfg.budget_ms)
     row["attention_ms"] = bench_ms(attention, device, cfg.budget_ms)
     row["attention_nocorr_ms"] = bench_ms(lambda: attention(plan_nc), device, cfg.budget_ms)
-    row["total_ms"] = bench_ms(
-        lambda: ta.sparse_attention(qf, k_pages, v_pages, plan, build(qf, k_pages, v_pages, plan),
-                                    num_splits=splits), device, cfg.budget_ms)
+    row["total_ms"] = bench_ms(lambda: attention(plan, build(qf, k_pages, v_pages, plan)), device,
+                               cfg.budget_ms)
     row["attention_tflops"] = work_flop / row["attention_ms"] / 1e9
     row["total_tflops"] = work_flop / row["total_ms"] / 1e9
     cached = dense_cache.get((batch, length))
@@ -659,6 +668,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
                     help="baselines at every batch and length (minutes of GPU time)")
     ap.add_argument("--splits", type=int, default=None, help="force num_splits")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--attention", choices=("triton", "cutlass"), default="triton",
+                    help="attention stage of 'ours' (cutlass: rows kernel=operator_cutlass; use with --merge)")
     ap.add_argument("--tune", action="store_true", help="num_warps/num_stages sweep at 64K")
     ap.add_argument("--fp8", action="store_true",
                     help="also FP8 rows (dtype=fp8_e4m3, V row-major and token-major) per case")
@@ -668,8 +679,10 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
                     help="'cpu' (with TRITON_INTERPRET=1 and tiny --lengths) smoke-tests the script")
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
     args = ap.parse_args(argv)
+    if args.attention == "cutlass" and args.fp8:
+        ap.error("--attention cutlass: the CUTLASS kernel has no FP8 path yet; drop --fp8")
     cfg = BenchConfig(device=args.device, page_size=args.page_size, num_splits=args.splits,
-                      fp8=args.fp8)
+                      fp8=args.fp8, attention=args.attention)
     if args.quick:
         cfg = dataclasses.replace(cfg, lengths=(32768, 131072), batches=(1,), sweep=False)
     if args.lengths:
