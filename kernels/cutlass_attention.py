@@ -158,7 +158,7 @@ def sparse_attention(
         total_q=tq, total_tiles=plan.total_tiles, num_segments=num_segments,
         num_splits=num_splits, words_per_seg=words, group_size=plan.group_size,
         num_qo_heads=hq, head_dim=d, page_size=plan.page_size, num_pages=k_pages.shape[0],
-        block_size=cfg.block_size,
+        total_blocks=kbar.shape[0] if correction else 0, block_size=cfg.block_size,
         dtype=cutlass_build.DTYPE_CODES[str(q.dtype).removeprefix("torch.")],
         correction=int(correction), dense=int(dense), device=q.device.index or 0,
         qk_scale_log2=cfg.softmax_scale(d) * _LOG2E, kernel_variant=cutlass_build.KERNELS[kernel],

@@ -41,7 +41,7 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 3  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 4  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"
@@ -82,7 +82,7 @@ class FpAttnParams(ctypes.Structure):
         "skb_t", "skb_h", "svb_t", "svb_h", "s_pt",
     )] + [(name, ctypes.c_int32) for name in (
         "total_q", "total_tiles", "num_segments", "num_splits", "words_per_seg", "group_size",
-        "num_qo_heads", "head_dim", "page_size", "num_pages", "block_size", "dtype", "correction",
+        "num_qo_heads", "head_dim", "page_size", "num_pages", "total_blocks", "block_size", "dtype", "correction",
         "dense", "device",
     )] + [("qk_scale_log2", ctypes.c_float), ("kernel_variant", ctypes.c_int32)]
 

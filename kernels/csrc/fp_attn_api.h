@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 3
+#define FP_ABI_VERSION 4
 
 enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
 
@@ -62,6 +62,7 @@ typedef struct FpAttnParams {
   int32_t head_dim;         // 64 or 128
   int32_t page_size;
   int32_t num_pages;        // K/V pool pages (the TMA descriptors' outer extent)
+  int32_t total_blocks;     // rows of kbar/vbar (correction only)
   int32_t block_size;       // logical block Bs (multiple of 64)
   int32_t dtype;            // FpDtype
   int32_t correction;       // mean correction on (sparse only)

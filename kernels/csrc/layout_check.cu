@@ -168,6 +168,20 @@ void check_variant(const char* name) {
             }
         }
   }
+  // correction chunks: one TMA box of kBlockN rows x 64 elements per column block
+  if constexpr (T::kThreads != T::kMmaThreads) {
+    for (int s = 0; s < T::kStages; ++s)
+      for (int cb = 0; cb < D / 64; ++cb) {
+        const char* base = reinterpret_cast<const char*>(&sK(0, cb * 64, s));
+        for (int r = 0; r < T::kBlockN; ++r)
+          for (int c = 0; c < 64; ++c) {
+            const long got = reinterpret_cast<const char*>(&sK(r, cb * 64 + c, s)) - base;
+            const long want = r * 128 + (((c * 2 / 16) ^ (r % 8)) * 16) + (c * 2) % 16;
+            CHECK(got == want, "%s: means box (s%d,c%d) element (%d,%d) at %ld, swizzle says %ld", name, s,
+                  cb, r, c, got, want);
+          }
+      }
+  }
   const size_t smem = storage_bytes<T>();
   CHECK(smem + 1024 <= 227 * 1024, "%s: %zu bytes of shared memory (+1024 pad) > 227 KB", name, smem);
   std::printf("%s: smem %zu bytes (+1024 alignment pad)\n", name, smem);

@@ -39,7 +39,10 @@ namespace fp {
 struct FpTmaMaps {
   CUtensorMap k;
   CUtensorMap v;
+  CUtensorMap kbar;  // correction means: one box = one chunk of block means of one head
+  CUtensorMap vbar;
   int enabled;
+  int means;
 };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -450,24 +453,41 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A [num_pages, page_size, Hkv, d] pool as a 4-D tensor map (d, head, slot, page) whose box is
-// one 64-key tile of one head, 64 elements (128 bytes, the 128B swizzle's row) wide.
-int encode_pool_map(CUtensorMap* map, const void* base, int64_t s_page, int64_t s_slot,
-                    int64_t s_head, const FpAttnParams& p, const char* what) {
+// One tensor map, 64 elements (128 bytes: the 128B swizzle's row) wide, bf16/fp16.
+int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims,
+               const cuuint64_t* strides_bytes, const cuuint32_t* box, int dtype, const char* what) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the driver");
-  const size_t es = 2;  // bf16 and fp16
-  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
-                              cuuint64_t(p.page_size), cuuint64_t(p.num_pages)};
-  const cuuint64_t strides[3] = {cuuint64_t(s_head) * es, cuuint64_t(s_slot) * es, cuuint64_t(s_page) * es};
-  const cuuint32_t box[4] = {64, 1, 64, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, p.dtype == FP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(map, dtype == FP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            cuuint32_t(rank), const_cast<void*>(base), dims, strides_bytes, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed: CUresult %d", what, int(r));
   return FP_OK;
+}
+
+// A [num_pages, page_size, Hkv, d] pool as a 4-D map (d, head, slot, page); box = one 64-key tile of one head.
+int encode_pool_map(CUtensorMap* map, const void* base, int64_t s_page, int64_t s_slot,
+                    int64_t s_head, const FpAttnParams& p, const char* what) {
+  constexpr int64_t es = 2;  // bf16 and fp16
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
+                              cuuint64_t(p.page_size), cuuint64_t(p.num_pages)};
+  const cuuint64_t strides[3] = {cuuint64_t(s_head * es), cuuint64_t(s_slot * es), cuuint64_t(s_page * es)};
+  const cuuint32_t box[4] = {64, 1, 64, 1};
+  return encode_map(map, base, 4, dims, strides, box, p.dtype, what);
+}
+
+// [total_blocks, Hkv, d] block means as a 3-D map (d, head, block); box = `rows` means of one head
+// (rows past total_blocks read as zeros; the kernel gives them a -inf bias).
+int encode_means_map(CUtensorMap* map, const void* base, int64_t s_blk, int64_t s_head, int rows,
+                     const FpAttnParams& p, const char* what) {
+  constexpr int64_t es = 2;
+  const cuuint64_t dims[3] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
+                              cuuint64_t(p.total_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(s_head * es), cuuint64_t(s_blk * es)};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(rows)};
+  return encode_map(map, base, 3, dims, strides, box, p.dtype, what);
 }
 
 template <class Element, int kHeadDim>
@@ -482,6 +502,13 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
     if (st == FP_OK) st = encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, p, "v");
     if (st != FP_OK) return st;
     maps.enabled = 1;
+  }
+  if (p.kernel_variant != FP_KERNEL_V0 && p.correction && !p.dense && p.total_blocks > 0) {
+    const int rows = p.kernel_variant == FP_KERNEL_WS128 ? 128 : 64;  // the variant's kBlockN
+    int st = encode_means_map(&maps.kbar, p.kbar, p.skb_t, p.skb_h, rows, p, "kbar");
+    if (st == FP_OK) st = encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, p, "vbar");
+    if (st != FP_OK) return st;
+    maps.means = 1;
   }
   int status = Variants<Element, kHeadDim>::with(
       p.kernel_variant, [&](auto kernel, size_t smem, int threads) -> int {
@@ -564,6 +591,7 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
                 p.num_qo_heads);
   if (p.page_size < 1) return fail(FP_ERR_ARGUMENT, "page_size must be >= 1, got %d", p.page_size);
   if (p.num_pages < 0) return fail(FP_ERR_ARGUMENT, "num_pages must be >= 0, got %d", p.num_pages);
+  if (p.total_blocks < 0) return fail(FP_ERR_ARGUMENT, "total_blocks must be >= 0, got %d", p.total_blocks);
   if (p.block_size < 64 || p.block_size % 64)
     return fail(FP_ERR_ARGUMENT, "block_size must be a positive multiple of 64, got %d", p.block_size);
   const long strides[] = {p.sq_t, p.sq_h, p.sk_p, p.sk_s, p.sk_h, p.sv_p, p.sv_s, p.sv_h};

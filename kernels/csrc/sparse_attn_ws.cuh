@@ -29,6 +29,14 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
       "l"(map), "r"(smem_u32(mbar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+__device__ __forceinline__ void tma_load_3d(void* smem, const CUtensorMap* map, uint64_t* mbar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(smem)),
+      "l"(map), "r"(smem_u32(mbar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* mbar, uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(mbar)), "r"(bytes) : "memory");
 }
@@ -221,6 +229,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
             cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
           }
         }
+      } else if (tma.means) {
+        // a chunk of kBlockN block means (rows past the last block read as zeros; -inf bias)
+        if (ptid == 0) {
+          constexpr uint32_t kChunkBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
+          mbarrier_expect_tx(&ss.full[st], kChunkBytes);
+          const int row0 = int(blk0) + (k - n_main) * kBlockN;
+          CUTE_UNROLL
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load_3d(&sK(0, cb * 64, st), &tma.kbar, &ss.full[st], cb * 64, h, row0);
+            tma_load_3d(&sV(0, cb * 64, st), &tma.vbar, &ss.full[st], cb * 64, h, row0);
+          }
+        }
       } else {
         const int chunk = k - n_main;
 #pragma unroll 2
@@ -326,11 +346,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       CUTE_UNROLL
       for (int j = 0; j < size<1>(S); ++j) {
         const int J = chunk * kBlockN + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
+        // one L1-resident word per column: hoisting the chunk's words into registers spills
+        const uint32_t word = J < n_blocks_full ? __ldg(p.corr_bits + int64_t(seg) * p.words_per_seg + (J >> 5)) : 0u;
         float bias = neg_inf();
-        if (J < n_blocks_full) {
-          const int32_t word = __ldg(p.corr_bits + int64_t(seg) * p.words_per_seg + (J >> 5));
-          if (((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
-        }
+        if (J < n_blocks_full && ((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
       }
