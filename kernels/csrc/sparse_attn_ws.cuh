@@ -320,7 +320,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
   };
   auto wait_full = [&](int k) {
     cutlass::arch::ClusterBarrier::wait(&ss.full[k % kStages], (k / kStages) & 1);
-    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads the async one
+    // cp.async writes through the generic proxy and wgmma reads through the async one: a stage
+    // that may hold cp.async data needs the proxy fence (a MEMBAR + FENCE.VIEW.ASYNC in SASS).
+    // TMA writes through the async proxy, and the producer used TMA alone for correction
+    // chunks (tma.means) and for items without a diagonal or missing tile (those tiles are
+    // fully visible, hence whole: (n + 1) * 64 <= lo + 1 <= Lkv).
+    const bool tma_only = k >= n_main ? bool(tma.means)
+                                      : tma.enabled && i_hi - 1 - k * kTilesPerStage < i_mid &&
+                                            i_hi - 1 - k * kTilesPerStage - (kTilesPerStage - 1) >= i_lo;
+    if (!tma_only) fence_proxy_async();
   };
   auto release = [&](int k) {
     if (is_signaller) cutlass::arch::ClusterBarrier::arrive(&ss.empty[k % kStages]);
