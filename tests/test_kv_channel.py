@@ -226,7 +226,7 @@ def test_sender_without_the_pages_answers_lost(pair):
     ticket = pair.sender.export(src, "r")
     pair.sender.discard(ticket)  # the lease ended before the decode side asked
     t0 = time.monotonic()
-    with pytest.raises(TransferError, match="no staged pages") as info:
+    with pytest.raises(TransferError, match="no exported pages") as info:
         run(pair.receiver.receive(ticket, dst))
     assert info.value.reason is TransferFailure.LOST and time.monotonic() - t0 < FAST.connect_timeout_s
     assert dst.free_pages == dst.num_pages
@@ -395,7 +395,8 @@ def test_serve_send_refuses_bad_stale_and_misrouted_requests(pair):
     fill(src, "r", 6)
     pair.sender.export(src, "r")
     good = {"request_id": "r", "sender_id": "P", "receiver_id": "D", "host": "127.0.0.1", "port": 1,
-            "prefix": "fpkv/P/D/1/", "generation": 1, "backend": "gloo", "timeout_s": 1.0}
+            "prefix": "fpkv/P/D/1/", "generation": 1, "backend": "gloo", "timeout_s": 1.0,
+            "layers_per_chunk": 1}
     cases = [
         ([1, 2], TransferFailure.UNAVAILABLE, "bad send request"),
         ({**good, "extra": 1}, TransferFailure.UNAVAILABLE, "bad send request"),
@@ -403,10 +404,13 @@ def test_serve_send_refuses_bad_stale_and_misrouted_requests(pair):
         ({**good, "generation": True}, TransferFailure.UNAVAILABLE, "generation"),
         ({**good, "prefix": "elsewhere/"}, TransferFailure.UNAVAILABLE, "prefix"),
         ({**good, "timeout_s": 0}, TransferFailure.UNAVAILABLE, "timeout_s"),
+        ({**good, "layers_per_chunk": 0}, TransferFailure.UNAVAILABLE, "layers_per_chunk"),
+        ({**good, "layers_per_chunk": 4}, TransferFailure.UNAVAILABLE, "at most the 3 layers"),
+        ({k: v for k, v in good.items() if k != "layers_per_chunk"}, TransferFailure.UNAVAILABLE, "bad send request"),
         ({**good, "host": ""}, TransferFailure.UNAVAILABLE, "host"),
         ({**good, "backend": "nccl"}, TransferFailure.UNAVAILABLE, "sends over gloo"),
         ({**good, "sender_id": "Q"}, TransferFailure.UNAVAILABLE, "pages are on replica Q"),
-        ({**good, "request_id": "unknown"}, TransferFailure.LOST, "no staged pages"),
+        ({**good, "request_id": "unknown"}, TransferFailure.LOST, "no exported pages"),
     ]
     for request, reason, words in cases:
         reply = run(pair.sender.serve_send(request))
