@@ -117,6 +117,10 @@ _SEND_REQUEST_KEYS = frozenset(
 )
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 _MAX_RING_DEPTH = 8
+# How long a failing receive waits for a scatter under way (or queued on the device) to end,
+# so that its pages can go back to the pool before the error is raised; past it the
+# receiving worker frees them when the write ends.
+_SETTLE_S = 1.0
 
 SendCall = Callable[[dict, dict], Awaitable[Any]]  # (sender address, send request) -> reply dict
 
@@ -667,6 +671,11 @@ class _Fence:
             return self._handoff
 
     # event loop
+    def cancel(self) -> None:
+        """No write starts after this."""
+        with self._lock:
+            self._cancelled = True
+
     def abandon(self, pool: KVPool, request_id: str) -> str:
         with self._lock:
             self._cancelled = True
@@ -949,6 +958,7 @@ class ChannelTransport(KVTransport):
             self._counts["channel_failures"] += 1
             raise TransferError(TransferFailure.UNAVAILABLE, f"the channel from {sender_id} stayed busy", rid) from None
         channel: Channel | None = None
+        recv: asyncio.Future | None = None
         fence = _Fence()
         try:
             channel = await self._inbound_channel(sender_id, pool.device)
@@ -989,6 +999,7 @@ class ChannelTransport(KVTransport):
             self._counts["channel_bytes_received"] += header.payload_bytes
         except TransferError:
             self._counts["channel_failures"] += 1
+            await self._settle(fence, recv)
             self._abandon(fence, pool, rid, pages)
             raise
         except asyncio.CancelledError:  # the request went away mid-transfer: do not reuse a busy channel
@@ -1001,6 +1012,7 @@ class ChannelTransport(KVTransport):
             if channel is not None:
                 self._drop_inbound(sender_id, channel)
             self._counts["channel_failures"] += 1
+            await self._settle(fence, recv)
             self._abandon(fence, pool, rid, pages)
             raise TransferError(TransferFailure.LOST, f"{type(exc).__name__}: {exc}", rid) from exc
         finally:
@@ -1071,6 +1083,14 @@ class ChannelTransport(KVTransport):
             channel.finish(ops, deadline, tail=fence.tail)
             with lane.use():
                 return [x & _U64 for x in sums.tolist()]
+
+    @staticmethod
+    async def _settle(fence: _Fence, recv: asyncio.Future | None) -> None:
+        """Failure path: stop further writes, and give a write under way a moment to end (a
+        sender's failure reply can overtake the scatter of the chunk it has just sent)."""
+        fence.cancel()
+        if recv is not None and fence.pending():
+            await asyncio.wait({recv}, timeout=_SETTLE_S)
 
     def _abandon(self, fence: _Fence, pool: KVPool, rid: str, pages: list[int]) -> None:
         """Event loop, failure path: once this returns, ``receive`` may release what is left
