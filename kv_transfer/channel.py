@@ -268,7 +268,7 @@ def _check_bytes(name: str, buf: object, device: torch.device, *, exact: int | N
     if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1
             or not buf.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous 1-D uint8 tensor, got {_describe(buf)}")
-    if buf.device != device:
+    if buf.device != device:  # the pool tensors' device: it has an index even where the config had none
         raise ValueError(f"{name}: expected a tensor on the pool's device {device}, got one on {buf.device}")
     if exact is not None and buf.numel() != exact:
         raise ValueError(f"{name}: expected {exact} bytes, got {buf.numel()}")
@@ -288,7 +288,7 @@ def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[in
     if out is None:
         block = torch.empty(shape, dtype=k.dtype, device=pool.device)
     else:
-        _check_bytes("out", out, pool.device, at_least=nbytes)
+        _check_bytes("out", out, k.device, at_least=nbytes)
         block = out[:nbytes].view(k.dtype).view(shape)
     if len(pages):
         index = _page_index(pages, pool.device)
@@ -302,7 +302,7 @@ def scatter_pages(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.
     """The inverse of :func:`gather_pages`: ``payload`` into layers ``[l0, l1)`` of ``pages``."""
     k, v = _word_view(pool)
     l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
-    _check_bytes("payload", payload, pool.device, exact=nbytes)
+    _check_bytes("payload", payload, k.device, exact=nbytes)
     if not len(pages):
         return
     block = payload.view(k.dtype).view(shape)
@@ -1080,8 +1080,8 @@ class ChannelTransport(KVTransport):
             while landed < len(plan):
                 land(landed)
                 landed += 1
-            channel.finish(ops, deadline, tail=fence.tail)
             with lane.use():
+                channel.finish(ops, deadline, tail=fence.tail)
                 return [x & _U64 for x in sums.tolist()]
 
     @staticmethod

@@ -732,10 +732,15 @@ def _fill_on_device(pool, rid: str, n: int, seed: int) -> None:
 
 
 @TWO_GPUS
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_nccl_channel_between_two_gpus(dtype):
+@pytest.mark.parametrize("chunking", [{}, {"chunk_bytes": 1, "ring_depth": 2}], ids=["one-chunk", "per-layer"])
+def test_nccl_channel_between_two_gpus(dtype, chunking):
+    """per-layer: 3 chunks through 2 ring slots on each side (events, side streams, stream
+    waits on the NCCL work); one-chunk: the whole request at once."""
     src, dst = _cuda_pool(0, dtype), _cuda_pool(1, dtype)
-    cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0)  # the first op builds the communicator
+    # the first op builds the communicator
+    cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0, **chunking)
     sender = ChannelTransport("cuda:0", identity={"replica_id": "P"}, config=cfg)
     receiver = ChannelTransport("cuda:1", identity={"replica_id": "D"},
                                 call_sender=lambda s, r: sender.serve_send(r), config=cfg)
@@ -749,9 +754,10 @@ def test_nccl_channel_between_two_gpus(dtype):
             assert pages == dst.pages(rid) and dst.seq_len(rid) == n
             assert torch.equal(gather_pages(src, src.pages(rid)).cpu(), gather_pages(dst, pages).cpu())
         _fill_on_device(src, "bad", 50, seed=1)
-        with pytest.raises(TransferError) as info:
+        free = dst.free_pages
+        with pytest.raises(TransferError, match="chunk 1 of 3" if chunking else "chunk 0 of 1") as info:
             run(receiver.receive(sender.export(src, "bad", fault="flip"), dst))
-        assert info.value.reason is TransferFailure.CHECKSUM and not dst.has("bad")
+        assert info.value.reason is TransferFailure.CHECKSUM and not dst.has("bad") and dst.free_pages == free
         run(receiver.receive(sender.export(src, "bad"), dst))  # a new generation: a new communicator
         assert torch.equal(gather_pages(src, src.pages("bad")).cpu(), gather_pages(dst, dst.pages("bad")).cpu())
         assert receiver.counters()["channels_opened"] == 2 and sender.counters()["channel_sends"] == 5
