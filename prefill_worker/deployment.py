@@ -11,8 +11,10 @@ a token budget and runs ``PrefillEngine.prefill`` off the event loop).
    the decode replica has acknowledged (adopted) them, or until ``lease_timeout_s``;
 3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
    ingress crash).
-With channel transports (``nccl``/``gloo``) the decode replica that adopts the pages calls
-``send_pages`` on this very replica (a call pinned by the router) while the lease is open.
+With channel transports (``nccl``/``gloo``) the export copies nothing: the decode replica that
+adopts the pages calls ``send_pages`` on this very replica (a call pinned by the router) while
+the lease is open, and the pages are read from the pool as they are sent. A send still under
+way when the lease ends is answered as failed (the pages may be reused by then).
 Because the lease is an ongoing request, a replica being scaled down drains it before it
 stops: pages a decode replica is still fetching are never pulled away.
 """
@@ -244,7 +246,7 @@ class PrefillServer:
         finally:
             self._leases.pop(rid, None)
             if ticket is not None:
-                exporter.discard(ticket)  # a channel's staging copy, if not sent yet
+                exporter.discard(ticket)  # a channel's export record; a send under way then fails
             if self.pool.has(rid):
                 self.engine.release(rid)
                 self.batcher.pages_freed()
