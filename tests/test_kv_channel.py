@@ -97,7 +97,7 @@ def test_pages_arrive_bit_exact_over_one_reused_channel(pair, dtype):
         assert_same_tokens(src, dst, rid)
     assert pair.receiver.counters()["channel_receives"] == 3 and pair.sender.counters()["channel_sends"] == 3
     assert pair.receiver.counters()["channels_opened"] == 1 == pair.sender.counters()["channels_opened"]
-    assert pair.sender.counters()["channel_staged"] == 0  # staging copies go once sent
+    assert pair.sender.counters()["channel_staged"] == 0  # exports are forgotten once sent
     assert [c["generation"] for c in pair.calls] == [1, 1, 1]
 
 
