@@ -90,7 +90,7 @@ def run(tokens_list: list[int], geometry: dict, device: torch.device, iters: int
             row[f"{name}_gbps"] = nbytes / ms / 1e6
         rows.append(row)
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        del payload
+        payload = None  # frees it before the next size (the timing lambdas close over the name)
     return rows
 
 
