@@ -1,5 +1,7 @@
 """The KV channel's own work around the NCCL transfer, on one GPU: gather a request's pages into
-the staging buffer, its checksum, scatter into a receiving pool (``kv_transfer.channel``).
+a staging buffer, its checksum, scatter into a receiving pool (``kv_transfer.channel``). Whole
+requests here; the channel now does the same a chunk of layers at a time, overlapped with the
+transfer (bench_kv_transfer reports one chunk's times).
 
 Why: on two H200s the channel moved 96.7 GB/s at 128K tokens while NCCL alone moved 370 GB/s
 (BENCHMARKS.md); this isolates the rest. Rows per size (tokens of a Llama-3.1-8B-shaped request:
@@ -88,7 +90,7 @@ def run(tokens_list: list[int], geometry: dict, device: torch.device, iters: int
             row[f"{name}_gbps"] = nbytes / ms / 1e6
         rows.append(row)
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        del payload
+        payload = None  # frees it before the next size (the timing lambdas close over the name)
     return rows
 
 

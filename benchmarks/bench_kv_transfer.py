@@ -8,15 +8,18 @@ pinned to one GPU each (``num_gpus=1``), as a prefill and a decode replica would
     process (peer-to-peer over NVLink), and a raw NCCL send/recv of one contiguous buffer
     between the two actors (a 2-rank process group built as our channels build theirs, no
     gather, checksum or scatter);
-(b) ``ChannelTransport`` end to end: gather the pages on GPU 0, checksum, the header through
-    Ray, the decode side reserves pages and calls the sender back, NCCL send/recv, checksum,
-    scatter into the decode pool on GPU 1;
+(b) ``ChannelTransport`` end to end: the header through Ray, the decode side reserves pages
+    and calls the sender back, then chunk by chunk (``--chunk-mib`` of whole layers through
+    ``--ring-depth`` buffers per side, pipelined): gather on GPU 0, checksum, NCCL send/recv,
+    checksum, scatter into the decode pool on GPU 1;
 (c) ``ObjectStoreTransport`` end to end between the same actors (device -> host, CRC-32,
     ``ray.put``, ``ray.get``, CRC-32, host -> device).
 
 GB/s are decimal (1e9 bytes/s) over the payload bytes (whole pages, K and V); (b) and (c)
 are also given as a fraction of (a). Medians after warm-up. Every size is checked bit for
-bit once (the decode pool's pages against the prefill pool's).
+bit once (the decode pool's pages against the prefill pool's). The JSON's channel detail
+adds the chunking and one chunk's gather + checksum and checksum + scatter times, measured
+alone on the sender's GPU: the pipeline's fill and drain around the wire time.
 
 Usage, from the repository root on the 2-GPU machine (``NCCL_NVLS_ENABLE=0`` stays set;
 this script forces it to 0 for itself and the actors)::
@@ -66,6 +69,8 @@ class BenchConfig:
     object_store_iters: int = 2  # 1 above 16K tokens: a 16 GiB frame takes tens of seconds
     budget_s: float = 170.0
     device: str = "cuda"
+    chunk_bytes: int = 256 << 20  # ChannelConfig of both actors
+    ring_depth: int = 3
 
     @property
     def token_bytes(self) -> int:
@@ -79,7 +84,8 @@ class BenchConfig:
 
 QUICK = dict(tokens=(4096, 32768), warmup=1, iters=3, object_store_iters=1, budget_s=90.0)
 CPU_SMOKE = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16, dtype="float32", tokens=(64, 1000),
-                 warmup=1, iters=2, object_store_iters=1, budget_s=120.0, device="cpu")
+                 warmup=1, iters=2, object_store_iters=1, budget_s=120.0, device="cpu",
+                 chunk_bytes=1, ring_depth=2)  # one layer per chunk: the smoke run goes through the ring
 
 
 @dataclass
@@ -145,7 +151,8 @@ def _endpoint_class():
             for t in (self.pool.k, self.pool.v):  # random bytes everywhere: nothing arrives by luck
                 t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
                                                         device=device, generator=g))
-            slow = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0, min_bytes_per_s=1e9)
+            slow = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0, min_bytes_per_s=1e9,
+                                 chunk_bytes=self.cfg.chunk_bytes, ring_depth=self.cfg.ring_depth)
             self.channels = ChannelTransport(device, host=ray.util.get_node_ip_address(), identity={"replica_id": name},
                                              call_sender=self._call_peer, config=slow)
             self.object_store = ObjectStoreTransport(fetch_timeout_s=300.0)
@@ -189,6 +196,35 @@ def _endpoint_class():
             await receiver.receive(ticket, self.pool)
             _sync(self.device)
             return time.perf_counter() - t0
+
+        def chunk_phases(self, rid: str, iters: int) -> dict:
+            """The chunking of ``rid``'s transfer and one (first, largest) chunk's gather + checksum
+            and checksum + scatter, each alone on this device (median ms). The scatter writes the
+            gathered bytes back into the same pages: the pool is unchanged."""
+            from kv_transfer.channel import chunk_layers, gather_pages, payload_checksum, scatter_pages
+
+            pool, pages = self.pool, self.pool.pages(rid)
+            layer_bytes = 2 * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * pool.k.element_size()
+            per = self.channels.config.layers_per_chunk(pool.num_layers, layer_bytes)
+            plan = chunk_layers(pool.num_layers, per)
+            buf = torch.empty(per * layer_bytes, dtype=torch.uint8, device=self.device)
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
+
+            def timed(fn) -> float:
+                times = []
+                for _ in range(iters + 1):  # the first is a warm-up
+                    _sync(self.device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(self.device)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                return statistics.median(times[1:])
+
+            gather = timed(lambda: payload_checksum(gather_pages(pool, index, plan[0], out=buf)))
+            chunk = buf[: (plan[0][1] - plan[0][0]) * layer_bytes]
+            scatter = timed(lambda: (payload_checksum(chunk), scatter_pages(pool, index, chunk, plan[0])))
+            return {"chunks": len(plan), "chunk_mib": per * layer_bytes / 2**20,
+                    "ring_depth": self.channels.config.ring_depth, "chunk_gather_ms": gather, "chunk_scatter_ms": scatter}
 
         def page_checksum(self, rid: str) -> int:
             from kv_transfer.channel import gather_pages, payload_checksum
@@ -351,7 +387,8 @@ def run_sizes(cfg: BenchConfig, sender, receiver, copies: dict[int, Measure], bu
                 if i >= cfg.warmup:
                     times.append(elapsed), exports.append(export_s * 1e3), receives.append(receive_s * 1e3)
             res.channel = _measure(times, nbytes, export_ms=statistics.median(exports),
-                                   receive_ms=statistics.median(receives))
+                                   receive_ms=statistics.median(receives),
+                                   **ray.get(sender.chunk_phases.remote(rid, cfg.iters), timeout=timeout))
         # (c) the object store: slow for big frames, so bounded by what is left
         iters = cfg.object_store_iters if tokens <= 16384 else 1
         warmup = 1 if tokens == cfg.tokens[0] else 0
@@ -414,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4K and 32K tokens, fewer iterations (< 1 min)")
     ap.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU, tiny sizes: checks the script runs")
     ap.add_argument("--budget-s", type=float, default=None, help="bound on the whole run (default 170, quick 90)")
+    ap.add_argument("--chunk-mib", type=float, default=None,
+                    help="channel chunk target in MiB (default 256; at least one layer of the request)")
+    ap.add_argument("--ring-depth", type=int, default=None, help="channel staging buffers per side (default 3)")
     ap.add_argument("--all-gpus-visible", action="store_true",
                     help="diagnostic: actors see both GPUs (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
@@ -422,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(CPU_SMOKE) if args.cpu_smoke else (dict(QUICK) if args.quick else {})
     if args.budget_s is not None:
         overrides["budget_s"] = args.budget_s
+    if args.chunk_mib is not None:
+        overrides["chunk_bytes"] = max(1, int(args.chunk_mib * 2**20))
+    if args.ring_depth is not None:
+        overrides["ring_depth"] = args.ring_depth
     cfg = BenchConfig(**overrides)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kv_transfer: no CUDA GPU here; use --cpu-smoke on CPU")

@@ -11,25 +11,37 @@ build ``ProcessGroupNCCL`` (CUDA pools) or ``ProcessGroupGloo`` (CPU pools) on t
 The backend follows the pools' device, so the CPU tests run exactly the code that moves
 GPU pages with NCCL.
 
-One transfer (the header travels through Ray, the payload over the channel):
-1. ``export`` (sender, after prefill): gathers the request's pages (all layers, K then V,
-   whole pages) into one contiguous staging buffer on the pool's device (``index_select``,
-   no host copy), computes :func:`payload_checksum` there and returns a ticket with the
-   msgpack :class:`~kv_transfer.transfer.KVFrameHeader` (``checksum_kind="wsum64"``) and the
-   sender's address. The staging buffer is kept until it is sent or the ticket discarded.
+One transfer (the header travels through Ray, the pages over the channel):
+1. ``export`` (sender, after prefill) copies nothing. The pages stay in the prefill pool under
+   the lease the prefill replica holds until the decode side has adopted them; the export
+   records them, the msgpack :class:`~kv_transfer.transfer.KVFrameHeader`
+   (``checksum_kind="wsum64"``, ``checksum`` 0: the checksums come with the send, step 4) and,
+   for CUDA pools, an event on the stream the pages were written on, which the send waits for
+   on the device. The ticket carries the header and the sender's address.
 2. ``receive`` (receiver): checks the ticket and the geometry, reserves the pages in its own
    pool (all or nothing: ``TransferFailure.POOL_EXHAUSTED`` otherwise, and the sender is not
-   even called), then - one transfer at a time per pair - asks the sender, through
-   ``call_sender`` (a Ray call pinned to that replica), to send over channel ``generation``
-   while it posts the matching receive into a staging buffer on its device. Both ends run
-   the blocking collective work in worker threads, never on the replica's event loop.
-3. The receiver recomputes the checksum on its device, compares, and scatters the buffer
-   into its pages. Any failure releases those pages and raises ``TransferError``.
+   even called), picks the chunking, then - one transfer at a time per pair - asks the sender,
+   through ``call_sender`` (a Ray call pinned to that replica), to send over channel
+   ``generation``. Both ends run the blocking collective work in worker threads, never on
+   the replica's event loop.
+3. The pages move in *chunks*: K then V of a group of consecutive layers, as many whole layers
+   as fit in ``ChannelConfig.chunk_bytes`` (at least one; the receiver decides and tells the
+   sender), through a ring of ``ring_depth`` chunk buffers at each end. The sender gathers and
+   checksums chunk i+1 on a side stream while chunk i is on the wire; a send waits for its
+   gather, a ring slot is refilled only once its send has completed. The receiver receives
+   chunk i+1 while it checksums chunk i and scatters it into the reserved pages on a side
+   stream; a slot takes a new chunk only once its scatter has run. The ordering is CUDA
+   events and stream waits on the NCCL work, with no host sync per chunk, and memory is
+   bounded by the rings, not by the request. Between CPU pools (gloo) the same code runs: the
+   streams are no-ops and the waits block the worker thread.
+4. Each end checksums every chunk where it lives (:func:`payload_checksum`'s formula) into a
+   device tensor read once at the end. The sender returns its list in the ``serve_send``
+   reply; the receiver compares it with its own after the last chunk.
 
-The checksum (:func:`payload_checksum`) is a position-weighted sum computed where the data
-lives; CRC-32 on the GPU would cost more than the transfer. It guards against our own bugs
-(a gather/scatter or ordering mistake, two transfers crossing on one channel, a wrong
-buffer), not against the wire: NCCL and TCP guarantee delivery integrity.
+The checksum is a position-weighted sum computed on the device; CRC-32 on the GPU would cost
+more than the transfer. It guards against our own bugs (a gather/scatter or ordering mistake,
+two transfers crossing on one channel, a wrong buffer), not against the wire: NCCL and TCP
+guarantee delivery integrity.
 
 Failures never hang a request: channel set-up is bounded by ``connect_timeout_s`` (store
 connection, gloo rendezvous, NCCL unique-id exchange), a transfer by
@@ -41,29 +53,39 @@ between the pair opens a new generation, and the other end drops its older gener
 it sees the newer one. A gloo wait cannot be interrupted: its worker thread stays blocked
 until its own timeout, while the request has already failed.
 
+Half-written pages. The receiver scatters chunks before it can compare checksums, so a failed
+transfer may have written into its reserved pages, and on CUDA such writes may still be queued
+when the transfer is given up (a scatter waits for a receive that never completes). Pages go
+back to the pool only once nothing can write into them any more, zeroed (free pages keep
+finite values: padding slots are read under a mask); while writes may be pending they move to
+a private id, and the receiving worker frees them after aborting the channel and draining its
+stream (if that never drains, they stay out of the pool: a leak, logged, rather than a page
+that a late write corrupts). On the sender, a send whose export was discarded while it ran
+(the lease ended: the pages may belong to another request by now) is answered as failed.
+
 NCCL: a hung transfer's communicator is aborted by us. So that a timeout aborts the channel
 and not the replica process, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (clean up
 only) in processes that open NCCL channels, unless the environment already sets it.
 
 Ownership is unchanged (docs/ARCHITECTURE.md): the sender's pages stay allocated until the
-decode side has adopted them and the lease stream is closed; the staging copy goes as soon
-as it is sent or the lease ends.
+decode side has adopted them and the lease stream is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
-import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,16 +112,22 @@ _MAX_NAME_LEN = 256
 # NCCL's own watchdog: far beyond our deadlines (we abort first), only a last resort.
 _NCCL_WATCHDOG_S = 600.0
 _SEND_REQUEST_KEYS = frozenset(
-    {"request_id", "sender_id", "receiver_id", "host", "port", "prefix", "generation", "backend", "timeout_s"}
+    {"request_id", "sender_id", "receiver_id", "host", "port", "prefix", "generation", "backend", "timeout_s",
+     "layers_per_chunk"}
 )
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
+_MAX_RING_DEPTH = 8
+# How long a failing receive waits for a scatter under way (or queued on the device) to end,
+# so that its pages can go back to the pool before the error is raised; past it the
+# receiving worker frees them when the write ends.
+_SETTLE_S = 1.0
 
 SendCall = Callable[[dict, dict], Awaitable[Any]]  # (sender address, send request) -> reply dict
 
 
 @dataclass(frozen=True)
 class ChannelConfig:
-    """Time bounds of channel transfers.
+    """Time bounds and chunking of channel transfers.
 
     connect_timeout_s: opening a channel (store connection, rendezvous, NCCL unique-id
         exchange), and waiting behind other transfers of the same pair.
@@ -107,21 +135,44 @@ class ChannelConfig:
         ``transfer_timeout_s + payload_bytes / min_bytes_per_s`` counts as hung.
     idle_reopen_s: a receiver opens a new generation instead of reusing a channel idle
         longer than this; senders drop channels idle for twice as long (dead receivers).
+    chunk_bytes: the target size of one chunk: K and V of as many whole layers of the
+        request as fit, at least one layer. The receiver's value decides a transfer.
+    ring_depth: chunk buffers at each end. 2 keeps one chunk on the wire while the next is
+        gathered (or the last scattered); 3 absorbs jitter between the two; 1 runs the steps
+        one after the other. A transfer stages at most ``ring_depth x max(chunk_bytes, one
+        layer's K+V of the request)`` bytes at each end.
     """
 
     connect_timeout_s: float = 30.0
     transfer_timeout_s: float = 10.0
     min_bytes_per_s: float = 1e9
     idle_reopen_s: float = 300.0
+    chunk_bytes: int = 256 << 20
+    ring_depth: int = 3
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "transfer_timeout_s", "min_bytes_per_s", "idle_reopen_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        for name, lo, hi in (("chunk_bytes", 1, 1 << 50), ("ring_depth", 1, _MAX_RING_DEPTH)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
 
     def transfer_budget_s(self, payload_bytes: int) -> float:
         return self.transfer_timeout_s + payload_bytes / self.min_bytes_per_s
+
+    def layers_per_chunk(self, num_layers: int, layer_bytes: int) -> int:
+        """Whole layers per chunk of a request whose K+V of one layer take ``layer_bytes``."""
+        if layer_bytes <= 0:  # no pages: one empty chunk
+            return num_layers
+        return max(1, min(num_layers, self.chunk_bytes // layer_bytes))
+
+
+def chunk_layers(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
+    """The layer ranges ``[l0, l1)`` of a transfer's chunks, in order; the last may be shorter."""
+    return [(l0, min(l0 + layers_per_chunk, num_layers)) for l0 in range(0, num_layers, layers_per_chunk)]
 
 
 # ---------------------------------------------------------------------------- payload
@@ -139,12 +190,18 @@ def payload_checksum(payload: torch.Tensor) -> int:
     reductions over the data and none of its size in temporaries. Integer sums wrap the
     same way whatever the reduction order, so sender and receiver agree bit for bit.
     Detects any single changed word, swapped rows (pages in the wrong order) and swapped
-    words within a row; it is not cryptographic. One host sync (the returned int).
+    words within a row; it is not cryptographic. One host sync (the returned int); channels
+    keep the value on the device (one per chunk) and read all of them once.
     """
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise ValueError(f"payload: expected a 1-D uint8 tensor, got {_describe(payload)}")
     if not payload.is_contiguous():
         raise ValueError("payload: expected a contiguous tensor")
+    return int(_wsum64(payload).item()) & _U64
+
+
+def _wsum64(payload: torch.Tensor) -> torch.Tensor:
+    """:func:`payload_checksum` as a 0-d int64 tensor on the payload's device (no host sync)."""
     dev = payload.device
     n = payload.numel()
     nwords = n // 4
@@ -165,7 +222,7 @@ def payload_checksum(payload: torch.Tensor) -> int:
     tail = payload[nwords * 4 :].to(torch.int64)
     if tail.numel():
         total += (tail * torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=dev)).sum() * _MIX[3]
-    return int(total.item()) & _U64
+    return total
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -184,28 +241,121 @@ def _word_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     raise AssertionError("unreachable: uint8 divides every row")
 
 
-def gather_pages(pool: KVPool, pages: list[int]) -> torch.Tensor:
-    """``pages`` of every layer, K then V, as one contiguous ``uint8`` tensor on the pool's
-    device: ``[2, num_layers, len(pages), page_size, num_kv_heads, head_dim]`` elements' bytes,
-    flat."""
+def _page_index(pages: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(pages, torch.Tensor):
+        return pages
+    index = torch.tensor(pages, dtype=torch.long)
+    if device.type == "cuda":
+        # through pinned memory: a copy from pageable memory would synchronise the stream
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+def _block_shape(pool: KVPool, word: torch.Tensor, layers: tuple[int, int] | None,
+                 num_pages: int) -> tuple[int, int, tuple[int, ...], int]:
+    """(l0, l1, the word shape of those layers' K and V of ``num_pages`` pages, their bytes)."""
+    if layers is None:
+        layers = (0, pool.num_layers)
+    if (not isinstance(layers, tuple) or len(layers) != 2 or not all(isinstance(x, int) for x in layers)
+            or not 0 <= layers[0] < layers[1] <= pool.num_layers):
+        raise ValueError(f"layers: expected (l0, l1) with 0 <= l0 < l1 <= {pool.num_layers}, got {layers!r}")
+    shape = (2, layers[1] - layers[0], num_pages, *word.shape[2:])
+    return layers[0], layers[1], shape, math.prod(shape) * word.element_size()
+
+
+def _check_bytes(name: str, buf: object, device: torch.device, *, exact: int | None = None,
+                 at_least: int | None = None) -> None:
+    if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1
+            or not buf.is_contiguous()):
+        raise ValueError(f"{name}: expected a contiguous 1-D uint8 tensor, got {_describe(buf)}")
+    if buf.device != device:  # the pool tensors' device: it has an index even where the config had none
+        raise ValueError(f"{name}: expected a tensor on the pool's device {device}, got one on {buf.device}")
+    if exact is not None and buf.numel() != exact:
+        raise ValueError(f"{name}: expected {exact} bytes, got {buf.numel()}")
+    if at_least is not None and buf.numel() < at_least:
+        raise ValueError(f"{name}: expected at least {at_least} bytes, got {buf.numel()}")
+
+
+def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[int, int] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Layers ``[l0, l1)`` (default: all) of ``pages``, K then V, as one contiguous ``uint8``
+    tensor on the pool's device: the bytes of ``[2, l1 - l0, len(pages), page_size,
+    num_kv_heads, head_dim]`` elements, flat. ``pages``: page ids, or their int64 index on
+    the pool's device. ``out``: a contiguous ``uint8`` buffer whose first bytes receive the
+    gather (the result is that view), instead of a new tensor."""
     k, v = _word_view(pool)
-    out = torch.empty((2, k.shape[0], len(pages), *k.shape[2:]), dtype=k.dtype, device=pool.device)
-    if pages:
-        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+    l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
+    if out is None:
+        block = torch.empty(shape, dtype=k.dtype, device=pool.device)
+    else:
+        _check_bytes("out", out, k.device, at_least=nbytes)
+        block = out[:nbytes].view(k.dtype).view(shape)
+    if len(pages):
+        index = _page_index(pages, pool.device)
         for part, src in enumerate((k, v)):
-            torch.index_select(src, 1, index, out=out[part])
-    return out.view(-1).view(torch.uint8)
+            torch.index_select(src[l0:l1], 1, index, out=block[part])
+    return block.view(-1).view(torch.uint8)
 
 
-def scatter_pages(pool: KVPool, pages: list[int], payload: torch.Tensor) -> None:
-    """The inverse of :func:`gather_pages`: ``payload`` into ``pages`` of ``pool``."""
+def scatter_pages(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.Tensor,
+                  layers: tuple[int, int] | None = None) -> None:
+    """The inverse of :func:`gather_pages`: ``payload`` into layers ``[l0, l1)`` of ``pages``."""
     k, v = _word_view(pool)
+    l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
+    _check_bytes("payload", payload, k.device, exact=nbytes)
+    if not len(pages):
+        return
+    block = payload.view(k.dtype).view(shape)
+    index = _page_index(pages, pool.device)
+    for part, dst in enumerate((k, v)):
+        dst[l0:l1].index_copy_(1, index, block[part])
+
+
+def _clear_pages(pool: KVPool, pages: list[int]) -> None:
+    """Zero ``pages`` in every layer and wait for it (failure paths only)."""
     if not pages:
         return
-    block = payload.view(k.dtype).view(2, k.shape[0], len(pages), *k.shape[2:])
-    index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-    for part, dst in enumerate((k, v)):
-        dst.index_copy_(1, index, block[part])
+    lane = _Lane(pool.device)
+    with _device_guard(pool.device), lane.use():
+        index = _page_index(pages, pool.device)
+        for part in _word_view(pool):
+            part.index_fill_(1, index, 0)
+    lane.synchronize()
+
+
+class _Lane:
+    """A side CUDA stream for one end of a transfer's copies and checksums: they overlap the
+    NCCL work, and nothing else in the replica (decode steps, the next prefill) orders after
+    them or they after it. On CPU there is no stream: every method is a no-op and the work
+    runs in the calling thread, in program order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def use(self) -> contextlib.AbstractContextManager:
+        """Make the stream current: kernels, allocations and NCCL operations started inside
+        are ordered after the work already queued on it."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def wait(self, event: Any) -> None:
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def follow(self, other: "_Lane") -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(other.stream)
+
+    def mark(self) -> Any:
+        """An event after the work queued so far (None on CPU: that work is done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 # ---------------------------------------------------------------------------- one channel
@@ -246,6 +396,8 @@ class Channel:
         self._store_addr = store_addr
         self.pg: Any = None
         self.broken = False
+        self._abort_lock = threading.Lock()
+        self._aborted_pg: Any = None
         self.lock = threading.Lock()  # one transfer at a time over this channel
         self.last_used = time.monotonic()
         self.transfers = 0
@@ -286,53 +438,100 @@ class Channel:
             raise ChannelBroken(f"{self.prefix} was closed while it opened")
         self.pg = pg
 
+    def open(self) -> None:
+        """Blocking: build this end's process group if not yet done (the rendezvous with the peer)."""
+        if self.broken:
+            raise ChannelBroken(f"{self.prefix} is closed")
+        if self.pg is None:
+            with _device_guard(self.device):
+                self._open()
+
+    def post(self, tensor: torch.Tensor, tag: int = 0) -> "_Op":
+        """Start sending (rank 0) or receiving (rank 1) ``tensor``. NCCL runs it after the work
+        queued so far on the caller's current stream; the tensor must not be touched until
+        :meth:`after` or :meth:`finish` says the operation has completed."""
+        if self.broken:
+            raise ChannelBroken(f"{self.prefix} is closed")
+        peer = 1 - self.rank
+        work = self.pg.send([tensor], peer, tag) if self.rank == SENDER else self.pg.recv([tensor], peer, tag)
+        return _Op(work)
+
+    def after(self, op: "_Op", deadline: float) -> None:
+        """Order what the caller does next after ``op``. NCCL: the caller's current stream waits
+        for it on the device and the host goes on; gloo: this thread waits (until ``deadline``)."""
+        if self.backend == "gloo":
+            self._wait_gloo(op, deadline)
+        else:
+            op.work.wait()
+
+    def finish(self, ops: list["_Op"], deadline: float, tail: Any = None) -> None:
+        """Blocking: until every operation of ``ops`` (and the CUDA event ``tail``) has completed;
+        raises on failure, when the channel is closed meanwhile, or after ``deadline``."""
+        if self.backend == "gloo":
+            for op in ops:
+                self._wait_gloo(op, deadline)
+        else:
+            # poll the works' end events so that a closed channel or the deadline ends the wait
+            # (a blocking wait could not be interrupted); short sleeps keep the added latency
+            # under half a millisecond for a transfer that itself takes a few
+            pause, first = 2e-5, 0
+            while True:
+                while first < len(ops) and ops[first].work.is_completed():
+                    first += 1
+                if first == len(ops) and (tail is None or tail.query()):
+                    break
+                if self.broken:
+                    raise ChannelBroken(f"{self.prefix} was closed during the transfer")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.prefix}: transfer not complete before the deadline")
+                time.sleep(pause)
+                pause = min(pause * 2, 5e-4)
+            for op in ops:
+                op.work.wait()  # raises the work's error, if any
+        self.transfers += 1
+        self.last_used = time.monotonic()
+
     def run(self, tensor: torch.Tensor, timeout_s: float) -> None:
         """Send (rank 0) or receive (rank 1) ``tensor`` whole, opening the channel first if
         needed; raises on failure or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        if self.broken:
-            raise ChannelBroken(f"{self.prefix} is closed")
+        self.open()
         with _device_guard(self.device):
-            if self.pg is None:
-                self._open()
-            peer = 1 - self.rank
-            work = self.pg.send([tensor], peer, 0) if self.rank == SENDER else self.pg.recv([tensor], peer, 0)
-            self._wait(work, deadline)
-        self.transfers += 1
-        self.last_used = time.monotonic()
+            self.finish([self.post(tensor)], deadline)
 
-    def _wait(self, work: Any, deadline: float) -> None:
-        if self.backend == "gloo":
-            # gloo reports completion only through wait(); its timeout closes the channel's pairs
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{self.prefix}: no time left to wait")
-            work.wait(datetime.timedelta(seconds=remaining))
+    def _wait_gloo(self, op: "_Op", deadline: float) -> None:
+        if op.waited:  # a second wait on a completed gloo work would time out
             return
-        # NCCL: poll the work's end event so that a closed channel or the deadline ends the
-        # wait (a blocking wait could not be interrupted); short sleeps keep the added latency
-        # under half a millisecond for a transfer that itself takes a few
-        pause = 2e-5
-        while not work.is_completed():
-            if self.broken:
-                raise ChannelBroken(f"{self.prefix} was closed during the transfer")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.prefix}: transfer not complete before the deadline")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-4)
-        work.wait()  # orders this thread's stream after the transfer; raises the work's error
+        # gloo reports completion only through wait(); its timeout closes the channel's pairs
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{self.prefix}: no time left to wait")
+        op.work.wait(datetime.timedelta(seconds=remaining))
+        op.waited = True
 
     def mark_broken(self) -> None:
         """Instant (any thread): no new operation starts on this channel."""
         self.broken = True
 
     def abort(self) -> None:
-        """Blocking: close the process group (aborting what is in flight where the backend can)."""
+        """Blocking: close the process group (aborting what is in flight where the backend can).
+        Several threads may call it: the group is aborted once, and a second caller returns
+        only after that."""
         self.broken = True
-        pg = self.pg
-        if pg is not None:
-            _abort_pg(pg)
+        with self._abort_lock:
+            pg = self.pg
+            if pg is not None and pg is not self._aborted_pg:
+                self._aborted_pg = pg
+                _abort_pg(pg)
         self._store = None  # our client connection (the receiver's hosted store lives on)
+
+
+@dataclass
+class _Op:
+    """One posted send or receive."""
+
+    work: Any
+    waited: bool = False
 
 
 def _abort_pg(pg: Any) -> None:
@@ -364,15 +563,22 @@ class _device_guard:
 
 # ---------------------------------------------------------------------------- the transport
 @dataclass
-class _Staged:
-    payload: torch.Tensor  # flat uint8 on the pool's device
+class _Export:
+    """A request's pages that a receiver may ask for. No copy: they stay in ``pool``, under
+    the prefill replica's lease, until the decode side has them."""
+
+    pool: KVPool
+    pages: list[int]
     header: KVFrameHeader
     fault: str | None
+    ready: Any  # CUDA event after the writes of the pages; None on CPU
+    discarded: bool = False  # the lease ended: the pages may already belong to another request
 
 
 @dataclass(frozen=True)
 class _SendRequest:
-    """What a receiver asks a sender: send ``request_id``'s staged pages over this channel."""
+    """What a receiver asks a sender: send ``request_id``'s pages over this channel, in
+    chunks of ``layers_per_chunk`` whole layers."""
 
     request_id: str
     sender_id: str
@@ -383,6 +589,7 @@ class _SendRequest:
     generation: int
     backend: str
     timeout_s: float
+    layers_per_chunk: int
 
     @classmethod
     def parse(cls, obj: Any) -> "_SendRequest":
@@ -396,7 +603,7 @@ class _SendRequest:
                 raise ValueError(f"{key}: expected a short non-empty str, got {value!r:.80}")
         if not obj["prefix"].startswith(_PREFIX_ROOT) or not obj["prefix"].endswith("/"):
             raise ValueError(f"prefix: expected '{_PREFIX_ROOT}.../', got {obj['prefix']!r}")
-        for key, lo, hi in (("port", 1, 65535), ("generation", 1, 1 << 62)):
+        for key, lo, hi in (("port", 1, 65535), ("generation", 1, 1 << 62), ("layers_per_chunk", 1, 1 << 20)):
             value = obj[key]
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"{key}: expected an int in [{lo}, {hi}], got {value!r}")
@@ -406,8 +613,83 @@ class _SendRequest:
         return cls(**obj)
 
 
-def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "") -> dict:
-    return {"ok": ok, "reason": reason.value if reason is not None else None, "message": message}
+def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "",
+           checksums: list[int] | None = None) -> dict:
+    return {"ok": ok, "reason": reason.value if reason is not None else None, "message": message,
+            "checksums": checksums}
+
+
+class _Fence:
+    """One receive's writes into its reserved pages, and who returns those pages to the pool
+    when the transfer fails (see "Half-written pages" in the module docstring).
+
+    The worker thread scatters chunk after chunk (CPU: in the thread; CUDA: queued on its
+    lane, done once ``tail`` has completed); the event loop may give the transfer up at any
+    moment. ``abandon`` (event loop) forbids further writes and says whether the pages can go
+    back now; if not, it moves them to a private id that the worker frees when it exits."""
+
+    SAFE, WORKER, STUCK = "safe", "worker", "stuck"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._writing = False
+        self._exited = False
+        self._handoff: tuple[KVPool, str] | None = None
+        self.touched = False  # a chunk was (or is being) scattered into the pages
+        self.tail: Any = None  # CUDA: event after the last queued scatter
+
+    # worker thread
+    def begin_write(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise ChannelBroken("the receive was given up")
+            self._writing = self.touched = True
+
+    def end_write(self, tail: Any) -> None:
+        with self._lock:
+            self._writing = False
+            self.tail = tail
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._pending()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Blocking: until no write is pending, at most ``timeout_s``; whether it got there."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+        return True
+
+    def exit(self) -> tuple[KVPool, str] | None:
+        """The worker leaves; returns (pool, private id) when it is to free the pages."""
+        with self._lock:
+            self._exited = True
+            return self._handoff
+
+    # event loop
+    def cancel(self) -> None:
+        """No write starts after this."""
+        with self._lock:
+            self._cancelled = True
+
+    def abandon(self, pool: KVPool, request_id: str) -> str:
+        with self._lock:
+            self._cancelled = True
+            if not self._pending():
+                return self.SAFE
+            key = f"{request_id}\x00abandoned-{id(self):x}"
+            pool.rename(request_id, key)
+            if self._exited:  # it drained what it could and left
+                return self.STUCK
+            self._handoff = (pool, key)
+            return self.WORKER
+
+    def _pending(self) -> bool:
+        return self._writing or (self.tail is not None and not self.tail.query())
 
 
 class ChannelTransport(KVTransport):
@@ -452,11 +734,15 @@ class ChannelTransport(KVTransport):
         self.call_sender = call_sender
         self.config = config
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"kv-{self.backend}")
-        self._lock = threading.Lock()  # _staged and _outbound (event loop and worker threads)
-        self._staged: dict[str, _Staged] = {}
+        self._lock = threading.Lock()  # _exports, _outbound and _lanes (event loop and worker threads)
+        self._exports: dict[str, _Export] = {}
         self._outbound: dict[str, Channel] = {}  # sender side, by receiver replica id
         self._inbound: dict[str, Channel] = {}  # receiver side, by sender replica id (event loop only)
         self._inbound_locks: dict[str, asyncio.Lock] = {}
+        # Side streams per (role, peer), kept across transfers: the caching allocator hands a
+        # block freed on a stream back only to that stream, so one ring's memory serves every
+        # transfer with that peer instead of piling up on fresh streams.
+        self._lanes: dict[tuple[str, str], list[_Lane]] = {}
         self._store: Any = None  # receiver side: the TCPStore this replica hosts
         self._generations = itertools.count(1)
         self._counts: collections.Counter = collections.Counter()
@@ -465,6 +751,13 @@ class ChannelTransport(KVTransport):
     @property
     def replica_id(self) -> str:
         return self.identity["replica_id"]
+
+    def _lanes_for(self, role: str, peer: str, device: torch.device, count: int) -> list[_Lane]:
+        with self._lock:
+            lanes = self._lanes.get((role, peer))
+            if lanes is None:
+                lanes = self._lanes[(role, peer)] = [_Lane(device) for _ in range(count)]
+        return lanes
 
     # -- sender --------------------------------------------------------------------------
     def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
@@ -476,22 +769,30 @@ class ChannelTransport(KVTransport):
                 f"{pool.device}", request_id,
             )
         header, pages = describe_pages(pool, request_id, checksum_kind="wsum64")
-        payload = gather_pages(pool, pages)
-        header = replace(header, checksum=payload_checksum(payload))
-        if fault == "flip" and payload.numel():
-            payload[-1:].bitwise_xor_(0xFF)  # after the checksum: the receiver must notice
+        ready = None
+        if pool.device.type == "cuda":
+            # The pages were written on this device's current stream (the prefill engine's;
+            # its first-token readback has synchronised it already). The send's gathers wait
+            # for this event on the device: no host sync here, and no false wait on a next
+            # prefill batch queued meanwhile.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(pool.device))
         with self._lock:
-            self._staged[request_id] = _Staged(payload, header, fault)
+            self._exports[request_id] = _Export(pool, pages, header, fault, ready)
         handle = {"header": header.encode(), "sender": {**self.identity, "host": self.host}}
         return TransferTicket(request_id, self.name, header.num_tokens, header.num_pages, header.payload_bytes, handle)
 
     def discard(self, ticket: TransferTicket) -> None:
+        """The lease ended: forget the export; a send of it still under way is answered as failed."""
         with self._lock:
-            self._staged.pop(ticket.request_id, None)
+            exp = self._exports.pop(ticket.request_id, None)
+            if exp is not None:
+                exp.discarded = True
 
     async def serve_send(self, request: dict) -> dict:
         """Sender side of a transfer, called by the receiver (through ``call_sender``): send
-        the staged pages over the requested channel. Returns ``{"ok", "reason", "message"}``."""
+        the exported pages over the requested channel. Returns ``{"ok", "reason", "message",
+        "checksums"}``, the last the per-chunk checksums when ``ok``."""
         try:
             req = _SendRequest.parse(request)
         except ValueError as exc:
@@ -502,11 +803,15 @@ class ChannelTransport(KVTransport):
             return _reply(False, TransferFailure.UNAVAILABLE,
                           f"the pages are on replica {req.sender_id}, this is {self.replica_id}")
         with self._lock:
-            staged = self._staged.get(req.request_id)
-        if staged is None:
-            return _reply(False, TransferFailure.LOST, f"no staged pages for {req.request_id!r} (lease ended or already sent)")
+            exp = self._exports.get(req.request_id)
+        if exp is None:
+            return _reply(False, TransferFailure.LOST,
+                          f"no exported pages for {req.request_id!r} (lease ended or already sent)")
+        if req.layers_per_chunk > exp.header.num_layers:
+            return _reply(False, TransferFailure.UNAVAILABLE, f"bad send request: layers_per_chunk: expected at most "
+                          f"the {exp.header.num_layers} layers, got {req.layers_per_chunk}")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._send_blocking, req, staged)
+        return await loop.run_in_executor(self._executor, self._send_blocking, req, exp)
 
     def _outbound_channel(self, req: _SendRequest) -> Channel:
         stale: list[Channel] = []
@@ -531,7 +836,7 @@ class ChannelTransport(KVTransport):
             old.abort()
         return ch
 
-    def _send_blocking(self, req: _SendRequest, staged: _Staged) -> dict:
+    def _send_blocking(self, req: _SendRequest, exp: _Export) -> dict:
         deadline = time.monotonic() + req.timeout_s
         try:
             channel = self._outbound_channel(req)
@@ -540,9 +845,9 @@ class ChannelTransport(KVTransport):
         if not channel.lock.acquire(timeout=req.timeout_s):
             return _reply(False, TransferFailure.UNAVAILABLE, f"channel {channel.prefix} busy")
         try:
-            if staged.fault == "break":
+            if exp.fault == "break":
                 raise ChannelBroken("fault injection: channel broken before sending")
-            channel.run(staged.payload, timeout_s=max(deadline - time.monotonic(), 1e-3))
+            checksums = self._send_chunks(channel, req, exp, deadline)
         except Exception as exc:
             self._drop_outbound(req.receiver_id, channel)
             self._counts["channel_failures"] += 1
@@ -550,12 +855,44 @@ class ChannelTransport(KVTransport):
             return _reply(False, TransferFailure.LOST, f"send failed: {type(exc).__name__}: {exc}")
         finally:
             channel.lock.release()
-        with self._lock:  # sent: the staging copy is no longer needed
-            if self._staged.get(req.request_id) is staged:
-                del self._staged[req.request_id]
+        with self._lock:
+            lapsed = exp.discarded
+            if self._exports.get(req.request_id) is exp:  # sent: a retry goes over the object store
+                del self._exports[req.request_id]
+        if lapsed:  # released during the send: what was read may be another request's
+            self._counts["channel_failures"] += 1
+            return _reply(False, TransferFailure.LOST, "the lease on the pages ended during the send")
         self._counts["channel_sends"] += 1
-        self._counts["channel_bytes_sent"] += staged.header.payload_bytes
-        return _reply(True)
+        self._counts["channel_bytes_sent"] += exp.header.payload_bytes
+        return _reply(True, checksums=checksums)
+
+    def _send_chunks(self, channel: Channel, req: _SendRequest, exp: _Export, deadline: float) -> list[int]:
+        """Blocking: gather, checksum and send ``exp``'s pages chunk by chunk through a ring of
+        staging buffers; returns the chunks' checksums."""
+        pool, header = exp.pool, exp.header
+        plan = chunk_layers(header.num_layers, req.layers_per_chunk)
+        layer_bytes = header.payload_bytes // header.num_layers
+        depth = min(self.config.ring_depth, len(plan))
+        flip = len(plan) // 2 if exp.fault == "flip" else None  # a middle chunk
+        channel.open()
+        (lane,) = self._lanes_for("send", req.receiver_id, pool.device, 1)
+        with _device_guard(pool.device), lane.use():
+            lane.wait(exp.ready)
+            index = _page_index(exp.pages, pool.device)
+            ring = [torch.empty(req.layers_per_chunk * layer_bytes, dtype=torch.uint8, device=pool.device)
+                    for _ in range(depth)]
+            sums = torch.zeros(len(plan), dtype=torch.int64, device=pool.device)
+            ops: list[_Op] = []
+            for i, layers in enumerate(plan):
+                if i >= depth:
+                    channel.after(ops[i - depth], deadline)  # the slot's previous send has completed
+                chunk = gather_pages(pool, index, layers, out=ring[i % depth])
+                sums[i] = _wsum64(chunk)
+                if i == flip and chunk.numel():
+                    chunk[-1:].bitwise_xor_(0xFF)  # after its checksum: the receiver must notice
+                ops.append(channel.post(chunk, tag=i))  # NCCL: after the gather, in stream order
+            channel.finish(ops, deadline)
+            return [x & _U64 for x in sums.tolist()]
 
     def _drop_outbound(self, receiver_id: str, channel: Channel) -> None:
         channel.mark_broken()
@@ -621,47 +958,159 @@ class ChannelTransport(KVTransport):
             self._counts["channel_failures"] += 1
             raise TransferError(TransferFailure.UNAVAILABLE, f"the channel from {sender_id} stayed busy", rid) from None
         channel: Channel | None = None
+        recv: asyncio.Future | None = None
+        fence = _Fence()
         try:
             channel = await self._inbound_channel(sender_id, pool.device)
             timeout = budget + (cfg.connect_timeout_s if channel.pg is None else 0.0)
-            payload = torch.empty(header.payload_bytes, dtype=torch.uint8, device=pool.device)
+            layers_per_chunk = cfg.layers_per_chunk(header.num_layers, header.payload_bytes // header.num_layers)
+            plan = chunk_layers(header.num_layers, layers_per_chunk)
             request = {
                 "request_id": rid, "sender_id": sender_id, "receiver_id": self.replica_id, "host": self.host,
                 "port": int(self._store.port), "prefix": channel.prefix, "generation": channel.generation,
-                "backend": self.backend, "timeout_s": timeout,
+                "backend": self.backend, "timeout_s": timeout, "layers_per_chunk": layers_per_chunk,
             }
             reply = asyncio.ensure_future(self.call_sender(sender, request))
-            recv = loop.run_in_executor(self._executor, functools.partial(channel.run, payload, timeout))
+            recv = loop.run_in_executor(self._executor, self._receive_blocking, channel, sender_id, pool, pages,
+                                        plan, timeout, fence)
+            recv.add_done_callback(_retrieve)  # a receive given up on may fail later, unread
             try:
                 await self._await_transfer(channel, sender_id, recv, reply, timeout, rid)
             finally:
                 if not reply.done():
                     reply.cancel()
-            got = await loop.run_in_executor(self._executor, payload_checksum, payload)
-            if got != header.checksum:
+            sent = _sender_checksums(reply.result(), len(plan))
+            if sent is None:
+                self._drop_inbound(sender_id, channel)
+                raise TransferError(TransferFailure.LOST, f"sender {sender_id}: a reply without {len(plan)} chunk "
+                                    "checksums", rid)
+            got = recv.result()
+            bad = [i for i, (mine, theirs) in enumerate(zip(got, sent)) if mine != theirs]
+            if bad:
                 self._drop_inbound(sender_id, channel)  # two transfers may have crossed: resynchronise
+                i = bad[0]
                 raise TransferError(
                     TransferFailure.CHECKSUM,
-                    f"payload wsum64 {got:016x} (computed here) does not match the sender's {header.checksum:016x}", rid,
+                    f"chunk {i} of {len(plan)} (layers {plan[i][0]}..{plan[i][1] - 1}): wsum64 {got[i]:016x} "
+                    f"(computed here) does not match the sender's {sent[i]:016x}"
+                    + (f"; {len(bad)} chunks differ" if len(bad) > 1 else ""), rid,
                 )
-            await loop.run_in_executor(self._executor, scatter_pages, pool, pages, payload)
             self._counts["channel_receives"] += 1
             self._counts["channel_bytes_received"] += header.payload_bytes
         except TransferError:
             self._counts["channel_failures"] += 1
+            await self._settle(fence, recv)
+            self._abandon(fence, pool, rid, pages)
             raise
         except asyncio.CancelledError:  # the request went away mid-transfer: do not reuse a busy channel
             if channel is not None:
                 self._drop_inbound(sender_id, channel)
+            self._abandon(fence, pool, rid, pages)
             raise
         except Exception as exc:  # anything else (a device error in the scatter, ...) ends this transfer
             logger.exception("KV receive of %s failed", rid)
             if channel is not None:
                 self._drop_inbound(sender_id, channel)
             self._counts["channel_failures"] += 1
+            await self._settle(fence, recv)
+            self._abandon(fence, pool, rid, pages)
             raise TransferError(TransferFailure.LOST, f"{type(exc).__name__}: {exc}", rid) from exc
         finally:
             lock.release()
+
+    def _receive_blocking(self, channel: Channel, sender_id: str, pool: KVPool, pages: list[int],
+                          plan: list[tuple[int, int]], timeout: float, fence: _Fence) -> list[int]:
+        """Worker thread: the receiving end of one transfer; returns the chunks' checksums.
+        Whatever happens, it leaves no write into ``pages`` queued behind it that it could
+        have stopped, and frees them if the event loop handed them over."""
+        try:
+            return self._recv_chunks(channel, sender_id, pool, pages, plan, timeout, fence)
+        except BaseException:
+            channel.mark_broken()
+            if fence.pending():  # scatters queued behind receives that may never complete:
+                channel.abort()  # NCCL ends those receives, then the scatters run
+                fence.drain(self.config.connect_timeout_s)
+            raise
+        finally:
+            handoff = fence.exit()
+            if handoff is not None:
+                self._free_abandoned(fence, *handoff, pages)
+
+    def _recv_chunks(self, channel: Channel, sender_id: str, pool: KVPool, pages: list[int],
+                     plan: list[tuple[int, int]], timeout: float, fence: _Fence) -> list[int]:
+        deadline = time.monotonic() + timeout
+        channel.open()
+        elem = pool.k.element_size()
+        layer_bytes = 2 * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * elem
+        sizes = [(l1 - l0) * layer_bytes for l0, l1 in plan]  # the first is the largest
+        depth = min(self.config.ring_depth, len(plan))
+        post, lane = self._lanes_for("recv", sender_id, pool.device, 2)
+        with _device_guard(pool.device):
+            with lane.use():
+                index = _page_index(pages, pool.device)
+                ring = [torch.empty(sizes[0], dtype=torch.uint8, device=pool.device) for _ in range(depth)]
+                sums = torch.zeros(len(plan), dtype=torch.int64, device=pool.device)
+            post.follow(lane)  # the ring's memory may have served earlier work on the lane
+            ops: list[_Op] = []
+            freed: list[Any] = [None] * depth  # per slot: event after the scatter of its last chunk
+
+            def land(j: int) -> None:  # chunk j: wait for it, checksum it, scatter it into the pages
+                slot = ring[j % depth][: sizes[j]]
+                with lane.use():
+                    channel.after(ops[j], deadline)
+                    sums[j] = _wsum64(slot)
+                    fence.begin_write()
+                    try:
+                        scatter_pages(pool, index, slot, plan[j])
+                    finally:
+                        freed[j % depth] = lane.mark()
+                        fence.end_write(freed[j % depth])
+
+            landed = 0
+            for i in range(len(plan)):
+                while landed <= i - depth:  # the slot's previous chunk (ring_depth 1)
+                    land(landed)
+                    landed += 1
+                with post.use():
+                    post.wait(freed[i % depth])
+                    ops.append(channel.post(ring[i % depth][: sizes[i]], tag=i))
+                while landed < i:  # the previous chunk, while this one arrives
+                    land(landed)
+                    landed += 1
+            while landed < len(plan):
+                land(landed)
+                landed += 1
+            with lane.use():
+                channel.finish(ops, deadline, tail=fence.tail)
+                return [x & _U64 for x in sums.tolist()]
+
+    @staticmethod
+    async def _settle(fence: _Fence, recv: asyncio.Future | None) -> None:
+        """Failure path: stop further writes, and give a write under way a moment to end (a
+        sender's failure reply can overtake the scatter of the chunk it has just sent)."""
+        fence.cancel()
+        if recv is not None and fence.pending():
+            await asyncio.wait({recv}, timeout=_SETTLE_S)
+
+    def _abandon(self, fence: _Fence, pool: KVPool, rid: str, pages: list[int]) -> None:
+        """Event loop, failure path: once this returns, ``receive`` may release what is left
+        under ``rid`` (nothing, when the pages still had writes pending)."""
+        outcome = fence.abandon(pool, rid)
+        if outcome == _Fence.SAFE and fence.touched:
+            _clear_pages(pool, pages)
+        elif outcome == _Fence.STUCK:
+            logger.error("KV receive of %s: scatters still queued after the channel was aborted; its %d pages stay "
+                         "out of the pool", rid, len(pages))
+
+    def _free_abandoned(self, fence: _Fence, pool: KVPool, key: str, pages: list[int]) -> None:
+        """Worker thread, on exit: free pages the event loop gave up on while writes were pending."""
+        if fence.pending():
+            logger.error("KV receive: scatters still queued after the channel was aborted; %d pages stay out of "
+                         "the pool", len(pages))
+            return
+        if fence.touched:
+            _clear_pages(pool, pages)
+        pool.release(key)
 
     async def _await_transfer(self, channel: Channel, sender_id: str, recv: asyncio.Future, reply: asyncio.Future,
                               timeout: float, rid: str) -> None:
@@ -725,12 +1174,12 @@ class ChannelTransport(KVTransport):
     def counters(self) -> dict[str, int]:
         with self._lock:
             open_out = sum(not c.broken for c in self._outbound.values())
-            staged = len(self._staged)
+            exported = len(self._exports)
         keys = ("channel_sends", "channel_receives", "channel_failures", "channels_opened",
                 "channel_bytes_sent", "channel_bytes_received")
         out = {k: int(self._counts[k]) for k in keys}
         out["channels_open"] = open_out + sum(not c.broken for c in self._inbound.values())
-        out["channel_staged"] = staged  # staging copies not yet sent or discarded
+        out["channel_staged"] = exported  # exports not yet sent or discarded (pages only: no copies)
         return out
 
     def close(self) -> None:
@@ -740,7 +1189,9 @@ class ChannelTransport(KVTransport):
         with self._lock:
             channels = list(self._outbound.values()) + list(self._inbound.values())
             self._outbound.clear()
-            self._staged.clear()
+            for exp in self._exports.values():
+                exp.discarded = True
+            self._exports.clear()
         self._inbound.clear()
         for ch in channels:
             ch.mark_broken()
@@ -769,6 +1220,20 @@ def _reply_failure(reply: asyncio.Future) -> tuple[TransferFailure | None, str]:
     if reason not in _REPLY_REASONS:
         reason = TransferFailure.LOST
     return reason, str(obj.get("message"))[:500]
+
+
+def _sender_checksums(reply: dict, n: int) -> list[int] | None:
+    """The per-chunk checksums of a successful ``serve_send`` reply, or None if it has not ``n``."""
+    sums = reply.get("checksums")
+    if (isinstance(sums, list) and len(sums) == n
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64 for x in sums)):
+        return sums
+    return None
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _describe(x: object) -> str:

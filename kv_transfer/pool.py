@@ -230,6 +230,17 @@ class KVPool:
             self._free.extend(reversed(req.pages))  # the request's first page is reused first
             return len(req.pages)
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Move ``request_id``'s pages and ``seq_len`` to ``new_id`` in one step (nothing is
+        freed or allocated). A KV channel uses it to take pages that its device may still write
+        out of a request that is being torn down. ``KeyError`` if ``request_id`` holds no pages,
+        ``ValueError`` if ``new_id`` already does."""
+        with self._lock:
+            if new_id in self._requests:
+                raise ValueError(f"new_id: {new_id!r} already holds pages in this pool")
+            self._requests[new_id] = self._get(request_id)
+            del self._requests[request_id]
+
     def _get(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
         if req is None:

@@ -25,8 +25,9 @@ Transports (all behind :class:`KVTransport`; :func:`select_transport` picks one 
 - :class:`ObjectStoreTransport`: ``ray.put`` of the frame (CPU bytes, so it works across
   nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
 - ``kv_transfer.channel.ChannelTransport`` ("nccl" between CUDA pools, "gloo" between CPU
-  pools): the header goes through Ray, the payload device to device over a 2-rank process
-  group of the pair, checked by an on-device checksum (``checksum_kind="wsum64"``).
+  pools): the header goes through Ray, the pages device to device over a 2-rank process
+  group of the pair, in chunks of whole layers, each checked by an on-device checksum
+  (``checksum_kind="wsum64"``; the values come with the sender's reply, the header says 0).
 - ``kv_transfer.ipc.CudaIpcTransport`` ("cuda_ipc", CUDA pools on one physical GPU): the
   receiver maps the sender's pool through CUDA IPC and copies the pages device to device
   (``checksum_kind="none"``); with a fallback transport (``auto``: the NCCL channel) it moves
@@ -75,8 +76,9 @@ _HEADER_KEYS = frozenset(
         "k_scale", "v_scale",
     }
 )
-# "crc32": CRC-32 of the payload bytes (frames: computed on the host anyway);
-# "wsum64": kv_transfer.channel.payload_checksum, computed on the pool's device (channels);
+# "crc32": CRC-32 of the payload bytes, in the header (frames: computed on the host anyway);
+# "wsum64": channels: kv_transfer.channel.payload_checksum of each chunk, computed on the pool's
+# devices; the sender returns them with the send, so a channel header's checksum field is 0;
 # "none": no checksum (checksum 0): a device-local copy between two pools on one GPU
 # (kv_transfer.ipc), where no wire or staging buffer sits between the bytes read and written.
 CHECKSUM_KINDS = ("crc32", "wsum64", "none")
@@ -130,9 +132,12 @@ class KVFrameHeader:
     """The msgpack metadata of one request's pages: the head of a frame (object store) or the
     whole control message of a channel transfer (the payload then travels over the channel).
 
-    ``checksum`` is a CRC-32 when ``checksum_kind`` is ``"crc32"`` (frames), a 64-bit
-    on-device weighted sum when it is ``"wsum64"`` (channels, see ``kv_transfer.channel``) and
-    0 when it is ``"none"`` (same-GPU copies, see ``kv_transfer.ipc``)."""
+# "crc32": CRC-32 of the payload bytes, in the header (frames: computed on the host anyway);
+# "wsum64": channels: kv_transfer.channel.payload_checksum of each chunk, computed on the pool's
+# devices; the sender returns them with the send, so a channel header's checksum field is 0;
+# "none": no checksum (checksum 0): a device-local copy between two pools on one GPU
+# (kv_transfer.ipc), where no wire or staging buffer sits between the bytes read and written.
+CHECKSUM_KINDS = ("crc32", "wsum64", "none")
 
     request_id: str
     num_tokens: int
@@ -290,8 +295,9 @@ def _pool_scales(pool: KVPool) -> tuple[tuple[float, ...] | None, tuple[float, .
 
 
 def describe_pages(pool: KVPool, request_id: str, *, checksum_kind: str = "crc32") -> tuple[KVFrameHeader, list[int]]:
-    """The header (checksum 0: filled in once the payload is gathered) and the pages that
-    carry ``request_id``'s committed tokens. Pages reserved beyond ``seq_len`` are left out."""
+    """The header (checksum 0: frames fill it in once the payload is gathered, channels leave
+    it) and the pages that carry ``request_id``'s committed tokens. Pages reserved beyond
+    ``seq_len`` are left out."""
     pages = pool.pages(request_id)
     num_tokens = pool.seq_len(request_id)
     needed = pool.pages_for(num_tokens)

@@ -11,8 +11,10 @@ a token budget and runs ``PrefillEngine.prefill`` off the event loop).
    the decode replica has acknowledged (adopted) them, or until ``lease_timeout_s``;
 3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
    ingress crash).
-With channel transports (``nccl``/``gloo``) the decode replica that adopts the pages calls
-``send_pages`` on this very replica (a call pinned by the router) while the lease is open.
+With channel transports (``nccl``/``gloo``) the export copies nothing: the decode replica that
+adopts the pages calls ``send_pages`` on this very replica (a call pinned by the router) while
+the lease is open, and the pages are read from the pool as they are sent. A send still under
+way when the lease ends is answered as failed (the pages may be reused by then).
 With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on the same GPU copies the pages straight
 out of this replica's pool during the lease; one on another GPU first calls ``stage_pages``
 (pinned too) to have them exported over the NCCL channel, then ``send_pages``.
@@ -260,7 +262,7 @@ class PrefillServer:
         finally:
             self._leases.pop(rid, None)
             if ticket is not None:
-                exporter.discard(ticket)  # a channel's staging copy, if not sent yet
+                exporter.discard(ticket)  # a channel's export record; a send under way then fails
             if self.pool.has(rid):
                 self.engine.release(rid)
                 self.batcher.pages_freed()

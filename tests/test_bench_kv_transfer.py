@@ -30,6 +30,10 @@ def test_cpu_smoke_writes_a_complete_report(tmp_path):
         for key in ("peer_copy", "raw_p2p", "channel", "object_store"):
             assert r[key]["gbps"] > 0 and r[key]["skipped"] is None, key
         assert r["channel"]["detail"]["export_ms"] > 0 and r["channel_vs_copy"] > 0
+        detail = r["channel"]["detail"]
+        assert detail["chunks"] == 2 and detail["ring_depth"] == 2  # one layer per chunk (chunk_bytes=1)
+        assert detail["chunk_mib"] * 2**20 == r["payload_bytes"] // 2
+        assert detail["chunk_gather_ms"] > 0 and detail["chunk_scatter_ms"] > 0
     assert report["counters"]["decode"]["channel_receives"] == 2 * 3  # (warmup + iters) per size
     assert report["counters"]["prefill"]["channel_staged"] == 0
 

@@ -123,7 +123,7 @@ def test_greedy_outputs_match_and_every_transfer_used_a_channel(service):
     assert [s["transfers"] for s in dec] == [{"gloo": total}]
     assert _sum(dec, "channel_receives") == total == _sum(pre, "channel_sends")
     assert _sum(dec, "transfer_failures") == 0 and _sum(dec, "channel_failures") == 0
-    assert _sum(pre, "channel_staged") == 0  # no staging copy left behind
+    assert _sum(pre, "channel_staged") == 0  # no export left behind
 
 
 def test_broken_channel_falls_back_to_the_object_store(service):

@@ -107,6 +107,21 @@ def test_adopt():
     assert pool.adopt("empty", 0) == []
 
 
+def test_rename_moves_pages_and_seq_len():
+    pool = make_pool()
+    pages = pool.adopt("x", 10)
+    pool.reserve("y", 3)
+    pool.rename("x", "x-moved")
+    assert not pool.has("x") and pool.pages("x-moved") == pages and pool.seq_len("x-moved") == 10
+    assert pool.free_pages == pool.num_pages - len(pages) - 1 and pool.stats()["requests"] == 2
+    with pytest.raises(KeyError, match="request_id"):
+        pool.rename("x", "z")
+    with pytest.raises(ValueError, match="new_id"):
+        pool.rename("x-moved", "y")
+    assert pool.pages("x-moved") == pages and pool.pages("y") != pages  # a refused rename changes nothing
+    assert pool.release("x-moved") == len(pages)
+
+
 # ---------------------------------------------------------------- addressing and data
 @pytest.mark.parametrize("page_size", [1, 3, 4])
 def test_write_round_trip_against_gather_kv(page_size):
