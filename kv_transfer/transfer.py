@@ -132,12 +132,11 @@ class KVFrameHeader:
     """The msgpack metadata of one request's pages: the head of a frame (object store) or the
     whole control message of a channel transfer (the payload then travels over the channel).
 
-# "crc32": CRC-32 of the payload bytes, in the header (frames: computed on the host anyway);
-# "wsum64": channels: kv_transfer.channel.payload_checksum of each chunk, computed on the pool's
-# devices; the sender returns them with the send, so a channel header's checksum field is 0;
-# "none": no checksum (checksum 0): a device-local copy between two pools on one GPU
-# (kv_transfer.ipc), where no wire or staging buffer sits between the bytes read and written.
-CHECKSUM_KINDS = ("crc32", "wsum64", "none")
+    ``checksum`` is the payload's CRC-32 when ``checksum_kind`` is ``"crc32"`` (frames). For
+    ``"wsum64"`` (channels, see ``kv_transfer.channel``) it is 0 and unused: the export copies
+    nothing, so there is nothing to checksum yet; both ends checksum every chunk on their
+    device when it moves and the sender returns its values in the ``serve_send`` reply. For
+    ``"none"`` (same-GPU copies, see ``kv_transfer.ipc``) it is 0."""
 
     request_id: str
     num_tokens: int
