@@ -12,7 +12,7 @@ Triton index stage. Per length:
 - effective TFLOP/s over the selected work (``4 d`` per selected (head, query, key) pair, as
   bench_operator), dense TFLOP/s over the causal pairs.
 
-``--kernels ws128,ws64,v0`` times each compiled variant (``cutlass_build.KERNELS``) on the same
+``--kernels ws128,ws64`` times each compiled variant (``cutlass_build.KERNELS``) on the same
 inputs after checking it against the first; the row's main columns are the first variant's,
 ``by_kernel`` holds every variant's times (a second table).
 

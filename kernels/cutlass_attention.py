@@ -95,7 +95,7 @@ def sparse_attention(
     and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
     (``config.num_splits`` when positive). ``kernel`` picks the compiled variant
     (``cutlass_build.KERNELS``: ``ws128`` the warp-specialized kernel with 128 keys per step,
-    ``ws64`` with 64, ``v0`` the first version; for benchmarks and tests). No host
+    ``ws64`` with 64; for benchmarks and tests). No host
     synchronisation.
     """
     check_inputs(q, k_pages, v_pages)

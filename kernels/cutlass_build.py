@@ -41,13 +41,13 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 4  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 5  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"
 ENV_LIB = "FLASHPREFILL_CUTLASS_LIB"
-# FpKernel in csrc/fp_attn_api.h: v1 warp-specialized with 128 / 64 keys per step, v0
-KERNELS = {"ws128": 0, "ws64": 1, "v0": 2}
+# FpKernel in csrc/fp_attn_api.h: warp-specialized with 128 / 64 keys per step
+KERNELS = {"ws128": 0, "ws64": 1}
 DEFAULT_KERNEL = "ws128"
 ENV_INCLUDE = "FLASHPREFILL_CUTLASS_INCLUDE"
 ENV_CACHE = "FLASHPREFILL_CACHE"
@@ -211,11 +211,16 @@ _REGS = re.compile(r"Used (\d+) registers")
 
 
 def _demangle(name: str) -> str:
-    # _ZN2fp22sparse_attn_fwd_kernelINS_10AttnTraitsIN7cutlass10bfloat16_tELi128EEEEEv...
-    kind = "fwd" if "sparse_attn_fwd_kernel" in name else "combine" if "combine" in name else name
+    # _ZN2fp25sparse_attn_fwd_ws_kernelINS_8WsTraitsIN7cutlass10bfloat16_tELi128ELi128ELi3EEEEEv...
+    # (head_dim, keys per step, stages) -> "ws128<bf16,d128>"; combine kernels -> "combine<bf16,d128>"
     dtype = "bf16" if "bfloat16" in name else "fp16" if "half_t" in name else "?"
-    dim = re.search(r"ELi(\d+)E", name)
-    return f"{kind}<{dtype},d{dim.group(1) if dim else '?'}>"
+    ints = re.findall(r"ELi(\d+)", name)
+    dim = ints[0] if ints else "?"
+    if "sparse_attn_fwd_ws_kernel" in name:
+        kind = f"ws{ints[1]}" if len(ints) > 1 else "ws?"
+    else:
+        kind = "combine" if "combine" in name else name
+    return f"{kind}<{dtype},d{dim}>"
 
 
 def ptxas_usage(log: str) -> list[dict]:

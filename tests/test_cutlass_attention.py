@@ -54,7 +54,7 @@ DEVICE = "cuda"
 _KERNEL = {"variant": None}
 
 
-@pytest.fixture(autouse=True, params=["ws128", "ws64", "v0"])
+@pytest.fixture(autouse=True, params=["ws128", "ws64"])
 def kernel_variant(request):
     """Every test runs each compiled kernel variant (cutlass_build.KERNELS) through ``_run``."""
     _KERNEL["variant"] = request.param
@@ -139,7 +139,7 @@ def _run(batch, plan, index, **kw):
 def test_kernel_attributes_no_spill(kernel_variant):
     from kernels import cutlass_build
 
-    threads = 256 if kernel_variant == "v0" else 384
+    threads = 384
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128):
             attrs = cutlass_build.kernel_attributes(dtype, d, kernel_variant)

@@ -9,13 +9,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 4
+#define FP_ABI_VERSION 5
 
 enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
 
-// Attention kernel: v1 warp-specialized with 128 or 64 keys per softmax step, or v0
+// Attention kernel: warp-specialized with 128 or 64 keys per softmax step
 // (docs/PERF_NOTES.md "CUTLASS").
-enum FpKernel { FP_KERNEL_WS128 = 0, FP_KERNEL_WS64 = 1, FP_KERNEL_V0 = 2 };
+enum FpKernel { FP_KERNEL_WS128 = 0, FP_KERNEL_WS64 = 1 };
 
 enum FpStatus {
   FP_OK = 0,

@@ -1,6 +1,6 @@
 // Tile shapes, MMA atoms, shared-memory layouts and register-layout views of the CUTLASS/CuTe
-// attention stage (sparse_attn_fwd.cu). Host-usable: layout_check.cu evaluates the same types
-// on a CPU to check every index mapping the kernel relies on.
+// attention stage (sparse_attn_fwd.cu, sparse_attn_ws.cuh). Host-usable: layout_check.cu
+// evaluates the same types on a CPU to check every index mapping the kernel relies on.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,66 +13,12 @@ namespace fp {
 using namespace cute;
 namespace gmma = cute::SM90::GMMA;
 
-// BLOCK_M = 128 PackGQA rows (one 64-row warpgroup slab each for two consumer warpgroups),
-// BLOCK_N = 64 keys (the CSR tile), the whole head dim as the GEMM-K of S = Q K^T.
-template <class Element_, int kHeadDim_>
-struct AttnTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 64;
-  static constexpr int kStages = 4;
-  static constexpr int kThreads = 256;
-  static constexpr int kMmaThreads = 256;  // threads of the tiled MMAs
-  static constexpr int kChunk = 16 / sizeof(Element);  // elements per 16-byte cp.async
-  static constexpr int kChunksPerRow = kHeadDim / kChunk;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M, N, K
-  using TileO = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   M, N, K
-  using WarpGroups = Layout<Shape<_2, _1, _1>>;                    // warpgroup w owns rows 64w..
-  using TiledMmaS = decltype(make_tiled_mma(
-      gmma::ss_op_selector<Element, Element, float, TileS>(), WarpGroups{}));
-  // P from registers (the S accumulator, converted), V^T from shared memory: V is stored
-  // key-major like K (d contiguous), i.e. MN-major for the B operand of P V.
-  using TiledMmaO = decltype(make_tiled_mma(
-      gmma::rs_op_selector<Element, Element, float, TileO, gmma::Major::K, gmma::Major::MN>(),
-      WarpGroups{}));
-
-  using SmemAtom = gmma::Layout_K_SW128_Atom<Element>;  // 8 rows x 128 bytes, 128B swizzle
-  using SmemLayoutQ =
-      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV =
-      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  // (d, key, stage) view of the V buffer: the same bytes, transposed coordinates
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{},
-      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                  Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
-
-  // The S accumulator of one warpgroup (64 x 64, fp32) is ((2 cols, 2 rows, 8 col groups), 1, 1)
-  // per thread; the A operand of an RS wgmma over 64 keys is ((2, 2, 2), 1, 4 k-blocks of 16).
-  // Logical index of S element (c, r, g) is c + 2 r + 4 g; A element ((a0, a1, a2), 0, kb) holds
-  // S element (a0, a1, a2 + 2 kb): a k-block of 16 keys is two consecutive column groups of 8.
-  using LayoutPA = Layout<Shape<Shape<_2, _2, _2>, _1, _4>, Stride<Stride<_1, _2, _4>, _0, _8>>;
-};
-
 // ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N) accumulator -> (rows, cols) view
 template <class L>
 CUTE_HOST_DEVICE constexpr auto acc_rowcol(L const& l) {
   return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
-
-template <class T>
-struct SharedStorage {
-  using Element = typename T::Element;
-  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutQ>, 1024> q;
-  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> k;
-  cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> v;
-  float bias[T::kStages][T::kBlockN];  // correction chunks: log2 |B_J| or -inf per column
-  int tile[T::kStages];                // 64-token tile index staged in each buffer
-};
 
 }  // namespace fp
 
@@ -125,7 +71,8 @@ struct WsTraits {
       make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                   Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
   // S accumulator ((2, 2, N/8), 1, 1) -> A operand ((2, 2, 2), 1, N/16): a k-block of 16 keys
-  // is two consecutive column groups of 8 (as AttnTraits::LayoutPA, for any N)
+  // is two consecutive column groups of 8. Logical index of S element (c, r, g) is c + 2 r + 4 g;
+// A element ((a0, a1, a2), 0, kb) holds S element (a0, a1, a2 + 2 kb).
   using LayoutPA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
                           Stride<Stride<_1, _2, _4>, _0, _8>>;
 };
