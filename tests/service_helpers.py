@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import time
+from collections.abc import Iterator
 from functools import lru_cache
 
 import ray
@@ -16,6 +19,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve(grpc_servicer: str | None = None) -> Iterator[tuple[int, int | None]]:
+    """Ray (started here unless one runs already) and Serve on 127.0.0.1 with free ports; yields
+    ``(http_port, grpc_port or None)``; shuts Serve, and a Ray it started, down on exit."""
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from router.launcher import prepare_environment
+
+    prepare_environment()
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 logging_level="WARNING", log_to_driver=False)
+    http_port = free_port()
+    grpc_port = free_port() if grpc_servicer else None
+    kwargs = {}
+    if grpc_servicer:
+        kwargs["grpc_options"] = gRPCOptions(port=grpc_port, grpc_servicer_functions=[grpc_servicer])
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **kwargs)
+    try:
+        yield http_port, grpc_port
+    finally:
+        serve.shutdown()
+        if started_here:
+            ray.shutdown()
 
 
 def replica_actors(app: str, deployment: str) -> list:

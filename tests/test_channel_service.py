@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from router.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import free_port, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 COMMON = {"torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
@@ -39,28 +38,18 @@ def service():
     from ray.serve.api import RunTarget
 
     from router.app import build_application
-    from router.launcher import prepare_environment
 
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="WARNING", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    targets = []
-    for name, (p, d) in REPLICAS.items():
-        app = build_application(CONFIGS[name], prefill={**SMALL, "num_replicas": p}, decode={**SMALL, "num_replicas": d},
-                                ingress={"ray_actor_options": {"num_cpus": 0.25}})
-        targets.append(RunTarget(app, name=name, route_prefix=f"/{name}"))
-    serve.run_many(targets)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-    yield client
-    client.close()
-    serve.shutdown()
-    if started_here:
-        ray.shutdown()
+    with local_serve() as (port, _):
+        targets = []
+        for name, (p, d) in REPLICAS.items():
+            app = build_application(CONFIGS[name], prefill={**SMALL, "num_replicas": p},
+                                    decode={**SMALL, "num_replicas": d},
+                                    ingress={"ray_actor_options": {"num_cpus": 0.25}})
+            targets.append(RunTarget(app, name=name, route_prefix=f"/{name}"))
+        serve.run_many(targets)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
+        yield client
+        client.close()
 
 
 def complete(client, app: str, ids: list[int], max_tokens: int, stream: bool = False) -> tuple[list[int], dict]:

@@ -9,7 +9,6 @@ their KV pages move over CUDA IPC (a real local Ray + Serve on 127.0.0.1; needs 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -18,7 +17,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from router.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import free_port, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -38,26 +37,15 @@ def service():
     from ray.serve.api import RunTarget
 
     from router.app import build_application
-    from router.launcher import prepare_environment
 
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="WARNING", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    targets = [RunTarget(build_application(CONFIGS[name], prefill=QUARTER, decode=QUARTER,
-                                           ingress={"ray_actor_options": {"num_cpus": 0.25}}),
-                         name=name, route_prefix=f"/{name}") for name in CONFIGS]
-    serve.run_many(targets)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-    yield client
-    client.close()
-    serve.shutdown()
-    if started_here:
-        ray.shutdown()
+    with local_serve() as (port, _):
+        targets = [RunTarget(build_application(CONFIGS[name], prefill=QUARTER, decode=QUARTER,
+                                               ingress={"ray_actor_options": {"num_cpus": 0.25}}),
+                             name=name, route_prefix=f"/{name}") for name in CONFIGS]
+        serve.run_many(targets)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
+        yield client
+        client.close()
 
 
 def complete(client, app: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:

@@ -11,7 +11,6 @@ One Ray/Serve for the module, three applications deployed together:
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -24,7 +23,7 @@ grpc = pytest.importorskip("grpc")
 
 from router.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import (  # noqa: E402
-    free_port,
+    local_serve,
     oracle_tokens,
     prompt_of,
     replica_stats,
@@ -61,29 +60,16 @@ def _app(name: str, prefill_replicas: int | None = None):
 def service():
     from ray import serve
     from ray.serve.api import RunTarget
-    from ray.serve.config import gRPCOptions
 
     from router.app import GRPC_SERVICER
-    from router.launcher import prepare_environment
 
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="WARNING", log_to_driver=False)
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    serve.run_many([RunTarget(_app(name), name=name, route_prefix=f"/{name}") for name in CONFIGS])
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120.0)
-    yield {"http": client, "channel": channel, "base": f"http://127.0.0.1:{http_port}"}
-    client.close()
-    channel.close()
-    serve.shutdown()
-    if started_here:
-        ray.shutdown()
+    with local_serve(GRPC_SERVICER) as (http_port, grpc_port):
+        serve.run_many([RunTarget(_app(name), name=name, route_prefix=f"/{name}") for name in CONFIGS])
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120.0)
+        yield {"http": client, "channel": channel, "base": f"http://127.0.0.1:{http_port}"}
+        client.close()
+        channel.close()
 
 
 def complete(client, app: str, body: dict, path: str = "/v1/completions"):
