@@ -592,9 +592,11 @@ def test_client_disconnects_cancel_and_free_pages(service):
             call.cancel()
             break
     wait_idle("faults")
-    # gRPC unary past its deadline
+    # gRPC unary past its deadline (greedy, like the HTTP requests above: an unset temperature
+    # samples at 1.0 and may stop early on a stop token, finishing inside the deadline)
     with pytest.raises(grpc.RpcError) as info:
-        s.Generate(pb().GenerateRequest(model=MODEL, prompt_token_ids=body["prompt"], max_tokens=300),
+        s.Generate(pb().GenerateRequest(model=MODEL, prompt_token_ids=body["prompt"], max_tokens=300,
+                                        temperature=0.0),
                    metadata=meta("faults"), timeout=2.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle("faults")
