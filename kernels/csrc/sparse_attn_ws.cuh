@@ -3,9 +3,11 @@
 //
 // CTA = 3 warpgroups. Warpgroup 0 (producer, setmaxnreg down) loads Q once, then walks the
 // same item sequence as the consumers (CSR positions from the top, then the correction
-// chunks), gathering each item's K/V rows through the page table with 16-byte cp.async into
-// a kStages ring; `cp.async.mbarrier.arrive.noinc` on full[s] signals the stage when the
-// copies land. Warpgroups 1 and 2 (consumers, setmaxnreg up) own rows 0-63 / 64-127 of the
+// chunks) into a kStages ring: whole 64-key tiles of a page and correction chunks by TMA (one
+// thread; `mbarrier.expect_tx` on full[s]), partial tiles and pages smaller than a tile by
+// every producer thread's zero-filling 16-byte cp.async through the page table;
+// `cp.async.mbarrier.arrive.noinc` on full[s] by all 128 completes the stage when both kinds
+// of copies have landed. Warpgroups 1 and 2 (consumers, setmaxnreg up) own rows 0-63 / 64-127 of the
 // 128-row PackGQA tile. Each consumer overlaps the softmax of item k with the tensor cores:
 //   issue S_k = Q K_k^T; issue O += P_{k-1} V_{k-1}; wait S_k; softmax(S_k) while PV runs;
 //   wait PV; release stage k-1 (one arrive per warpgroup on empty[s]); O *= alpha_k; P_k = S_k.
