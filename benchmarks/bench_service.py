@@ -1109,12 +1109,17 @@ def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_pat
     result["plots"] = plot(result["configurations"], out_path)
     write_json(out_path, result)
     print(f"\nwrote {out_path} ({budget.elapsed:.0f} s; groups' logs and partial results in {work})")
+    print_summary(result, cfg)
+    return result
+
+
+def print_summary(result: dict, cfg) -> None:
+    """The run's bounds, the table and the targets (the last thing a run prints)."""
     print(f"{cfg.requests} requests at most per cell, none sent after {cfg.cell_seconds:g} s, in-flight ones cut "
           f"{cfg.drain_seconds:g} s later; prompts {list(cfg.lengths)} tokens, {cfg.max_tokens} output tokens. "
           "TTFT/TPOT: client side (s, ms); tok/s, req/s: over the busy time; queue..other: server-side medians (s).")
     print(format_table(result["table"]))
     print("targets:", json.dumps(result["targets"]))
-    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1195,11 +1200,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["plots"] = plot(result["configurations"], out_path)
     write_json(out_path, result)
     print(f"\nwrote {out_path} ({budget.elapsed:.0f} s)")
-    print(f"{cfg.requests} requests at most per cell, none sent after {cfg.cell_seconds:g} s, in-flight ones cut "
-          f"{cfg.drain_seconds:g} s later; prompts {list(cfg.lengths)} tokens, {cfg.max_tokens} output tokens. "
-          "TTFT/TPOT: client side (s, ms); tok/s, req/s: over the busy time; queue..other: server-side medians (s).")
-    print(format_table(result["table"]))
-    print("targets:", json.dumps(result["targets"]))
+    print_summary(result, cfg)
     return result
 
 

@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from .pool import KVPool
+from .pool import KVPool, copy_word
 from .transfer import (
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,
@@ -225,20 +225,11 @@ def _wsum64(payload: torch.Tensor) -> torch.Tensor:
     return total
 
 
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
 def _word_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool's K and V as the widest integer words a row of ``head_dim`` elements divides
-    into (int64 for bf16 and fp8 at d = 128): index_select/index_copy_ move one element per
-    index computation, so 8-byte words move 8x the bytes per step of a byte view (and integer
-    views also cover FP8, which those kernels do not support). A copy is exact either way."""
-    row_bytes = pool.head_dim * pool.k.element_size()
-    for word in _WORDS:
-        size = torch.empty((), dtype=word).element_size()
-        if row_bytes % size == 0:
-            return pool.k.view(word), pool.v.view(word)
-    raise AssertionError("unreachable: uint8 divides every row")
+    into (int64 for bf16 and fp8 at d = 128; see :func:`~kv_transfer.pool.copy_word`)."""
+    word = copy_word(pool.head_dim * pool.k.element_size())
+    return pool.k.view(word), pool.v.view(word)
 
 
 def _page_index(pages: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

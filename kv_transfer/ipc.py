@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from .pool import KVPool
+from .pool import KVPool, copy_word
 from .transfer import (
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,
@@ -94,7 +94,6 @@ _STORAGE_KEYS = frozenset({"handle", "size", "offset", "ref_counter", "ref_count
 _STAGE_KEYS = frozenset({"request_id", "sender_id", "transport"})
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 _BROKEN_UUID = "fault-injection:no-such-gpu"
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 # async (sender identity from the ticket, stage request) -> the sender's serve_stage reply
 StageCall = Callable[[dict, dict], Awaitable[Any]]
@@ -306,18 +305,6 @@ def _staged_ticket(reply: Any, transport: str, rid: str) -> TransferTicket:
 
 
 # ---------------------------------------------------------------------------- copying
-def _word(row_bytes: int, offset_bytes: int) -> torch.dtype:
-    """The widest integer word dividing a row of head_dim elements and the tensor's offset:
-    index_select/index_copy_ move one element per index computation, so 8-byte words move
-    8x the bytes per step of a byte view (and integer views cover FP8, which those kernels
-    lack). A copy is exact whatever the word."""
-    for word in _WORDS:
-        size = torch.empty((), dtype=word).element_size()
-        if row_bytes % size == 0 and offset_bytes % size == 0:
-            return word
-    raise AssertionError("unreachable: uint8 divides everything")
-
-
 def _pool_words(pool: KVPool, word: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return pool.k.view(torch.uint8).view(word), pool.v.view(torch.uint8).view(word)
 
@@ -658,7 +645,7 @@ class CudaIpcTransport(KVTransport):
         if not pages:
             return
         row_bytes = h.head_dim * torch.empty((), dtype=h.torch_dtype).element_size()
-        word = _word(row_bytes, math.gcd(spec.k.tensor_offset, spec.v.tensor_offset))
+        word = copy_word(row_bytes, spec.k.tensor_offset, spec.v.tensor_offset)
         mappings: list[_Mapping] = []
         try:
             for part in (spec.k, spec.v):

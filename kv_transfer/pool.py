@@ -402,6 +402,22 @@ def _plain_cuda_segments(device: torch.device):
             setter(original)
 
 
+_COPY_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def copy_word(*byte_counts: int) -> torch.dtype:
+    """The widest integer dtype dividing every one of ``byte_counts`` (a K/V row of head_dim
+    elements, a tensor's byte offset, ...), for copying pages through integer views:
+    index_select/index_copy_ move one element per index computation, so 8-byte words move 8x
+    the bytes per step of a byte view, and integer views also cover FP8, which those kernels
+    lack. The copy is exact whatever the word."""
+    for word in _COPY_WORDS:
+        size = torch.empty((), dtype=word).element_size()
+        if all(n % size == 0 for n in byte_counts):
+            return word
+    raise AssertionError("unreachable: uint8 divides everything")
+
+
 def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor:
     """Per-head descale ``[H]`` so that ``x [T, H, d] / scale`` spans e4m3's range."""
     return fp8.descale_from_amax(x.detach().float().abs().amax(dim=(0, 2)), margin=margin)

@@ -720,17 +720,6 @@ def _cuda_pool(index: int, dtype: torch.dtype):
                                device=f"cuda:{index}"))
 
 
-def _fill_on_device(pool, rid: str, n: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.reserve(rid, n)
-    slots = pool.slot_mapping([rid], [0], [n])
-    for layer in range(pool.num_layers):
-        k = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
-        v = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
-        pool.write(layer, slots, k, v)
-    pool.set_seq_len(rid, n)
-
-
 @TWO_GPUS
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -749,11 +738,11 @@ def test_nccl_channel_between_two_gpus(dtype, chunking):
         dst.reserve("other", 40)
         for i, n in enumerate((1, 100, 333)):
             rid = f"r{i}"
-            _fill_on_device(src, rid, n, seed=n)
+            fill(src, rid, n, seed=n)
             pages = run(receiver.receive(sender.export(src, rid), dst))
             assert pages == dst.pages(rid) and dst.seq_len(rid) == n
             assert torch.equal(gather_pages(src, src.pages(rid)).cpu(), gather_pages(dst, pages).cpu())
-        _fill_on_device(src, "bad", 50, seed=1)
+        fill(src, "bad", 50, seed=1)
         free = dst.free_pages
         with pytest.raises(TransferError, match="chunk 1 of 3" if chunking else "chunk 0 of 1") as info:
             run(receiver.receive(sender.export(src, "bad", fault="flip"), dst))

@@ -27,11 +27,10 @@ from kv_transfer.channel import ChannelConfig, ChannelTransport
 from kv_transfer.ipc import (
     CudaIpcTransport,
     _process_alive,
-    _word,
     copy_pages,
     parse_ticket,
 )
-from kv_transfer.pool import KVPool, KVPoolConfig, _plain_cuda_segments
+from kv_transfer.pool import KVPool, KVPoolConfig, _plain_cuda_segments, copy_word
 from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,
@@ -189,7 +188,7 @@ def test_empty_request_takes_no_page_and_opens_nothing():
 @pytest.mark.parametrize("row_bytes,offset,word", [(256, 0, torch.int64), (12, 0, torch.int32), (6, 0, torch.int16),
                                                    (3, 0, torch.uint8), (256, 4, torch.int32), (256, 2, torch.int16)])
 def test_word_is_the_widest_dividing_row_and_offset(row_bytes, offset, word):
-    assert _word(row_bytes, offset) is word
+    assert copy_word(row_bytes, offset) is word
 
 
 def test_copy_pages_in_chunks_matches_a_plain_loop():
@@ -765,17 +764,6 @@ def _gpu_pool(dtype: torch.dtype, page_size: int, num_pages: int = 48) -> KVPool
                                num_pages=num_pages, device="cuda:0"))
 
 
-def _gpu_fill(pool: KVPool, rid: str, n: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.reserve(rid, n)
-    slots = pool.slot_mapping([rid], [0], [n])
-    for layer in range(pool.num_layers):
-        k = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
-        v = torch.randn(n, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
-        pool.write(layer, slots, k, v)
-    pool.set_seq_len(rid, n)
-
-
 def _host_tokens(pool: KVPool, rid: str) -> list[np.ndarray]:
     """The request's K and V tokens as host bytes, read by plain indexing (not the code under test)."""
     return [t.view(torch.uint8).cpu().numpy() for t in tokens_of(pool, rid)]
@@ -803,14 +791,14 @@ def _gpu_sender(conn, alloc_conf: str) -> None:
         out = []
         for dtype, page_size in GPU_CONFIGS:
             pool = pools[(dtype, page_size)] = _gpu_pool(dtype, page_size)
-            _gpu_fill(pool, "hole", 3 * page_size, seed=1)
-            _gpu_fill(pool, "keep", page_size, seed=2)
+            fill(pool, "hole", 3 * page_size, seed=1)
+            fill(pool, "keep", page_size, seed=2)
             pool.release("hole")  # later requests take the hole's pages and fresh ones
             for n in GPU_LENGTHS:
                 if pool.pages_for(n) > pool.free_pages:
                     continue
                 rid = f"{str(dtype)[6:]}-{page_size}-{n}"
-                _gpu_fill(pool, rid, n, seed=n + page_size)
+                fill(pool, rid, n, seed=n + page_size)
                 ticket = sender.export(pool, rid)
                 # torch's handle: a version byte, then 'c' (cudaMalloc segment) or 'e' (expandable
                 # segment, shared through pidfd_getfd, which sibling Ray workers may not be allowed)
@@ -897,7 +885,7 @@ def test_gpu_same_process_reads_its_own_export():
     """CUDA cannot open a handle in the process that made it: a receiver there reads the pool directly."""
     src, dst = _gpu_pool(torch.bfloat16, 16), _gpu_pool(torch.bfloat16, 16)
     dst.reserve("other", 40)
-    _gpu_fill(src, "r", 100, seed=3)
+    fill(src, "r", 100, seed=3)
     sender, receiver = CudaIpcTransport(), CudaIpcTransport()
     try:
         ticket = sender.export(src, "r")
@@ -927,7 +915,7 @@ def test_gpu_auto_falls_back_to_nccl_between_two_gpus():
 
     receiver = CudaIpcTransport(identity={"replica_id": "D"}, fallback=recv_ch, call_sender=stage)
     try:
-        _gpu_fill(src, "r", 333, seed=5)
+        fill(src, "r", 333, seed=5)
         run(receiver.receive(sender.export(src, "r"), dst))
         assert _same(_host_tokens(src, "r"), _host_tokens(dst, "r"))
         assert receiver.counters()["ipc_fallbacks"] == 1 and receiver.counters()["channel_receives"] == 1

@@ -37,8 +37,8 @@ def fill(pool: KVPool, rid: str, num_tokens: int, seed: int = 0) -> None:
     pool.reserve(rid, num_tokens)
     slots = pool.slot_mapping([rid], [0], [num_tokens])
     for layer in range(pool.num_layers):
-        k = torch.randn(num_tokens, pool.num_kv_heads, pool.head_dim, generator=g)
-        v = torch.randn(num_tokens, pool.num_kv_heads, pool.head_dim, generator=g)
+        k = torch.randn(num_tokens, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
+        v = torch.randn(num_tokens, pool.num_kv_heads, pool.head_dim, generator=g).to(pool.device)
         pool.write(layer, slots, k, v)
     pool.set_seq_len(rid, num_tokens)
 
