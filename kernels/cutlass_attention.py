@@ -30,7 +30,7 @@ from .plan import PrefillPlan
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
-_CORR_CHUNK = 64  # block means per correction chunk (the kernel's BLOCK_N)
+_CORR_CHUNK = 64  # bitmask words per segment cover max_blocks rounded up to this (the kernel reads J < n_blocks_full only)
 _empty = torch.empty  # outputs and split partials (tests swap in a NaN-filled allocator)
 
 
