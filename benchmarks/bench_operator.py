@@ -83,6 +83,7 @@ class BenchConfig:
     device: str = "cuda"
     fp8: bool = False  # also time the FP8 (e4m3) operator on the same inputs (two V layouts)
     attention: str = "triton"  # attention stage: "triton" or "cutlass" (rows kernel="operator_cutlass")
+    cutlass_kernel: str | None = None  # CUTLASS variant (cutlass_build.KERNELS; None: the default)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +403,13 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
 
     if cfg.attention == "cutlass":
         from kernels import cutlass_attention as ca
-        attend = ca.sparse_attention
+        from kernels import cutlass_build
+
+        variant = cfg.cutlass_kernel or cutlass_build.DEFAULT_KERNEL
+        row["cutlass_kernel"] = variant
+
+        def attend(*args, **kw):
+            return ca.sparse_attention(*args, kernel=variant, **kw)
     else:
         attend = ta.sparse_attention
 
@@ -670,6 +677,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--attention", choices=("triton", "cutlass"), default="triton",
                     help="attention stage of 'ours' (cutlass: rows kernel=operator_cutlass; use with --merge)")
+    ap.add_argument("--cutlass-kernel", default=None,
+                    help="with --attention cutlass: the compiled variant (kernels.cutlass_build.KERNELS)")
     ap.add_argument("--tune", action="store_true", help="num_warps/num_stages sweep at 64K")
     ap.add_argument("--fp8", action="store_true",
                     help="also FP8 rows (dtype=fp8_e4m3, V row-major and token-major) per case")
@@ -679,10 +688,16 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
                     help="'cpu' (with TRITON_INTERPRET=1 and tiny --lengths) smoke-tests the script")
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
     args = ap.parse_args(argv)
+    if args.cutlass_kernel is not None:
+        from kernels import cutlass_build
+
+        if args.attention != "cutlass" or args.cutlass_kernel not in cutlass_build.KERNELS:
+            ap.error(f"--cutlass-kernel: needs --attention cutlass and one of "
+                     f"{tuple(cutlass_build.KERNELS)}, got {args.cutlass_kernel!r}")
     if args.attention == "cutlass" and args.fp8:
         ap.error("--attention cutlass: the CUTLASS kernel has no FP8 path yet; drop --fp8")
     cfg = BenchConfig(device=args.device, page_size=args.page_size, num_splits=args.splits,
-                      fp8=args.fp8, attention=args.attention)
+                      fp8=args.fp8, attention=args.attention, cutlass_kernel=args.cutlass_kernel)
     if args.quick:
         cfg = dataclasses.replace(cfg, lengths=(32768, 131072), batches=(1,), sweep=False)
     if args.lengths:

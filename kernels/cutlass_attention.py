@@ -87,6 +87,7 @@ def sparse_attention(
     num_splits: int | None = None,
     dense: bool = False,
     kernel: str = cutlass_build.DEFAULT_KERNEL,
+    max_ctas: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage over ``index`` (or every visible tile with ``dense=True``).
 
@@ -95,12 +96,17 @@ def sparse_attention(
     and ``lse [Tq, Hq]`` float32 (natural log). ``num_splits=None`` picks automatically
     (``config.num_splits`` when positive). ``kernel`` picks the compiled variant
     (``cutlass_build.KERNELS``: ``ws128`` the warp-specialized kernel with 128 keys per step,
-    ``ws64`` with 64; for benchmarks and tests). No host
-    synchronisation.
+    ``ws64`` with 64, ``ws128_pingpong`` with the consumer warpgroups in pingpong order,
+    ``ws128_persistent`` pingpong and one CTA per SM). ``max_ctas`` caps a persistent
+    variant's grid (default one CTA per SM; tests use a few CTAs so that each walks many work
+    units). No host synchronisation.
     """
     check_inputs(q, k_pages, v_pages)
     if kernel not in cutlass_build.KERNELS:
         raise ValueError(f"kernel: expected one of {tuple(cutlass_build.KERNELS)}, got {kernel!r}")
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
+                                 or max_ctas < 1):
+        raise ValueError(f"max_ctas: expected an int >= 1 or None, got {max_ctas!r}")
     from . import triton_attention as ta  # scheduling helpers and the bitmask prepass
 
     cfg = plan.config
@@ -162,6 +168,7 @@ def sparse_attention(
         dtype=cutlass_build.DTYPE_CODES[str(q.dtype).removeprefix("torch.")],
         correction=int(correction), dense=int(dense), device=q.device.index or 0,
         qk_scale_log2=cfg.softmax_scale(d) * _LOG2E, kernel_variant=cutlass_build.KERNELS[kernel],
+        max_ctas=max_ctas or 0,
     )
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = lib.fp_sparse_attn_fwd(ctypes.byref(p), ctypes.c_void_p(stream))

@@ -41,13 +41,14 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 5  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 6  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"
 ENV_LIB = "FLASHPREFILL_CUTLASS_LIB"
-# FpKernel in csrc/fp_attn_api.h: warp-specialized with 128 / 64 keys per step
-KERNELS = {"ws128": 0, "ws64": 1}
+# FpKernel in csrc/fp_attn_api.h: warp-specialized with 128 / 64 keys per step; with 128 keys
+# also in pingpong order, and persistent with pingpong
+KERNELS = {"ws128": 0, "ws64": 1, "ws128_pingpong": 2, "ws128_persistent": 3}
 DEFAULT_KERNEL = "ws128"
 ENV_INCLUDE = "FLASHPREFILL_CUTLASS_INCLUDE"
 ENV_CACHE = "FLASHPREFILL_CACHE"
@@ -84,7 +85,8 @@ class FpAttnParams(ctypes.Structure):
         "total_q", "total_tiles", "num_segments", "num_splits", "words_per_seg", "group_size",
         "num_qo_heads", "head_dim", "page_size", "num_pages", "total_blocks", "block_size", "dtype", "correction",
         "dense", "device",
-    )] + [("qk_scale_log2", ctypes.c_float), ("kernel_variant", ctypes.c_int32)]
+    )] + [("qk_scale_log2", ctypes.c_float), ("kernel_variant", ctypes.c_int32),
+          ("max_ctas", ctypes.c_int32)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +214,18 @@ _REGS = re.compile(r"Used (\d+) registers")
 
 def _demangle(name: str) -> str:
     # _ZN2fp25sparse_attn_fwd_ws_kernelINS_8WsTraitsIN7cutlass10bfloat16_tELi128ELi128ELi3EEEEEv...
-    # (head_dim, keys per step, stages) -> "ws128<bf16,d128>"; combine kernels -> "combine<bf16,d128>"
+    # (head_dim, keys per step, stages[, pingpong, persistent]) -> "ws128<bf16,d128>",
+    # "ws128_pingpong<...>", "ws128_persistent<...>"; combine kernels -> "combine<bf16,d128>"
     dtype = "bf16" if "bfloat16" in name else "fp16" if "half_t" in name else "?"
     ints = re.findall(r"ELi(\d+)", name)
     dim = ints[0] if ints else "?"
     if "sparse_attn_fwd_ws_kernel" in name:
         kind = f"ws{ints[1]}" if len(ints) > 1 else "ws?"
+        flags = re.findall(r"ELb([01])", name)  # kPingpong, kPersistent
+        if flags[1:2] == ["1"]:
+            kind += "_persistent"
+        elif flags[:1] == ["1"]:
+            kind += "_pingpong"
     else:
         kind = "combine" if "combine" in name else name
     return f"{kind}<{dtype},d{dim}>"

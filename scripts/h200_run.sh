@@ -30,9 +30,11 @@ for s in "${steps[@]}"; do
     retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
     fp8_tests) run gpu_tests_fp8 150 python3 -m pytest -m gpu tests/test_fp8.py tests/test_triton_attention.py -q -p no:cacheprovider -rfE ;;
-    cutlass_tests) run gpu_tests_cutlass 200 python3 -m pytest -m gpu tests/test_cutlass_attention.py -q -s -p no:cacheprovider -rfE ;;
-    cutlass_memcheck) run cutlass_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k sanitizer -q -p no:cacheprovider ;;
-    cutlass_racecheck) run cutlass_racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k sanitizer -q -p no:cacheprovider ;;
+    cutlass_tests) run gpu_tests_cutlass 300 python3 -m pytest -m gpu tests/test_cutlass_attention.py -q -s -p no:cacheprovider -rfE ;;
+    # SANITIZE_K narrows the sanitizer cases (pytest -k), e.g. "sanitizer and persistent"
+    cutlass_memcheck) run cutlass_memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
+    cutlass_racecheck) run cutlass_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
+    cutlass_synccheck) run cutlass_synccheck 200 compute-sanitizer --tool synccheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
     cutlass_bench) run bench_cutlass 200 python3 benchmarks/bench_cutlass.py ;;
     operator_fp8) run bench_operator_fp8 330 python3 benchmarks/bench_operator.py --fp8 --merge --lengths 8192,32768,131072 --batch 1 --no-sweep ;;
     fidelity) run bench_fidelity 240 python3 benchmarks/bench_fidelity.py ;;

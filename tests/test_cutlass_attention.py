@@ -51,15 +51,20 @@ DEVICE = "cuda"
 # ------------------------------------------------------------------------------------------
 
 
-_KERNEL = {"variant": None}
+_KERNEL = {"variant": None, "max_ctas": None}
 
 
-@pytest.fixture(autouse=True, params=["ws128", "ws64"])
+@pytest.fixture(autouse=True, params=["ws128", "ws64", "ws128_pingpong", "ws128_persistent",
+                                      "ws128_persistent/2"])
 def kernel_variant(request):
-    """Every test runs each compiled kernel variant (cutlass_build.KERNELS) through ``_run``."""
-    _KERNEL["variant"] = request.param
-    yield request.param
-    _KERNEL["variant"] = None
+    """Every test runs each compiled kernel variant (cutlass_build.KERNELS) through ``_run``;
+    ``/2``: the persistent kernel on 2 CTAs, so each CTA walks many work units (its ring and
+    Q barriers carried from unit to unit)."""
+    name, _, ctas = request.param.partition("/")
+    _KERNEL["variant"] = name
+    _KERNEL["max_ctas"] = int(ctas) if ctas else None
+    yield name
+    _KERNEL["variant"] = _KERNEL["max_ctas"] = None
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +131,7 @@ def _check_close(out, lse, batch, plan, index, label=""):
 
 def _run(batch, plan, index, **kw):
     out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index,
-                                   kernel=_KERNEL["variant"], **kw)
+                                   kernel=_KERNEL["variant"], max_ctas=_KERNEL["max_ctas"], **kw)
     torch.cuda.synchronize()  # a kernel fault surfaces here, in the test that caused it
     return out, lse
 
@@ -298,15 +303,16 @@ def test_no_host_sync_and_dense_splits_agree(kernel_variant):
                         dtype=torch.bfloat16, device=DEVICE, needles=8)
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
     args = (batch.q, batch.k_pages, batch.v_pages, plan, index)
-    ca.sparse_attention(*args, kernel=kernel_variant)  # load the library, compile the prepass
-    ca.sparse_attention(*args, kernel=kernel_variant, num_splits=4)
-    ca.sparse_attention(*args, kernel=kernel_variant, dense=True)
+    args_kw = dict(kernel=kernel_variant, max_ctas=_KERNEL["max_ctas"])
+    ca.sparse_attention(*args, **args_kw)  # load the library, compile the prepass
+    ca.sparse_attention(*args, **args_kw, num_splits=4)
+    ca.sparse_attention(*args, **args_kw, dense=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        base, base_lse = ca.sparse_attention(*args, kernel=kernel_variant, num_splits=1)
-        split, split_lse = ca.sparse_attention(*args, kernel=kernel_variant, num_splits=4)
-        dense, dense_lse = ca.sparse_attention(*args, kernel=kernel_variant, dense=True)
+        base, base_lse = ca.sparse_attention(*args, **args_kw, num_splits=1)
+        split, split_lse = ca.sparse_attention(*args, **args_kw, num_splits=4)
+        dense, dense_lse = ca.sparse_attention(*args, **args_kw, dense=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert (split.float() - base.float()).abs().max().item() <= 2 ** -7 * 2
@@ -342,13 +348,15 @@ def test_dispatch_through_ops():
     (dict(num_splits=2.0), "num_splits"),
     (dict(num_splits=True), "num_splits"),
     (dict(kernel="ws256"), "kernel"),
+    (dict(max_ctas=0), "max_ctas"),
+    (dict(max_ctas=1.5), "max_ctas"),
 ])
 def test_bad_arguments_raise(kwargs, match):
     cfg = SparseConfig()
     batch, plan = _case([10], [0], hq=2, hkv=1, d=64, page_size=16, cfg=cfg, needles=0,
                         device=DEVICE)
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
-    call = dict(index=index, kernel=_KERNEL["variant"])
+    call = dict(index=index, kernel=_KERNEL["variant"], max_ctas=_KERNEL["max_ctas"])
     call.update(kwargs)
     idx = call.pop("index")
     with pytest.raises(ValueError, match=match):

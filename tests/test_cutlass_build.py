@@ -71,7 +71,9 @@ def test_builds_for_sm90a_without_spills(built):
     kernels = {row["kernel"] for row in usage}
     for dtype in ("bf16", "fp16"):
         for d in (64, 128):
-            assert {f"ws128<{dtype},d{d}>", f"ws64<{dtype},d{d}>", f"combine<{dtype},d{d}>"} <= kernels, kernels
+            names = ("ws128", "ws64", "ws128_pingpong", "ws128_persistent", "combine")
+            expect = {f"{name}<{dtype},d{d}>" for name in names}
+            assert expect <= kernels, kernels
     for row in usage:
         assert row["arch"] == "sm_90a"
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack"] == 0, row
@@ -203,6 +205,7 @@ def test_layout_check(tmp_path):
     (dict(sk_s=100), b"strides"),
     (dict(q=8), b"16-byte aligned"),
     (dict(correction=1), b"mean correction needs"),
+    (dict(max_ctas=-1), b"max_ctas"),
 ])
 def test_abi_argument_errors(lib, kw, match):
     p = _params(**kw)

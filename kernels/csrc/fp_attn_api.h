@@ -9,13 +9,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 5
+#define FP_ABI_VERSION 6
 
 enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
 
-// Attention kernel: warp-specialized with 128 or 64 keys per softmax step
+// Attention kernel: warp-specialized with 128 or 64 keys per softmax step; with 128, also with
+// the consumer warpgroups in pingpong order, and persistent (one CTA per SM) with pingpong
 // (docs/PERF_NOTES.md "CUTLASS").
-enum FpKernel { FP_KERNEL_WS128 = 0, FP_KERNEL_WS64 = 1 };
+enum FpKernel {
+  FP_KERNEL_WS128 = 0,
+  FP_KERNEL_WS64 = 1,
+  FP_KERNEL_WS128_PINGPONG = 2,
+  FP_KERNEL_WS128_PERSISTENT = 3,
+};
 
 enum FpStatus {
   FP_OK = 0,
@@ -70,6 +76,7 @@ typedef struct FpAttnParams {
   int32_t device;           // CUDA device ordinal of every tensor
   float qk_scale_log2;      // softmax scale * log2(e)
   int32_t kernel_variant;   // FpKernel
+  int32_t max_ctas;         // persistent variants: at most this many CTAs (0: one per SM)
 } FpAttnParams;
 
 #ifdef __cplusplus

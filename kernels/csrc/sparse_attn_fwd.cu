@@ -4,7 +4,7 @@
 //
 // Supports
 // - bf16 / fp16, head_dim 64 and 128, fp32 accumulation; softmax in base 2.
-// - PackGQA: one CTA per (sequence, KV head, 128-row query tile[, split]), rows r = p*g + t.
+// - PackGQA: one work unit per (sequence, KV head, 128-row query tile[, split]), rows r = p*g + t.
 // - Paged K/V, any page_size: TMA per 64-key tile when page_size % 64 == 0 (one page-table
 //   lookup per tile), cp.async per key row otherwise; rows past Lkv are zero-filled.
 // - The CSR list walked backwards (diagonal tiles first, masked; fully visible tiles unmasked),
@@ -16,14 +16,18 @@
 // warpgroup fills a shared-memory ring (TMA boxes for whole 64-key tiles inside a page and for
 // the correction chunks, zero-filling cp.async through the page table otherwise); two consumer
 // warpgroups (64 of the 128 rows each) run S = Q K^T and O += P V on wgmma with the softmax of
-// one step under the GEMMs of the next. 128 keys (two CSR entries) per step, or 64 (ws64).
-// Does not (yet): pingpong between the consumer warpgroups, a persistent scheduler, TMA for Q,
-// FP8 (docs/PERF_NOTES.md "CUTLASS"). The first version (v0, synchronous, 2 warpgroups) is in
+// one step under the GEMMs of the next. 128 keys (two CSR entries) per step, or 64 (ws64);
+// ws128_pingpong: the consumer warpgroups also take turns at the tensor cores (FA3's
+// pingpong); ws128_persistent: pingpong, and one CTA per SM walking the work units in the
+// decreasing-work order with a stride of the grid (no scheduler state: producer and consumers
+// compute the same sequence).
+// Does not (yet): TMA for Q, FP8 (docs/PERF_NOTES.md "CUTLASS"). The first version (v0, synchronous, 2 warpgroups) is in
 // git history and PERF_NOTES.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -134,21 +138,28 @@ int cuda_fail(cudaError_t err, const char* where) {
 // The attention kernel of a (variant, dtype, head_dim) and its dynamic shared memory.
 template <class Element, int kHeadDim>
 struct Variants {
-  using Ws128 = fp::WsTraits<Element, kHeadDim, 128, kHeadDim == 128 ? 3 : 4>;
+  static constexpr int kStages128 = kHeadDim == 128 ? 3 : 4;
+  using Ws128 = fp::WsTraits<Element, kHeadDim, 128, kStages128>;
   using Ws64 = fp::WsTraits<Element, kHeadDim, 64, kHeadDim == 128 ? 5 : 8>;
+  using Ws128Pingpong = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, false>;
+  using Ws128Persistent = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, true>;
 
+  // f(kernel, dynamic shared memory, threads, persistent)
   template <class F>
   static int with(int variant, F&& f) {
     switch (variant) {
-      case FP_KERNEL_WS128:
-        return f(fp::sparse_attn_fwd_ws_kernel<Ws128>, sizeof(fp::WsSharedStorage<Ws128>) + 1024,
-                 Ws128::kThreads);
-      case FP_KERNEL_WS64:
-        return f(fp::sparse_attn_fwd_ws_kernel<Ws64>, sizeof(fp::WsSharedStorage<Ws64>) + 1024,
-                 Ws64::kThreads);
+      case FP_KERNEL_WS128: return call<Ws128>(f);
+      case FP_KERNEL_WS64: return call<Ws64>(f);
+      case FP_KERNEL_WS128_PINGPONG: return call<Ws128Pingpong>(f);
+      case FP_KERNEL_WS128_PERSISTENT: return call<Ws128Persistent>(f);
       default:
         return fail(FP_ERR_ARGUMENT, "unknown kernel variant %d", variant);
     }
+  }
+  template <class T, class F>
+  static int call(F& f) {
+    return f(fp::sparse_attn_fwd_ws_kernel<T>, sizeof(fp::WsSharedStorage<T>) + 1024, T::kThreads,
+             T::kPersistent);
   }
 };
 
@@ -216,18 +227,25 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
     maps.enabled = 1;
   }
   if (p.correction && !p.dense && p.total_blocks > 0) {
-    const int rows = p.kernel_variant == FP_KERNEL_WS128 ? 128 : 64;  // the variant's kBlockN
+    const int rows = p.kernel_variant == FP_KERNEL_WS64 ? 64 : 128;  // the variant's kBlockN
     int st = encode_means_map(&maps.kbar, p.kbar, p.skb_t, p.skb_h, rows, p, "kbar");
     if (st == FP_OK) st = encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, p, "vbar");
     if (st != FP_OK) return st;
     maps.means = 1;
   }
   int status = Variants<Element, kHeadDim>::with(
-      p.kernel_variant, [&](auto kernel, size_t smem, int threads) -> int {
+      p.kernel_variant, [&](auto kernel, size_t smem, int threads, bool persistent) -> int {
         cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         if (err != cudaSuccess) return cuda_fail(err, "cudaFuncSetAttribute");
-        kernel<<<dim3(unsigned(grid)), dim3(threads), smem, stream>>>(p, maps);
+        long ctas = grid;
+        if (persistent) {  // one CTA per SM (its shared memory and registers allow no second)
+          int sms = 0;
+          err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device);
+          if (err != cudaSuccess) return cuda_fail(err, "cudaDeviceGetAttribute");
+          ctas = std::min(grid, long(p.max_ctas > 0 ? std::min(p.max_ctas, sms) : sms));
+        }
+        kernel<<<dim3(unsigned(ctas)), dim3(threads), smem, stream>>>(p, maps);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_fail(err, "sparse_attn_fwd launch");
         return FP_OK;
@@ -246,7 +264,7 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
 
 template <class Element, int kHeadDim>
 int attributes(int variant, int* out4) {
-  return Variants<Element, kHeadDim>::with(variant, [&](auto kernel, size_t smem, int) -> int {
+  return Variants<Element, kHeadDim>::with(variant, [&](auto kernel, size_t smem, int, bool) -> int {
     cudaFuncAttributes a;
     cudaError_t err = cudaFuncGetAttributes(&a, kernel);
     if (err != cudaSuccess) return cuda_fail(err, "cudaFuncGetAttributes");
@@ -302,6 +320,7 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
     return fail(FP_ERR_ARGUMENT, "group_size %d does not divide num_qo_heads %d", p.group_size,
                 p.num_qo_heads);
   if (p.page_size < 1) return fail(FP_ERR_ARGUMENT, "page_size must be >= 1, got %d", p.page_size);
+  if (p.max_ctas < 0) return fail(FP_ERR_ARGUMENT, "max_ctas must be >= 0, got %d", p.max_ctas);
   if (p.num_pages < 0) return fail(FP_ERR_ARGUMENT, "num_pages must be >= 0, got %d", p.num_pages);
   if (p.total_blocks < 0) return fail(FP_ERR_ARGUMENT, "total_blocks must be >= 0, got %d", p.total_blocks);
   if (p.block_size < 64 || p.block_size % 64)

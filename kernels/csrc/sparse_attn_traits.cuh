@@ -27,8 +27,12 @@ namespace fp {
 // v1: warp-specialized. One producer warpgroup (cp.async gathers through the page table into
 // a kStages ring, mbarrier full/empty handshakes) and two consumer warpgroups (64 of the 128
 // rows each). A stage holds kBlockN keys = kBlockN / 64 CSR tiles (64 keys each), so one
-// softmax step covers two list entries at kBlockN = 128.
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+// softmax step covers two list entries at kBlockN = 128. kPingpong: the consumer warpgroups
+// take turns at the tensor cores (FA3's pingpong); kPersistent: one CTA per SM walks units
+// blockIdx.x, + gridDim.x, ... of the decreasing-work order (the producer loads the next
+// unit's stages during the current unit's last steps and epilogue).
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kPingpong_ = false,
+          bool kPersistent_ = false>
 struct WsTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -37,6 +41,8 @@ struct WsTraits {
   static constexpr int kTileN = 64;  // keys per CSR tile
   static constexpr int kTilesPerStage = kBlockN / kTileN;
   static constexpr int kStages = kStages_;
+  static constexpr bool kPingpong = kPingpong_;
+  static constexpr bool kPersistent = kPersistent_;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -85,7 +91,8 @@ struct WsSharedStorage {
   cute::array_aligned<Element, cosize_v<typename T::SmemLayoutKV>, 1024> v;
   uint64_t full[T::kStages];   // producer -> consumers: the stage's copies landed
   uint64_t empty[T::kStages];  // consumers -> producer: both warpgroups are done with it
-  uint64_t q_full;
+  uint64_t q_full;   // producer -> consumers: Q of the unit landed
+  uint64_t q_empty;  // consumers -> producer: both warpgroups' last S GEMM of the unit is done
   // the producer's next T::kTableTiles CSR entries from the top: tile index and first page
   int32_t tab_tile[T::kTableTiles];
   int32_t tab_page[T::kTableTiles];

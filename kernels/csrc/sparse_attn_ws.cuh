@@ -43,6 +43,71 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* mbar, uint32_t byte
   asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(mbar)), "r"(bytes) : "memory");
 }
 
+// One unit of work: a segment (KV head x 128-row PackGQA tile, in the host's decreasing-work
+// order) and one of its KV splits. The producer and the consumers build the same unit from its
+// number, so they walk the same items (CSR entries from the top, then correction chunks)
+// without exchanging anything but the stages themselves.
+template <class T>
+struct WsWork {
+  int seg, u, h, b, q0, lkv, prefix, r0, rows_valid, lo;
+  int seg_lo, i_hi, i_lo, i_mid, n_main, n_blocks_full, n_items;
+
+  __device__ __forceinline__ WsWork(const FpAttnParams& p, int w) {
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kTileN = T::kTileN;
+    const int num_splits = p.num_splits;
+    const int rank = w / num_splits;
+    u = w % num_splits;
+    seg = p.order[rank];
+    h = seg / p.total_tiles;
+    const int t = seg % p.total_tiles;
+    b = p.tile_seq[t];
+    const int tile = t - p.cu_qtiles[b];
+    q0 = p.cu_seqlens_q[b];
+    const int lq = p.cu_seqlens_q[b + 1] - q0;
+    lkv = p.seqlens_kv[b];
+    prefix = lkv - lq;
+    const int g = p.group_size;
+    r0 = tile * kBlockM;
+    rows_valid = min(kBlockM, g * lq - r0);
+    lo = r0 / g + prefix;
+    const int hi = (r0 + rows_valid - 1) / g + prefix;
+    const int first_masked = (lo + 1) / kTileN;  // CSR tiles >= this cross the diagonal
+
+    int n_list, n_diag;
+    seg_lo = 0;
+    if (p.dense) {
+      n_list = hi / kTileN + 1;
+      n_diag = n_list - first_masked;
+    } else {
+      seg_lo = p.seg_offsets[seg];
+      n_list = p.seg_offsets[seg + 1] - seg_lo;
+      n_diag = 0;
+      while (n_diag < n_list && p.kv_tiles[seg_lo + n_list - 1 - n_diag] >= first_masked) ++n_diag;
+    }
+    const int per_split = (n_list + num_splits - 1) / num_splits;
+    i_hi = max(n_list - u * per_split, 0);
+    i_lo = max(n_list - (u + 1) * per_split, 0);
+    i_mid = n_list - n_diag;
+    n_main = (i_hi - i_lo + T::kTilesPerStage - 1) / T::kTilesPerStage;  // items over the list
+
+    n_blocks_full = 0;
+    int n_corr = 0;
+    if (p.correction && !p.dense && u == num_splits - 1) {
+      n_blocks_full = (lo + 1 < lkv) ? (lo + 1) / p.block_size
+                                     : (lkv + p.block_size - 1) / p.block_size;
+      n_corr = (n_blocks_full + kBlockN - 1) / kBlockN;
+    }
+    n_items = n_main + n_corr;
+  }
+
+  // the CSR tile of half `hf` of list item k, or -1 past the split's range
+  __device__ __forceinline__ int item_tile(const FpAttnParams& p, int k, int hf) const {
+    const int pos = i_hi - 1 - k * T::kTilesPerStage - hf;
+    if (pos < i_lo) return -1;
+    return p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos);
+  }
+};
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p,
                                                                             const __grid_constant__ FpTmaMaps tma) {
@@ -57,56 +122,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
   WsSharedStorage<T>& ss = *reinterpret_cast<WsSharedStorage<T>*>(smem_raw + pad);
 
   const int tid = threadIdx.x;
-  const int num_splits = p.num_splits;
-  const int rank = blockIdx.x / num_splits;
-  const int u = blockIdx.x % num_splits;
-  const int seg = p.order[rank];
-  const int h = seg / p.total_tiles;
-  const int t = seg % p.total_tiles;
-  const int b = p.tile_seq[t];
-  const int tile = t - p.cu_qtiles[b];
-  const int q0 = p.cu_seqlens_q[b];
-  const int lq = p.cu_seqlens_q[b + 1] - q0;
-  const int lkv = p.seqlens_kv[b];
-  const int prefix = lkv - lq;
   const int g = p.group_size;
-
-  const int r0 = tile * kBlockM;
-  const int rows_valid = min(kBlockM, g * lq - r0);
-  const int lo = r0 / g + prefix;
-  const int hi = (r0 + rows_valid - 1) / g + prefix;
-  const int first_masked = (lo + 1) / kTileN;  // CSR tiles >= this cross the diagonal
-
-  int seg_lo = 0, n_list, n_diag;
-  if (p.dense) {
-    n_list = hi / kTileN + 1;
-    n_diag = n_list - first_masked;
-  } else {
-    seg_lo = p.seg_offsets[seg];
-    n_list = p.seg_offsets[seg + 1] - seg_lo;
-    n_diag = 0;
-    while (n_diag < n_list && p.kv_tiles[seg_lo + n_list - 1 - n_diag] >= first_masked) ++n_diag;
-  }
-  const int per_split = (n_list + num_splits - 1) / num_splits;
-  const int i_hi = max(n_list - u * per_split, 0);
-  const int i_lo = max(n_list - (u + 1) * per_split, 0);
-  const int i_mid = n_list - n_diag;
-  const int n_main = (i_hi - i_lo + kTilesPerStage - 1) / kTilesPerStage;  // items over the list
-
-  int n_blocks_full = 0, n_corr = 0;
-  if (p.correction && !p.dense && u == num_splits - 1) {
-    n_blocks_full = (lo + 1 < lkv) ? (lo + 1) / p.block_size
-                                   : (lkv + p.block_size - 1) / p.block_size;
-    n_corr = (n_blocks_full + kBlockN - 1) / kBlockN;
-  }
-  const int n_items = n_main + n_corr;
-
-  // the CSR tile of half `hf` of list item k, or -1 past the split's range
-  auto item_tile = [&](int k, int hf) -> int {
-    const int pos = i_hi - 1 - k * kTilesPerStage - hf;
-    if (pos < i_lo) return -1;
-    return p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos);
-  };
+  // units blockIdx.x, + gridDim.x, ...: one per CTA when not persistent (grid = all units)
+  const int num_work = p.num_segments * p.num_splits;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
@@ -119,6 +137,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       cutlass::arch::ClusterBarrier::init(&ss.empty[s], 2);
     }
     cutlass::arch::ClusterBarrier::init(&ss.q_full, kProducerThreads);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, 2);
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -130,132 +149,143 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     const Element* q_ptr = static_cast<const Element*>(p.q);
     const Element* k_ptr = static_cast<const Element*>(p.k);
     const Element* v_ptr = static_cast<const Element*>(p.v);
-    const Element* k_head = k_ptr + h * p.sk_h;
-    const Element* v_head = v_ptr + h * p.sv_h;
-    const int32_t* pt_row = p.page_table + b * p.s_pt;
     const int page_size = p.page_size;
     const bool tile_in_one_page = (page_size % kTileN) == 0;
-
-    // partial unrolling: fully unrolled gathers hoist 64-bit addresses past the producer's
-    // 40 registers and spill
     static_assert(kBlockM * kChunksPerRow % kProducerThreads == 0);
-#pragma unroll 2
-    for (int i = 0; i < kBlockM * kChunksPerRow / kProducerThreads; ++i) {
-      const int c = ptid + i * kProducerThreads;
-      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-      const int pr = r0 + r;
-      const bool ok = r < rows_valid;
-      const Element* src = ok ? q_ptr + int64_t(q0 + pr / g) * p.sq_t +
-                                    int64_t(h * g + pr % g) * p.sq_h + col
-                              : q_ptr;
-      cp_async_16(&sQ(r, col), src, ok);
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(&ss.q_full);
-
-    const int64_t blk0 = p.correction ? p.cu_blocks[b] : 0;
-    const int last_blk = max(n_blocks_full - 1, 0);
-    const Element* kb_head = static_cast<const Element*>(p.kbar) + h * p.skb_h;
-    const Element* vb_head = static_cast<const Element*>(p.vbar) + h * p.svb_h;
     static_assert(kTileN * kChunksPerRow % kProducerThreads == 0);
     constexpr int kProducerBarrier = 1;  // named barrier of the producer warpgroup (0: __syncthreads)
     constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
-
     constexpr int kTable = T::kTableTiles;
-    for (int k = 0; k < n_items; ++k) {
-      const int st = k % kStages;
-      const int e0 = k * kTilesPerStage;  // first list entry (from the top) of item k
-      if (k < n_main && e0 % kTable == 0) {
-        // refill the lookup table for entries e0 .. e0 + kTable - 1: kTable independent
-        // index and page-table reads in flight at once instead of two dependent ones per tile
-        cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);  // last table read
-        if (ptid < kTable) {
-          const int pos = i_hi - 1 - e0 - ptid;
-          const int n = pos < i_lo ? -1 : (p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos));
-          ss.tab_tile[ptid] = n;
-          ss.tab_page[ptid] = (n >= 0 && tile_in_one_page) ? pt_row[n * kTileN / page_size] : 0;
-        }
-        cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);
+
+    int it = 0;  // items over every unit of this CTA: the ring's position and phase
+    int n_unit = 0;
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x, ++n_unit) {
+      const WsWork<T> wk(p, w);
+      const int h = wk.h, r0 = wk.r0, lkv = wk.lkv;
+      const Element* k_head = k_ptr + h * p.sk_h;
+      const Element* v_head = v_ptr + h * p.sv_h;
+      const int32_t* pt_row = p.page_table + wk.b * p.s_pt;
+
+      // Q of this unit once the consumers' last S GEMM of the previous one has read sQ
+      cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (n_unit & 1) ^ 1);
+      // partial unrolling: fully unrolled gathers hoist 64-bit addresses past the producer's
+      // 40 registers and spill
+#pragma unroll 2
+      for (int i = 0; i < kBlockM * kChunksPerRow / kProducerThreads; ++i) {
+        const int c = ptid + i * kProducerThreads;
+        const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+        const int pr = r0 + r;
+        const bool ok = r < wk.rows_valid;
+        const Element* src = ok ? q_ptr + int64_t(wk.q0 + pr / g) * p.sq_t +
+                                      int64_t(h * g + pr % g) * p.sq_h + col
+                                : q_ptr;
+        cp_async_16(&sQ(r, col), src, ok);
       }
-      cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((k / kStages) & 1) ^ 1);
-      if (k < n_main) {
-        // whole tiles in one page go by TMA (one thread, 2 x d/64 boxes per tile); a partial or
-        // missing tile by everyone's cp.async with zero-fill (its keys past Lkv must not carry
-        // stale pool bytes, NaN included, into P V)
-        int by_tma = 0;
-        if (tma.enabled) {
-          CUTE_UNROLL
-          for (int hf = 0; hf < kTilesPerStage; ++hf) {
-            const int n = ss.tab_tile[(e0 + hf) % kTable];
-            if (n >= 0 && (n + 1) * kTileN <= lkv) by_tma |= 1 << hf;
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.q_full);
+
+      const int64_t blk0 = p.correction ? p.cu_blocks[wk.b] : 0;
+      const int last_blk = max(wk.n_blocks_full - 1, 0);
+      const Element* kb_head = static_cast<const Element*>(p.kbar) + h * p.skb_h;
+      const Element* vb_head = static_cast<const Element*>(p.vbar) + h * p.svb_h;
+      const int n_main = wk.n_main;
+
+      for (int k = 0; k < wk.n_items; ++k, ++it) {
+        const int st = it % kStages;
+        const int e0 = k * kTilesPerStage;  // first list entry (from the top) of item k
+        if (k < n_main && e0 % kTable == 0) {
+          // refill the lookup table for entries e0 .. e0 + kTable - 1: kTable independent
+          // index and page-table reads in flight at once instead of two dependent ones per tile
+          cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);  // last table read
+          if (ptid < kTable) {
+            const int pos = wk.i_hi - 1 - e0 - ptid;
+            const int n = pos < wk.i_lo ? -1 : (p.dense ? pos : __ldg(p.kv_tiles + wk.seg_lo + pos));
+            ss.tab_tile[ptid] = n;
+            ss.tab_page[ptid] = (n >= 0 && tile_in_one_page) ? pt_row[n * kTileN / page_size] : 0;
           }
+          cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);
         }
-        if (by_tma && ptid == 0) {
-          constexpr uint32_t kTileBytes = 2 * kTileN * kHeadDim * sizeof(Element);  // K and V
-          mbarrier_expect_tx(&ss.full[st], __popc(by_tma) * kTileBytes);
-          CUTE_UNROLL
+        cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((it / kStages) & 1) ^ 1);
+        if (k < n_main) {
+          // whole tiles in one page go by TMA (one thread, 2 x d/64 boxes per tile); a partial or
+          // missing tile by everyone's cp.async with zero-fill (its keys past Lkv must not carry
+          // stale pool bytes, NaN included, into P V)
+          int by_tma = 0;
+          if (tma.enabled) {
+            CUTE_UNROLL
+            for (int hf = 0; hf < kTilesPerStage; ++hf) {
+              const int n = ss.tab_tile[(e0 + hf) % kTable];
+              if (n >= 0 && (n + 1) * kTileN <= lkv) by_tma |= 1 << hf;
+            }
+          }
+          if (by_tma && ptid == 0) {
+            constexpr uint32_t kTileBytes = 2 * kTileN * kHeadDim * sizeof(Element);  // K and V
+            mbarrier_expect_tx(&ss.full[st], __popc(by_tma) * kTileBytes);
+            CUTE_UNROLL
+            for (int hf = 0; hf < kTilesPerStage; ++hf) {
+              if (!(by_tma >> hf & 1)) continue;
+              const int n = ss.tab_tile[(e0 + hf) % kTable];
+              const int slot0 = (n * kTileN) % page_size;
+              const int page = ss.tab_page[(e0 + hf) % kTable];
+              CUTE_UNROLL
+              for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+                tma_load_4d(&sK(hf * kTileN, cb * 64, st), &tma.k, &ss.full[st], cb * 64, h, slot0, page);
+                tma_load_4d(&sV(hf * kTileN, cb * 64, st), &tma.v, &ss.full[st], cb * 64, h, slot0, page);
+              }
+            }
+          }
+#pragma unroll 1
           for (int hf = 0; hf < kTilesPerStage; ++hf) {
-            if (!(by_tma >> hf & 1)) continue;
-            const int n = ss.tab_tile[(e0 + hf) % kTable];
-            const int slot0 = (n * kTileN) % page_size;
-            const int page = ss.tab_page[(e0 + hf) % kTable];
+            if (by_tma >> hf & 1) continue;
+            const int n = ss.tab_tile[(e0 + hf) % kTable];  // uniform over the CTA
+            const int j0 = n * kTileN;
+            const int64_t page0 = ss.tab_page[(e0 + hf) % kTable];
+#pragma unroll 2
+            for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
+              const int c = ptid + i * kProducerThreads;
+              const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+              const int j = j0 + r;
+              const bool ok = n >= 0 && j < lkv;
+              int64_t page, slot;
+              if (tile_in_one_page) {
+                page = page0;
+                slot = j0 % page_size + r;
+              } else {
+                page = ok ? pt_row[j / page_size] : 0;
+                slot = j % page_size;
+              }
+              const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
+              const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
+              cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
+              cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+            }
+          }
+        } else if (tma.means) {
+          // a chunk of kBlockN block means (rows past the last block read as zeros; -inf bias)
+          if (ptid == 0) {
+            constexpr uint32_t kChunkBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
+            mbarrier_expect_tx(&ss.full[st], kChunkBytes);
+            const int row0 = int(blk0) + (k - n_main) * kBlockN;
             CUTE_UNROLL
             for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-              tma_load_4d(&sK(hf * kTileN, cb * 64, st), &tma.k, &ss.full[st], cb * 64, h, slot0, page);
-              tma_load_4d(&sV(hf * kTileN, cb * 64, st), &tma.v, &ss.full[st], cb * 64, h, slot0, page);
+              tma_load_3d(&sK(0, cb * 64, st), &tma.kbar, &ss.full[st], cb * 64, h, row0);
+              tma_load_3d(&sV(0, cb * 64, st), &tma.vbar, &ss.full[st], cb * 64, h, row0);
             }
           }
-        }
-#pragma unroll 1
-        for (int hf = 0; hf < kTilesPerStage; ++hf) {
-          if (by_tma >> hf & 1) continue;
-          const int n = ss.tab_tile[(e0 + hf) % kTable];  // uniform over the CTA
-          const int j0 = n * kTileN;
-          const int64_t page0 = ss.tab_page[(e0 + hf) % kTable];
+        } else {
+          const int chunk = k - n_main;
 #pragma unroll 2
-          for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
+          for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
             const int c = ptid + i * kProducerThreads;
             const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-            const int j = j0 + r;
-            const bool ok = n >= 0 && j < lkv;
-            int64_t page, slot;
-            if (tile_in_one_page) {
-              page = page0;
-              slot = j0 % page_size + r;
-            } else {
-              page = ok ? pt_row[j / page_size] : 0;
-              slot = j % page_size;
-            }
-            const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
-            const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
-            cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
-            cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+            // clamped rows stay in bounds; the consumers give their columns a -inf bias
+            const int64_t row = blk0 + min(chunk * kBlockN + r, last_blk);
+            cp_async_16(&sK(r, col, st), kb_head + row * p.skb_t + col, true);
+            cp_async_16(&sV(r, col, st), vb_head + row * p.svb_t + col, true);
           }
         }
-      } else if (tma.means) {
-        // a chunk of kBlockN block means (rows past the last block read as zeros; -inf bias)
-        if (ptid == 0) {
-          constexpr uint32_t kChunkBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
-          mbarrier_expect_tx(&ss.full[st], kChunkBytes);
-          const int row0 = int(blk0) + (k - n_main) * kBlockN;
-          CUTE_UNROLL
-          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-            tma_load_3d(&sK(0, cb * 64, st), &tma.kbar, &ss.full[st], cb * 64, h, row0);
-            tma_load_3d(&sV(0, cb * 64, st), &tma.vbar, &ss.full[st], cb * 64, h, row0);
-          }
-        }
-      } else {
-        const int chunk = k - n_main;
-#pragma unroll 2
-        for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-          const int c = ptid + i * kProducerThreads;
-          const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-          // clamped rows stay in bounds; the consumers give their columns a -inf bias
-          const int64_t row = blk0 + min(chunk * kBlockN + r, last_blk);
-          cp_async_16(&sK(r, col, st), kb_head + row * p.skb_t + col, true);
-          cp_async_16(&sV(r, col, st), vb_head + row * p.svb_t + col, true);
-        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
       }
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
+      if constexpr (!T::kPersistent) break;  // one unit: nothing carried to a next one
     }
     cp_async_wait<0>();
     return;
@@ -264,6 +294,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
   // ------------------------------------------------------------------ consumer warpgroups
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = tid - kProducerThreads;
+  const int wg = ctid / 128;  // rows 64 wg .. 64 wg + 63 of the tile
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
@@ -283,23 +314,28 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
   static_assert(size<0>(decltype(S.layout()){}) == kRows, "two rows per thread");
   Tensor rP = make_tensor<Element>(Shape<Int<size(decltype(tSrS.layout()){})>>{});
   Tensor tOrP = make_tensor(rP.data(), typename T::LayoutPA{});
-  clear(tOrO);
 
-  float row_max[kRows], row_sum[kRows];
-  int key_limit[kRows];
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    row_max[i] = neg_inf();
-    row_sum[i] = 0.f;  // this thread's partial (its quad's columns), reduced in the epilogue
-    key_limit[i] = (r0 + int(get<0>(cSrc(i, 0)))) / g + prefix;
-  }
   const float qk_scale = p.qk_scale_log2;
   // log2 |B_J|: every block is full but possibly the sequence's last one
   const float log2_block = log2f(float(p.block_size));
-  const int last_J = n_blocks_full - 1;
-  const float log2_last =
-      log2f(float(max(min(n_blocks_full * p.block_size, lkv) - last_J * p.block_size, 1)));
   const bool is_signaller = (ctid % 128) == 0;
+
+  // Pingpong (FA3): the two warpgroups take turns at issuing their GEMMs, so one's softmax
+  // runs while the other's GEMMs hold the tensor cores. Each turn is a named-barrier sync on
+  // the warpgroup's own barrier and an arrive on the other's (ids 2 and 3; 1 is the
+  // producer's); warpgroup 1 opens the first turn for warpgroup 0. Both warpgroups take the
+  // same number of turns per unit (the same items), so the alternation never stalls; the
+  // last arrive of the CTA is left unmatched, which ends with the CTA.
+  constexpr int kTurnBarrier = 2;
+  auto turn_begin = [&]() {
+    if constexpr (T::kPingpong) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kTurnBarrier + wg);
+  };
+  auto turn_end = [&]() {
+    if constexpr (T::kPingpong) cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kTurnBarrier + (wg ^ 1));
+  };
+  if constexpr (T::kPingpong) {
+    if (wg == 1) cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kTurnBarrier);
+  }
 
   auto issue_s = [&](int st) {
     warpgroup_fence_operand(tSrS);
@@ -320,152 +356,192 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     for (int kb = 0; kb < size<2>(tOrP); ++kb) cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st), tOrO);
     warpgroup_commit_batch();
   };
-  auto wait_full = [&](int k) {
-    cutlass::arch::ClusterBarrier::wait(&ss.full[k % kStages], (k / kStages) & 1);
-    // cp.async writes through the generic proxy and wgmma reads through the async one: a stage
-    // that may hold cp.async data needs the proxy fence (a MEMBAR + FENCE.VIEW.ASYNC in SASS).
-    // TMA writes through the async proxy, and the producer used TMA alone for correction
-    // chunks (tma.means) and for items without a diagonal or missing tile (those tiles are
-    // fully visible, hence whole: (n + 1) * 64 <= lo + 1 <= Lkv).
-    const bool tma_only = k >= n_main ? bool(tma.means)
-                                      : tma.enabled && i_hi - 1 - k * kTilesPerStage < i_mid &&
-                                            i_hi - 1 - k * kTilesPerStage - (kTilesPerStage - 1) >= i_lo;
-    if (!tma_only) fence_proxy_async();
-  };
-  auto release = [&](int k) {
-    if (is_signaller) cutlass::arch::ClusterBarrier::arrive(&ss.empty[k % kStages]);
-  };
-
-  // online softmax of item k on the S accumulator: scores -> exp2(s - m); returns alpha
-  auto softmax = [&](int k, float (&alpha)[kRows]) {
-    const bool corr = k >= n_main;
-    // the stage's two CSR tiles as scalars (an array indexed by a column would live in local memory)
-    int tile_lo = -1, tile_hi = -1;
-    bool masked = false;
-    if (!corr) {
-      const int pos_top = i_hi - 1 - k * kTilesPerStage;
-      masked = pos_top >= i_mid || pos_top - (kTilesPerStage - 1) < i_lo;  // diagonal or half empty
-      if (masked) {  // a few items per segment: read the index directly
-        tile_lo = item_tile(k, 0);
-        tile_hi = kTilesPerStage > 1 ? item_tile(k, 1) : tile_lo;
-      }
-    }
-    const int chunk = k - n_main;
-    // one branch per item, not per column (the compiler does not unswitch the column loop)
-    if (corr) {
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(S); ++j) {
-        const int J = chunk * kBlockN + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
-        // one L1-resident word per column: hoisting the chunk's words into registers spills
-        const uint32_t word = J < n_blocks_full ? __ldg(p.corr_bits + int64_t(seg) * p.words_per_seg + (J >> 5)) : 0u;
-        float bias = neg_inf();
-        if (J < n_blocks_full && ((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
-      }
-    } else if (masked) {
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(S); ++j) {
-        const int col = get<1>(cSrc(0, j));
-        const int n = col < kTileN ? tile_lo : tile_hi;
-        const int key = n * kTileN + col % kTileN;
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i)
-          if (n < 0 || key > key_limit[i] || key >= lkv) S(i, j) = neg_inf();
-      }
-    }
-    float mx[kRows];
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      mx[i] = neg_inf();
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(S); ++j) mx[i] = fmaxf(mx[i], S(i, j));
-    }
-    // raw scores stay unscaled (max commutes with the positive scale): one FFMA per exp2
-    const float sc = corr ? 1.f : qk_scale;
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const float m_new = fmaxf(row_max[i], quad_max(mx[i]) * sc);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      alpha[i] = fast_exp2(row_max[i] - m_use);
-      row_max[i] = m_new;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(S); ++j) {
-        const float e = fast_exp2(fmaf(S(i, j), sc, -m_use));
-        S(i, j) = e;
-        sum += e;
-      }
-      row_sum[i] = row_sum[i] * alpha[i] + sum;
-    }
-  };
   auto convert_p = [&]() {
     CUTE_UNROLL
     for (int e = 0; e < size(rP); ++e) rP(e) = Element(tSrS(e));
   };
 
-  cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
-  fence_proxy_async();
-  if (n_items > 0) {
-    float alpha[kRows];
-    wait_full(0);
-    issue_s(0);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    softmax(0, alpha);
-    convert_p();
-    for (int k = 1; k < n_items; ++k) {
-      wait_full(k);
-      issue_s(k % kStages);
-      issue_pv((k - 1) % kStages);
-      warpgroup_wait<1>();  // S_k landed; P_{k-1} V_{k-1} may still run
-      warpgroup_fence_operand(tSrS);
-      softmax(k, alpha);
-      // the softmax must run while P_{k-1} V_{k-1} does. ptxas schedules the wait to the top of
-      // the basic block that holds the max/exp2 code, serialising them after the PV GEMM; a
-      // branch on the row sums (never taken: they are sums of exponentials) ends the block there.
-      // (__trap() there would make ptxas keep a stack and spill; an empty nanosleep does not.)
-      warpgroup_fence_operand(tSrS);
-      if (row_sum[0] < 0.f || row_sum[1] < 0.f) asm volatile("nanosleep.u32 1;");
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      release(k - 1);
+  int it = 0;  // the ring's position over every unit, as the producer's
+  int n_unit = 0;
+  for (int w = blockIdx.x; w < num_work; w += gridDim.x, ++n_unit) {
+    const WsWork<T> wk(p, w);
+    const int r0 = wk.r0, n_main = wk.n_main, n_items = wk.n_items, i_hi = wk.i_hi, i_lo = wk.i_lo;
+    const int i_mid = wk.i_mid, lkv = wk.lkv, n_blocks_full = wk.n_blocks_full;
+
+    float row_max[kRows], row_sum[kRows];
+    int key_limit[kRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = neg_inf();
+      row_sum[i] = 0.f;  // this thread's partial (its quad's columns), reduced in the epilogue
+      key_limit[i] = (r0 + int(get<0>(cSrc(i, 0)))) / g + wk.prefix;
+    }
+    const int last_J = n_blocks_full - 1;
+    const float log2_last =
+        log2f(float(max(min(n_blocks_full * p.block_size, lkv) - last_J * p.block_size, 1)));
+    clear(tOrO);
+
+    auto wait_full = [&](int k) {
+      cutlass::arch::ClusterBarrier::wait(&ss.full[(it + k) % kStages], ((it + k) / kStages) & 1);
+      // cp.async writes through the generic proxy and wgmma reads through the async one: a stage
+      // that may hold cp.async data needs the proxy fence (a MEMBAR + FENCE.VIEW.ASYNC in SASS).
+      // TMA writes through the async proxy, and the producer used TMA alone for correction
+      // chunks (tma.means) and for items without a diagonal or missing tile (those tiles are
+      // fully visible, hence whole: (n + 1) * 64 <= lo + 1 <= Lkv).
+      const bool tma_only = k >= n_main ? bool(tma.means)
+                                        : tma.enabled && i_hi - 1 - k * kTilesPerStage < i_mid &&
+                                              i_hi - 1 - k * kTilesPerStage - (kTilesPerStage - 1) >= i_lo;
+      if (!tma_only) fence_proxy_async();
+    };
+    auto stage = [&](int k) { return (it + k) % kStages; };
+    auto release = [&](int k) {
+      if (is_signaller) cutlass::arch::ClusterBarrier::arrive(&ss.empty[(it + k) % kStages]);
+    };
+    // after the unit's last S GEMM: the producer may load the next unit's Q
+    auto release_q = [&]() {
+      if (is_signaller) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+    };
+
+    // online softmax of item k on the S accumulator: scores -> exp2(s - m); returns alpha
+    auto softmax = [&](int k, float (&alpha)[kRows]) {
+      const bool corr = k >= n_main;
+      // the stage's two CSR tiles as scalars (an array indexed by a column would live in local memory)
+      int tile_lo = -1, tile_hi = -1;
+      bool masked = false;
+      if (!corr) {
+        const int pos_top = i_hi - 1 - k * kTilesPerStage;
+        masked = pos_top >= i_mid || pos_top - (kTilesPerStage - 1) < i_lo;  // diagonal or half empty
+        if (masked) {  // a few items per segment: read the index directly
+          tile_lo = wk.item_tile(p, k, 0);
+          tile_hi = kTilesPerStage > 1 ? wk.item_tile(p, k, 1) : tile_lo;
+        }
+      }
+      const int chunk = k - n_main;
+      // one branch per item, not per column (the compiler does not unswitch the column loop)
+      if (corr) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(S); ++j) {
+          const int J = chunk * kBlockN + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
+          // one L1-resident word per column: hoisting the chunk's words into registers spills
+          const uint32_t word =
+              J < n_blocks_full ? __ldg(p.corr_bits + int64_t(wk.seg) * p.words_per_seg + (J >> 5)) : 0u;
+          float bias = neg_inf();
+          if (J < n_blocks_full && ((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
+        }
+      } else if (masked) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(S); ++j) {
+          const int col = get<1>(cSrc(0, j));
+          const int n = col < kTileN ? tile_lo : tile_hi;
+          const int key = n * kTileN + col % kTileN;
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i)
+            if (n < 0 || key > key_limit[i] || key >= lkv) S(i, j) = neg_inf();
+        }
+      }
+      float mx[kRows];
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i) {
+        mx[i] = neg_inf();
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(O); ++j) O(i, j) *= alpha[i];
+        for (int j = 0; j < size<1>(S); ++j) mx[i] = fmaxf(mx[i], S(i, j));
       }
-      convert_p();
-    }
-    issue_pv((n_items - 1) % kStages);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    release(n_items - 1);
-  }
+      // raw scores stay unscaled (max commutes with the positive scale): one FFMA per exp2
+      const float sc = corr ? 1.f : qk_scale;
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const float m_new = fmaxf(row_max[i], quad_max(mx[i]) * sc);
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
+        alpha[i] = fast_exp2(row_max[i] - m_use);
+        row_max[i] = m_new;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(S); ++j) {
+          const float e = fast_exp2(fmaf(S(i, j), sc, -m_use));
+          S(i, j) = e;
+          sum += e;
+        }
+        row_sum[i] = row_sum[i] * alpha[i] + sum;
+      }
+    };
 
-  // ---- epilogue: normalise, write out + lse (or the split partials) -------------------------
-  const int num_qo_heads = p.num_qo_heads;
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    const float l = quad_sum(row_sum[i]);
-    const int r = get<0>(cOrc(i, 0));
-    if (r >= rows_valid) continue;
-    const int pr = r0 + r;
-    const int64_t out_row = int64_t(q0 + pr / g) * num_qo_heads + h * g + pr % g;
-    const bool has = l > 0.f;
-    const float inv = has ? 1.f / l : 0.f;
-    const float lse2 = has ? row_max[i] + log2f(l) : neg_inf();
-    if (num_splits == 1) {
-      Element* out = static_cast<Element*>(p.out) + out_row * kHeadDim;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = Element(O(i, j) * inv);
-      if ((ctid & 3) == 0) p.lse[out_row] = lse2 * 0.6931471805599453f;
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, n_unit & 1);
+    fence_proxy_async();
+    if (n_items > 0) {
+      float alpha[kRows];
+      wait_full(0);
+      turn_begin();
+      issue_s(stage(0));
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      if (n_items == 1) release_q();
+      softmax(0, alpha);
+      convert_p();
+      for (int k = 1; k < n_items; ++k) {
+        wait_full(k);
+        turn_begin();
+        issue_s(stage(k));
+        issue_pv(stage(k - 1));
+        turn_end();
+        warpgroup_wait<1>();  // S_k landed; P_{k-1} V_{k-1} may still run
+        warpgroup_fence_operand(tSrS);
+        if (k == n_items - 1) release_q();
+        softmax(k, alpha);
+        // the softmax must run while P_{k-1} V_{k-1} does. ptxas schedules the wait to the top of
+        // the basic block that holds the max/exp2 code, serialising them after the PV GEMM; a
+        // branch on the row sums (never taken: they are sums of exponentials) ends the block there.
+        // (__trap() there would make ptxas keep a stack and spill; an empty nanosleep does not.)
+        warpgroup_fence_operand(tSrS);
+        if (row_sum[0] < 0.f || row_sum[1] < 0.f) asm volatile("nanosleep.u32 1;");
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        release(k - 1);
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(O); ++j) O(i, j) *= alpha[i];
+        }
+        convert_p();
+      }
+      turn_begin();
+      issue_pv(stage(n_items - 1));
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      release(n_items - 1);
     } else {
-      const int64_t prow = int64_t(u) * p.total_q * num_qo_heads + out_row;
-      float* out = p.o_part + prow * kHeadDim;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = O(i, j) * inv;
-      if ((ctid & 3) == 0) p.lse_part[prow] = lse2;
+      release_q();
     }
+    it += n_items;
+
+    // ---- epilogue: normalise, write out + lse (or the split partials) -----------------------
+    const int num_qo_heads = p.num_qo_heads;
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float l = quad_sum(row_sum[i]);
+      const int r = get<0>(cOrc(i, 0));
+      if (r >= wk.rows_valid) continue;
+      const int pr = r0 + r;
+      const int64_t out_row = int64_t(wk.q0 + pr / g) * num_qo_heads + wk.h * g + pr % g;
+      const bool has = l > 0.f;
+      const float inv = has ? 1.f / l : 0.f;
+      const float lse2 = has ? row_max[i] + log2f(l) : neg_inf();
+      if (p.num_splits == 1) {
+        Element* out = static_cast<Element*>(p.out) + out_row * kHeadDim;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = Element(O(i, j) * inv);
+        if ((ctid & 3) == 0) p.lse[out_row] = lse2 * 0.6931471805599453f;
+      } else {
+        const int64_t prow = int64_t(wk.u) * p.total_q * num_qo_heads + out_row;
+        float* out = p.o_part + prow * kHeadDim;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = O(i, j) * inv;
+        if ((ctid & 3) == 0) p.lse_part[prow] = lse2;
+      }
+    }
+    if constexpr (!T::kPersistent) break;
   }
 }
