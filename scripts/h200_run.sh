@@ -35,7 +35,9 @@ for s in "${steps[@]}"; do
     cutlass_memcheck) run cutlass_memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
     cutlass_racecheck) run cutlass_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
     cutlass_synccheck) run cutlass_synccheck 200 compute-sanitizer --tool synccheck --error-exitcode 9 python3 -m pytest tests/test_cutlass_attention.py -m gpu -k "${SANITIZE_K:-sanitizer}" -q -p no:cacheprovider ;;
-    cutlass_bench) run bench_cutlass 200 python3 benchmarks/bench_cutlass.py ;;
+    cutlass_bench) run bench_cutlass 300 python3 benchmarks/bench_cutlass.py ;;
+    # the whole operator with the CUTLASS attention stage beside SDPA, Flex and (staged) FA4
+    operator_cutlass) run bench_operator_cutlass 240 python3 benchmarks/bench_operator.py --quick --attention cutlass --cutlass-kernel "${CUTLASS_KERNEL:-ws128}" --merge ;;
     operator_fp8) run bench_operator_fp8 330 python3 benchmarks/bench_operator.py --fp8 --merge --lengths 8192,32768,131072 --batch 1 --no-sweep ;;
     fidelity) run bench_fidelity 240 python3 benchmarks/bench_fidelity.py ;;
     structured_density) run bench_structured_density 120 python3 benchmarks/bench_structured_density.py ;;
