@@ -97,7 +97,8 @@ def sparse_attention(
     (``config.num_splits`` when positive). ``kernel`` picks the compiled variant
     (``cutlass_build.KERNELS``: ``ws128`` the warp-specialized kernel with 128 keys per step,
     ``ws64`` with 64, ``ws128_pingpong`` with the consumer warpgroups in pingpong order,
-    ``ws128_persistent`` pingpong and one CTA per SM). ``max_ctas`` caps a persistent
+    ``ws128_persistent`` pingpong and one CTA per SM, ``ws128_persistent_nopingpong`` one CTA
+    per SM alone). ``max_ctas`` caps a persistent
     variant's grid (default one CTA per SM; tests use a few CTAs so that each walks many work
     units). No host synchronisation.
     """

@@ -47,8 +47,9 @@ SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "spa
 MAIN_SOURCE = "sparse_attn_fwd.cu"
 ENV_LIB = "FLASHPREFILL_CUTLASS_LIB"
 # FpKernel in csrc/fp_attn_api.h: warp-specialized with 128 / 64 keys per step; with 128 keys
-# also in pingpong order, and persistent with pingpong
-KERNELS = {"ws128": 0, "ws64": 1, "ws128_pingpong": 2, "ws128_persistent": 3}
+# also in pingpong order, persistent with pingpong, and persistent alone
+KERNELS = {"ws128": 0, "ws64": 1, "ws128_pingpong": 2, "ws128_persistent": 3,
+           "ws128_persistent_nopingpong": 4}
 DEFAULT_KERNEL = "ws128"
 ENV_INCLUDE = "FLASHPREFILL_CUTLASS_INCLUDE"
 ENV_CACHE = "FLASHPREFILL_CACHE"
@@ -223,7 +224,7 @@ def _demangle(name: str) -> str:
         kind = f"ws{ints[1]}" if len(ints) > 1 else "ws?"
         flags = re.findall(r"ELb([01])", name)  # kPingpong, kPersistent
         if flags[1:2] == ["1"]:
-            kind += "_persistent"
+            kind += "_persistent" if flags[:1] == ["1"] else "_persistent_nopingpong"
         elif flags[:1] == ["1"]:
             kind += "_pingpong"
     else:

@@ -55,10 +55,11 @@ _KERNEL = {"variant": None, "max_ctas": None}
 
 
 @pytest.fixture(autouse=True, params=["ws128", "ws64", "ws128_pingpong", "ws128_persistent",
-                                      "ws128_persistent/2"])
+                                      "ws128_persistent/2", "ws128_persistent_nopingpong",
+                                      "ws128_persistent_nopingpong/3"])
 def kernel_variant(request):
     """Every test runs each compiled kernel variant (cutlass_build.KERNELS) through ``_run``;
-    ``/2``: the persistent kernel on 2 CTAs, so each CTA walks many work units (its ring and
+    ``/2``, ``/3``: a persistent kernel on 2 or 3 CTAs, so each CTA walks many work units (its ring and
     Q barriers carried from unit to unit)."""
     name, _, ctas = request.param.partition("/")
     _KERNEL["variant"] = name

@@ -71,7 +71,8 @@ def test_builds_for_sm90a_without_spills(built):
     kernels = {row["kernel"] for row in usage}
     for dtype in ("bf16", "fp16"):
         for d in (64, 128):
-            names = ("ws128", "ws64", "ws128_pingpong", "ws128_persistent", "combine")
+            names = ("ws128", "ws64", "ws128_pingpong", "ws128_persistent",
+                     "ws128_persistent_nopingpong", "combine")
             expect = {f"{name}<{dtype},d{d}>" for name in names}
             assert expect <= kernels, kernels
     for row in usage:

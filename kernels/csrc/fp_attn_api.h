@@ -14,13 +14,14 @@
 enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
 
 // Attention kernel: warp-specialized with 128 or 64 keys per softmax step; with 128, also with
-// the consumer warpgroups in pingpong order, and persistent (one CTA per SM) with pingpong
-// (docs/PERF_NOTES.md "CUTLASS").
+// the consumer warpgroups in pingpong order, persistent (one CTA per SM) with pingpong, and
+// persistent without pingpong (docs/PERF_NOTES.md "CUTLASS").
 enum FpKernel {
   FP_KERNEL_WS128 = 0,
   FP_KERNEL_WS64 = 1,
   FP_KERNEL_WS128_PINGPONG = 2,
   FP_KERNEL_WS128_PERSISTENT = 3,
+  FP_KERNEL_WS128_PERSISTENT_NOPINGPONG = 4,
 };
 
 enum FpStatus {

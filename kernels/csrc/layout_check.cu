@@ -62,6 +62,11 @@ void check_variant(const char* name) {
       cols_s[t].emplace_back();
       for (int j = 0; j < size<1>(rcS); ++j) {
         CHECK(get<0>(rcS(i, j)) == row, "%s: S row view mixes rows (t=%d)", name, t);
+        // the kernel's masks take a column's CSR tile from j alone
+        const int per_tile = int(size<1>(rcS)) / T::kTilesPerStage;
+        CHECK(get<1>(rcS(i, j)) / T::kTileN == j / per_tile,
+              "%s: t=%d S column slot %d holds key %d, outside tile %d of the step", name, t, j,
+              int(get<1>(rcS(i, j))), j / per_tile);
         cols_s[t].back().insert(get<1>(rcS(i, j)));
       }
       CHECK(row / 64 == t / 128, "%s: thread %d holds S row %d outside its warpgroup", name, t, row);
@@ -72,6 +77,11 @@ void check_variant(const char* name) {
       cols_o[t].emplace_back();
       for (int j = 0; j < size<1>(rcO); ++j) {
         CHECK(get<0>(rcO(i, j)) == row, "%s: O row view mixes rows (t=%d)", name, t);
+        // the epilogue stores slots 2m and 2m + 1 as one pair of adjacent, even-aligned columns
+        if (j % 2 == 1)
+          CHECK(get<1>(rcO(i, j)) == get<1>(rcO(i, j - 1)) + 1 && get<1>(rcO(i, j - 1)) % 2 == 0,
+                "%s: t=%d O slots %d,%d hold columns %d,%d", name, t, j - 1, j,
+                int(get<1>(rcO(i, j - 1))), int(get<1>(rcO(i, j))));
         cols_o[t].back().insert(get<1>(rcO(i, j)));
       }
       CHECK(row == rows_s[t][i], "%s: thread %d row slot %d: S row %d, O row %d", name, t, i,

@@ -20,7 +20,7 @@
 // ws128_pingpong: the consumer warpgroups also take turns at the tensor cores (FA3's
 // pingpong); ws128_persistent: pingpong, and one CTA per SM walking the work units in the
 // decreasing-work order with a stride of the grid (no scheduler state: producer and consumers
-// compute the same sequence).
+// compute the same sequence); ws128_persistent_nopingpong: persistent alone.
 // Does not (yet): TMA for Q, FP8 (docs/PERF_NOTES.md "CUTLASS"). The first version (v0, synchronous, 2 warpgroups) is in
 // git history and PERF_NOTES.
 #include <cuda.h>
@@ -143,6 +143,7 @@ struct Variants {
   using Ws64 = fp::WsTraits<Element, kHeadDim, 64, kHeadDim == 128 ? 5 : 8>;
   using Ws128Pingpong = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, false>;
   using Ws128Persistent = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, true>;
+  using Ws128PersistentNoPingpong = fp::WsTraits<Element, kHeadDim, 128, kStages128, false, true>;
 
   // f(kernel, dynamic shared memory, threads, persistent)
   template <class F>
@@ -152,6 +153,7 @@ struct Variants {
       case FP_KERNEL_WS64: return call<Ws64>(f);
       case FP_KERNEL_WS128_PINGPONG: return call<Ws128Pingpong>(f);
       case FP_KERNEL_WS128_PERSISTENT: return call<Ws128Persistent>(f);
+      case FP_KERNEL_WS128_PERSISTENT_NOPINGPONG: return call<Ws128PersistentNoPingpong>(f);
       default:
         return fail(FP_ERR_ARGUMENT, "unknown kernel variant %d", variant);
     }

@@ -356,6 +356,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     for (int kb = 0; kb < size<2>(tOrP); ++kb) cute::gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, st), tOrO);
     warpgroup_commit_batch();
   };
+  auto rescale_o = [&](const float (&alpha)[kRows]) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(O); ++j) O(i, j) *= alpha[i];
+    }
+  };
   auto convert_p = [&]() {
     CUTE_UNROLL
     for (int e = 0; e < size(rP); ++e) rP(e) = Element(tSrS(e));
@@ -431,11 +438,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
           for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
         }
       } else if (masked) {
+        // column slot j lies in the step's tile j / kColsPerTile (checked by layout_check.cu):
+        // choosing the tile by j keeps the per-column keys thread base + constant, where
+        // `col % 64` made ptxas keep 32 column residues live (and spill some)
+        constexpr int kColsPerTile = size<1>(decltype(S.layout()){}) / kTilesPerStage;
         CUTE_UNROLL
         for (int j = 0; j < size<1>(S); ++j) {
-          const int col = get<1>(cSrc(0, j));
-          const int n = col < kTileN ? tile_lo : tile_hi;
-          const int key = n * kTileN + col % kTileN;
+          const int hf = j / kColsPerTile;
+          const int n = hf == 0 ? tile_lo : tile_hi;
+          const int key = n * kTileN + get<1>(cSrc(0, j)) - hf * kTileN;
           CUTE_UNROLL
           for (int i = 0; i < kRows; ++i)
             if (n < 0 || key > key_limit[i] || key >= lkv) S(i, j) = neg_inf();
@@ -484,6 +495,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
         wait_full(k);
         turn_begin();
         issue_s(stage(k));
+        // O *= alpha_{k-1} while S_k runs on the tensor cores (FA3's order): O is free since
+        // P_{k-2} V_{k-2} completed, and P_{k-1} V_{k-1} below accumulates onto the rescaled O
+        if (k > 1) rescale_o(alpha);
         issue_pv(stage(k - 1));
         turn_end();
         warpgroup_wait<1>();  // S_k landed; P_{k-1} V_{k-1} may still run
@@ -499,14 +513,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         release(k - 1);
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(O); ++j) O(i, j) *= alpha[i];
-        }
         convert_p();
       }
       turn_begin();
+      if (n_items > 1) rescale_o(alpha);
       issue_pv(stage(n_items - 1));
       turn_end();
       warpgroup_wait<0>();
@@ -529,16 +539,24 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       const bool has = l > 0.f;
       const float inv = has ? 1.f / l : 0.f;
       const float lse2 = has ? row_max[i] + log2f(l) : neg_inf();
+      // column slots 2m and 2m + 1 are adjacent columns (layout_check.cu): one 4-byte (or
+      // 8-byte, fp32 partials) store per pair
       if (p.num_splits == 1) {
         Element* out = static_cast<Element*>(p.out) + out_row * kHeadDim;
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = Element(O(i, j) * inv);
+        for (int j = 0; j < size<1>(O); j += 2) {
+          cutlass::AlignedArray<Element, 2> pair;
+          pair[0] = Element(O(i, j) * inv);
+          pair[1] = Element(O(i, j + 1) * inv);
+          *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(out + get<1>(cOrc(i, j))) = pair;
+        }
         if ((ctid & 3) == 0) p.lse[out_row] = lse2 * 0.6931471805599453f;
       } else {
         const int64_t prow = int64_t(wk.u) * p.total_q * num_qo_heads + out_row;
         float* out = p.o_part + prow * kHeadDim;
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(O); ++j) out[get<1>(cOrc(i, j))] = O(i, j) * inv;
+        for (int j = 0; j < size<1>(O); j += 2)
+          *reinterpret_cast<float2*>(out + get<1>(cOrc(i, j))) = make_float2(O(i, j) * inv, O(i, j + 1) * inv);
         if ((ctid & 3) == 0) p.lse_part[prow] = lse2;
       }
     }
