@@ -50,7 +50,7 @@ ENV_LIB = "FLASHPREFILL_CUTLASS_LIB"
 # also in pingpong order, persistent with pingpong, and persistent alone
 KERNELS = {"ws128": 0, "ws64": 1, "ws128_pingpong": 2, "ws128_persistent": 3,
            "ws128_persistent_nopingpong": 4}
-DEFAULT_KERNEL = "ws128"
+DEFAULT_KERNEL = "ws128_persistent"  # fastest measured (BENCHMARKS.md, CUTLASS v1 persistent)
 ENV_INCLUDE = "FLASHPREFILL_CUTLASS_INCLUDE"
 ENV_CACHE = "FLASHPREFILL_CACHE"
 NVCC_FLAGS = (

@@ -19,7 +19,7 @@ run() {  # name, timeout seconds, command...
 }
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 200 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ;;
+    tests) run gpu_tests 330 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider ;;
     index) run bench_index 60 python3 benchmarks/bench_index.py ;;
     operator) run bench_operator 330 python3 benchmarks/bench_operator.py ;;
     operator_quick) run bench_operator_quick 300 python3 benchmarks/bench_operator.py --quick ;;
