@@ -136,6 +136,7 @@ class TTFTBenchConfig:
     tiny: bool = False
     device: str = "cuda"
     seed: int = 0
+    backend: str = "auto"  # ModelRunner backend: "auto" (CUTLASS attention when it loads), "triton"
 
     @property
     def sparse_config(self) -> SparseConfig:
@@ -156,6 +157,8 @@ TINY_OVERRIDES = dict(
 
 
 def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # the GPU host's checkout is a copy whose git state is not the run's
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -395,7 +398,7 @@ class Ours:
         self.pool = KVPool(dataclasses.replace(pool_cfg0, num_pages=None,
                                                memory_budget_bytes=pages * pool_cfg0.page_bytes))
         self.runner = ModelRunner(model, self.pool, cfg.sparse_config, dense_below=cfg.dense_below,
-                                  device=self.pool.k.device)
+                                  device=self.pool.k.device, backend=cfg.backend)
         self.sampler = Sampler()
         self.device = device
         self.rids = [f"ttft-{b}" for b in range(batch)]
@@ -536,7 +539,7 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
     dtype = getattr(torch, cfg.dtype)
     want_decode = length in cfg.decode_lengths and kind in cfg.decode_models and cfg.decode_steps > 0
     dsteps = cfg.decode_warmup_steps + cfg.decode_steps if want_decode else 0
-    row: dict = {"model": kind, "batch": batch, "seqlen": length, "tokens": batch * length,
+    row: dict = {"model": kind, "backend": cfg.backend, "batch": batch, "seqlen": length, "tokens": batch * length,
                  "status": "ok", "note": NOTES[kind], "errors": {}, "gpu": env["gpu"],
                  "commit": env["commit"], "date": env["date"]}
     t_case = time.time()
@@ -710,11 +713,13 @@ def parse_args(argv=None) -> tuple[TTFTBenchConfig, argparse.Namespace]:
     ap.add_argument("--sdpa-all", action="store_true",
                     help="time sdpa on every model (default: structured B>1 reuses the random model's)")
     ap.add_argument("--tiny", action="store_true", help="tiny model config (2 layers, hidden 512)")
+    ap.add_argument("--backend", choices=("auto", "triton", "cutlass"), default="auto",
+                    help="our runner's kernels (auto: the CUTLASS attention stage when its library loads)")
     ap.add_argument("--device", type=str, default="cuda", help="'cpu' smoke-tests the script (implies --tiny)")
     ap.add_argument("--out", type=str, default=None,
                     help=f"JSON path (default {RESULTS.relative_to(ROOT)}; on CPU a temp file)")
     args = ap.parse_args(argv)
-    cfg = TTFTBenchConfig(device=args.device)
+    cfg = TTFTBenchConfig(device=args.device, backend=args.backend)
     if args.tiny or torch.device(args.device).type == "cpu":
         cfg = dataclasses.replace(cfg, **TINY_OVERRIDES)
     if args.quick:
