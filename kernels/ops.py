@@ -156,7 +156,7 @@ def _auto_cutlass(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor)
     """``auto`` takes the CUTLASS kernel whenever it supports the inputs and its library is
     available: prebuilt (``FLASHPREFILL_CUTLASS_LIB``), cached, or buildable here (nvcc and the
     CUTLASS headers; built once on first use, ~30 s, cached on disk). v1 is faster than the
-    Triton kernel (1.35x at 128K, BENCHMARKS.md). A library that cannot be loaded (a failed
+    Triton kernel (1.47x at 128K, BENCHMARKS.md). A library that cannot be loaded (a failed
     build, an ABI mismatch) makes ``auto`` fall back to Triton for the rest of the process, with
     one warning; ``backend="cutlass"`` raises instead."""
     from . import cutlass_attention
