@@ -100,11 +100,15 @@ struct WsWork {
     n_items = n_main + n_corr;
   }
 
-  // the CSR tile of half `hf` of list item k, or -1 past the split's range
-  __device__ __forceinline__ int item_tile(const FpAttnParams& p, int k, int hf) const {
-    const int pos = i_hi - 1 - k * T::kTilesPerStage - hf;
+  // the CSR tile of the split's e-th entry from the top, or -1 past the split's range
+  __device__ __forceinline__ int entry_tile(const FpAttnParams& p, int e) const {
+    const int pos = i_hi - 1 - e;
     if (pos < i_lo) return -1;
     return p.dense ? pos : __ldg(p.kv_tiles + seg_lo + pos);
+  }
+  // the CSR tile of half `hf` of list item k
+  __device__ __forceinline__ int item_tile(const FpAttnParams& p, int k, int hf) const {
+    return entry_tile(p, k * T::kTilesPerStage + hf);
   }
 };
 
@@ -197,8 +201,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
           // index and page-table reads in flight at once instead of two dependent ones per tile
           cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);  // last table read
           if (ptid < kTable) {
-            const int pos = wk.i_hi - 1 - e0 - ptid;
-            const int n = pos < wk.i_lo ? -1 : (p.dense ? pos : __ldg(p.kv_tiles + wk.seg_lo + pos));
+            const int n = wk.entry_tile(p, e0 + ptid);
             ss.tab_tile[ptid] = n;
             ss.tab_page[ptid] = (n >= 0 && tile_in_one_page) ? pt_row[n * kTileN / page_size] : 0;
           }
