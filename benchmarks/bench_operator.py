@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -564,12 +565,26 @@ def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device
     q_ms = bench_ms(lambda: fp8.quantize_per_tensor(qf), device, cfg.budget_ms)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     rows = []
-    for layout in ("row_major", "token_major"):
+    # Triton with both V layouts; with --attention cutlass also the CUTLASS attention stage
+    # (token-major V only: Hopper's fp8 wgmma takes V K-major)
+    combos = [("row_major", "triton"), ("token_major", "triton")]
+    if cfg.attention == "cutlass":
+        from kernels import cutlass_attention as ca
+        from kernels import cutlass_build
+
+        variant = cfg.cutlass_kernel or cutlass_build.DEFAULT_KERNEL
+        combos.append(("token_major", "operator_cutlass"))
+    for layout, kernel in combos:
         vp = v8p if layout == "row_major" else v8p.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         row = {k_: base[k_] for k_ in ("batch", "seqlen", "target_density", "gpu", "date", "commit",
                                        "inputs", "num_splits")}
-        row.update({"dtype": "fp8_e4m3", "kernel": "triton", "v_layout": layout,
+        row.update({"dtype": "fp8_e4m3", "kernel": kernel, "v_layout": layout,
                     "descales": "per (sequence, KV head), amax", "errors": {}})
+        if kernel == "operator_cutlass":
+            row["cutlass_kernel"] = variant
+            attend = functools.partial(ca.sparse_attention, kernel=variant)
+        else:
+            attend = ta.sparse_attention
 
         def build(vp=vp):
             return build_index_planned(q8, k8p, vp, plan, backend="triton", descales=ds)
@@ -577,8 +592,8 @@ def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device
         idx8 = build()
         row["density"] = selected_pairs(plan, idx8) / all_pairs
 
-        def attention(p=plan, idx=idx8, vp=vp):
-            return ta.sparse_attention(q8, k8p, vp, p, idx, num_splits=splits, descales=ds)
+        def attention(p=plan, idx=idx8, vp=vp, attend=attend):
+            return attend(q8, k8p, vp, p, idx, num_splits=splits, descales=ds)
 
         out8, lse8 = attention()
         same_index, _ = attention(idx=index)
@@ -589,8 +604,7 @@ def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device
         row["index_ms"] = bench_ms(build, device, cfg.budget_ms)
         row["attention_ms"] = bench_ms(attention, device, cfg.budget_ms)
         row["attention_nocorr_ms"] = bench_ms(lambda: attention(plan_nc), device, cfg.budget_ms)
-        row["total_ms"] = bench_ms(lambda: ta.sparse_attention(q8, k8p, vp, plan, build(), num_splits=splits,
-                                                               descales=ds), device, cfg.budget_ms)
+        row["total_ms"] = bench_ms(lambda: attention(idx=build()), device, cfg.budget_ms)
         row["quantize_q_ms"] = q_ms  # per forward in a serving stack (K/V arrive quantized)
         work_flop = 4.0 * D * row["density"] * all_pairs
         row["attention_tflops"] = work_flop / row["attention_ms"] / 1e9
@@ -629,7 +643,8 @@ def tune(cfg: BenchConfig, device) -> list[dict]:
 
 
 COLUMNS = [
-    ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dtype", "dtype", "{}"), ("V", "v_layout", "{}"),
+    ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("kernel", "kernel", "{}"), ("dtype", "dtype", "{}"),
+    ("V", "v_layout", "{}"),
     ("dens", "density", "{:.3f}"),
     ("index", "index_ms", "{:.2f}"), ("attn", "attention_ms", "{:.2f}"),
     ("nocorr", "attention_nocorr_ms", "{:.2f}"), ("total", "total_ms", "{:.2f}"),

@@ -6,10 +6,15 @@ CUDA C++ kernel on wgmma tensor cores, loaded through a C ABI (``kernels.cutlass
 
 Supports: CUDA tensors, bf16 / fp16, head_dim 64 and 128, any page size, PackGQA, varlen with
 prefixes, split-KV with an exact combine, ``dense=True``. Rows of q, k_pages and v_pages must be
-16-byte aligned (last dim contiguous, other strides multiples of 8 elements): true for tensors
+16-byte aligned (last dim contiguous, other strides multiples of 16 bytes): true for tensors
 made by ``torch.empty``/``randn`` and views of whole heads.
 
-Does not: fp32 (the Triton kernel's exact-math test path), other head dims, FP8 (yet).
+FP8 (``float8_e4m3fn`` q and pages with ``descales``, ``kernels/fp8.py``): head_dim 128, V
+stored token-major (``v_pages`` a permuted ``[num_pages, Hkv, d, page_size]`` tensor, the
+K-major operand Hopper's fp8 wgmma takes) with ``page_size % 16 == 0``; bfloat16 output.
+
+Does not: fp32 (the Triton kernel's exact-math test path), other head dims, FP8 with row-major V
+or head_dim 64 (the Triton kernel takes those).
 
 Shared with the Triton kernel (one implementation each): the work order (``_work_order``), the
 automatic split count (``auto_num_splits``) and the selected-block bitmask prepass
@@ -23,13 +28,15 @@ import math
 
 import torch
 
-from . import cutlass_build
+from . import cutlass_build, fp8
+from .fp8 import Fp8Descales
 from .index import SparseIndex
 from .plan import PrefillPlan
 
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+FP8_HEAD_DIMS = (128,)
 _CORR_CHUNK = 64  # bitmask words per segment cover max_blocks rounded up to this (the kernel reads J < n_blocks_full only)
 _empty = torch.empty  # outputs and split partials (tests swap in a NaN-filled allocator)
 
@@ -42,11 +49,24 @@ def available() -> bool:
 def check_inputs(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
     """ValueError naming the argument when the kernel cannot take these tensors."""
     if q.dtype not in DTYPES:
-        raise ValueError(f"q: the CUTLASS kernel supports bfloat16 and float16, got {q.dtype} "
-                         "(use backend='triton' for float32)")
-    if q.dim() != 3 or q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"q: the CUTLASS kernel supports head_dim in {HEAD_DIMS}, got shape "
-                         f"{tuple(q.shape)} (use backend='triton')")
+        raise ValueError(f"q: the CUTLASS kernel supports bfloat16, float16 and float8_e4m3fn, got "
+                         f"{q.dtype} (use backend='triton' for float32)")
+    fp8 = q.dtype == torch.float8_e4m3fn
+    head_dims = FP8_HEAD_DIMS if fp8 else HEAD_DIMS
+    if q.dim() != 3 or q.shape[-1] not in head_dims:
+        raise ValueError(f"q: the CUTLASS kernel supports head_dim in {head_dims} for {q.dtype}, "
+                         f"got shape {tuple(q.shape)} (use backend='triton')")
+    if fp8 and v_pages.dim() == 4 and v_pages.device == q.device and v_pages.dtype == q.dtype:
+        # token-major V: slots contiguous, whole 16-byte chunks of keys inside a page
+        if v_pages.stride(1) != 1:
+            raise ValueError(f"v_pages: the CUTLASS kernel takes float8_e4m3fn V token-major (a "
+                             f"permuted [num_pages, Hkv, d, page_size] tensor), got strides "
+                             f"{v_pages.stride()} (use backend='triton' for row-major V)")
+        if v_pages.shape[1] % 16 or any(s % 16 for s in (v_pages.stride(0), v_pages.stride(2),
+                                                           v_pages.stride(3))) or v_pages.data_ptr() % 16:
+            raise ValueError(f"v_pages: token-major float8_e4m3fn V needs page_size % 16 == 0 and "
+                             f"16-byte aligned d rows, got shape {tuple(v_pages.shape)}, strides "
+                             f"{v_pages.stride()} (use backend='triton')")
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device}, got one on {t.device}")
@@ -54,11 +74,14 @@ def check_inputs(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) 
             raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
         if t.shape[-1] != q.shape[-1]:
             raise ValueError(f"{name}: expected head_dim {q.shape[-1]}, got shape {tuple(t.shape)}")
+        if fp8 and name == "v_pages":
+            continue  # token-major: checked above
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
                              f"{t.stride()} (call .contiguous())")
-        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"{name}: expected 16-byte aligned rows (strides multiples of 8 "
+        align = 16 // t.element_size()
+        if any(s % align for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected 16-byte aligned rows (strides multiples of {align} "
                              f"elements, aligned base), got strides {t.stride()} and address "
                              f"{t.data_ptr():#x} (call .contiguous())")
     if q.device.type != "cuda":
@@ -88,6 +111,7 @@ def sparse_attention(
     dense: bool = False,
     kernel: str = cutlass_build.DEFAULT_KERNEL,
     max_ctas: int | None = None,
+    descales: Fp8Descales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage over ``index`` (or every visible tile with ``dense=True``).
 
@@ -100,9 +124,13 @@ def sparse_attention(
     ``ws128_persistent`` pingpong and one CTA per SM, ``ws128_persistent_nopingpong`` one CTA
     per SM alone). ``max_ctas`` caps a persistent
     variant's grid (default one CTA per SM; tests use a few CTAs so that each walks many work
-    units). No host synchronisation.
+    units). ``descales``: exactly for float8_e4m3fn inputs (output bfloat16). No host
+    synchronisation.
     """
     check_inputs(q, k_pages, v_pages)
+    is_fp8 = q.dtype == fp8.FP8_DTYPE
+    if is_fp8 != (descales is not None):
+        raise ValueError(f"descales: expected Fp8Descales exactly for float8_e4m3fn inputs, q is {q.dtype}")
     if kernel not in cutlass_build.KERNELS:
         raise ValueError(f"kernel: expected one of {tuple(cutlass_build.KERNELS)}, got {kernel!r}")
     if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
@@ -112,7 +140,7 @@ def sparse_attention(
 
     cfg = plan.config
     tq, hq, d = q.shape
-    out = _empty((tq, hq, d), dtype=q.dtype, device=q.device)
+    out = _empty((tq, hq, d), dtype=fp8.OUT_DTYPE if is_fp8 else q.dtype, device=q.device)
     lse = _empty((tq, hq), dtype=torch.float32, device=q.device)
     num_segments = plan.num_segments
     if tq == 0 or num_segments == 0:
@@ -133,7 +161,16 @@ def sparse_attention(
         seg_offsets, kv_tiles = index.seg_offsets, index.kv_tiles
         if kv_tiles.numel() == 0:
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
-    if correction:
+    if correction and is_fp8:
+        # e4m3 operands re-quantized with each block's (sequence, KV head) descale (as the Triton
+        # kernel); V means block-major ([Hkv, d, blocks], blocks padded to 16 bytes) like V^T
+        kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks).contiguous()
+        vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks)
+        nb = vq.shape[0]
+        vt = torch.zeros((vq.shape[1], d, -(-nb // 16) * 16), dtype=vq.dtype, device=q.device)
+        vt[:, :, :nb] = vq.permute(1, 2, 0)
+        vbar = vt[:, :, :nb].permute(2, 0, 1)  # [blocks, Hkv, d] view, strides (1, d * pad, pad)
+    elif correction:
         # the scoring operands of the correction, rounded once per call (as the Triton kernel)
         kbar = index.means.kbar.to(q.dtype).contiguous()
         vbar = index.means.vbar.to(q.dtype).contiguous()
@@ -149,6 +186,7 @@ def sparse_attention(
         lse_part = _empty((num_splits, tq, hq), dtype=torch.float32, device=q.device)
 
     pt = plan.page_table
+    dstr = descales.strides() if is_fp8 else (0,) * 6
     p = cutlass_build.FpAttnParams(
         q=_ptr(q), k=_ptr(k_pages), v=_ptr(v_pages), kbar=_ptr(kbar), vbar=_ptr(vbar),
         out=_ptr(out), lse=_ptr(lse), o_part=_ptr(o_part), lse_part=_ptr(lse_part),
@@ -156,12 +194,17 @@ def sparse_attention(
         corr_bits=_ptr(corr_bits), cu_seqlens_q=_ptr(plan.cu_seqlens_q),
         seqlens_kv=_ptr(plan.seqlens_kv_t), cu_qtiles=_ptr(plan.cu_qtiles),
         cu_blocks=_ptr(plan.cu_blocks), tile_seq=_ptr(plan.tile_seq), page_table=_ptr(pt),
+        q_descale=_ptr(descales.q) if is_fp8 else None,
+        k_descale=_ptr(descales.k) if is_fp8 else None,
+        v_descale=_ptr(descales.v) if is_fp8 else None,
         sq_t=q.stride(0), sq_h=q.stride(1),
         sk_p=k_pages.stride(0), sk_s=k_pages.stride(1), sk_h=k_pages.stride(2),
-        sv_p=v_pages.stride(0), sv_s=v_pages.stride(1), sv_h=v_pages.stride(2),
+        sv_p=v_pages.stride(0), sv_s=v_pages.stride(1), sv_h=v_pages.stride(2), sv_d=v_pages.stride(3),
         skb_t=kbar.stride(0) if correction else 0, skb_h=kbar.stride(1) if correction else 0,
         svb_t=vbar.stride(0) if correction else 0, svb_h=vbar.stride(1) if correction else 0,
+        svb_d=vbar.stride(2) if correction else 1,
         s_pt=pt.stride(0),
+        sqd_b=dstr[0], sqd_h=dstr[1], skd_b=dstr[2], skd_h=dstr[3], svd_b=dstr[4], svd_h=dstr[5],
         total_q=tq, total_tiles=plan.total_tiles, num_segments=num_segments,
         num_splits=num_splits, words_per_seg=words, group_size=plan.group_size,
         num_qo_heads=hq, head_dim=d, page_size=plan.page_size, num_pages=k_pages.shape[0],

@@ -41,7 +41,7 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 6  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 7  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"
@@ -68,7 +68,7 @@ NVCC_FLAGS = (
 CUDART_FLAGS = {"static": ("-cudart", "static"), "shared": ("-cudart", "shared")}
 LIB_NAMES = {"static": LIB_NAME, "shared": LIB_NAME_SHARED_RT}
 FP_OK, FP_ERR_ARGUMENT, FP_ERR_CUDA = 0, 1, 2
-DTYPE_CODES = {"bfloat16": 0, "float16": 1}
+DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2}
 
 
 class FpAttnParams(ctypes.Structure):
@@ -78,10 +78,11 @@ class FpAttnParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "kbar", "vbar", "out", "lse", "o_part", "lse_part",
         "seg_offsets", "kv_tiles", "order", "corr_bits", "cu_seqlens_q", "seqlens_kv",
-        "cu_qtiles", "cu_blocks", "tile_seq", "page_table",
+        "cu_qtiles", "cu_blocks", "tile_seq", "page_table", "q_descale", "k_descale", "v_descale",
     )] + [(name, ctypes.c_int64) for name in (
-        "sq_t", "sq_h", "sk_p", "sk_s", "sk_h", "sv_p", "sv_s", "sv_h",
-        "skb_t", "skb_h", "svb_t", "svb_h", "s_pt",
+        "sq_t", "sq_h", "sk_p", "sk_s", "sk_h", "sv_p", "sv_s", "sv_h", "sv_d",
+        "skb_t", "skb_h", "svb_t", "svb_h", "svb_d", "s_pt",
+        "sqd_b", "sqd_h", "skd_b", "skd_h", "svd_b", "svd_h",
     )] + [(name, ctypes.c_int32) for name in (
         "total_q", "total_tiles", "num_segments", "num_splits", "words_per_seg", "group_size",
         "num_qo_heads", "head_dim", "page_size", "num_pages", "total_blocks", "block_size", "dtype", "correction",
@@ -217,7 +218,8 @@ def _demangle(name: str) -> str:
     # _ZN2fp25sparse_attn_fwd_ws_kernelINS_8WsTraitsIN7cutlass10bfloat16_tELi128ELi128ELi3EEEEEv...
     # (head_dim, keys per step, stages[, pingpong, persistent]) -> "ws128<bf16,d128>",
     # "ws128_pingpong<...>", "ws128_persistent<...>"; combine kernels -> "combine<bf16,d128>"
-    dtype = "bf16" if "bfloat16" in name else "fp16" if "half_t" in name else "?"
+    dtype = ("bf16" if "bfloat16" in name else "fp16" if "half_t" in name
+             else "e4m3" if "float_e4m3" in name else "?")
     ints = re.findall(r"ELi(\d+)", name)
     dim = ints[0] if ints else "?"
     if "sparse_attn_fwd_ws_kernel" in name:

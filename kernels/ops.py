@@ -140,11 +140,11 @@ def attention_planned(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_planned_descales(q, descales)
     resolved = resolve_backend(backend, q.device)
-    if resolved == "cutlass" or (backend == "auto" and resolved == "triton" and descales is None
+    if resolved == "cutlass" or (backend == "auto" and resolved == "triton"
                                  and _auto_cutlass(q, k_pages, v_pages)):
         from . import cutlass_attention  # forced: unsupported inputs raise ValueError
 
-        return cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index)
+        return cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
     if resolved == "triton":
         from . import triton_attention
 

@@ -39,6 +39,8 @@ for s in "${steps[@]}"; do
     # the whole operator with the CUTLASS attention stage beside SDPA, Flex and (staged) FA4
     operator_cutlass) run bench_operator_cutlass 240 python3 benchmarks/bench_operator.py --quick --attention cutlass --cutlass-kernel "${CUTLASS_KERNEL:-ws128}" --merge ;;
     operator_fp8) run bench_operator_fp8 330 python3 benchmarks/bench_operator.py --fp8 --merge --lengths 8192,32768,131072 --batch 1 --no-sweep ;;
+    # FP8 rows with the CUTLASS attention stage (token-major V) beside Triton's, bf16 CUTLASS, SDPA
+    operator_fp8_cutlass) run bench_operator_fp8_cutlass 400 python3 benchmarks/bench_operator.py --fp8 --quick --attention cutlass --cutlass-kernel "${CUTLASS_KERNEL:-ws128_persistent}" --merge ;;
     fidelity) run bench_fidelity 240 python3 benchmarks/bench_fidelity.py ;;
     structured_density) run bench_structured_density 120 python3 benchmarks/bench_structured_density.py ;;
     *) run "$s" 300 python3 "benchmarks/bench_$s.py" ;;

@@ -146,13 +146,13 @@ def test_kernel_attributes_no_spill(kernel_variant):
     from kernels import cutlass_build
 
     threads = 384
-    for dtype in ("bfloat16", "float16"):
-        for d in (64, 128):
-            attrs = cutlass_build.kernel_attributes(dtype, d, kernel_variant)
-            print(f"{kernel_variant} fwd<{dtype}, d{d}>: {attrs}")
-            assert attrs["local_bytes"] == 0
-            assert attrs["max_threads"] >= threads  # launchable with its threads at this smem
-            assert attrs["shared_bytes"] <= 227 * 1024
+    for dtype, d in (("bfloat16", 64), ("bfloat16", 128), ("float16", 64), ("float16", 128),
+                     ("float8_e4m3fn", 128)):
+        attrs = cutlass_build.kernel_attributes(dtype, d, kernel_variant)
+        print(f"{kernel_variant} fwd<{dtype}, d{d}>: {attrs}")
+        assert attrs["local_bytes"] == 0
+        assert attrs["max_threads"] >= threads  # launchable with its threads at this smem
+        assert attrs["shared_bytes"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("dense", [True, False])
@@ -365,6 +365,105 @@ def test_bad_arguments_raise(kwargs, match):
 
 
 # ------------------------------------------------------------------------------------------
+# FP8 (e4m3, token-major V): the FP8 test's accuracy bar (tests/test_fp8.py: relative L2 of the
+# output at most 5e-2 against the fp32 reference on the same dequantized inputs)
+# ------------------------------------------------------------------------------------------
+
+
+def _fp8_case(seqlens, prefixes, *, page_size, granularity="seq_head", corr=True, needles=3,
+              seed=5, token_major=True, block_size=64, sink_window=64, hq=8, hkv=2):
+    from tests.test_fp8 import _plan, fp8_batch
+
+    batch = fp8_batch(seqlens, prefixes, hq=hq, hkv=hkv, d=128, page_size=page_size,
+                      granularity=granularity, needles=needles, seed=seed, block_size=block_size,
+                      token_major_v=token_major, device=DEVICE)
+    cfg = SparseConfig(alpha=0.1, block_size=block_size, sink_tokens=sink_window,
+                       window_tokens=sink_window, mean_correction=corr)
+    plan, ds = _plan(batch, cfg)
+    return batch, cfg, plan, ds
+
+
+def _check_fp8(out, lse, batch, cfg, plan, index, corr, label):
+    from kernels import ops
+    from tests.test_fp8 import rel_l2
+
+    plan32 = ops.plan_prefill(*batch.deq_args(), cfg)
+    want, want_lse = ref.sparse_attention(batch.q_deq, batch.k_deq, batch.v_deq, plan32, index)
+    assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), label
+    err = rel_l2(out, want)
+    lse_err = (lse - want_lse).abs().max().item()
+    print(f"{label}: rel L2 {err:.3g}, max|lse - ref| {lse_err:.3g}")
+    assert err <= 5e-2, label
+    # P's rounding never enters lse; e4m3 means in the scores and the fp8 wgmma's accumulator
+    # move it by a few 1e-3 (as the Triton kernel on the H200)
+    assert lse_err <= 1e-2, label
+
+
+FP8_CASES = [  # (granularity, page_size, correction, splits): page 48 -> cp.async chunks
+    ("seq_head", 64, True, 1),
+    ("head", 16, True, 2),
+    ("tensor", 128, False, 1),
+    ("seq_head", 48, True, 3),
+    ("seq_head", 64, True, None),
+]
+
+
+@pytest.mark.parametrize("granularity,page_size,corr,splits", FP8_CASES,
+                         ids=[f"{c[0]}-ps{c[1]}-corr{int(c[2])}-s{c[3]}" for c in FP8_CASES])
+def test_fp8_matches_reference(granularity, page_size, corr, splits):
+    batch, cfg, plan, ds = _fp8_case([320, 100, 1], [0, 250, 40], page_size=page_size,
+                                     granularity=granularity, corr=corr)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+    out, lse = _run(batch, plan, index, num_splits=splits, descales=ds)
+    _check_fp8(out, lse, batch, cfg, plan, index, corr, f"fp8 {granularity} ps{page_size}")
+
+
+def test_fp8_dense_flag():
+    batch, cfg, plan, ds = _fp8_case([140, 1, 45], [60, 9, 0], page_size=16, corr=False)
+    out, lse = _run(batch, plan, None, dense=True, descales=ds)
+    from kernels import ops
+    from tests.test_fp8 import rel_l2
+
+    plan32 = ops.plan_prefill(*batch.deq_args(), cfg)
+    want, want_lse = ref.dense_attention(batch.q_deq, batch.k_deq, batch.v_deq, plan32)
+    assert rel_l2(out, want) <= 5e-2
+    assert (lse - want_lse).abs().max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("length,page_size", [(16384, 64), (4099, 16)])
+def test_fp8_long_against_reference(length, page_size):
+    batch, cfg, plan, ds = _fp8_case([length, 500], [0, 3000], page_size=page_size,
+                                     needles=length // 512, seed=13, block_size=128,
+                                     sink_window=256)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+    out, lse = _run(batch, plan, index, descales=ds)  # automatic splits
+    _check_fp8(out, lse, batch, cfg, plan, index, True, f"fp8 L={length} ps={page_size}")
+
+
+def test_fp8_dispatch_through_ops():
+    """auto takes CUTLASS for token-major fp8 V (bitwise the forced call) and Triton for
+    row-major V (bitwise Triton's); forcing CUTLASS on row-major V raises."""
+    from kernels.ops import attention_planned
+
+    batch, cfg, plan, ds = _fp8_case([200, 64], [0, 100], page_size=64, seed=9)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+    forced = attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index,
+                               backend="cutlass", descales=ds)
+    auto = attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index, descales=ds)
+    assert torch.equal(forced[0], auto[0]) and torch.equal(forced[1], auto[1])
+    _check_fp8(*forced, batch, cfg, plan, index, True, "ops fp8 cutlass")
+    row_v = batch.v_pages.contiguous()  # the same values, row-major
+    auto_row = attention_planned(batch.q, batch.k_pages, row_v, plan, index, descales=ds)
+    tri = ta.sparse_attention(batch.q, batch.k_pages, row_v, plan, index, descales=ds)
+    assert torch.equal(auto_row[0], tri[0])
+    with pytest.raises(ValueError, match="v_pages: the CUTLASS kernel takes float8_e4m3fn V token-major"):
+        attention_planned(batch.q, batch.k_pages, row_v, plan, index, backend="cutlass", descales=ds)
+    with pytest.raises(ValueError, match="descales"):
+        ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index)
+
+
+# ------------------------------------------------------------------------------------------
 # compute-sanitizer target: tiny shapes covering every code path (see the module docstring)
 # ------------------------------------------------------------------------------------------
 
@@ -377,4 +476,13 @@ def test_sanitizer_paths(d, page_size):
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
     for kw in (dict(num_splits=1), dict(num_splits=2), dict(num_splits=1, dense=True)):
         out, lse = _run(batch, plan, None if kw.get("dense") else index, **kw)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any(), kw
+
+
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_sanitizer_paths_fp8(page_size):
+    batch, cfg, plan, ds = _fp8_case([150, 1], [70, 30], page_size=page_size, needles=1, hq=4)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+    for kw in (dict(num_splits=1), dict(num_splits=2), dict(num_splits=1, dense=True)):
+        out, lse = _run(batch, plan, None if kw.get("dense") else index, descales=ds, **kw)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any(), kw

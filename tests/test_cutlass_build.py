@@ -55,7 +55,7 @@ def lib(built):
 def _params(**kw):
     base = dict(num_splits=1, group_size=1, num_qo_heads=1, page_size=16, block_size=128,
                 dtype=0, head_dim=128, sq_t=128, sq_h=128, sk_p=2048, sk_s=128, sk_h=128,
-                sv_p=2048, sv_s=128, sv_h=128)
+                sv_p=2048, sv_s=128, sv_h=128, sv_d=1)
     base.update(kw)
     return cb.FpAttnParams(**base)
 
@@ -207,6 +207,16 @@ def test_layout_check(tmp_path):
     (dict(q=8), b"16-byte aligned"),
     (dict(correction=1), b"mean correction needs"),
     (dict(max_ctas=-1), b"max_ctas"),
+    (dict(sv_d=2), b"sv_d 1"),
+    (dict(dtype=2, head_dim=64), b"e4m3: 128"),
+    (dict(dtype=2), b"token-major"),  # row-major V (slot stride 128)
+    (dict(dtype=2, sv_s=1, sv_d=16, sv_h=2048, page_size=8), b"page_size % 16"),
+    (dict(dtype=2, sv_s=1, sv_d=16, sv_h=2048), b"descales"),
+    (dict(dtype=2, sv_s=1, sv_d=16, sv_h=2048, q_descale=16, k_descale=16, v_descale=16, sq_t=8),
+     b"multiples of 16 bytes (16 elements)"),
+    (dict(dtype=2, sv_s=1, sv_d=16, sv_h=2048, q_descale=16, k_descale=16, v_descale=16,
+          correction=1, kbar=16, vbar=16, corr_bits=16, skb_t=128, skb_h=128, svb_t=128,
+          svb_h=128, svb_d=1), b"block-major"),
 ])
 def test_abi_argument_errors(lib, kw, match):
     p = _params(**kw)
@@ -233,6 +243,11 @@ def test_abi_cuda_error_is_reported(lib):
 # ------------------------------------------------------------------------------------------
 
 
+def _token_major(stored):
+    """[num_pages, Hkv, d, page_size] storage seen as [num_pages, page_size, Hkv, d]."""
+    return stored.permute(0, 3, 1, 2)
+
+
 def _qkv(dtype=torch.bfloat16, d=128, hq=4, hkv=1):
     q = torch.zeros(10, hq, d, dtype=dtype)
     k = torch.zeros(3, 16, hkv, d, dtype=dtype)
@@ -240,7 +255,7 @@ def _qkv(dtype=torch.bfloat16, d=128, hq=4, hkv=1):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: _qkv(dtype=torch.float32), "q: .*bfloat16 and float16"),
+    (lambda: _qkv(dtype=torch.float32), "q: .*bfloat16, float16 and float8_e4m3fn"),
     (lambda: _qkv(d=96), "q: .*head_dim"),
     (lambda: (_qkv()[0], _qkv()[1].half(), _qkv()[2]), "k_pages: expected dtype"),
     (lambda: (_qkv()[0], _qkv()[1], _qkv(d=64)[2]), "v_pages: expected head_dim"),
@@ -249,6 +264,12 @@ def _qkv(dtype=torch.bfloat16, d=128, hq=4, hkv=1):
     (lambda: (torch.zeros(10, 4, 132, dtype=torch.bfloat16)[..., 2:130], *_qkv()[1:]),
      "q: expected 16-byte aligned rows"),
     (lambda: _qkv(), "q: the CUTLASS kernel needs a CUDA tensor"),
+    (lambda: _qkv(dtype=torch.float8_e4m3fn, d=64), "q: .*head_dim in \\(128,\\)"),
+    (lambda: _qkv(dtype=torch.float8_e4m3fn), "v_pages: .*token-major"),
+    (lambda: (*_qkv(dtype=torch.float8_e4m3fn)[:2], _token_major(torch.zeros(3, 1, 128, 8, dtype=torch.float8_e4m3fn))),
+     "v_pages: .*page_size % 16"),
+    (lambda: (*_qkv(dtype=torch.float8_e4m3fn)[:2], _token_major(torch.zeros(3, 1, 128, 16, dtype=torch.float8_e4m3fn))),
+     "q: the CUTLASS kernel needs a CUDA tensor"),  # token-major fp8 passes every format check
 ])
 def test_check_inputs_raise(make, match):
     q, k, v = make()
@@ -392,6 +413,41 @@ def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
     else:
         assert p["seg_offsets"] == index.seg_offsets.data_ptr()
         assert p["kv_tiles"] == index.kv_tiles.data_ptr()
+
+
+def test_wrapper_parameter_block_fp8(monkeypatch):
+    """FP8: descale pointers and strides, token-major V strides, e4m3 means with V's block-major
+    and padded to 16 bytes, bf16 output."""
+    from kernels import SparseConfig
+    from kernels import reference as ref
+    from kernels import triton_attention as ta
+    from tests.test_fp8 import _plan, fp8_batch
+
+    batch = fp8_batch([150, 1], [70, 300], hq=8, hkv=2, d=128, page_size=16, granularity="head",
+                      needles=1, seed=0, block_size=128, token_major_v=True, device="cpu")
+    cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=64, window_tokens=64)
+    plan, ds = _plan(batch, cfg)
+    index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+    fake, prepass = _FakeLib(), _FakePrepass()
+    monkeypatch.setattr(ca, "check_inputs", lambda q, k, v: None)
+    monkeypatch.setattr(cb, "load_library", lambda: fake)
+    monkeypatch.setattr(ta, "_selected_blocks", prepass)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index,
+                                   num_splits=1, descales=ds)
+    assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
+    (p,) = fake.calls
+    assert p["dtype"] == 2 and p["head_dim"] == 128 and p["correction"] == 1
+    assert (p["sv_p"], p["sv_s"], p["sv_h"], p["sv_d"]) == (2 * 128 * 16, 1, 128 * 16, 16)
+    assert (p["q_descale"], p["k_descale"], p["v_descale"]) == (
+        ds.q.data_ptr(), ds.k.data_ptr(), ds.v.data_ptr())
+    # per-KV-head descales: broadcast over sequences (stride 0), one per head
+    assert (p["sqd_b"], p["sqd_h"], p["skd_b"], p["skd_h"], p["svd_b"], p["svd_h"]) == (0, 1, 0, 1, 0, 1)
+    nb = int(plan.cu_blocks[-1])
+    pad = -(-nb // 16) * 16
+    assert (p["skb_t"], p["skb_h"]) == (2 * 128, 128)
+    assert (p["svb_t"], p["svb_h"], p["svb_d"]) == (1, 128 * pad, pad)
+    assert p["total_blocks"] == nb
 
 
 def test_cutlass_backend_decodes_with_triton(monkeypatch):

@@ -9,9 +9,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 6
+#define FP_ABI_VERSION 7
 
-enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1 };
+// E4M3: q, k, v float8_e4m3fn with float32 descales (kernels/fp8.py); head_dim 128, V stored
+// token-major ([num_pages, Hkv, d, page_size]: sv_s == 1) with page_size % 16 == 0; bf16 output.
+enum FpDtype { FP_DTYPE_BF16 = 0, FP_DTYPE_FP16 = 1, FP_DTYPE_E4M3 = 2 };
 
 // Attention kernel: warp-specialized with 128 or 64 keys per softmax step; with 128, also with
 // the consumer warpgroups in pingpong order, persistent (one CTA per SM) with pingpong, and
@@ -34,10 +36,10 @@ typedef struct FpAttnParams {
   // tensors
   const void* q;             // [total_q, Hq, d], q dtype
   const void* k;             // [num_pages, page_size, Hkv, d]
-  const void* v;             // [num_pages, page_size, Hkv, d]
+  const void* v;             // [num_pages, page_size, Hkv, d] (strides sv_*; e4m3: token-major)
   const void* kbar;          // [total_blocks, Hkv, d] block means in q dtype (correction only)
-  const void* vbar;
-  void* out;                 // [total_q, Hq, d] contiguous, q dtype
+  const void* vbar;          // the same (strides svb_*; e4m3: block-major [Hkv, d, blocks])
+  void* out;                 // [total_q, Hq, d] contiguous, q dtype (bf16 for e4m3)
   float* lse;                // [total_q, Hq] contiguous, natural log
   float* o_part;             // [num_splits, total_q * Hq, d] (num_splits > 1)
   float* lse_part;           // [num_splits, total_q * Hq], base-2 log (num_splits > 1)
@@ -51,13 +53,17 @@ typedef struct FpAttnParams {
   const int32_t* cu_blocks;    // [B + 1]
   const int32_t* tile_seq;     // [total_tiles]
   const int32_t* page_table;   // [B, max_pages]
+  const float* q_descale;      // e4m3: [B, Hkv] views (strides sqd_*, ...; 0 to broadcast)
+  const float* k_descale;
+  const float* v_descale;
   // strides (elements)
   int64_t sq_t, sq_h;
   int64_t sk_p, sk_s, sk_h;
-  int64_t sv_p, sv_s, sv_h;
+  int64_t sv_p, sv_s, sv_h, sv_d;
   int64_t skb_t, skb_h;
-  int64_t svb_t, svb_h;
+  int64_t svb_t, svb_h, svb_d;
   int64_t s_pt;
+  int64_t sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h;
   // sizes and options
   int32_t total_q;
   int32_t total_tiles;

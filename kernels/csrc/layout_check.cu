@@ -3,9 +3,10 @@
 //  1. the (rows, cols) view of the S and O accumulators groups each thread's values by row,
 //     each row is shared by the 4 lanes of a quad (lanes 4k..4k+3) whose columns partition it;
 //  2. LayoutPA maps each A-operand register of the P V wgmma to the S accumulator value holding
-//     the same (row, key) coordinate;
+//     the same (row, key) coordinate (fp8: after P8Shuffle, emulated lane by lane);
 //  3. the swizzled shared-memory layouts are bijections whose 16-byte chunks are contiguous
-//     (one cp.async each), and the V^T view addresses the same element as V;
+//     (one cp.async each), the V^T view addresses the same element as V (16-bit), and every
+//     TMA box lands as the hardware's swizzle pattern says (fp8 V^T: 64-byte swizzle);
 //  4. the warpgroup of a thread owns rows [64 w, 64 w + 64).
 #include <cstdio>
 #include <set>
@@ -30,6 +31,52 @@ static int failures = 0;
 
 template <class T>
 size_t storage_bytes() { return sizeof(fp::WsSharedStorage<T>); }
+
+// fp8: run the kernel's convert_p (P8Shuffle) on every warp with each byte holding its key,
+// then check each A-operand byte against the (row, key) partition_A says it must hold
+template <class T, class MmaS, class MmaO>
+void check_p8_shuffle(const char* name, MmaS& mma_s, MmaO& mma_o) {
+  constexpr int M = T::kBlockM, N = T::kBlockN;
+  for (int w = 0; w < T::kMmaThreads / 32; ++w) {
+    uint32_t y0[32], y1[32], words[32][N / 8];
+    int rows[32][2];
+    for (int kb = 0; kb < N / 32; ++kb)
+      for (int r = 0; r < 2; ++r) {
+        for (int lane = 0; lane < 32; ++lane) {
+          auto thr_s = mma_s.get_thread_slice(32 * w + lane);
+          Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+          uint32_t pr[4];
+          for (int gq = 0; gq < 4; ++gq) {
+            const int e = 2 * r + 4 * (4 * kb + gq);  // as convert_p
+            pr[gq] = uint32_t(get<1>(cS(e))) | (uint32_t(get<1>(cS(e + 1))) << 8);
+            CHECK(get<0>(cS(e)) == get<0>(cS(e + 1)), "%s: S pair in two rows", name);
+          }
+          rows[lane][r] = get<0>(cS(2 * r));
+          y0[lane] = pr[0] | (pr[2] << 16);
+          y1[lane] = pr[1] | (pr[3] << 16);
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+          const int sa = fp::P8Shuffle::lane_a(lane), sb = fp::P8Shuffle::lane_b(lane);
+          const uint32_t ra = fp::P8Shuffle::send_a(sa, y0[sa], y1[sa]);
+          const uint32_t rb = fp::P8Shuffle::send_b(sb, y0[sb], y1[sb]);
+          fp::P8Shuffle::recv(lane, ra, rb, words[lane][4 * kb + r], words[lane][4 * kb + 2 + r]);
+        }
+      }
+    for (int lane = 0; lane < 32; ++lane) {
+      auto thr_o = mma_o.get_thread_slice(32 * w + lane);
+      Tensor cA = thr_o.partition_A(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+      typename T::LayoutPA la;
+      for (int e = 0; e < size(cA); ++e) {
+        const int idx = la(idx2crd(e, shape(cA)));  // byte of the register array
+        const int key = (words[lane][idx / 4] >> (8 * (idx % 4))) & 0xff;
+        const int row = rows[lane][(idx / 4) & 1];
+        CHECK(get<0>(cA(e)) == row && get<1>(cA(e)) == key,
+              "%s: t=%d A elem %d must hold (%d,%d), the shuffles put (%d,%d) there", name,
+              32 * w + lane, e, int(get<0>(cA(e))), int(get<1>(cA(e))), row, key);
+      }
+    }
+  }
+}
 
 template <class T>
 void check_variant(const char* name) {
@@ -91,16 +138,19 @@ void check_variant(const char* name) {
     Tensor cA = thr_o.partition_A(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
     typename T::LayoutPA la;
     CHECK(size(cA) == size(la), "%s: A fragment size %d vs %d", name, int(size(cA)), int(size(la)));
-    CHECK(rank(cA) == 3 && size<2>(cA) == N / 16, "%s: A fragment k-blocks", name);
-    for (int e = 0; e < size(cA); ++e) {
-      auto coord = cA(e);                  // (row, key) of the A register
-      int idx = la(idx2crd(e, shape(cA)));
-      auto want = cS(idx);
-      CHECK(get<0>(coord) == get<0>(want) && get<1>(coord) == get<1>(want),
-            "%s: t=%d A elem %d holds (%d,%d), LayoutPA points at S (%d,%d)", name, t, e,
-            int(get<0>(coord)), int(get<1>(coord)), int(get<0>(want)), int(get<1>(want)));
+    CHECK(rank(cA) == 3 && size<2>(cA) == N / (T::kFp8 ? 32 : 16), "%s: A fragment k-blocks", name);
+    if constexpr (!T::kFp8) {
+      for (int e = 0; e < size(cA); ++e) {
+        auto coord = cA(e);                  // (row, key) of the A register
+        int idx = la(idx2crd(e, shape(cA)));
+        auto want = cS(idx);
+        CHECK(get<0>(coord) == get<0>(want) && get<1>(coord) == get<1>(want),
+              "%s: t=%d A elem %d holds (%d,%d), LayoutPA points at S (%d,%d)", name, t, e,
+              int(get<0>(coord)), int(get<1>(coord)), int(get<0>(want)), int(get<1>(want)));
+      }
     }
   }
+  if constexpr (T::kFp8) check_p8_shuffle<T>(name, mma_s, mma_o);
   // quads share rows; their columns partition the tile
   for (int t = 0; t < T::kMmaThreads; t += 4) {
     for (int i = 0; i < 2; ++i) {
@@ -152,42 +202,68 @@ void check_variant(const char* name) {
           CHECK(off / (T::kBlockN * D) == s, "%s: stage %d spills into another stage", name, s);
           if (c % T::kChunk) CHECK(&sK(r, c, s) == &sK(r, c - c % T::kChunk, s) + c % T::kChunk, "%s: sK chunk", name);
           else CHECK(off % T::kChunk == 0, "%s: sK chunk alignment", name);
-          CHECK(&sVt(c, r, s) == &sK(r, c, s), "%s: V^T view (%d,%d,%d)", name, c, r, s);
+          if constexpr (!T::kFp8)
+            CHECK(&sVt(c, r, s) == &sK(r, c, s), "%s: V^T view (%d,%d,%d)", name, c, r, s);
         }
     for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sKV not a bijection at %d", name, i);
   }
-  // v1 fills whole 64-key tiles with TMA boxes of 64 rows x 64 elements (128 bytes) under the
-  // 128B swizzle: each box must be a contiguous 8 KB block at &sK(64 hf, 64 cb, s) whose bytes
-  // follow the hardware pattern (16-byte chunk index XOR row % 8)
+  constexpr int es = sizeof(Element), W = T::kBoxCols;  // bytes per element, box columns
+  // v1 fills whole 64-key tiles with TMA boxes of 64 rows x one 128-byte row under the 128B
+  // swizzle: each box must be a contiguous 8 KB block at &sK(64 hf, W cb, s) whose bytes follow
+  // the hardware pattern (16-byte chunk index XOR row % 8)
   {
-    static_assert(sizeof(Element) == 2);
     for (int s = 0; s < T::kStages; ++s)
       for (int hf = 0; hf < T::kBlockN / 64; ++hf)
-        for (int cb = 0; cb < D / 64; ++cb) {
-          const char* base = reinterpret_cast<const char*>(&sK(hf * 64, cb * 64, s));
+        for (int cb = 0; cb < D / W; ++cb) {
+          const char* base = reinterpret_cast<const char*>(&sK(hf * 64, cb * W, s));
           CHECK((base - reinterpret_cast<const char*>(buf)) % 1024 == 0, "%s: TMA box not 1024-aligned", name);
           for (int r = 0; r < 64; ++r)
-            for (int c = 0; c < 64; ++c) {
-              const long got = reinterpret_cast<const char*>(&sK(hf * 64 + r, cb * 64 + c, s)) - base;
-              const long want = r * 128 + (((c * 2 / 16) ^ (r % 8)) * 16) + (c * 2) % 16;
+            for (int c = 0; c < W; ++c) {
+              const long got = reinterpret_cast<const char*>(&sK(hf * 64 + r, cb * W + c, s)) - base;
+              const long want = r * 128 + (((c * es / 16) ^ (r % 8)) * 16) + (c * es) % 16;
               CHECK(got == want, "%s: TMA box (s%d,h%d,c%d) element (%d,%d) at %ld, swizzle says %ld", name,
                     s, hf, cb, r, c, got, want);
             }
         }
   }
-  // correction chunks: one TMA box of kBlockN rows x 64 elements per column block
+  // correction chunks: one TMA box of kBlockN rows x one 128-byte row per column block
   {
     for (int s = 0; s < T::kStages; ++s)
-      for (int cb = 0; cb < D / 64; ++cb) {
-        const char* base = reinterpret_cast<const char*>(&sK(0, cb * 64, s));
+      for (int cb = 0; cb < D / W; ++cb) {
+        const char* base = reinterpret_cast<const char*>(&sK(0, cb * W, s));
         for (int r = 0; r < T::kBlockN; ++r)
-          for (int c = 0; c < 64; ++c) {
-            const long got = reinterpret_cast<const char*>(&sK(r, cb * 64 + c, s)) - base;
-            const long want = r * 128 + (((c * 2 / 16) ^ (r % 8)) * 16) + (c * 2) % 16;
+          for (int c = 0; c < W; ++c) {
+            const long got = reinterpret_cast<const char*>(&sK(r, cb * W + c, s)) - base;
+            const long want = r * 128 + (((c * es / 16) ^ (r % 8)) * 16) + (c * es) % 16;
             CHECK(got == want, "%s: means box (s%d,c%d) element (%d,%d) at %ld, swizzle says %ld", name, s,
                   cb, r, c, got, want);
           }
       }
+  }
+  // fp8 V^T stages (own buffer): a bijection whose 16-key chunks are contiguous; the 64 keys x d
+  // of tile hf (and of means box hf) one TMA box under the 64B swizzle: 64-byte rows, 16-byte
+  // chunk index XOR (row / 2) % 4, 512-byte aligned
+  if constexpr (T::kFp8) {
+    const int n = T::kBlockN * D * T::kStages;
+    std::vector<int> seen(n, 0);
+    for (int s = 0; s < T::kStages; ++s)
+      for (int hf = 0; hf < T::kBlockN / 64; ++hf) {
+        const char* base = reinterpret_cast<const char*>(&sVt(0, hf * 64, s));
+        CHECK((base - reinterpret_cast<const char*>(buf)) % 512 == 0, "%s: V^T box not 512-aligned", name);
+        for (int dd = 0; dd < D; ++dd)
+          for (int key = 0; key < 64; ++key) {
+            const long off = &sVt(dd, hf * 64 + key, s) - buf;
+            CHECK(off >= 0 && off < n, "%s: sVt offset %ld", name, off);
+            if (off >= 0 && off < n) seen[off]++;
+            if (key % 16) CHECK(&sVt(dd, hf * 64 + key, s) == &sVt(dd, hf * 64 + key - key % 16, s) + key % 16,
+                                "%s: sVt chunk", name);
+            const long got = reinterpret_cast<const char*>(&sVt(dd, hf * 64 + key, s)) - base;
+            const long want = dd * 64 + (((key / 16) ^ ((dd / 2) % 4)) * 16) + key % 16;
+            CHECK(got == want, "%s: V^T box (s%d,h%d) element (%d,%d) at %ld, swizzle says %ld", name, s, hf,
+                  dd, key, got, want);
+          }
+      }
+    for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sVt not a bijection at %d", name, i);
   }
   const size_t smem = storage_bytes<T>();
   CHECK(smem + 1024 <= 227 * 1024, "%s: %zu bytes of shared memory (+1024 pad) > 227 KB", name, smem);
@@ -200,6 +276,8 @@ int main() {
   check_variant<fp::WsTraits<cutlass::bfloat16_t, 64, 128, 4>>("ws128 bf16 d64");
   check_variant<fp::WsTraits<cutlass::bfloat16_t, 128, 64, 5>>("ws64 bf16 d128");
   check_variant<fp::WsTraits<cutlass::half_t, 64, 64, 8>>("ws64 fp16 d64");
+  check_variant<fp::WsTraits<cutlass::float_e4m3_t, 128, 128, 5>>("ws128 e4m3 d128");
+  check_variant<fp::WsTraits<cutlass::float_e4m3_t, 128, 64, 8>>("ws64 e4m3 d128");
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;

@@ -4,6 +4,8 @@
 //
 // Supports
 // - bf16 / fp16, head_dim 64 and 128, fp32 accumulation; softmax in base 2.
+// - FP8 e4m3 at head_dim 128 (SPEC.md's eq. 15, kernels/fp8.py): per-(sequence, KV head)
+//   descales, V from a token-major pool (page_size % 16 == 0), P as round_e4m3(256 p), bf16 out.
 // - PackGQA: one work unit per (sequence, KV head, 128-row query tile[, split]), rows r = p*g + t.
 // - Paged K/V, any page_size: TMA per 64-key tile when page_size % 64 == 0 (one page-table
 //   lookup per tile), cp.async per key row otherwise; rows past Lkv are zero-filled.
@@ -21,7 +23,7 @@
 // pingpong); ws128_persistent: pingpong, and one CTA per SM walking the work units in the
 // decreasing-work order with a stride of the grid (no scheduler state: producer and consumers
 // compute the same sequence); ws128_persistent_nopingpong: persistent alone.
-// Does not (yet): TMA for Q, FP8 (docs/PERF_NOTES.md "CUTLASS"). The first version (v0, synchronous, 2 warpgroups) is in
+// Does not (yet): TMA for Q, fp8 with row-major V or head_dim 64 (docs/PERF_NOTES.md "CUTLASS"). The first version (v0, synchronous, 2 warpgroups) is in
 // git history and PERF_NOTES.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -62,6 +64,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
                "l"(gmem), "r"(valid ? 16 : 0));
 }
+// 16-byte cp.async of which the first src_bytes (0..16) are read and the rest zero-filled
+__device__ __forceinline__ void cp_async_16_bytes(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -83,7 +90,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 #include "sparse_attn_ws.cuh"
 
 // Exact merge of the split partials (base-2 LSE): one warp per (token, head) row.
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim>  // Element: the output's (bf16 for e4m3 inputs)
 __global__ void __launch_bounds__(256) combine_splits_kernel(const float* o_part,
                                                              const float* lse_part,
                                                              Element* out, float* lse,
@@ -138,9 +145,11 @@ int cuda_fail(cudaError_t err, const char* where) {
 // The attention kernel of a (variant, dtype, head_dim) and its dynamic shared memory.
 template <class Element, int kHeadDim>
 struct Variants {
-  static constexpr int kStages128 = kHeadDim == 128 ? 3 : 4;
+  // as many stages as fit beside Q (fp8 stages are half the bytes)
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr int kStages128 = kFp8 ? 5 : kHeadDim == 128 ? 3 : 4;
   using Ws128 = fp::WsTraits<Element, kHeadDim, 128, kStages128>;
-  using Ws64 = fp::WsTraits<Element, kHeadDim, 64, kHeadDim == 128 ? 5 : 8>;
+  using Ws64 = fp::WsTraits<Element, kHeadDim, 64, kFp8 ? 8 : kHeadDim == 128 ? 5 : 8>;
   using Ws128Pingpong = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, false>;
   using Ws128Persistent = fp::WsTraits<Element, kHeadDim, 128, kStages128, true, true>;
   using Ws128PersistentNoPingpong = fp::WsTraits<Element, kHeadDim, 128, kStages128, false, true>;
@@ -178,41 +187,68 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// One tensor map, 64 elements (128 bytes: the 128B swizzle's row) wide, bf16/fp16.
+int64_t element_bytes(int dtype) { return dtype == FP_DTYPE_E4M3 ? 1 : 2; }
+
+// One tensor map: K-major boxes one 128-byte swizzle row wide (64 bf16/fp16, 128 e4m3), or the
+// fp8 V^T boxes of 64 keys (64 bytes) under the 64-byte swizzle.
 int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims,
-               const cuuint64_t* strides_bytes, const cuuint32_t* box, int dtype, const char* what) {
+               const cuuint64_t* strides_bytes, const cuuint32_t* box, int dtype,
+               CUtensorMapSwizzle swizzle, const char* what) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled is not available from the driver");
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dtype == FP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            cuuint32_t(rank), const_cast<void*>(base), dims, strides_bytes, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUtensorMapDataType type = dtype == FP_DTYPE_BF16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : dtype == FP_DTYPE_FP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                            : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides_bytes,
+                            box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return fail(FP_ERR_CUDA, "cuTensorMapEncodeTiled(%s) failed: CUresult %d", what, int(r));
   return FP_OK;
 }
 
-// A [num_pages, page_size, Hkv, d] pool as a 4-D map (d, head, slot, page); box = one 64-key tile of one head.
+// A [num_pages, page_size, Hkv, d] pool as a 4-D map (d, head, slot, page); box = one 64-key
+// tile of one head, one swizzle row of d wide.
 int encode_pool_map(CUtensorMap* map, const void* base, int64_t s_page, int64_t s_slot,
                     int64_t s_head, const FpAttnParams& p, const char* what) {
-  constexpr int64_t es = 2;  // bf16 and fp16
+  const int64_t es = element_bytes(p.dtype);
   const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
                               cuuint64_t(p.page_size), cuuint64_t(p.num_pages)};
   const cuuint64_t strides[3] = {cuuint64_t(s_head * es), cuuint64_t(s_slot * es), cuuint64_t(s_page * es)};
-  const cuuint32_t box[4] = {64, 1, 64, 1};
-  return encode_map(map, base, 4, dims, strides, box, p.dtype, what);
+  const cuuint32_t box[4] = {cuuint32_t(128 / es), 1, 64, 1};
+  return encode_map(map, base, 4, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
+// e4m3 V stored token-major ([num_pages, Hkv, d, page_size]) as a 4-D map (slot, d, head,
+// page); box = the 64 keys x d of one tile of one head: the tile's V^T stage block.
+int encode_pool_vt_map(CUtensorMap* map, const FpAttnParams& p) {
+  const cuuint64_t dims[4] = {cuuint64_t(p.page_size), cuuint64_t(p.head_dim),
+                              cuuint64_t(p.num_qo_heads / p.group_size), cuuint64_t(p.num_pages)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.sv_d), cuuint64_t(p.sv_h), cuuint64_t(p.sv_p)};
+  const cuuint32_t box[4] = {64, cuuint32_t(p.head_dim), 1, 1};
+  return encode_map(map, p.v, 4, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_64B, "v (token-major)");
 }
 
 // [total_blocks, Hkv, d] block means as a 3-D map (d, head, block); box = `rows` means of one head
 // (rows past total_blocks read as zeros; the kernel gives them a -inf bias).
 int encode_means_map(CUtensorMap* map, const void* base, int64_t s_blk, int64_t s_head, int rows,
                      const FpAttnParams& p, const char* what) {
-  constexpr int64_t es = 2;
+  const int64_t es = element_bytes(p.dtype);
   const cuuint64_t dims[3] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
                               cuuint64_t(p.total_blocks)};
   const cuuint64_t strides[2] = {cuuint64_t(s_head * es), cuuint64_t(s_blk * es)};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(rows)};
-  return encode_map(map, base, 3, dims, strides, box, p.dtype, what);
+  const cuuint32_t box[3] = {cuuint32_t(128 / es), 1, cuuint32_t(rows)};
+  return encode_map(map, base, 3, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
+// e4m3 V means stored block-major ([Hkv, d, blocks], svb_t == 1) as a 3-D map (block, d, head);
+// box = 64 means x d of one head (blocks past total_blocks read as zeros).
+int encode_means_vt_map(CUtensorMap* map, const FpAttnParams& p) {
+  const cuuint64_t dims[3] = {cuuint64_t(p.total_blocks), cuuint64_t(p.head_dim),
+                              cuuint64_t(p.num_qo_heads / p.group_size)};
+  const cuuint64_t strides[2] = {cuuint64_t(p.svb_d), cuuint64_t(p.svb_h)};
+  const cuuint32_t box[3] = {64, cuuint32_t(p.head_dim), 1};
+  return encode_map(map, p.vbar, 3, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_64B, "vbar (block-major)");
 }
 
 template <class Element, int kHeadDim>
@@ -222,16 +258,20 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
   fp::FpTmaMaps maps;
   std::memset(&maps, 0, sizeof(maps));
   // TMA for whole tiles: a page must hold whole 64-key tiles (the gathers go through cp.async otherwise)
+  const bool fp8 = p.dtype == FP_DTYPE_E4M3;
   if (p.page_size % 64 == 0 && p.num_pages > 0) {
     int st = encode_pool_map(&maps.k, p.k, p.sk_p, p.sk_s, p.sk_h, p, "k");
-    if (st == FP_OK) st = encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, p, "v");
+    if (st == FP_OK)
+      st = fp8 ? encode_pool_vt_map(&maps.v, p) : encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, p, "v");
     if (st != FP_OK) return st;
     maps.enabled = 1;
   }
+  // (fp8 kernels load correction chunks by TMA only)
   if (p.correction && !p.dense && p.total_blocks > 0) {
     const int rows = p.kernel_variant == FP_KERNEL_WS64 ? 64 : 128;  // the variant's kBlockN
     int st = encode_means_map(&maps.kbar, p.kbar, p.skb_t, p.skb_h, rows, p, "kbar");
-    if (st == FP_OK) st = encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, p, "vbar");
+    if (st == FP_OK)
+      st = fp8 ? encode_means_vt_map(&maps.vbar, p) : encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, p, "vbar");
     if (st != FP_OK) return st;
     maps.means = 1;
   }
@@ -256,8 +296,9 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
   if (p.num_splits > 1) {
     const int64_t n_rows = int64_t(p.total_q) * p.num_qo_heads;
     const int64_t blocks = (n_rows + 7) / 8;
-    fp::combine_splits_kernel<Element, kHeadDim><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(
-        p.o_part, p.lse_part, static_cast<Element*>(p.out), p.lse, n_rows, p.num_splits);
+    using Out = typename Variants<Element, kHeadDim>::Ws128::OutElement;
+    fp::combine_splits_kernel<Out, kHeadDim><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(
+        p.o_part, p.lse_part, static_cast<Out*>(p.out), p.lse, n_rows, p.num_splits);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_fail(err, "combine_splits launch");
   }
@@ -299,8 +340,9 @@ int dispatch(int dtype, int head_dim, F&& f) {
   if (dtype == FP_DTYPE_BF16 && head_dim == 64) return f.template operator()<cutlass::bfloat16_t, 64>();
   if (dtype == FP_DTYPE_FP16 && head_dim == 128) return f.template operator()<cutlass::half_t, 128>();
   if (dtype == FP_DTYPE_FP16 && head_dim == 64) return f.template operator()<cutlass::half_t, 64>();
-  return fail(FP_ERR_ARGUMENT, "unsupported dtype %d / head_dim %d (bf16/fp16, 64/128)", dtype,
-              head_dim);
+  if (dtype == FP_DTYPE_E4M3 && head_dim == 128) return f.template operator()<cutlass::float_e4m3_t, 128>();
+  return fail(FP_ERR_ARGUMENT, "unsupported dtype %d / head_dim %d (bf16/fp16: 64/128, e4m3: 128)",
+              dtype, head_dim);
 }
 
 }  // namespace
@@ -327,23 +369,37 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
   if (p.total_blocks < 0) return fail(FP_ERR_ARGUMENT, "total_blocks must be >= 0, got %d", p.total_blocks);
   if (p.block_size < 64 || p.block_size % 64)
     return fail(FP_ERR_ARGUMENT, "block_size must be a positive multiple of 64, got %d", p.block_size);
-  const long strides[] = {p.sq_t, p.sq_h, p.sk_p, p.sk_s, p.sk_h, p.sv_p, p.sv_s, p.sv_h};
+  if (!(((p.dtype == FP_DTYPE_BF16 || p.dtype == FP_DTYPE_FP16) && (p.head_dim == 64 || p.head_dim == 128)) ||
+        (p.dtype == FP_DTYPE_E4M3 && p.head_dim == 128)))
+    return fail(FP_ERR_ARGUMENT, "unsupported dtype %d / head_dim %d (bf16/fp16: 64/128, e4m3: 128)",
+                p.dtype, p.head_dim);
+  const bool fp8 = p.dtype == FP_DTYPE_E4M3;
+  const long align = 16 / element_bytes(p.dtype);  // elements per 16 bytes
+  if (fp8) {
+    if (p.sv_s != 1 || p.page_size % 16)
+      return fail(FP_ERR_ARGUMENT, "e4m3 needs V token-major (slot stride 1, got %ld) and page_size %% 16 == 0 (got %d)",
+                  long(p.sv_s), p.page_size);
+    if (p.q_descale == nullptr || p.k_descale == nullptr || p.v_descale == nullptr)
+      return fail(FP_ERR_ARGUMENT, "e4m3 needs q/k/v descales");
+  } else if (p.sv_d != 1) {
+    return fail(FP_ERR_ARGUMENT, "bf16/fp16 V needs a contiguous last dimension (sv_d 1, got %ld)", long(p.sv_d));
+  }
+  // the contiguous dimension of each tensor (d; the slot for fp8 V) is not in this list
+  const long strides[] = {p.sq_t, p.sq_h, p.sk_p, p.sk_s, p.sk_h, p.sv_p, p.sv_h, fp8 ? p.sv_d : p.sv_s};
   for (long s : strides)
-    if (s % 8) return fail(FP_ERR_ARGUMENT, "q/k/v strides must be multiples of 8 elements, got %ld", s);
+    if (s % align) return fail(FP_ERR_ARGUMENT, "q/k/v strides must be multiples of 16 bytes (%ld elements), got %ld", align, s);
   const void* ptrs[] = {p.q, p.k, p.v};
   for (const void* ptr : ptrs)
     if (reinterpret_cast<uintptr_t>(ptr) % 16) return fail(FP_ERR_ARGUMENT, "q/k/v must be 16-byte aligned");
   if (p.correction && !p.dense) {
     if (p.kbar == nullptr || p.vbar == nullptr || p.corr_bits == nullptr)
       return fail(FP_ERR_ARGUMENT, "mean correction needs kbar, vbar and corr_bits");
-    if (p.skb_t % 8 || p.skb_h % 8 || p.svb_t % 8 || p.svb_h % 8 ||
+    const bool vbar_ok = fp8 ? p.svb_t == 1 && p.svb_d % align == 0 && p.svb_h % align == 0
+                             : p.svb_t % align == 0 && p.svb_h % align == 0 && p.svb_d == 1;
+    if (p.skb_t % align || p.skb_h % align || !vbar_ok ||
         reinterpret_cast<uintptr_t>(p.kbar) % 16 || reinterpret_cast<uintptr_t>(p.vbar) % 16)
-      return fail(FP_ERR_ARGUMENT, "kbar/vbar must be 16-byte aligned rows");
+      return fail(FP_ERR_ARGUMENT, "kbar/vbar must be 16-byte aligned rows (e4m3 vbar: block-major)");
   }
-  if (!((p.dtype == FP_DTYPE_BF16 || p.dtype == FP_DTYPE_FP16) &&
-        (p.head_dim == 64 || p.head_dim == 128)))
-    return fail(FP_ERR_ARGUMENT, "unsupported dtype %d / head_dim %d (bf16/fp16, 64/128)", p.dtype,
-                p.head_dim);
   // launch on the tensors' device and leave the caller's current device as it was (with a
   // shared CUDA runtime it is torch's)
   int previous = 0;

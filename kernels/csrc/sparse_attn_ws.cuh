@@ -12,6 +12,10 @@
 //   issue S_k = Q K_k^T; issue O += P_{k-1} V_{k-1}; wait S_k; softmax(S_k) while PV runs;
 //   wait PV; release stage k-1 (one arrive per warpgroup on empty[s]); O *= alpha_k; P_k = S_k.
 // Neither side needs the other's metadata: both compute an item's tiles from the index.
+// FP8 (T::kFp8): V^T stages from a token-major pool (TMA boxes of 64 keys x d under the 64-byte
+// swizzle, or 16-key cp.async chunks with byte-exact zero fill), descales folded into the
+// unit's logit scale and the epilogue, P quantized as round_e4m3(256 p) (kernels/fp8.py) and
+// moved into the fp8 A layout by P8Shuffle; bf16 output.
 
 // 2^x in one MUFU op: exp2f without fast-math adds denormal handling (compare, scale, fixup)
 // around it, which also costs registers in the softmax
@@ -39,6 +43,13 @@ __device__ __forceinline__ void tma_load_3d(void* smem, const CUtensorMap* map, 
       "l"(map), "r"(smem_u32(mbar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// two fp32 -> two e4m3 (saturating; lo in the low byte)
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* mbar, uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(mbar)), "r"(bytes) : "memory");
 }
@@ -116,8 +127,11 @@ template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(const FpAttnParams p,
                                                                             const __grid_constant__ FpTmaMaps tma) {
   using Element = typename T::Element;
+  using OutElement = typename T::OutElement;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
   constexpr int kTileN = T::kTileN, kTilesPerStage = T::kTilesPerStage, kStages = T::kStages;
+  constexpr bool kFp8 = T::kFp8;
+  constexpr int kBoxCols = T::kBoxCols;
   constexpr int kChunk = T::kChunk, kChunksPerRow = T::kChunksPerRow;
   constexpr int kProducerThreads = T::kProducerThreads;
 
@@ -230,10 +244,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
               const int slot0 = (n * kTileN) % page_size;
               const int page = ss.tab_page[(e0 + hf) % kTable];
               CUTE_UNROLL
-              for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-                tma_load_4d(&sK(hf * kTileN, cb * 64, st), &tma.k, &ss.full[st], cb * 64, h, slot0, page);
-                tma_load_4d(&sV(hf * kTileN, cb * 64, st), &tma.v, &ss.full[st], cb * 64, h, slot0, page);
+              for (int cb = 0; cb < kHeadDim / kBoxCols; ++cb) {
+                tma_load_4d(&sK(hf * kTileN, cb * kBoxCols, st), &tma.k, &ss.full[st], cb * kBoxCols, h, slot0, page);
+                if constexpr (!kFp8)
+                  tma_load_4d(&sV(hf * kTileN, cb * kBoxCols, st), &tma.v, &ss.full[st], cb * kBoxCols, h, slot0, page);
               }
+              // fp8: the tile's V^T, keys x all d rows of the token-major pool, in one box
+              if constexpr (kFp8) tma_load_4d(&sVt(0, hf * kTileN, st), &tma.v, &ss.full[st], slot0, 0, h, page);
             }
           }
 #pragma unroll 1
@@ -257,9 +274,29 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
                 slot = j % page_size;
               }
               const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
-              const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
               cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
-              cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+              if constexpr (!kFp8) {
+                const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
+                cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+              }
+            }
+            if constexpr (kFp8) {
+              // V^T: 16 keys of one d row per chunk (token-major pages hold whole chunks: the
+              // host asks page_size % 16 == 0); keys past Lkv zero-filled byte by byte
+              constexpr int kKeyChunks = kTileN / 16;
+              static_assert(kHeadDim * kKeyChunks % kProducerThreads == 0);
+#pragma unroll 2
+              for (int i = 0; i < kHeadDim * kKeyChunks / kProducerThreads; ++i) {
+                const int c = ptid + i * kProducerThreads;
+                const int dd = c / kKeyChunks, c16 = c % kKeyChunks;
+                const int j = j0 + 16 * c16;
+                const int bytes = n >= 0 ? max(0, min(16, lkv - j)) : 0;
+                int64_t page = page0;
+                if (!tile_in_one_page) page = bytes > 0 ? pt_row[j / page_size] : 0;
+                const Element* vs =
+                    bytes > 0 ? v_head + page * p.sv_p + int64_t(dd) * p.sv_d + j % page_size : v_ptr;
+                cp_async_16_bytes(&sVt(dd, hf * kTileN + 16 * c16, st), vs, bytes);
+              }
             }
           }
         } else if (tma.means) {
@@ -269,12 +306,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
             mbarrier_expect_tx(&ss.full[st], kChunkBytes);
             const int row0 = int(blk0) + (k - n_main) * kBlockN;
             CUTE_UNROLL
-            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-              tma_load_3d(&sK(0, cb * 64, st), &tma.kbar, &ss.full[st], cb * 64, h, row0);
-              tma_load_3d(&sV(0, cb * 64, st), &tma.vbar, &ss.full[st], cb * 64, h, row0);
+            for (int cb = 0; cb < kHeadDim / kBoxCols; ++cb) {
+              tma_load_3d(&sK(0, cb * kBoxCols, st), &tma.kbar, &ss.full[st], cb * kBoxCols, h, row0);
+              if constexpr (!kFp8)
+                tma_load_3d(&sV(0, cb * kBoxCols, st), &tma.vbar, &ss.full[st], cb * kBoxCols, h, row0);
+            }
+            // fp8: V means stored [Hkv, d, blocks] (block-major), 64 blocks x d per box
+            if constexpr (kFp8) {
+              CUTE_UNROLL
+              for (int hb = 0; hb < kBlockN / 64; ++hb)
+                tma_load_3d(&sVt(0, hb * 64, st), &tma.vbar, &ss.full[st], row0 + hb * 64, 0, h);
             }
           }
-        } else {
+        } else if constexpr (!kFp8) {  // fp8: the host always makes the means' TMA maps
           const int chunk = k - n_main;
 #pragma unroll 2
           for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
@@ -315,10 +359,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = 2;
   static_assert(size<0>(decltype(S.layout()){}) == kRows, "two rows per thread");
-  Tensor rP = make_tensor<Element>(Shape<Int<size(decltype(tSrS.layout()){})>>{});
-  Tensor tOrP = make_tensor(rP.data(), typename T::LayoutPA{});
+  // P as the A operand: 16-bit values, or fp8 packed four to a 32-bit word
+  using PStore = std::conditional_t<kFp8, uint32_t, Element>;
+  constexpr int kPSlots = size(decltype(tSrS.layout()){}) / (kFp8 ? 4 : 1);
+  Tensor rP = make_tensor<PStore>(Shape<Int<kPSlots>>{});
+  Tensor tOrP = make_tensor(reinterpret_cast<Element*>(rP.data()), typename T::LayoutPA{});
+  // fp8: probabilities are quantized as round_e4m3(256 p): exponents carry + log2(256), the row
+  // sums with them, and the epilogue takes it back out of lse (it cancels in O)
+  constexpr float kLog2POffset = kFp8 ? 8.f : 0.f;
+  const int lane = ctid % 32;
 
-  const float qk_scale = p.qk_scale_log2;
   // log2 |B_J|: every block is full but possibly the sequence's last one
   const float log2_block = log2f(float(p.block_size));
   const bool is_signaller = (ctid % 128) == 0;
@@ -367,8 +417,28 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     }
   };
   auto convert_p = [&]() {
-    CUTE_UNROLL
-    for (int e = 0; e < size(rP); ++e) rP(e) = Element(tSrS(e));
+    if constexpr (kFp8) {
+      // per 32-key k-block and row half: 4 groups of 2 keys -> 2 A words (P8Shuffle)
+      CUTE_UNROLL
+      for (int kb = 0; kb < kBlockN / 32; ++kb) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          uint32_t pr[4];
+          CUTE_UNROLL
+          for (int gq = 0; gq < 4; ++gq) {
+            const int e = 2 * r + 4 * (4 * kb + gq);  // S element (c = 0, r, group 4 kb + gq)
+            pr[gq] = cvt_e4m3x2(tSrS(e), tSrS(e + 1));
+          }
+          const uint32_t y0 = pr[0] | (pr[2] << 16), y1 = pr[1] | (pr[3] << 16);
+          const uint32_t ra = __shfl_sync(0xffffffffu, P8Shuffle::send_a(lane, y0, y1), P8Shuffle::lane_a(lane));
+          const uint32_t rb = __shfl_sync(0xffffffffu, P8Shuffle::send_b(lane, y0, y1), P8Shuffle::lane_b(lane));
+          P8Shuffle::recv(lane, ra, rb, rP(4 * kb + r), rP(4 * kb + 2 + r));
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int e = 0; e < size(rP); ++e) rP(e) = Element(tSrS(e));
+    }
   };
 
   int it = 0;  // the ring's position over every unit, as the producer's
@@ -377,6 +447,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     const WsWork<T> wk(p, w);
     const int r0 = wk.r0, n_main = wk.n_main, n_items = wk.n_items, i_hi = wk.i_hi, i_lo = wk.i_lo;
     const int i_mid = wk.i_mid, lkv = wk.lkv, n_blocks_full = wk.n_blocks_full;
+    // logit scale (base 2) and the output's factor: fp8 folds the unit's descales in
+    float qk_scale = p.qk_scale_log2, out_scale = 1.f;
+    if constexpr (kFp8) {
+      qk_scale *= __ldg(p.q_descale + wk.b * p.sqd_b + wk.h * p.sqd_h) *
+                  __ldg(p.k_descale + wk.b * p.skd_b + wk.h * p.skd_h);
+      out_scale = __ldg(p.v_descale + wk.b * p.svd_b + wk.h * p.svd_h);
+    }
 
     float row_max[kRows], row_sum[kRows];
     int key_limit[kRows];
@@ -470,10 +547,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
         const float m_use = m_new == neg_inf() ? 0.f : m_new;
         alpha[i] = fast_exp2(row_max[i] - m_use);
         row_max[i] = m_new;
+        const float shift = kLog2POffset - m_use;
         float sum = 0.f;
         CUTE_UNROLL
         for (int j = 0; j < size<1>(S); ++j) {
-          const float e = fast_exp2(fmaf(S(i, j), sc, -m_use));
+          const float e = fast_exp2(fmaf(S(i, j), sc, shift));
           S(i, j) = e;
           sum += e;
         }
@@ -540,18 +618,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       const int pr = r0 + r;
       const int64_t out_row = int64_t(wk.q0 + pr / g) * num_qo_heads + wk.h * g + pr % g;
       const bool has = l > 0.f;
-      const float inv = has ? 1.f / l : 0.f;
-      const float lse2 = has ? row_max[i] + log2f(l) : neg_inf();
+      const float inv = has ? out_scale / l : 0.f;
+      const float lse2 = has ? row_max[i] + log2f(l) - kLog2POffset : neg_inf();
       // column slots 2m and 2m + 1 are adjacent columns (layout_check.cu): one 4-byte (or
       // 8-byte, fp32 partials) store per pair
       if (p.num_splits == 1) {
-        Element* out = static_cast<Element*>(p.out) + out_row * kHeadDim;
+        OutElement* out = static_cast<OutElement*>(p.out) + out_row * kHeadDim;
         CUTE_UNROLL
         for (int j = 0; j < size<1>(O); j += 2) {
-          cutlass::AlignedArray<Element, 2> pair;
-          pair[0] = Element(O(i, j) * inv);
-          pair[1] = Element(O(i, j + 1) * inv);
-          *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(out + get<1>(cOrc(i, j))) = pair;
+          cutlass::AlignedArray<OutElement, 2> pair;
+          pair[0] = OutElement(O(i, j) * inv);
+          pair[1] = OutElement(O(i, j + 1) * inv);
+          *reinterpret_cast<cutlass::AlignedArray<OutElement, 2>*>(out + get<1>(cOrc(i, j))) = pair;
         }
         if ((ctid & 3) == 0) p.lse[out_row] = lse2 * 0.6931471805599453f;
       } else {
