@@ -96,6 +96,19 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> b
     return True
 
 
+def _aligned_block_columns(cu_blocks: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_blocks_v [B + 1], column [num_blocks])``: sequence ``b``'s blocks re-based to start at
+    a multiple of 64 (``cu_blocks_v[b] = sum_{c<b} round_up(n_c, 64)``) and each block's column
+    there. Device ops only (no host synchronisation)."""
+    counts = cu_blocks[1:] - cu_blocks[:-1]
+    padded = (counts + 63) // 64 * 64
+    cu_v = torch.zeros_like(cu_blocks)
+    cu_v[1:] = torch.cumsum(padded, 0)
+    blocks = torch.arange(num_blocks, device=cu_blocks.device, dtype=cu_blocks.dtype)
+    seq = torch.searchsorted(cu_blocks[1:].contiguous(), blocks, right=True)
+    return cu_v, (cu_v[seq] + blocks - cu_blocks[seq]).long()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -161,19 +174,24 @@ def sparse_attention(
         seg_offsets, kv_tiles = index.seg_offsets, index.kv_tiles
         if kv_tiles.numel() == 0:
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
+    cu_blocks_v = None
     if correction and is_fp8:
         # e4m3 operands re-quantized with each block's (sequence, KV head) descale (as the Triton
-        # kernel); V means block-major ([Hkv, d, blocks], blocks padded to 16 bytes) like V^T
+        # kernel). V means block-major ([Hkv, d, columns], the V^T tiles' K-major layout), each
+        # sequence's starting at a multiple of 64 columns (a TMA box must start 16-byte aligned),
+        # zeros between: columns cu_blocks_v[b] + j, cu_blocks_v = cumsum(round_up(n_b, 64))
         kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks).contiguous()
         vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks)
-        nb = vq.shape[0]
-        vt = torch.zeros((vq.shape[1], d, -(-nb // 16) * 16), dtype=vq.dtype, device=q.device)
-        vt[:, :, :nb] = vq.permute(1, 2, 0)
-        vbar = vt[:, :, :nb].permute(2, 0, 1)  # [blocks, Hkv, d] view, strides (1, d * pad, pad)
+        cu_blocks_v, column = _aligned_block_columns(plan.cu_blocks, vq.shape[0])
+        width = -(-vq.shape[0] // 64) * 64 + 64 * plan.batch_size  # >= cu_blocks_v[-1], no sync
+        vt = torch.zeros((vq.shape[1], d, width), dtype=vq.dtype, device=q.device)
+        vt[:, :, column] = vq.permute(1, 2, 0)
+        vbar = vt.permute(2, 0, 1)  # [columns, Hkv, d] view, strides (1, d * width, width)
     elif correction:
         # the scoring operands of the correction, rounded once per call (as the Triton kernel)
         kbar = index.means.kbar.to(q.dtype).contiguous()
         vbar = index.means.vbar.to(q.dtype).contiguous()
+    if correction:
         words = max(1, math.ceil(plan.max_blocks / _CORR_CHUNK)) * (_CORR_CHUNK // 32)
         corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
         if index.kv_tiles.numel():
@@ -193,7 +211,7 @@ def sparse_attention(
         seg_offsets=_ptr(seg_offsets), kv_tiles=_ptr(kv_tiles), order=_ptr(order),
         corr_bits=_ptr(corr_bits), cu_seqlens_q=_ptr(plan.cu_seqlens_q),
         seqlens_kv=_ptr(plan.seqlens_kv_t), cu_qtiles=_ptr(plan.cu_qtiles),
-        cu_blocks=_ptr(plan.cu_blocks), tile_seq=_ptr(plan.tile_seq), page_table=_ptr(pt),
+        cu_blocks=_ptr(plan.cu_blocks), cu_blocks_v=_ptr(cu_blocks_v), tile_seq=_ptr(plan.tile_seq), page_table=_ptr(pt),
         q_descale=_ptr(descales.q) if is_fp8 else None,
         k_descale=_ptr(descales.k) if is_fp8 else None,
         v_descale=_ptr(descales.v) if is_fp8 else None,

@@ -78,7 +78,7 @@ class FpAttnParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "kbar", "vbar", "out", "lse", "o_part", "lse_part",
         "seg_offsets", "kv_tiles", "order", "corr_bits", "cu_seqlens_q", "seqlens_kv",
-        "cu_qtiles", "cu_blocks", "tile_seq", "page_table", "q_descale", "k_descale", "v_descale",
+        "cu_qtiles", "cu_blocks", "cu_blocks_v", "tile_seq", "page_table", "q_descale", "k_descale", "v_descale",
     )] + [(name, ctypes.c_int64) for name in (
         "sq_t", "sq_h", "sk_p", "sk_s", "sk_h", "sv_p", "sv_s", "sv_h", "sv_d",
         "skb_t", "skb_h", "svb_t", "svb_h", "svb_d", "s_pt",

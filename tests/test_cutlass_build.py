@@ -417,7 +417,7 @@ def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
 
 def test_wrapper_parameter_block_fp8(monkeypatch):
     """FP8: descale pointers and strides, token-major V strides, e4m3 means with V's block-major
-    and padded to 16 bytes, bf16 output."""
+    with each sequence's columns 64-aligned (whole TMA boxes), bf16 output."""
     from kernels import SparseConfig
     from kernels import reference as ref
     from kernels import triton_attention as ta
@@ -444,10 +444,22 @@ def test_wrapper_parameter_block_fp8(monkeypatch):
     # per-KV-head descales: broadcast over sequences (stride 0), one per head
     assert (p["sqd_b"], p["sqd_h"], p["skd_b"], p["skd_h"], p["svd_b"], p["svd_h"]) == (0, 1, 0, 1, 0, 1)
     nb = int(plan.cu_blocks[-1])
-    pad = -(-nb // 16) * 16
+    width = -(-nb // 64) * 64 + 64 * 2  # room for each of the 2 sequences' 64-column alignment
     assert (p["skb_t"], p["skb_h"]) == (2 * 128, 128)
-    assert (p["svb_t"], p["svb_h"], p["svb_d"]) == (1, 128 * pad, pad)
-    assert p["total_blocks"] == nb
+    assert (p["svb_t"], p["svb_h"], p["svb_d"]) == (1, 128 * width, width)
+    assert p["total_blocks"] == nb and p["cu_blocks_v"]
+    words = max(1, -(-plan.max_blocks // 64)) * 2
+    assert p["corr_bits"] and p["words_per_seg"] == words and len(prepass.grids) == 1
+
+
+def test_aligned_block_columns():
+    """Each sequence's V means move to the next multiple of 64 columns; empty sequences take
+    none."""
+    cu = torch.tensor([0, 5, 5, 75, 76], dtype=torch.int32)  # 5, 0, 70, 1 blocks
+    cu_v, column = ca._aligned_block_columns(cu, 76)
+    assert cu_v.tolist() == [0, 64, 64, 192, 256]
+    want = list(range(0, 5)) + list(range(64, 134)) + [192]
+    assert column.tolist() == want
 
 
 def test_cutlass_backend_decodes_with_triton(monkeypatch):

@@ -51,6 +51,8 @@ typedef struct FpAttnParams {
   const int32_t* seqlens_kv;   // [B]
   const int32_t* cu_qtiles;    // [B + 1]
   const int32_t* cu_blocks;    // [B + 1]
+  const int32_t* cu_blocks_v;  // e4m3 correction: [B + 1] first column of each sequence's V means
+                               // in vbar (multiples of 64: whole 64-byte TMA boxes per sequence)
   const int32_t* tile_seq;     // [total_tiles]
   const int32_t* page_table;   // [B, max_pages]
   const float* q_descale;      // e4m3: [B, Hkv] views (strides sqd_*, ...; 0 to broadcast)

@@ -50,7 +50,7 @@ struct FpTmaMaps {
   CUtensorMap kbar;  // correction means: one box = one chunk of block means of one head
   CUtensorMap vbar;
   int enabled;
-  int means;
+  int means;  // correction chunks by TMA (K and V block means)
 };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -241,10 +241,11 @@ int encode_means_map(CUtensorMap* map, const void* base, int64_t s_blk, int64_t 
   return encode_map(map, base, 3, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
-// e4m3 V means stored block-major ([Hkv, d, blocks], svb_t == 1) as a 3-D map (block, d, head);
-// box = 64 means x d of one head (blocks past total_blocks read as zeros).
+// e4m3 V means stored block-major ([Hkv, d, columns], svb_t == 1, row pitch svb_d >= the
+// columns used; each sequence's means start at a multiple of 64 columns, cu_blocks_v) as a 3-D
+// map (column, d, head); box = 64 means x d of one head.
 int encode_means_vt_map(CUtensorMap* map, const FpAttnParams& p) {
-  const cuuint64_t dims[3] = {cuuint64_t(p.total_blocks), cuuint64_t(p.head_dim),
+  const cuuint64_t dims[3] = {cuuint64_t(p.svb_d), cuuint64_t(p.head_dim),
                               cuuint64_t(p.num_qo_heads / p.group_size)};
   const cuuint64_t strides[2] = {cuuint64_t(p.svb_d), cuuint64_t(p.svb_h)};
   const cuuint32_t box[3] = {64, cuuint32_t(p.head_dim), 1};
@@ -394,11 +395,12 @@ int fp_sparse_attn_fwd(const FpAttnParams* params, void* stream) {
   if (p.correction && !p.dense) {
     if (p.kbar == nullptr || p.vbar == nullptr || p.corr_bits == nullptr)
       return fail(FP_ERR_ARGUMENT, "mean correction needs kbar, vbar and corr_bits");
-    const bool vbar_ok = fp8 ? p.svb_t == 1 && p.svb_d % align == 0 && p.svb_h % align == 0
+    const bool vbar_ok = fp8 ? p.svb_t == 1 && p.svb_d % 64 == 0 && p.svb_h % align == 0 && p.cu_blocks_v != nullptr
                              : p.svb_t % align == 0 && p.svb_h % align == 0 && p.svb_d == 1;
     if (p.skb_t % align || p.skb_h % align || !vbar_ok ||
         reinterpret_cast<uintptr_t>(p.kbar) % 16 || reinterpret_cast<uintptr_t>(p.vbar) % 16)
-      return fail(FP_ERR_ARGUMENT, "kbar/vbar must be 16-byte aligned rows (e4m3 vbar: block-major)");
+      return fail(FP_ERR_ARGUMENT, "kbar/vbar must be 16-byte aligned rows (e4m3 vbar: block-major, "
+                                   "a pitch of whole 64-column boxes, cu_blocks_v)");
   }
   // launch on the tensors' device and leave the caller's current device as it was (with a
   // shared CUDA runtime it is torch's)

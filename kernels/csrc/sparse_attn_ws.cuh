@@ -202,6 +202,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       cutlass::arch::cpasync_barrier_arrive_noinc(&ss.q_full);
 
       const int64_t blk0 = p.correction ? p.cu_blocks[wk.b] : 0;
+      // fp8: the sequence's V means start at a 64-aligned column of the block-major vbar
+      const int64_t vblk0 = kFp8 && p.correction ? p.cu_blocks_v[wk.b] : blk0;
       const int last_blk = max(wk.n_blocks_full - 1, 0);
       const Element* kb_head = static_cast<const Element*>(p.kbar) + h * p.skb_h;
       const Element* vb_head = static_cast<const Element*>(p.vbar) + h * p.svb_h;
@@ -311,11 +313,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
               if constexpr (!kFp8)
                 tma_load_3d(&sV(0, cb * kBoxCols, st), &tma.vbar, &ss.full[st], cb * kBoxCols, h, row0);
             }
-            // fp8: V means stored [Hkv, d, blocks] (block-major), 64 blocks x d per box
+            // fp8: V^T means from the block-major [Hkv, d, columns] vbar, 64 means x d per box.
+            // A box's first column must be 16-byte aligned (a box at column 11 faults with an
+            // illegal instruction on the H200): each sequence's means start at a multiple of 64
             if constexpr (kFp8) {
+              const int col0 = int(vblk0) + (k - n_main) * kBlockN;
               CUTE_UNROLL
               for (int hb = 0; hb < kBlockN / 64; ++hb)
-                tma_load_3d(&sVt(0, hb * 64, st), &tma.vbar, &ss.full[st], row0 + hb * 64, 0, h);
+                tma_load_3d(&sVt(0, hb * 64, st), &tma.vbar, &ss.full[st], col0 + hb * 64, 0, h);
             }
           }
         } else if constexpr (!kFp8) {  // fp8: the host always makes the means' TMA maps
