@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from .pool import KVPool, copy_word
+from .pool import KVPool, pool_page_words
 from .transfer import (
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,
@@ -226,10 +226,10 @@ def _wsum64(payload: torch.Tensor) -> torch.Tensor:
 
 
 def _word_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V as the widest integer words a row of ``head_dim`` elements divides
-    into (int64 for bf16 and fp8 at d = 128; see :func:`~kv_transfer.pool.copy_word`)."""
-    word = copy_word(pool.head_dim * pool.k.element_size())
-    return pool.k.view(word), pool.v.view(word)
+    """The pool's K and V storage (``k_raw``, ``v_raw``: page-major, V token-major in FP8 pools)
+    as ``[layers, pages, words]`` of the widest integer one page of one layer divides into
+    (int64 at the usual shapes; see :func:`~kv_transfer.pool.copy_word`)."""
+    return pool_page_words(pool)
 
 
 def _page_index(pages: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -270,8 +270,8 @@ def _check_bytes(name: str, buf: object, device: torch.device, *, exact: int | N
 def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[int, int] | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Layers ``[l0, l1)`` (default: all) of ``pages``, K then V, as one contiguous ``uint8``
-    tensor on the pool's device: the bytes of ``[2, l1 - l0, len(pages), page_size,
-    num_kv_heads, head_dim]`` elements, flat. ``pages``: page ids, or their int64 index on
+    tensor on the pool's device: ``[2, l1 - l0, len(pages)]`` pages of the pool's storage
+    (``k_raw``/``v_raw``), flat. ``pages``: page ids, or their int64 index on
     the pool's device. ``out``: a contiguous ``uint8`` buffer whose first bytes receive the
     gather (the result is that view), instead of a new tensor."""
     k, v = _word_view(pool)

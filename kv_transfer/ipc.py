@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from .pool import KVPool, copy_word
+from .pool import KVPool, copy_word, pool_page_words
 from .transfer import (
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,
@@ -306,15 +306,16 @@ def _staged_ticket(reply: Any, transport: str, rid: str) -> TransferTicket:
 
 # ---------------------------------------------------------------------------- copying
 def _pool_words(pool: KVPool, word: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return pool.k.view(torch.uint8).view(word), pool.v.view(torch.uint8).view(word)
+    return pool_page_words(pool, word)
 
 
 def _sender_words(base: torch.Tensor, storage: _Storage, spec: _IpcTicket, word: torch.dtype) -> torch.Tensor:
-    """The sender's K or V as ``[layers, pool_pages, page_size, heads, row_words]`` of ``word``,
-    from the uint8 view of its whole storage."""
+    """The sender's K or V storage as ``[layers, pool_pages, page_words]`` of ``word``, from the
+    uint8 view of its whole storage (pages copied whole: V's layout inside a page, token-major in
+    FP8 pools, is the same at both ends since it follows from the dtype)."""
     h = spec.header
     region = base[storage.tensor_offset: storage.tensor_offset + spec.region_bytes]
-    return region.view(word).view(h.num_layers, spec.pool_pages, h.page_size, h.num_kv_heads, -1)
+    return region.view(word).view(h.num_layers, spec.pool_pages, -1)
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
@@ -500,7 +501,7 @@ class CudaIpcTransport(KVTransport):
             if not _short_str(uuid):
                 raise TransferError(TransferFailure.UNAVAILABLE,
                                     f"cuda_ipc shares pools on CUDA devices, this one is on {pool.device}")
-            (k, keep_k), (v, keep_v) = self._share_storage(pool.k), self._share_storage(pool.v)
+            (k, keep_k), (v, keep_v) = self._share_storage(pool.k_raw), self._share_storage(pool.v_raw)
             shared = _SharedPool(uuid, k, v, (keep_k, keep_v))
             with self._lock:
                 self._shared[pool] = shared
@@ -644,8 +645,8 @@ class CudaIpcTransport(KVTransport):
         h = spec.header
         if not pages:
             return
-        row_bytes = h.head_dim * torch.empty((), dtype=h.torch_dtype).element_size()
-        word = copy_word(row_bytes, spec.k.tensor_offset, spec.v.tensor_offset)
+        page_bytes = h.page_size * h.num_kv_heads * h.head_dim * torch.empty((), dtype=h.torch_dtype).element_size()
+        word = copy_word(page_bytes, spec.k.tensor_offset, spec.v.tensor_offset)
         mappings: list[_Mapping] = []
         try:
             for part in (spec.k, spec.v):

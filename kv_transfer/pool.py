@@ -14,7 +14,12 @@ Layout (the paged layout of SPEC.md, one pool for all layers):
 
 FP8 (``torch.float8_e4m3fn``): pages store ``x / scale`` rounded to e4m3 (saturating at
 +-448); ``k_scale``/``v_scale`` ``[num_layers, num_kv_heads]`` float32 are the descale
-factors (``x ~= stored * scale``). They start at 1.0; set them per layer once, before the
+factors (``x ~= stored * scale``). V is stored *token-major* (``v_raw``
+``[num_layers, num_pages, num_kv_heads, head_dim, page_size]``; ``v`` is the same memory seen
+as ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``): the K-major operand that
+Hopper's fp8 tensor cores take for P V, so the CUTLASS attention stage reads it directly. A page
+is still one contiguous block per layer; transfers copy ``k_raw``/``v_raw`` page by page, and
+both ends of a transfer hold the same layout (it follows from the dtype). They start at 1.0; set them per layer once, before the
 first write of that layer (``set_scales`` or ``calibrate_scales`` from an amax): changing a
 scale does not rescale pages already written.
 
@@ -120,6 +125,11 @@ class KVPoolConfig:
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
 
     @property
+    def v_token_major(self) -> bool:
+        """V stored token-major (FP8 pools: the K-major operand of fp8 wgmma)."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
     def capacity(self) -> int:
         """Number of pages the pool holds."""
         if self.num_pages is not None:
@@ -152,7 +162,13 @@ class KVPool:
         # zeros, not empty: padding slots hold finite values, so a masked read stays finite
         with _plain_cuda_segments(self.device):
             self.k = torch.zeros(shape, dtype=config.dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=config.dtype, device=self.device)
+            if config.v_token_major:
+                self.v_raw = torch.zeros((*shape[:2], shape[3], shape[4], shape[2]), dtype=config.dtype,
+                                         device=self.device)
+                self.v = self.v_raw.permute(0, 1, 4, 2, 3)
+            else:
+                self.v = self.v_raw = torch.zeros(shape, dtype=config.dtype, device=self.device)
+        self.k_raw = self.k
         if config.dtype == torch.float8_e4m3fn:
             scale_shape = (config.num_layers, config.num_kv_heads)
             self.k_scale: torch.Tensor | None = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
@@ -345,12 +361,17 @@ class KVPool:
                 raise ValueError(f"{name}: expected a tensor on {self.device}, got one on {x.device}")
         index = slots.long()
         for pages, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
+            data = x.to(self.dtype) if scale is None else quantize_fp8(x, scale[layer])
+            if pages is self.v and self.config.v_token_major:
+                # [pages, H, d, page_size] bytes: token t at (slot // page_size, :, :, slot % page_size)
+                raw = self.v_raw[layer].view(torch.uint8)
+                raw[index // self.page_size, :, :, index % self.page_size] = data.view(torch.uint8)
+                continue
             flat = pages[layer].view(-1, self.num_kv_heads, self.head_dim)
             if scale is None:
-                flat.index_copy_(0, index, x.to(self.dtype))
+                flat.index_copy_(0, index, data)
             else:
-                q = quantize_fp8(x, scale[layer])
-                flat.view(torch.uint8).index_copy_(0, index, q.view(torch.uint8))
+                flat.view(torch.uint8).index_copy_(0, index, data.view(torch.uint8))
 
     def set_scales(self, layer: int, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
         """FP8 pools: set layer ``layer``'s descale factors (a float or ``[num_kv_heads]``)."""
@@ -416,6 +437,17 @@ def copy_word(*byte_counts: int) -> torch.dtype:
         if all(n % size == 0 for n in byte_counts):
             return word
     raise AssertionError("unreachable: uint8 divides everything")
+
+
+def pool_page_words(pool: "KVPool", word: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pool.k_raw`` and ``pool.v_raw`` as ``[num_layers, num_pages, words]`` views of ``word``
+    (default: the widest integer one page of one layer divides into): a page of a layer is one
+    contiguous run of the storage whatever V's layout, so transfers copy pages as words."""
+    if word is None:
+        word = copy_word(pool.page_size * pool.num_kv_heads * pool.head_dim * pool.k.element_size())
+    shape = (pool.num_layers, pool.num_pages, -1)
+    return (pool.k_raw.view(torch.uint8).view(shape).view(word),
+            pool.v_raw.view(torch.uint8).view(shape).view(word))
 
 
 def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor:

@@ -327,7 +327,7 @@ def pack_pages(pool: KVPool, request_id: str) -> np.ndarray:
     frame = np.empty(start + 2 * one, dtype=np.uint8)
     index = torch.tensor(pages, dtype=torch.long, device=pool.device)
     out = torch.from_numpy(frame[start:])
-    for part, src in enumerate((pool.k, pool.v)):
+    for part, src in enumerate((pool.k_raw, pool.v_raw)):  # page-major storage (FP8 V token-major)
         # one gather per tensor, straight into the frame (a device copy for GPU pools)
         gathered = src.view(torch.uint8).index_select(1, index)
         out[part * one : (part + 1) * one].copy_(gathered.reshape(-1).cpu())
@@ -410,7 +410,7 @@ def adopt_frame(pool: KVPool, frame: Any, *, request_id: str | None = None) -> l
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-        for part, dst in enumerate((pool.k, pool.v)):
+        for part, dst in enumerate((pool.k_raw, pool.v_raw)):
             # bytes, not elements: index_copy_ has no FP8 kernels, and the copy is exact anyway
             dst_bytes = dst.view(torch.uint8)
             block = raw[part * one : (part + 1) * one].view(dst_bytes.shape[0], -1, *dst_bytes.shape[2:])

@@ -169,6 +169,7 @@ def test_sender_pool_at_an_odd_offset_of_its_storage():
         t = getattr(src, name)
         big = torch.zeros(t.numel() + 1, dtype=t.dtype)
         setattr(src, name, big[1:].view(t.shape))
+        setattr(src, name + "_raw", getattr(src, name))  # bf16: the storage is the logical tensor
     fill(src, "r", 21, seed=4)
     sender, receiver = FakeIpc(), FakeIpc()
     ticket = sender.export(src, "r")

@@ -316,3 +316,27 @@ def test_concurrent_reserve_release_never_double_allocates():
         pool.release(rid)
     assert pool.free_pages == pool.num_pages
     assert sorted(pool._free) == list(range(pool.num_pages))
+
+
+def test_fp8_v_is_token_major():
+    """FP8 pools store V as [layers, pages, heads, head_dim, page_size] (the K-major operand of
+    fp8 wgmma; kernels/cutlass_attention.py): ``v`` is that memory seen slot-major, a written
+    token lands in its page's slot column, and K stays row-major."""
+    torch.manual_seed(3)
+    pool = make_pool(dtype=torch.float8_e4m3fn, page_size=16)
+    L, P, H, d, ps = pool.num_layers, pool.num_pages, pool.num_kv_heads, pool.head_dim, pool.page_size
+    assert pool.v_raw.shape == (L, P, H, d, ps) and pool.v_raw.is_contiguous()
+    assert pool.v.shape == pool.k.shape == (L, P, ps, H, d)
+    assert pool.v.data_ptr() == pool.v_raw.data_ptr() and pool.v[0].stride(1) == 1
+    assert pool.k_raw is pool.k and pool.k.is_contiguous()
+    k, v = torch.randn(5, H, d), torch.randn(5, H, d)
+    slots = torch.tensor([0, 17, 18, 3 * ps + 5, P * ps - 1])
+    pool.write(1, slots, k, v)
+    want = v.to(torch.float8_e4m3fn)  # scales are 1.0
+    for t, s in enumerate(slots.tolist()):
+        page, slot = divmod(s, ps)
+        assert torch.equal(pool.v_raw[1, page, :, :, slot].view(torch.uint8), want[t].view(torch.uint8))
+        assert torch.equal(pool.v[1, page, slot].view(torch.uint8), want[t].view(torch.uint8))
+    assert int((pool.v_raw[0].view(torch.uint8) != 0).sum()) == 0  # other layers untouched
+    bf16 = make_pool(dtype=torch.bfloat16)
+    assert bf16.v_raw is bf16.v and bf16.v.is_contiguous()
