@@ -137,6 +137,7 @@ class TTFTBenchConfig:
     device: str = "cuda"
     seed: int = 0
     backend: str = "auto"  # ModelRunner backend: "auto" (CUTLASS attention when it loads), "triton"
+    kv_dtype: str = "model"  # KV pool: the model's dtype, or "fp8_e4m3" (calibrated per-layer scales)
 
     @property
     def sparse_config(self) -> SparseConfig:
@@ -389,7 +390,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 30)
 
 class Ours:
     def __init__(self, model, cfg: TTFTBenchConfig, device, batch: int, length: int, decode_steps: int):
-        dtype = getattr(torch, cfg.dtype)
+        dtype = torch.float8_e4m3fn if cfg.kv_dtype == "fp8_e4m3" else getattr(torch, cfg.dtype)
         c = model.config
         pool_cfg0 = KVPoolConfig(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                                  head_dim=c.head_dim, page_size=cfg.page_size, dtype=dtype,
@@ -399,6 +400,8 @@ class Ours:
                                                memory_budget_bytes=pages * pool_cfg0.page_bytes))
         self.runner = ModelRunner(model, self.pool, cfg.sparse_config, dense_below=cfg.dense_below,
                                   device=self.pool.k.device, backend=cfg.backend)
+        if self.pool.k_scale is not None:  # FP8 KV: the service's calibration (untimed)
+            self.runner.calibrate_kv_scales()
         self.sampler = Sampler()
         self.device = device
         self.rids = [f"ttft-{b}" for b in range(batch)]
@@ -539,7 +542,7 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
     dtype = getattr(torch, cfg.dtype)
     want_decode = length in cfg.decode_lengths and kind in cfg.decode_models and cfg.decode_steps > 0
     dsteps = cfg.decode_warmup_steps + cfg.decode_steps if want_decode else 0
-    row: dict = {"model": kind, "backend": cfg.backend, "batch": batch, "seqlen": length, "tokens": batch * length,
+    row: dict = {"model": kind, "backend": cfg.backend, "kv_dtype": cfg.kv_dtype, "batch": batch, "seqlen": length, "tokens": batch * length,
                  "status": "ok", "note": NOTES[kind], "errors": {}, "gpu": env["gpu"],
                  "commit": env["commit"], "date": env["date"]}
     t_case = time.time()
@@ -664,7 +667,7 @@ def _finish(row: dict, t_case: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = [
-    ("model", "model", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
+    ("model", "model", "{}"), ("kv", "kv_dtype", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
     ("ours ms", "ttft_ms", "{:.1f}"), ("sdpa ms", "sdpa_ttft_ms", "{:.1f}"), ("x sdpa", "speedup_vs_sdpa", "{:.2f}"),
     ("dec ms", "decode_ms_per_step", "{:.2f}"), ("sdpa dec", "sdpa_decode_ms_per_step", "{:.2f}"),
     ("x dec", "decode_speedup_vs_sdpa", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
@@ -715,11 +718,13 @@ def parse_args(argv=None) -> tuple[TTFTBenchConfig, argparse.Namespace]:
     ap.add_argument("--tiny", action="store_true", help="tiny model config (2 layers, hidden 512)")
     ap.add_argument("--backend", choices=("auto", "triton", "cutlass"), default="auto",
                     help="our runner's kernels (auto: the CUTLASS attention stage when its library loads)")
+    ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3"), default="model",
+                    help="KV pool dtype of our runner (fp8_e4m3: scales calibrated as the service does)")
     ap.add_argument("--device", type=str, default="cuda", help="'cpu' smoke-tests the script (implies --tiny)")
     ap.add_argument("--out", type=str, default=None,
                     help=f"JSON path (default {RESULTS.relative_to(ROOT)}; on CPU a temp file)")
     args = ap.parse_args(argv)
-    cfg = TTFTBenchConfig(device=args.device, backend=args.backend)
+    cfg = TTFTBenchConfig(device=args.device, backend=args.backend, kv_dtype=args.kv_dtype)
     if args.tiny or torch.device(args.device).type == "cpu":
         cfg = dataclasses.replace(cfg, **TINY_OVERRIDES)
     if args.quick:
