@@ -35,9 +35,10 @@ Per (model, batch B, prompt length L), B distinct prompts:
   ``DynamicCache`` from its prefill (which concatenates every layer's K/V each step) + sampler.
 
 Timing: wall clock around each call with CUDA syncs. Triton kernels are compiled by a warm-up
-prefill + decode at ``warmup_length`` per model. A measurement whose first run at the shape takes
-under ``multi_run_below_ms`` (3 s) is re-run and the median of up to ``max_runs`` further runs is
-kept; longer ones are a single run (allocator growth at a new shape is < 1% of seconds).
+prefill + decode at ``warmup_length`` per model. The first run at each shape is a warm-up (kernels
+specialised on a size compile there: a single run at 128K once measured 0.8 s over a warm one);
+then the median of up to ``max_runs`` runs when the first took under ``multi_run_below_ms`` (3 s),
+else one more run.
 
 Memory: the KV pool is sized to the case (pages for B x (L + decode steps) tokens per layer,
 ``KVPoolConfig.memory_budget_bytes``). Before each case the KV + activation peak is estimated
@@ -211,13 +212,16 @@ def _timed(fn, device: torch.device):
 
 def measure(fn, device, cfg: TTFTBenchConfig, teardown=None):
     """Run ``fn`` (after ``teardown`` of the previous result); returns (ms, runs, timing, result
-    of the last run). One run when the first takes >= ``multi_run_below_ms``, else the median
-    of up to ``max_runs`` further runs (the first is then a warm-up at this shape)."""
+    of the last run). The first run is a warm-up at this shape (a kernel specialised on a size
+    compiles there: at 128K a single timed run once measured 0.8 s more than a warm one); then
+    the median of up to ``max_runs`` runs, one when the first took >= ``multi_run_below_ms``.
+    ``max_runs < 1``: the first run alone (the CPU smoke test)."""
     first, out = _timed(fn, device)
     runs = [first]
-    if first >= cfg.multi_run_below_ms or cfg.max_runs < 1:
-        return first, runs, "1 run (kernels compiled by the warm-up)", out
-    more = max(1, min(cfg.max_runs, int(2 * cfg.multi_run_below_ms / max(first, 1e-3))))
+    if cfg.max_runs < 1:
+        return first, runs, "1 run", out
+    more = 1 if first >= cfg.multi_run_below_ms else max(
+        1, min(cfg.max_runs, int(2 * cfg.multi_run_below_ms / max(first, 1e-3))))
     for _ in range(more):
         if teardown is not None:
             teardown(out)
