@@ -132,6 +132,30 @@ def test_sparse_alpha_runs_on_long_prompts_and_prunes(tiny):
         assert all(0 <= t < tiny.config.vocab_size for t in res.output_token_ids)
 
 
+def test_runner_passes_its_backend_choice_to_the_attention_stage(tiny, monkeypatch):
+    """The runner hands ``auto`` to ``ops.attention_planned`` unresolved (it resolves ``auto`` to
+    the CUTLASS kernel on a GPU; resolving it first made ``auto`` mean Triton there), and a
+    forced choice as given."""
+    from kernels import ops
+
+    seen = []
+    real = ops.attention_planned
+
+    def spy(*args, backend="auto", **kw):
+        seen.append(backend)
+        return real(*args, backend="reference", **kw)
+
+    monkeypatch.setattr(ops, "attention_planned", spy)
+    sparse = SparseConfig(alpha=0.5, block_size=64, sink_tokens=64, window_tokens=64)
+    for backend in ("auto", "reference"):
+        seen.clear()
+        pool = make_pool(tiny, num_pages=64, page_size=64)
+        runner = ModelRunner(tiny.model, pool, sparse, dense_below=0, backend=backend)
+        runner.ensure_capacity("r", 300)
+        runner.prefill([PrefillItem("r", _prompts([300])[0])])
+        assert seen and set(seen) == {backend}, (backend, seen)
+
+
 # -- chunked prefill ------------------------------------------------------------------------
 @pytest.mark.parametrize("config", [DENSE, SparseConfig(alpha=0.1, block_size=64, sink_tokens=64,
                                                         window_tokens=128)], ids=["dense", "sparse"])
