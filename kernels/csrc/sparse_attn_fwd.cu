@@ -59,15 +59,14 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte cp.async; src_bytes = 0 writes zeros and reads nothing
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
-               "l"(gmem), "r"(valid ? 16 : 0));
-}
 // 16-byte cp.async of which the first src_bytes (0..16) are read and the rest zero-filled
+// (src_bytes = 0 reads nothing)
 __device__ __forceinline__ void cp_async_16_bytes(void* smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
                "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16_bytes(smem, gmem, valid ? 16 : 0);
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
