@@ -51,22 +51,11 @@ def check_inputs(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) 
     if q.dtype not in DTYPES:
         raise ValueError(f"q: the CUTLASS kernel supports bfloat16, float16 and float8_e4m3fn, got "
                          f"{q.dtype} (use backend='triton' for float32)")
-    fp8 = q.dtype == torch.float8_e4m3fn
-    head_dims = FP8_HEAD_DIMS if fp8 else HEAD_DIMS
+    is_fp8 = q.dtype == fp8.FP8_DTYPE
+    head_dims = FP8_HEAD_DIMS if is_fp8 else HEAD_DIMS
     if q.dim() != 3 or q.shape[-1] not in head_dims:
         raise ValueError(f"q: the CUTLASS kernel supports head_dim in {head_dims} for {q.dtype}, "
                          f"got shape {tuple(q.shape)} (use backend='triton')")
-    if fp8 and v_pages.dim() == 4 and v_pages.device == q.device and v_pages.dtype == q.dtype:
-        # token-major V: slots contiguous, whole 16-byte chunks of keys inside a page
-        if v_pages.stride(1) != 1:
-            raise ValueError(f"v_pages: the CUTLASS kernel takes float8_e4m3fn V token-major (a "
-                             f"permuted [num_pages, Hkv, d, page_size] tensor), got strides "
-                             f"{v_pages.stride()} (use backend='triton' for row-major V)")
-        if v_pages.shape[1] % 16 or any(s % 16 for s in (v_pages.stride(0), v_pages.stride(2),
-                                                           v_pages.stride(3))) or v_pages.data_ptr() % 16:
-            raise ValueError(f"v_pages: token-major float8_e4m3fn V needs page_size % 16 == 0 and "
-                             f"16-byte aligned d rows, got shape {tuple(v_pages.shape)}, strides "
-                             f"{v_pages.stride()} (use backend='triton')")
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device}, got one on {t.device}")
@@ -74,8 +63,17 @@ def check_inputs(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) 
             raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
         if t.shape[-1] != q.shape[-1]:
             raise ValueError(f"{name}: expected head_dim {q.shape[-1]}, got shape {tuple(t.shape)}")
-        if fp8 and name == "v_pages":
-            continue  # token-major: checked above
+        if is_fp8 and name == "v_pages":
+            # token-major V: slots contiguous, whole 16-byte chunks of keys inside a page
+            if t.stride(1) != 1:
+                raise ValueError(f"v_pages: the CUTLASS kernel takes float8_e4m3fn V token-major (a "
+                                 f"permuted [num_pages, Hkv, d, page_size] tensor), got strides "
+                                 f"{t.stride()} (use backend='triton' for row-major V)")
+            if t.shape[1] % 16 or any(s % 16 for s in (t.stride(0), t.stride(2), t.stride(3))) or t.data_ptr() % 16:
+                raise ValueError(f"v_pages: token-major float8_e4m3fn V needs page_size % 16 == 0 and "
+                                 f"16-byte aligned d rows, got shape {tuple(t.shape)}, strides "
+                                 f"{t.stride()} (use backend='triton')")
+            continue
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
                              f"{t.stride()} (call .contiguous())")

@@ -14,14 +14,14 @@ Layout (the paged layout of SPEC.md, one pool for all layers):
 
 FP8 (``torch.float8_e4m3fn``): pages store ``x / scale`` rounded to e4m3 (saturating at
 +-448); ``k_scale``/``v_scale`` ``[num_layers, num_kv_heads]`` float32 are the descale
-factors (``x ~= stored * scale``). V is stored *token-major* (``v_raw``
+factors (``x ~= stored * scale``). They start at 1.0; set them per layer once, before the
+first write of that layer (``set_scales`` or ``calibrate_scales`` from an amax): changing a
+scale does not rescale pages already written. V is stored *token-major* (``v_raw``
 ``[num_layers, num_pages, num_kv_heads, head_dim, page_size]``; ``v`` is the same memory seen
 as ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``): the K-major operand that
 Hopper's fp8 tensor cores take for P V, so the CUTLASS attention stage reads it directly. A page
 is still one contiguous block per layer; transfers copy ``k_raw``/``v_raw`` page by page, and
-both ends of a transfer hold the same layout (it follows from the dtype). They start at 1.0; set them per layer once, before the
-first write of that layer (``set_scales`` or ``calibrate_scales`` from an amax): changing a
-scale does not rescale pages already written.
+both ends of a transfer hold the same layout (it follows from the dtype).
 
 Bookkeeping per request: its page list and ``seq_len`` (tokens written/committed). Pages
 only grow (``reserve``) until ``release``. Allocation is all-or-nothing and raises the typed

@@ -124,8 +124,8 @@ def _prefill(
         out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out
     index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
-    # the unresolved choice: "auto" lets the attention stage take the CUTLASS kernel (resolving
-    # it first, as this did until 3c6581c, made "auto" mean Triton here)
+    # the unresolved choice: attention_planned is where "auto" picks the CUTLASS kernel (a
+    # resolved "auto" is "triton" and would never reach it)
     out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=batch.backend, descales=descales)
     return out
 
