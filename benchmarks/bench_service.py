@@ -41,12 +41,15 @@ lower bound) and time per output token (client side, streaming), output tokens/s
 requests/s over the busy time, and medians of
 the service's TTFT breakdown (``timing``: queue, prefill, export, transfer, first decode step;
 ``other``: TTFT outside queue + prefill + export). ``targets`` compares sparse with dense.
+Per configuration, ``attention_kernels``: the prefill replica's attention-stage calls by the
+kernel that ran (``cutlass``, ``triton``, ``reference``), i.e. what ``auto`` chose.
 
 Usage (GPU host, repository root, Ray importable): ``PYTHONPATH=$PWD python3
 benchmarks/bench_service.py --gpus 1 --requests 24 --cell-seconds 10 --drain-seconds 15
 --time-budget-s 540``;
 ``--configs dense,sparse_bf16`` and ``--merge`` (keep the other configurations already in the
-output file) split a run in parts. ``--cpu-smoke``: the tiny structured model on CPU, one
+output file, and a configuration's cells at rates this run does not measure; every cell records
+its commit and date) split a run in parts, down to one cell. ``--cpu-smoke``: the tiny structured model on CPU, one
 configuration, two short cells, a temporary output file (seconds). Writes
 ``benchmarks/results/service_h200.json`` (``--out``) and PNG plots next to it; prints a table.
 
@@ -310,6 +313,14 @@ def wait_idle(app: str, timeout_s: float) -> dict:
         time.sleep(0.25)
 
 
+def prefill_attention_kernels(app: str) -> list[dict]:
+    """Per prefill replica: attention-stage calls by the kernel that ran (``cutlass``, ``triton``,
+    ``reference``; ``kernels.ops.attention_kernel_calls``), so a run shows what ``auto`` chose."""
+    from router.launcher import replica_stats
+
+    return [s.get("attention_kernels", {}) for s in replica_stats(app, "PrefillServer")]
+
+
 # ---------------------------------------------------------------------------------------------
 # environment
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +396,7 @@ COLUMNS = [
     ("TPOT p99 ms", "tpot_p99_ms", "{:.1f}"), ("tok/s", "output_tokens_per_s", "{:.1f}"),
     ("req/s", "requests_per_s", "{:.2f}"), ("queue", "queue_s", "{:.2f}"), ("prefill", "prefill_s", "{:.2f}"),
     ("export", "export_s", "{:.2f}"), ("transfer", "transfer_s", "{:.2f}"), ("1st dec", "first_decode_s", "{:.3f}"),
-    ("other", "other_s", "{:.2f}"),
+    ("other", "other_s", "{:.2f}"), ("commit", "commit", "{}"),
 ]
 
 
@@ -410,6 +421,7 @@ def table_rows(configurations: list[dict]) -> list[dict]:
                 bound = ">=" if (s.get("ttft_sent_lower_bound") or {}).get(q) else ""
                 row[f"ttft_{q}_sent"] = None if v is None else f"{bound}{v:.2f}"
             row.update(s.get("server_median_s") or {})
+            row["commit"] = (cell.get("commit") or "")[:7] or None  # cells merged over runs keep their own
             rows.append(row)
     return rows
 
@@ -583,16 +595,19 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
         conf["warmup_s"] = time.monotonic() - t0 - conf["deploy_s"]
         print(f"[{name}] deployed in {conf['deploy_s']:.1f} s, warmed up in {conf['warmup_s']:.1f} s", flush=True)
         prompts = prompts_for(service.model_id)
+        commit = _commit()
         for rate in cfg.rates:
             if not budget.allows(cell_s):
                 conf["cells"].append({"rate": rate, "status": "skipped: time budget"})
                 continue
             idle = wait_idle(local.app_name, max(5.0, min(cfg.idle_timeout_s, budget.remaining() - cell_s)))
             spec = cfg.cell(rate)
+            started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             t_cell = time.monotonic()
             records = asyncio.run(run_cell(base_url, spec, prompts, max_tokens=cfg.max_tokens))
             summary = summarize(records, spec)
-            conf["cells"].append({"rate": rate, "status": "ok", "idle_before": idle, "wall_s": time.monotonic() - t_cell,
+            conf["cells"].append({"rate": rate, "status": "ok", "commit": commit, "date": started,
+                                  "idle_before": idle, "wall_s": time.monotonic() - t_cell,
                                   "summary": summary, "records": records_to_json(records)})
             on_cell(conf)
             p50 = summary["ttft_p50_s"]
@@ -600,6 +615,8 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
                   f"{summary['not_sent']}), completed {summary['completed']}, lost {summary['lost']} "
                   f"{summary['lost_by_reason'] or ''}, TTFT P50 {'-' if p50 is None else f'{p50:.2f} s'} (completed), "
                   f"{summary['output_tokens_per_s']:.1f} tok/s ({time.monotonic() - t_cell:.1f} s)", flush=True)
+        conf["attention_kernels"] = prefill_attention_kernels(local.app_name)
+        print(f"[{name}] prefill attention calls by kernel: {conf['attention_kernels']}", flush=True)
         conf["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded; the next configuration still runs
         traceback.print_exc()
@@ -613,6 +630,28 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
         conf["teardown_s"] = time.monotonic() - t1
         conf["wall_s"] = time.monotonic() - t0
     return conf
+
+
+def merge_configurations(previous: list[dict], done: list[dict]) -> list[dict]:
+    """``--merge``: the output file's configurations with this run's, in ``CONFIG_ORDER``. A
+    configuration this run reached replaces the file's record, except the file's measured cells
+    at rates this run did not measure (absent or skipped here), which are kept, so a grid can be
+    completed over several runs; every measured cell carries its own ``commit`` and ``date``."""
+    old = {c["name"]: c for c in previous}
+    merged = {}
+    for conf in done:
+        ours = {c["rate"]: c for c in conf.get("cells", []) if c.get("status") == "ok"}
+        theirs = [c for c in old.get(conf["name"], {}).get("cells", [])
+                  if c.get("status") == "ok" and c["rate"] not in ours]
+        cells = conf.get("cells", [])
+        if theirs:
+            kept_rates = {c["rate"] for c in theirs}
+            cells = sorted([c for c in cells if c["rate"] not in kept_rates] + theirs, key=lambda c: c["rate"])
+        merged[conf["name"]] = {**conf, "cells": cells}
+    for conf in previous:
+        merged.setdefault(conf["name"], conf)
+    order = {n: i for i, n in enumerate(CONFIG_ORDER)}
+    return sorted(merged.values(), key=lambda c: order.get(c["name"], len(order)))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
@@ -640,7 +679,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--grpc-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
-    ap.add_argument("--merge", action="store_true", help="keep the other configurations already in --out")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the configurations already in --out, and their cells at rates this run does not measure")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny structured model on CPU, two short cells")
     ap.add_argument("--parallel", default=None, metavar="GROUPS",
                     help="groups of configurations separated by ';', e.g. 'dense,sparse_bf16;sparse_fp8,"
@@ -1067,9 +1107,7 @@ def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_pat
     def save() -> None:
         records = [group_record(g, o, partials[g.index], logs[g.index], **extras[g.index])
                    for g, o in zip(groups, outcomes)]
-        done = merge_groups(cfg, groups, records)
-        names = {c["name"] for c in done}
-        result["configurations"] = [c for c in previous if c["name"] not in names] + done
+        result["configurations"] = merge_configurations(previous, merge_groups(cfg, groups, records))
         result["parallel"] = {"spec": ";".join(",".join(g.configs) for g in groups), "child_margin_s": margin,
                               "kill_margin_s": KILL_MARGIN_S,
                               "groups": [{k: v for k, v in r.items() if k != "partial"} for r in records]}
@@ -1177,8 +1215,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
 
     def save(done: list[dict]) -> None:
-        names = {c["name"] for c in done}
-        result["configurations"] = [c for c in previous if c["name"] not in names] + done
+        result["configurations"] = merge_configurations(previous, done)
         result["table"] = table_rows(result["configurations"])
         result["targets"] = targets(result["configurations"])
         result["wall_s"] = budget.elapsed

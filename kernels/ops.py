@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
+import threading
 from typing import Literal
 
 import torch
@@ -21,6 +23,21 @@ logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "reference", "triton", "cutlass"]
 _BACKENDS = ("auto", "reference", "triton", "cutlass")
+_ATTENTION_CALLS: collections.Counter[str] = collections.Counter()
+_ATTENTION_CALLS_LOCK = threading.Lock()
+
+
+def attention_kernel_calls() -> dict[str, int]:
+    """Calls of the attention stage in this process (``attention_planned`` and every entry point
+    built on it) by the kernel that ran: ``cutlass``, ``triton`` or ``reference``. What ``auto``
+    chose is otherwise invisible to callers; replicas report these counts in their stats."""
+    with _ATTENTION_CALLS_LOCK:
+        return dict(_ATTENTION_CALLS)
+
+
+def _count_attention(kernel: str) -> None:
+    with _ATTENTION_CALLS_LOCK:
+        _ATTENTION_CALLS[kernel] += 1
 
 
 def triton_available(device: torch.device) -> bool:
@@ -144,12 +161,18 @@ def attention_planned(
                                  and _auto_cutlass(q, k_pages, v_pages)):
         from . import cutlass_attention  # forced: unsupported inputs raise ValueError
 
-        return cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
+        out = cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
+        _count_attention("cutlass")
+        return out
     if resolved == "triton":
         from . import triton_attention
 
-        return triton_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
-    return reference.sparse_attention(q, k_pages, v_pages, plan, index, descales)
+        out = triton_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
+        _count_attention("triton")
+        return out
+    out = reference.sparse_attention(q, k_pages, v_pages, plan, index, descales)
+    _count_attention("reference")
+    return out
 
 
 def _auto_cutlass(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ray import serve
 
+from kernels.ops import attention_kernel_calls
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
@@ -302,6 +303,7 @@ class PrefillServer:
             "batches": self.batcher.batches,
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
+            "attention_kernels": attention_kernel_calls(),  # which kernel "auto" ran, per layer call
             **self.transport.counters(),
         }
 

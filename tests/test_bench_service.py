@@ -137,6 +137,37 @@ def test_targets_table_and_plots(tmp_path):
     assert all(Path(p).stat().st_size > 1000 for p in paths)
 
 
+def _cell(rate, commit, status="ok"):
+    return {"rate": rate, "status": status, "commit": commit, "summary": {"sent": 1}} if status == "ok" else \
+        {"rate": rate, "status": status}
+
+
+def test_merge_keeps_earlier_cells_at_rates_not_measured_again():
+    previous = [
+        {"name": "sparse_bf16", "status": "ok", "deploy_s": 1.0, "cells": [_cell(1.0, "aaa"), _cell(16.0, "aaa")]},
+        {"name": "dense", "status": "ok", "cells": [_cell(1.0, "aaa"), _cell(4.0, "aaa", "skipped: time budget")]},
+        {"name": "sparse_bf16_chunk8k", "status": "ok", "cells": [_cell(1.0, "aaa")]},
+    ]
+    done = [
+        # rate 4 new; rate 16 skipped here: the earlier measurement stays
+        {"name": "sparse_bf16", "status": "ok", "deploy_s": 2.0,
+         "cells": [_cell(4.0, "bbb"), _cell(16.0, "bbb", "skipped: time budget")]},
+        # rate 1 measured again: replaces; rate 4 measured now where it was skipped before
+        {"name": "dense", "status": "ok", "cells": [_cell(1.0, "bbb"), _cell(4.0, "bbb")]},
+        {"name": "sparse_fp8", "status": "skipped", "reason": "not requested (--fp8)", "cells": []},
+    ]
+    merged = bench.merge_configurations(previous, done)
+    assert [c["name"] for c in merged] == ["dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k"]
+    by = {c["name"]: c for c in merged}
+    assert [(c["rate"], c["commit"]) for c in by["sparse_bf16"]["cells"]] == [(1.0, "aaa"), (4.0, "bbb"), (16.0, "aaa")]
+    assert by["sparse_bf16"]["deploy_s"] == 2.0  # the configuration's own fields: this run's
+    assert [(c["rate"], c["commit"]) for c in by["dense"]["cells"]] == [(1.0, "bbb"), (4.0, "bbb")]
+    assert by["sparse_bf16_chunk8k"] is previous[2] and by["sparse_fp8"]["cells"] == []
+    assert bench.merge_configurations([], done) == [done[1], done[0], done[2]]  # nothing to keep: order only
+    rows = bench.table_rows(merged)
+    assert [(r["config"], r.get("commit")) for r in rows[:2]] == [("dense", "bbb"), ("dense", "bbb")]
+
+
 def test_plot_only_needs_a_results_file(tmp_path):
     with pytest.raises(SystemExit, match="missing"):
         bench.main(["--plot-only", "--out", str(tmp_path / "none.json")])
@@ -161,6 +192,10 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     (conf,) = result["configurations"]
     assert conf["status"] == "ok" and conf["service_options"] == {"alpha": 0.1, "prefill_chunk_tokens": 128}
     assert [w["status"] for w in conf["warmup"]] == [200, 200]
+    # one prefill replica; on CPU its prompts (< dense_below) take the runner's exact dense path,
+    # which does not go through ops.attention_planned: nothing counted, but the field is there
+    assert len(conf["attention_kernels"]) == 1 and isinstance(conf["attention_kernels"][0], dict)
+    assert "prefill attention calls by kernel" in proc.stdout
     assert [c["rate"] for c in conf["cells"]] == [4.0, 16.0]
     slack = 0.05
     for cell in conf["cells"]:
@@ -468,8 +503,8 @@ def test_run_parallel_merges_groups_and_keeps_a_failed_groups_error(monkeypatch,
     assert 0 < groups[0]["time_budget_s"] <= 19.0 and "--fp8" in groups[1]["command"]
     assert "--configs dense,sparse_bf16 --rates 1.0,4.0,16.0 --requests 5" in groups[0]["command"]
     by = {c["name"]: c for c in result["configurations"]}
-    assert [c["name"] for c in result["configurations"]] == ["sparse_bf16_chunk16k", "dense", "sparse_bf16",
-                                                              "sparse_fp8", "sparse_bf16_chunk8k"]
+    assert [c["name"] for c in result["configurations"]] == ["dense", "sparse_bf16", "sparse_fp8",
+                                                              "sparse_bf16_chunk8k", "sparse_bf16_chunk16k"]
     assert by["dense"]["status"] == "ok" and by["dense"]["placement"]["gpus"] == ["0"]  # this run's, not the file's
     assert "placement" not in by["sparse_bf16_chunk16k"]  # kept from the existing file
     assert by["sparse_fp8"]["status"] == "error" and "boom" in by["sparse_fp8"]["reason"]

@@ -428,6 +428,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             assert isinstance(receiver, CudaIpcTransport)
             stats = pre.record_routing_stats()
             assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
+            assert isinstance(stats["attention_kernels"], dict)  # kernels.ops' counts, by kernel
             request = {"request_id": "r", "sender_id": ipc.replica_id, "transport": "gloo"}
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:

@@ -306,16 +306,27 @@ def test_fp16_and_padded_head_dim(monkeypatch):
 
 
 def test_dispatch_through_ops():
-    from kernels.ops import attention_planned
+    """ops dispatches to the kernel asked for and counts the call under that kernel's name
+    (what replicas report as ``attention_kernels``)."""
+    from kernels.ops import attention_kernel_calls, attention_planned
 
     cfg = SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=64)
     batch, plan = _case([100], [30], hq=4, hkv=1, d=64, page_size=64, cfg=cfg,
                         dtype=torch.float32)
     index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
+    before = attention_kernel_calls()
     out, lse = attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index,
                                  backend="triton")
     expect, expect_lse = ref.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index)
     assert (out - expect).abs().max().item() <= 2e-5
+    attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index, backend="reference")
+    attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index, backend="auto")  # CPU: reference
+    after = attention_kernel_calls()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("triton", "reference", "cutlass")}
+    assert delta == {"triton": 1, "reference": 2, "cutlass": 0}
+    with pytest.raises(ValueError, match="backend"):
+        attention_planned(batch.q, batch.k_pages, batch.v_pages, plan, index, backend="flash")
+    assert attention_kernel_calls() == after  # a refused call counts nothing
 
 
 @pytest.mark.parametrize("kwargs,match", [
