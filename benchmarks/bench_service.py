@@ -406,7 +406,7 @@ def table_rows(configurations: list[dict]) -> list[dict]:
         if conf["status"] != "ok" and not conf.get("cells"):
             rows.append({"config": conf["name"], "note": f"{conf['status']}: {conf.get('reason', '')}"})
             continue
-        for cell in conf.get("cells", []):
+        for cell in sorted(conf.get("cells", []), key=lambda c: c["rate"]):
             s = cell.get("summary")
             if s is None:
                 rows.append({"config": conf["name"], "rate": cell["rate"], "note": cell.get("status", "")})
@@ -444,6 +444,47 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def prefill_by_length(configurations: list[dict]) -> dict:
+    """Per configuration, over the completed requests of all its cells, by prompt length: how many,
+    and the server-side ``prefill_s`` minimum (the forward with the least company: the prompt
+    alone, or with the fewest batched beside it) and median. ``mix_mean_min_s``: the minima's
+    mean weighted by how often each length was drawn, i.e. the GPU time one request of the mix
+    needs when nothing queues; ``dense / sparse`` of it bounds the throughput ratio an overloaded
+    GPU can show (the linear layers, norms and decode steps cost both the same)."""
+    out: dict[str, Any] = {}
+    for conf in configurations:
+        times: dict[int, list[float]] = {}
+        for cell in conf.get("cells", []):
+            for rec in cell.get("records") or []:
+                t = (rec.get("timing") or {}).get("prefill_s")
+                if rec.get("status") == "ok" and t is not None:
+                    times.setdefault(int(rec["prompt_len"]), []).append(float(t))
+        if not times:
+            continue
+        lengths = {n: {"n": len(v), "min_s": min(v), "median_s": sorted(v)[len(v) // 2]}
+                   for n, v in sorted(times.items())}
+        total = sum(d["n"] for d in lengths.values())
+        out[conf["name"]] = {"lengths": lengths,
+                             "mix_mean_min_s": sum(d["n"] * d["min_s"] for d in lengths.values()) / total}
+    return out
+
+
+def format_prefill_by_length(by: dict) -> str:
+    names = list(by)
+    lengths = sorted({n for v in by.values() for n in v["lengths"]})
+    if not names:
+        return ""
+    lines = ["prefill s (min / median) by prompt length: " + " | ".join(names)]
+    for n in lengths:
+        parts = []
+        for name in names:
+            d = by[name]["lengths"].get(n)
+            parts.append("-" if d is None else f"{d['min_s']:.2f} / {d['median_s']:.2f}")
+        lines.append(f"{n:>7} " + " | ".join(parts))
+    lines.append("mix mean of the minima: " + " | ".join(f"{by[x]['mix_mean_min_s']:.2f}" for x in names))
+    return "\n".join(lines)
+
+
 def targets(configurations: list[dict]) -> dict:
     """The issue's targets, from whatever cells ran: sparse (bf16) P50 TTFT at the lowest rate
     at least 3x below dense; output tokens/s at the highest rate at least 1.8x dense; no
@@ -470,6 +511,9 @@ def targets(configurations: list[dict]) -> dict:
         if d and s and d["output_tokens_per_s"]:
             out["throughput_ratio_at_highest_rate"] = {
                 "rate": hi, "sparse_over_dense": s["output_tokens_per_s"] / d["output_tokens_per_s"], "target": 1.8}
+    by = prefill_by_length(configurations)
+    if "dense" in by and "sparse_bf16" in by:  # what the throughput ratio is bounded by (see prefill_by_length)
+        out["prefill_alone_ratio_over_mix"] = by["dense"]["mix_mean_min_s"] / by["sparse_bf16"]["mix_mean_min_s"]
     return out
 
 
@@ -489,7 +533,8 @@ def plot(configurations: list[dict], out_json: Path) -> list[str]:
     paths = []
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for c in done:
-        cells = [cell["summary"] for cell in c["cells"] if cell.get("summary") and cell["summary"]["ttft_p50_s"]]
+        cells = sorted((cell["summary"] for cell in c["cells"] if cell.get("summary") and cell["summary"]["ttft_p50_s"]),
+                       key=lambda s: s["rate"])
         if not cells:
             continue
         rates = [s["rate"] for s in cells]
@@ -516,7 +561,7 @@ def plot(configurations: list[dict], out_json: Path) -> list[str]:
     parts = ("queue_s", "prefill_s", "export_s", "other_s", "transfer_s", "first_decode_s")
     labels, stacks = [], {p: [] for p in parts}
     for c in done:
-        for cell in c["cells"]:
+        for cell in sorted(c["cells"], key=lambda cell: cell["rate"]):
             med = (cell.get("summary") or {}).get("server_median_s") or {}
             if med.get("ttft_s") is None:
                 continue
@@ -688,7 +733,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
                          "Ray, group k on GPU k (--gpus 1) or GPUs 2k and 2k+1 (--gpus 2), on CPU with --cpu-smoke; "
                          "naming sparse_fp8 runs it (no --fp8); results merged into --out")
     ap.add_argument("--plot-only", action="store_true",
-                    help="no run: redraw the plots and reprint the table of an existing --out file")
+                    help="no run: recompute the table, targets and prefill-by-length summary of an existing --out "
+                         "file from its cells, redraw the plots, reprint")
     args = ap.parse_args(argv)
     values: dict[str, Any] = dict(SMOKE) if args.cpu_smoke else {}
     if args.cpu_smoke:
@@ -751,13 +797,20 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def plot_only(out_path: Path) -> dict:
-    """Redraw the plots and reprint the table of a results file (no Ray, no GPU)."""
+    """Recompute the table, targets and prefill-by-length summary of a results file from its cells,
+    redraw the plots and reprint (no Ray, no GPU)."""
     if not out_path.exists():
         raise SystemExit(f"bench_service: --plot-only needs an existing results file, {out_path} is missing")
     result = json.loads(out_path.read_text())
-    result["plots"] = plot(result.get("configurations", []), out_path)
+    confs = result.get("configurations", [])
+    # everything derived from the cells, recomputed by this code: table, targets, prefill by length
+    result.update(table=table_rows(confs), targets=targets(confs), prefill_by_length=prefill_by_length(confs))
+    result["plots"] = plot(confs, out_path)
     write_json(out_path, result)
-    print(format_table(table_rows(result.get("configurations", []))))
+    print(format_table(result["table"]))
+    if result["prefill_by_length"]:
+        print(format_prefill_by_length(result["prefill_by_length"]))
+    print("targets:", json.dumps(result["targets"]))
     print("plots:", result["plots"])
     return result
 
@@ -1113,6 +1166,7 @@ def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_pat
                               "groups": [{k: v for k, v in r.items() if k != "partial"} for r in records]}
         result["table"] = table_rows(result["configurations"])
         result["targets"] = targets(result["configurations"])
+        result["prefill_by_length"] = prefill_by_length(result["configurations"])
         result["wall_s"] = budget.elapsed
         write_json(out_path, result)
 
@@ -1157,6 +1211,8 @@ def print_summary(result: dict, cfg) -> None:
           f"{cfg.drain_seconds:g} s later; prompts {list(cfg.lengths)} tokens, {cfg.max_tokens} output tokens. "
           "TTFT/TPOT: client side (s, ms); tok/s, req/s: over the busy time; queue..other: server-side medians (s).")
     print(format_table(result["table"]))
+    if result.get("prefill_by_length"):
+        print(format_prefill_by_length(result["prefill_by_length"]))
     print("targets:", json.dumps(result["targets"]))
 
 
@@ -1218,6 +1274,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["configurations"] = merge_configurations(previous, done)
         result["table"] = table_rows(result["configurations"])
         result["targets"] = targets(result["configurations"])
+        result["prefill_by_length"] = prefill_by_length(result["configurations"])
         result["wall_s"] = budget.elapsed
         write_json(out_path, result)
 

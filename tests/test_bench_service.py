@@ -137,6 +137,35 @@ def test_targets_table_and_plots(tmp_path):
     assert all(Path(p).stat().st_size > 1000 for p in paths)
 
 
+def _rec(n, prefill_s, status="ok"):
+    return {"prompt_len": n, "status": status, "timing": None if status != "ok" else {"prefill_s": prefill_s}}
+
+
+def test_prefill_by_length_and_its_ratio():
+    confs = [
+        {"name": "dense", "status": "ok", "cells": [
+            {"rate": 1.0, "summary": _summary(1.0, 9.0, 100.0),
+             "records": [_rec(4096, 0.5), _rec(4096, 0.3), _rec(131072, 12.0), _rec(131072, 0.1, "lost")]},
+            {"rate": 16.0, "summary": _summary(16.0, 30.0, 150.0), "records": [_rec(4096, 0.2), _rec(131072, 13.0)]}]},
+        {"name": "sparse_bf16", "status": "ok", "cells": [
+            {"rate": 1.0, "summary": _summary(1.0, 2.0, 120.0),
+             "records": [_rec(4096, 0.25), _rec(131072, 5.0), _rec(131072, 6.0)]}]},
+        {"name": "sparse_fp8", "status": "skipped", "cells": []},
+    ]
+    by = bench.prefill_by_length(confs)
+    assert set(by) == {"dense", "sparse_bf16"}  # a configuration without records is left out
+    assert by["dense"]["lengths"] == {4096: {"n": 3, "min_s": 0.2, "median_s": 0.3},
+                                      131072: {"n": 2, "min_s": 12.0, "median_s": 13.0}}  # the lost one is not counted
+    assert by["dense"]["mix_mean_min_s"] == pytest.approx((3 * 0.2 + 2 * 12.0) / 5)
+    assert by["sparse_bf16"]["mix_mean_min_s"] == pytest.approx((0.25 + 2 * 5.0) / 3)
+    t = bench.targets(confs)
+    assert t["prefill_alone_ratio_over_mix"] == pytest.approx(((0.6 + 24.0) / 5) / (10.25 / 3))
+    text = bench.format_prefill_by_length(by)
+    assert "0.20 / 0.30 | 0.25 / 0.25" in text and "mix mean of the minima: 4.92 | 3.42" in text
+    assert bench.prefill_by_length(FAKE) == {} and "prefill_alone_ratio_over_mix" not in bench.targets(FAKE)
+    assert bench.format_prefill_by_length({}) == ""
+
+
 def _cell(rate, commit, status="ok"):
     return {"rate": rate, "status": status, "commit": commit, "summary": {"sent": 1}} if status == "ok" else \
         {"rate": rate, "status": status}
@@ -166,14 +195,20 @@ def test_merge_keeps_earlier_cells_at_rates_not_measured_again():
     assert bench.merge_configurations([], done) == [done[1], done[0], done[2]]  # nothing to keep: order only
     rows = bench.table_rows(merged)
     assert [(r["config"], r.get("commit")) for r in rows[:2]] == [("dense", "bbb"), ("dense", "bbb")]
+    unordered = [{"name": "dense", "status": "ok", "cells": [{"rate": 16.0, "summary": _summary(16.0, 3.0, 1.0)},
+                                                           {"rate": 1.0, "summary": _summary(1.0, 2.0, 1.0)}]}]
+    assert [r["rate"] for r in bench.table_rows(unordered)] == [1.0, 16.0]  # by rate, whatever the run order
 
 
 def test_plot_only_needs_a_results_file(tmp_path):
     with pytest.raises(SystemExit, match="missing"):
         bench.main(["--plot-only", "--out", str(tmp_path / "none.json")])
     out = tmp_path / "r.json"
-    out.write_text(json.dumps({"configurations": FAKE}))
-    assert len(bench.main(["--plot-only", "--out", str(out)])["configurations"]) == 4
+    out.write_text(json.dumps({"configurations": FAKE, "targets": {"stale": True}}))
+    result = bench.main(["--plot-only", "--out", str(out)])
+    assert len(result["configurations"]) == 4
+    assert result["targets"] == bench.targets(FAKE) and result["table"] == bench.table_rows(FAKE)  # recomputed
+    assert json.loads(out.read_text())["targets"] == result["targets"]
 
 
 # ----------------------------------------------------------------------------- the smoke run
