@@ -83,6 +83,7 @@ from evals.structured_model import (  # noqa: E402
 from kernels import ops as kernel_ops  # noqa: E402
 from kernels.config import KV_TILE, Q_TILE, SparseConfig  # noqa: E402
 from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from model_executor import fused  # noqa: E402
 from model_executor.runner import ModelRunner, PrefillItem  # noqa: E402
 from model_executor.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -139,6 +140,7 @@ class TTFTBenchConfig:
     seed: int = 0
     backend: str = "auto"  # ModelRunner backend: "auto" (CUTLASS attention when it loads), "triton"
     kv_dtype: str = "model"  # KV pool: the model's dtype, or "fp8_e4m3" (calibrated per-layer scales)
+    fused_ops: str = "auto"  # our runner's fused RMSNorm / SiLU MLP: "auto" (on CUDA), "on", "off"
 
     @property
     def sparse_config(self) -> SparseConfig:
@@ -403,7 +405,8 @@ class Ours:
         self.pool = KVPool(dataclasses.replace(pool_cfg0, num_pages=None,
                                                memory_budget_bytes=pages * pool_cfg0.page_bytes))
         self.runner = ModelRunner(model, self.pool, cfg.sparse_config, dense_below=cfg.dense_below,
-                                  device=self.pool.k.device, backend=cfg.backend)
+                                  device=self.pool.k.device, backend=cfg.backend,
+                                  fused_ops={"auto": None, "on": True, "off": False}[cfg.fused_ops])
         if self.pool.k_scale is not None:  # FP8 KV: the service's calibration (untimed)
             self.runner.calibrate_kv_scales()
         self.sampler = Sampler()
@@ -458,6 +461,7 @@ def _out_cache(out):
 
 class Sdpa:
     def __init__(self, model, device):
+        fused.uninstall(model)  # stock transformers: eager norms and MLPs, whatever our runner installed
         model.set_attn_implementation("sdpa")
         self.model, self.device = model, device
         self.cache_kw = _cache_kwarg(model)
@@ -546,7 +550,8 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
     dtype = getattr(torch, cfg.dtype)
     want_decode = length in cfg.decode_lengths and kind in cfg.decode_models and cfg.decode_steps > 0
     dsteps = cfg.decode_warmup_steps + cfg.decode_steps if want_decode else 0
-    row: dict = {"model": kind, "backend": cfg.backend, "kv_dtype": cfg.kv_dtype, "batch": batch, "seqlen": length, "tokens": batch * length,
+    row: dict = {"model": kind, "backend": cfg.backend, "kv_dtype": cfg.kv_dtype, "fused_ops": cfg.fused_ops,
+                 "batch": batch, "seqlen": length, "tokens": batch * length,
                  "status": "ok", "note": NOTES[kind], "errors": {}, "gpu": env["gpu"],
                  "commit": env["commit"], "date": env["date"]}
     t_case = time.time()
@@ -569,6 +574,7 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
         ours = Ours(model, cfg, device, batch, length, dsteps)
         row["pool_gib"] = ours.pool_gib
         row["pool_pages"] = ours.pool.num_pages
+        row["fused_counts"] = ours.runner.fused_counts
         t0 = time.perf_counter()
         ours.runner._check_tokens("token_ids", ids[0])
         row["host_token_check_ms"] = (time.perf_counter() - t0) * 1e3 * batch  # part of ttft_ms
@@ -724,11 +730,13 @@ def parse_args(argv=None) -> tuple[TTFTBenchConfig, argparse.Namespace]:
                     help="our runner's kernels (auto: the CUTLASS attention stage when its library loads)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3"), default="model",
                     help="KV pool dtype of our runner (fp8_e4m3: scales calibrated as the service does)")
+    ap.add_argument("--fused-ops", choices=("auto", "on", "off"), default="auto",
+                    help="our runner's fused RMSNorm and SiLU MLP kernels (auto: on CUDA; model_executor/fused.py)")
     ap.add_argument("--device", type=str, default="cuda", help="'cpu' smoke-tests the script (implies --tiny)")
     ap.add_argument("--out", type=str, default=None,
                     help=f"JSON path (default {RESULTS.relative_to(ROOT)}; on CPU a temp file)")
     args = ap.parse_args(argv)
-    cfg = TTFTBenchConfig(device=args.device, backend=args.backend, kv_dtype=args.kv_dtype)
+    cfg = TTFTBenchConfig(device=args.device, backend=args.backend, kv_dtype=args.kv_dtype, fused_ops=args.fused_ops)
     if args.tiny or torch.device(args.device).type == "cpu":
         cfg = dataclasses.replace(cfg, **TINY_OVERRIDES)
     if args.quick:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops
 from kernels.config import SparseConfig
 
+from . import fused
 from .attention import (
     ATTENTION_NAME,
     BATCH_KWARG,
@@ -44,6 +46,10 @@ class ModelRunner:
     dense_below: batches whose longest sequence (prefix included) is shorter than this many
         tokens use exact dense attention.
     backend: kernels backend, ``"auto"`` (Triton on CUDA, the reference on CPU).
+    fused_ops: run the model's RMSNorms and SiLU MLPs as fused kernels (``model_executor/fused.py``):
+        ``None`` (default) on CUDA when ``backend`` runs kernels (not ``"reference"``), ``True``
+        always (Triton; on CPU under ``TRITON_INTERPRET=1``), ``False`` never (restores the eager
+        modules of a model an earlier runner fused). ``fused_counts`` says what runs fused.
     """
 
     def __init__(
@@ -55,9 +61,12 @@ class ModelRunner:
         dense_below: int = 1024,
         device: str | torch.device | None = None,
         backend: str = "auto",
+        fused_ops: bool | None = None,
     ) -> None:
         if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
             raise ValueError(f"dense_below: expected an int >= 0, got {dense_below!r}")
+        if fused_ops not in (None, True, False):
+            raise ValueError(f"fused_ops: expected None, True or False, got {fused_ops!r}")
         self.sparse_config = SparseConfig() if sparse_config is None else sparse_config
         if not isinstance(self.sparse_config, SparseConfig):
             raise ValueError(
@@ -69,6 +78,16 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device) if device is not None else pool.k.device
         self._check_geometry()
+        kernel_backend = ops.resolve_backend(backend, self.device)  # ValueError for an unknown or unusable one
+        if fused_ops is None:
+            fused_ops = self.device.type == "cuda" and kernel_backend != "reference"
+        if fused_ops:
+            if not ops.triton_available(self.device):
+                raise ValueError(f"fused_ops: True needs Triton on {self.device} (CUDA, or TRITON_INTERPRET=1 on CPU)")
+            fused.install(model, backend="triton")
+        else:
+            fused.uninstall(model)
+        self.fused_counts = fused.installed(model)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)

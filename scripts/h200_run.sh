@@ -26,6 +26,11 @@ for s in "${steps[@]}"; do
     index_sweep) run bench_index_sweep 240 python3 benchmarks/bench_index.py --sweep ;;
     ttft_quick) run bench_ttft_quick 200 python3 benchmarks/bench_ttft.py --quick ;;
     ttft) run bench_ttft 520 python3 benchmarks/bench_ttft.py ;;
+    # fused RMSNorm / SiLU MLP off, then on (the default), structured 8B at 32K and 128K, same machine
+    ttft_fused) run bench_ttft_unfused 200 python3 benchmarks/bench_ttft.py --quick --models structured --decode-models structured --skip-sdpa \
+                  --fused-ops off --out benchmarks/results/ttft_fused_off_h200.json
+                run bench_ttft_fused 200 python3 benchmarks/bench_ttft.py --quick --models structured --decode-models structured --skip-sdpa \
+                  --fused-ops on --out benchmarks/results/ttft_fused_on_h200.json ;;
     fidelity_quick) run bench_fidelity_quick 90 python3 benchmarks/bench_fidelity.py --quick ;;
     retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;

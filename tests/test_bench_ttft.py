@@ -57,5 +57,29 @@ def test_cpu_smoke_run(bench, tmp_path):
         assert r["ttft_ms"] > 0 and r["sdpa_ttft_ms"] > 0 and 0 < r["density"] <= 1
         assert len(r["density_per_layer"]) == 2  # the tiny model's layers
         assert r["first_tokens_match"] == 1.0
+    assert all(r["fused_ops"] == "auto" and r["fused_counts"] == {"rms_norm": 0, "silu_mul": 0} for r in rows)  # CPU
     assert rows[0]["decode_ms_per_step"] > 0 and rows[0]["sdpa_decode_ms_per_step"] > 0
     assert "note" in rows[0] and "random weights" in rows[0]["note"]
+
+
+def test_cpu_smoke_run_with_fused_ops(bench, tmp_path, monkeypatch):
+    """--fused-ops on: our runner's norms and MLPs run the Triton kernels (interpreter), the sdpa
+    baseline the eager modules again, and the first tokens still match."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "ttft.json"
+    result = bench.main(["--device", "cpu", "--quick", "--models", "random", "--skip-decode", "--fused-ops", "on",
+                         "--out", str(out)])
+    (row,) = result["rows"]
+    assert row["status"] == "ok", row["errors"]
+    assert row["fused_ops"] == "on" and row["fused_counts"] == {"rms_norm": 5, "silu_mul": 2}  # 2 layers + final norm
+    assert row["first_tokens_match"] == 1.0 and row["sdpa_ttft_ms"] > 0
+
+
+def test_sdpa_baseline_runs_stock_transformers(bench):
+    from model_executor import build_tiny_model, fused
+
+    model = build_tiny_model(seed=0).model
+    fused.install(model)
+    assert fused.installed(model)["rms_norm"] > 0
+    bench.Sdpa(model, torch.device("cpu"))
+    assert fused.installed(model) == {"rms_norm": 0, "silu_mul": 0}

@@ -156,6 +156,67 @@ def test_runner_passes_its_backend_choice_to_the_attention_stage(tiny, monkeypat
         assert seen and set(seen) == {backend}, (backend, seen)
 
 
+# -- fused elementwise ops ------------------------------------------------------------------
+def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
+    """fused_ops=True runs every RMSNorm and SiLU MLP of the model through kernels/elementwise
+    (Triton, under the interpreter here) with the same logits as the eager modules; False puts
+    the eager forwards back; the default on CPU leaves them eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from model_executor import fused
+
+    layers = tiny.model.config.num_hidden_layers
+    prompts = _prompts([90, 33], seed=5)
+    logits = {}
+    for mode in (False, True):
+        pool = make_pool(tiny, num_pages=16, page_size=64)
+        runner = ModelRunner(tiny.model, pool, DENSE, dense_below=0, fused_ops=mode)
+        assert runner.fused_counts == ({"rms_norm": 2 * layers + 1, "silu_mul": layers} if mode
+                                       else {"rms_norm": 0, "silu_mul": 0})
+        for i, p in enumerate(prompts):
+            runner.ensure_capacity(f"r{i}", len(p))
+        logits[mode] = runner.prefill([PrefillItem(f"r{i}", p) for i, p in enumerate(prompts)])
+        runner.ensure_capacity("r0", len(prompts[0]) + 1)
+        runner.ensure_capacity("r1", len(prompts[1]) + 1)
+        logits[(mode, "decode")] = runner.decode(["r0", "r1"], [3, 4])
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[(True, "decode")], logits[(False, "decode")], atol=1e-4, rtol=1e-4)
+    # the default on CPU: eager (and it takes back what an earlier runner installed)
+    fused.install(tiny.model)
+    runner = ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=64), DENSE)
+    assert runner.fused_counts == {"rms_norm": 0, "silu_mul": 0} == fused.installed(tiny.model)
+    assert all("forward" not in m.__dict__ for m in tiny.model.modules())
+
+
+def test_fused_install_leaves_unknown_modules_alone():
+    from model_executor import fused
+
+    class GemmaRMSNorm(torch.nn.Module):  # (1 + weight) norm: not the same math
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(8))
+            self.variance_epsilon = 1e-6
+
+    class LlamaMLP(torch.nn.Module):  # the right name, a GELU activation: left eager
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+            self.act_fn = torch.nn.GELU()
+
+    model = torch.nn.Sequential(GemmaRMSNorm(), LlamaMLP())
+    assert fused.install(model) == {"rms_norm": 0, "silu_mul": 0} and fused.uninstall(model) == 0
+    with pytest.raises(ValueError, match="backend"):
+        fused.install(model, backend="cuda")
+
+
+def test_fused_ops_refused_without_triton(tiny, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pool = make_pool(tiny, num_pages=4, page_size=64)
+    with pytest.raises(ValueError, match="fused_ops"):
+        ModelRunner(tiny.model, pool, DENSE, fused_ops=True)
+    with pytest.raises(ValueError, match="fused_ops"):
+        ModelRunner(tiny.model, pool, DENSE, fused_ops="yes")
+
+
 # -- chunked prefill ------------------------------------------------------------------------
 @pytest.mark.parametrize("config", [DENSE, SparseConfig(alpha=0.1, block_size=64, sink_tokens=64,
                                                         window_tokens=128)], ids=["dense", "sparse"])

@@ -1,0 +1,81 @@
+"""Fused RMSNorm and SiLU-and-multiply: the memory-bound steps of a Llama-style layer outside
+attention and the linear layers.
+
+At long context these steps are a large share of a prefill forward that sparse attention has
+already made cheap: at 128K tokens each eager RMSNorm of transformers moves ~18 GB (an fp32 copy
+of the ``[T, 4096]`` hidden states, its square, the scaling, the casts) and each eager
+``act_fn(gate) * up`` ~19 GB; the fused kernels move 2 GB and 11 GB (one read of each input, one
+write). Same contract as the eager modules, step for step and dtype for dtype:
+
+- ``rms_norm(x, weight, eps)`` = ``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``
+  (transformers' ``LlamaRMSNorm``: the normalized row is rounded to ``x``'s dtype before the weight
+  multiply; the result's dtype follows torch's promotion of ``weight`` and ``x``);
+- ``silu_mul(gate, up)`` = ``silu(gate) * up`` (silu rounded to the input dtype first, as eager).
+
+Results match the reference to rounding (the sum of squares is reduced in another order).
+``backend``: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"triton"`` (CUDA, or
+CPU under ``TRITON_INTERPRET=1``), ``"reference"``. No autograd: inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_tensor
+from .ops import triton_available
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def _resolve(backend: object, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
+    if backend == "triton" and not triton_available(device):
+        raise ValueError(f"backend: 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got tensors on {device}")
+    return backend
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x [..., n]`` with ``weight [n]`` (see the module doc)."""
+    x = check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    weight = check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    if x.dim() == 0 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight: expected shape [{x.shape[-1] if x.dim() else '?'}] (x's last dimension), "
+                         f"got {tuple(weight.shape)} for x of shape {tuple(x.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a float >= 0, got {eps!r}")
+    if _resolve(backend, x.device) == "reference":
+        return rms_norm_reference(x, weight, eps)
+    from . import triton_elementwise
+
+    n = x.shape[-1]
+    x2d = x.reshape(-1, n)
+    if n and x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = triton_elementwise.rms_norm(x2d, weight.contiguous(), float(eps), torch.promote_types(weight.dtype, x.dtype))
+    return out.view(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate`` and ``up`` of one shape and dtype (see the module doc)."""
+    gate = check_tensor("gate", gate, dtypes=FLOAT_DTYPES)
+    up = check_tensor("up", up, dtypes=(gate.dtype,), device=gate.device)
+    if up.shape != gate.shape:
+        raise ValueError(f"up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if _resolve(backend, gate.device) == "reference":
+        return silu_mul_reference(gate, up)
+    from . import triton_elementwise
+
+    return triton_elementwise.silu_mul(gate.contiguous(), up.contiguous())

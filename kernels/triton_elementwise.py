@@ -1,0 +1,91 @@
+"""Triton kernels for the model's memory-bound elementwise steps (see ``kernels/elementwise.py``).
+
+Both compute what transformers' eager modules compute, step for step and in the same dtypes,
+but read each input once and write the output once: eager RMSNorm makes ~9 passes over the
+hidden states (an fp32 copy, its square, the mean, the scaling, the cast back, the weight
+multiply), eager SiLU-and-multiply three over the ``[T, intermediate]`` activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# rows of RMSNorm per program: one row of the usual hidden sizes (4K-16K) fills a program;
+# narrow rows (the tiny test models) are packed so a program still moves a few KB
+_RMS_ROW_ELEMS = 4096
+_SILU_BLOCK = 2048
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, W, Y, n_rows, n_cols, stride_x, stride_y, eps,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    x_rows = X + rows[:, None] * stride_x
+    y_rows = Y + rows[:, None] * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE:  # the whole row in registers: one read, one write
+        mask = row_ok[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        normed = (x * inv[:, None]).to(X.dtype.element_ty)  # transformers: .to(input_dtype) first
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0)
+        y = w[None, :].to(tl.float32) * normed.to(tl.float32)  # then weight * that, rounded once
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:  # rows wider than a block: sum of squares first, then scale (two reads)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c[None, :] < n_cols)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += x * x
+        inv = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c[None, :] < n_cols)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            normed = (x * inv[:, None]).to(X.dtype.element_ty)
+            w = tl.load(W + c, mask=c < n_cols, other=0.0)
+            y = w[None, :].to(tl.float32) * normed.to(tl.float32)
+            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)  # silu(gate) in the input dtype, as eager
+    tl.store(Y + offs, (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x2d: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x2d [rows, n]`` with a unit last stride (checked by the caller)."""
+    rows, n = x2d.shape
+    y = torch.empty((rows, n), dtype=out_dtype, device=x2d.device)
+    if rows == 0 or n == 0:
+        return y
+    block_n = min(triton.next_power_of_2(n), 8192)
+    single = block_n >= n
+    per_row = max(1, _RMS_ROW_ELEMS // block_n)
+    rows_per_program = min(triton.next_power_of_2(per_row), triton.next_power_of_2(rows))
+    grid = (triton.cdiv(rows, rows_per_program),)
+    _rms_norm_kernel[grid](
+        x2d, weight, y, rows, n, x2d.stride(0), y.stride(0), float(eps),
+        BLOCK_N=block_n, ROWS=rows_per_program, SINGLE=single, num_warps=8 if block_n >= 2048 else 4,
+    )
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``gate`` and ``up`` of one shape and dtype (checked by the caller)."""
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, _SILU_BLOCK),)](gate, up, y, n, BLOCK=_SILU_BLOCK, num_warps=4)
+    return y

@@ -1,0 +1,126 @@
+"""kernels/elementwise.py: fused RMSNorm and SiLU-and-multiply against transformers' own eager
+modules (the contract) and against the references, the Triton kernels under the interpreter on
+CPU (CI) and on CUDA (``gpu`` marker)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import elementwise as ew
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's last place at the values' magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    return ((a.float() - b.float()).abs() / (scale * eps)).max().item()
+
+
+def _llama_norm(n: int, eps: float, dtype: torch.dtype, device: str, weight: torch.Tensor):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    m = LlamaRMSNorm(n, eps=eps).to(device=device, dtype=weight.dtype)
+    with torch.no_grad():
+        m.weight.copy_(weight)
+    return m
+
+
+# (shape, dtype, weight dtype): rows of a prefill batch, a narrow head-dim norm (Qwen3's q/k
+# norms), a non-power-of-two width, a row wider than one block (two-pass path), a 3-D input
+@pytest.mark.parametrize("shape,dtype,wdtype", [
+    ((37, 256), torch.bfloat16, torch.bfloat16),
+    ((5, 3, 128), torch.float16, torch.float16),
+    ((9, 96), torch.float32, torch.float32),
+    ((3, 10000), torch.bfloat16, torch.bfloat16),
+    ((4, 200), torch.bfloat16, torch.float32),  # promotion: fp32 weight, bf16 rows -> fp32 out
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_matches_transformers(shape, dtype, wdtype, device):
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(wdtype).to(device)
+    eps = 1e-5
+    with torch.no_grad():
+        expect = _llama_norm(shape[-1], eps, dtype, device, w)(x)
+    got = ew.rms_norm(x, w, eps, backend="triton")
+    assert got.dtype == expect.dtype == torch.promote_types(wdtype, dtype) and got.shape == x.shape
+    # the normalized row rounds to x's dtype before the weight multiply: at most one ulp of that
+    # rounding (the sum of squares is reduced in another order), then the same exact multiply
+    assert _ulps(got, expect) <= 2.0
+    assert torch.equal(ew.rms_norm(x, w, eps, backend="reference"), expect)  # the reference is eager's math
+
+
+@pytest.mark.parametrize("shape,dtype", [((33, 300), torch.bfloat16), ((2, 5, 64), torch.float16),
+                                         ((7, 50), torch.float32), ((0, 16), torch.bfloat16)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_matches_eager(shape, dtype, device):
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(7 + len(shape))
+    gate = (torch.randn(shape, generator=gen) * 4).to(dtype).to(device)
+    up = torch.randn(shape, generator=gen).to(dtype).to(device)
+    expect = torch.nn.SiLU()(gate) * up  # what LlamaMLP computes around its linear layers
+    got = ew.silu_mul(gate, up, backend="triton")
+    assert got.dtype == dtype and got.shape == gate.shape
+    if gate.numel():
+        assert _ulps(got, expect) <= 4.0  # exp and the division differ by an ulp or two in fp32
+
+
+@needs_triton
+def test_non_contiguous_inputs_and_auto_on_cpu():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 40, generator=gen).to(torch.bfloat16)[:, ::2]  # last stride 2
+    w = torch.rand(20, generator=gen).to(torch.bfloat16) + 0.5
+    assert _ulps(ew.rms_norm(x, w, 1e-6, backend="triton"), ew.rms_norm_reference(x, w, 1e-6)) <= 2.0
+    g = torch.randn(30, 8, generator=gen).t()  # transposed
+    u = torch.randn(8, 30, generator=gen)
+    assert _ulps(ew.silu_mul(g, u, backend="triton"), ew.silu_mul_reference(g, u)) <= 2.0
+    # auto on CPU is the reference, bit for bit
+    assert torch.equal(ew.silu_mul(g, u), ew.silu_mul_reference(g, u))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ew.rms_norm([1.0], torch.ones(1), 1e-6), "x"),
+    (lambda: ew.rms_norm(torch.ones(2, 3, dtype=torch.int32), torch.ones(3), 1e-6), "x"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(4), 1e-6), "weight"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(1, 3), 1e-6), "weight"),
+    (lambda: ew.rms_norm(torch.ones(()), torch.ones(1), 1e-6), "weight"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(3), -1.0), "eps"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(3), float("nan")), "eps"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(3), True), "eps"),
+    (lambda: ew.rms_norm(torch.ones(2, 3), torch.ones(3), 1e-6, backend="cuda"), "backend"),
+    (lambda: ew.silu_mul(torch.ones(2, 3), torch.ones(3, 2)), "up"),
+    (lambda: ew.silu_mul(torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float16)), "up"),
+    (lambda: ew.silu_mul("gate", torch.ones(2)), "gate"),
+])
+def test_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_triton_backend_refused_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        ew.silu_mul(torch.ones(2), torch.ones(2), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_sized_rows():
+    """A 8K-token slice of a Llama-3.1-8B prefill: hidden 4096 (single pass), intermediate 14336."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(8192, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=gen)).to(torch.bfloat16)
+    assert _ulps(ew.rms_norm(x, w, 1e-5), ew.rms_norm_reference(x, w, 1e-5)) <= 2.0
+    g = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
+    u = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
+    assert _ulps(ew.silu_mul(g, u), ew.silu_mul_reference(g, u)) <= 2.0
