@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Run bench_service cells on a GPU host as one detached plan that outlives the shell that started
+# it (a session of its own), merging every cell into one results file, and poll it.
+#
+#   bash scripts/service_plan.sh start DIR "sparse_fp8:1,16,4" "sparse_bf16_chunk8k:1,16,4" ...
+#   bash scripts/service_plan.sh poll DIR [SECONDS]   # wait up to SECONDS (default 540) or until done
+#
+# Each "config:rates" item is one `bench_service.py --configs config --rates rates --merge` run
+# into DIR/service_h200.json, in order, with 100 requests a cell, drained (cells end when their
+# last request finishes; a request is cut only 450 s after the 150 s sending window: $CELL_OPTS
+# replaces those four options). Extra bench_service options go in $SERVICE_OPTS (e.g. "--gpus 2"). DIR/log has every run's output;
+# `poll` prints the progress lines and, where $OUT is set, copies the JSON, plots and log there.
+# Needs Ray importable (see ../shared/device/stage-wheels.sh) and, for the CUTLASS attention
+# stage, FLASHPREFILL_CUTLASS_LIB; GIT_COMMIT names the commit in the records; $PYTHON the
+# interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-}; dir=${2:-}
+[ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start DIR config:rates... | poll DIR [SECONDS]" >&2; exit 2; }
+case $cmd in
+  start)
+    shift 2
+    [ $# -gt 0 ] || { echo "start: name at least one config:rates item" >&2; exit 2; }
+    mkdir -p "$dir"
+    common="--gpus 1 ${CELL_OPTS:---requests 100 --cell-seconds 150 --drain-seconds 450 --request-timeout 600} ${SERVICE_OPTS:-}"
+    plan=""
+    for item in "$@"; do
+      case $item in *:*) ;; *) echo "start: expected config:rates, got '$item'" >&2; exit 2 ;; esac
+      plan+="${PYTHON:-python3} benchmarks/bench_service.py $common --out $dir/service_h200.json --merge"
+      plan+=" --configs ${item%%:*} --rates ${item#*:}; "
+    done
+    echo "plan: $plan" > "$dir/log"
+    PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 setsid nohup bash -c "$plan echo PLAN-DONE" >> "$dir/log" 2>&1 < /dev/null &
+    echo "started plan (session $!): $dir/log"
+    ;;
+  poll)
+    limit=${3:-540}; t0=$(date +%s)
+    while ! grep -q PLAN-DONE "$dir/log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    grep -E '^\[[a-z0-9_]+\] (rate|deployed|prefill attention)|^wrote|Traceback|Error' "$dir/log" | tail -n 40
+    grep -q PLAN-DONE "$dir/log" && echo "PLAN-DONE" || echo "still running after ${limit}s"
+    if [ -n "${OUT:-}" ]; then cp "$dir"/service_h200*.json "$dir"/*.png "$dir/log" "$OUT"/ 2>/dev/null; fi
+    ;;
+  *) echo "usage: $0 start DIR config:rates... | poll DIR [SECONDS]" >&2; exit 2 ;;
+esac
