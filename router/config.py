@@ -93,6 +93,8 @@ class ServiceConfig:
         acknowledges (a crashed ingress), then frees them.
     expected_density: the routing cost model's expected fraction of causal pairs computed
         by sparse prefill above ``dense_below``.
+    fused_ops: on CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels
+        (``model_executor/fused.py``, the eager modules' math); ``False``: transformers' eager modules.
     debug_routing: add replica ids to responses (the ``routing`` field).
     torch_threads: intra-op threads per worker replica (0: leave torch's default).
     decode_resumes: how many times a stream whose decode replica died is resumed (prompt +
@@ -132,6 +134,7 @@ class ServiceConfig:
     transfer_retries: int = 2
     lease_timeout_s: float = 120.0
     expected_density: float = 0.3
+    fused_ops: bool = True
     debug_routing: bool = False
     torch_threads: int = 0
     retry_after_s: int = 1
@@ -188,6 +191,8 @@ class ServiceConfig:
             raise ValueError("auth_token: expected a non-empty string or None (the value is not shown)")
         if self.auth_token_env is not None and (not isinstance(self.auth_token_env, str) or not self.auth_token_env):
             raise ValueError(f"auth_token_env: expected an environment variable name or None, got {self.auth_token_env!r}")
+        if not isinstance(self.fused_ops, bool):
+            raise ValueError(f"fused_ops: expected a bool, got {self.fused_ops!r}")
         if not isinstance(self.debug_routing, bool):
             raise ValueError(f"debug_routing: expected a bool, got {self.debug_routing!r}")
         self.sparse_config  # validates alpha, block_size, sink/window via SparseConfig

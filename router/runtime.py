@@ -72,7 +72,8 @@ class WorkerRuntime:
             )
         )
         runner = ModelRunner(
-            loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device
+            loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device,
+            fused_ops=None if config.fused_ops else False,  # None: fused where the runner runs kernels (CUDA)
         )
         if pool.k_scale is not None:  # same prompt, same model: every replica gets the same scales
             runner.calibrate_kv_scales(margin=config.kv_scale_margin)

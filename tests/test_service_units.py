@@ -248,6 +248,26 @@ def test_service_config():
                 {"block_size": 100}, {"fault_injection": {"mode": "melt"}}, {"debug_routing": "yes"}):
         with pytest.raises((ValueError, TypeError)):
             ServiceConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="fused_ops"):
+        ServiceConfig.from_dict({"fused_ops": "yes"})
+
+
+@pytest.mark.parametrize("fused_ops,expect", [(True, None), (False, False)])
+def test_fused_ops_option_reaches_the_runner(monkeypatch, fused_ops, expect):
+    """True leaves the choice to the runner (fused on CUDA), False forces the eager modules."""
+    from model_executor import runner as runner_mod
+    from router.runtime import WorkerRuntime
+
+    seen = []
+    real = runner_mod.ModelRunner
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fused_ops", "missing"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "ModelRunner", spy)
+    rt = WorkerRuntime.build(ServiceConfig(fused_ops=fused_ops), num_pages=4)
+    assert seen == [expect] and rt.runner.fused_counts == {"rms_norm": 0, "silu_mul": 0}  # CPU: eager either way
 
 
 # ----------------------------------------------------------------------------- structured models
