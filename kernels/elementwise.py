@@ -1,5 +1,5 @@
-"""Fused RMSNorm and SiLU-and-multiply: the memory-bound steps of a Llama-style layer outside
-attention and the linear layers.
+"""Fused RMSNorm, SiLU-and-multiply and rotary embedding: the memory-bound steps of a
+Llama-style layer outside attention and the linear layers.
 
 At long context these steps are a large share of a prefill forward that sparse attention has
 already made cheap: at 128K tokens each eager RMSNorm of transformers moves ~18 GB (an fp32 copy
@@ -10,7 +10,10 @@ write). Same contract as the eager modules, step for step and dtype for dtype:
 - ``rms_norm(x, weight, eps)`` = ``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``
   (transformers' ``LlamaRMSNorm``: the normalized row is rounded to ``x``'s dtype before the weight
   multiply; the result's dtype follows torch's promotion of ``weight`` and ``x``);
-- ``silu_mul(gate, up)`` = ``silu(gate) * up`` (silu rounded to the input dtype first, as eager).
+- ``silu_mul(gate, up)`` = ``silu(gate) * up`` (silu rounded to the input dtype first, as eager);
+- ``rotary(x, cos, sin)`` = ``x * cos + rotate_half(x) * sin`` on tokens-major ``[T, H, d]`` (each
+  product and the sum rounded to ``x``'s dtype, as eager; bit for bit), written contiguous, so
+  the paged attention needs no transposed copy of q and k.
 
 Results match the reference to rounding (the sum of squares is reduced in another order).
 ``backend``: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"triton"`` (CUDA, or
@@ -35,6 +38,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` on tokens-major ``x [T, H, d]`` with ``cos``/``sin [T, d]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def _resolve(backend: object, device: torch.device) -> str:
@@ -79,3 +89,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> 
     from . import triton_elementwise
 
     return triton_elementwise.silu_mul(gate.contiguous(), up.contiguous())
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Rotary position embedding (the rotate-half form of Llama and transformers) of tokens-major
+    ``x [T, H, d]`` with ``cos``/``sin [T, d]`` in ``x``'s dtype: ``x * cos + rotate_half(x) * sin``,
+    each product and the sum rounded to ``x``'s dtype as eager does; returns a new contiguous
+    ``[T, H, d]`` (no transposed copy for the attention that follows)."""
+    x = check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    cos = check_tensor("cos", cos, ndim=2, dtypes=(x.dtype,), device=x.device)
+    sin = check_tensor("sin", sin, ndim=2, dtypes=(x.dtype,), device=x.device)
+    t, _, d = x.shape
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != (t, d):
+            raise ValueError(f"{name}: expected shape [{t}, {d}] (x's tokens and head_dim), got {tuple(c.shape)}")
+    if d < 2 or d % 2 or (d // 2) & (d // 2 - 1):
+        raise ValueError(f"x: expected a head_dim of twice a power of two (64, 128, 256, ...), got {d}")
+    if _resolve(backend, x.device) == "reference":
+        return rotary_reference(x, cos, sin)
+    from . import triton_elementwise
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return triton_elementwise.rotary(x, cos if cos.stride(-1) == 1 else cos.contiguous(),
+                                     sin if sin.stride(-1) == 1 else sin.contiguous())

@@ -89,3 +89,44 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n:
         _silu_mul_kernel[(triton.cdiv(n, _SILU_BLOCK),)](gate, up, y, n, BLOCK=_SILU_BLOCK, num_warps=4)
     return y
+
+
+@triton.jit
+def _rotary_kernel(
+    X, Y, COS, SIN, n_heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_ct, stride_st,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HALF)
+    mask = (heads < n_heads)[:, None]
+    x_ptr = X + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+    y_ptr = Y + t * stride_yt + heads[:, None] * stride_yh + cols[None, :]
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + t * stride_ct + cols).to(tl.float32)[None, :]
+    c2 = tl.load(COS + t * stride_ct + HALF + cols).to(tl.float32)[None, :]
+    s1 = tl.load(SIN + t * stride_st + cols).to(tl.float32)[None, :]
+    s2 = tl.load(SIN + t * stride_st + HALF + cols).to(tl.float32)[None, :]
+    dt = Y.dtype.element_ty
+    # transformers: q * cos + rotate_half(q) * sin, each product and the sum rounded to q's dtype
+    # (rotate_half(q) = cat(-q2, q1): exact)
+    y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(y_ptr, y1.to(dt), mask=mask)
+    tl.store(y_ptr + HALF, y2.to(dt), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, d]`` (unit last stride), ``cos``/``sin`` ``[T, d]`` (unit last stride), d even and
+    d/2 a power of two (checked by the caller) -> a new contiguous ``[T, H, d]``."""
+    t, h, d = x.shape
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return y
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // d))
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](
+        x, y, cos, sin, h, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), sin.stride(0),
+        HALF=d // 2, BLOCK_H=block_h, num_warps=4,
+    )
+    return y

@@ -1,11 +1,16 @@
-"""Fused elementwise steps inside a transformers model: RMSNorm and the SiLU-gated MLP's
-``act_fn(gate) * up`` run as one kernel each (``kernels/elementwise.py``), as vLLM's and SGLang's
-model code does, instead of transformers' eager ops.
+"""Fused elementwise steps inside a transformers model: RMSNorm, the SiLU-gated MLP's
+``act_fn(gate) * up`` and the attention's rotary embedding run as one kernel each
+(``kernels/elementwise.py``), as vLLM's and SGLang's model code does, instead of transformers'
+eager ops.
 
 Only modules whose eager forward is known to be exactly that math are replaced (by class name,
 and only in their plain form: a weight-only RMSNorm with ``variance_epsilon``; an MLP with
-``gate_proj``/``up_proj``/``down_proj`` and a SiLU ``act_fn``), so Gemma's ``(1 + weight)`` norm or a
-GELU MLP keep transformers' code. The replacement is per instance (``module.forward``), never on
+``gate_proj``/``up_proj``/``down_proj`` and a SiLU ``act_fn``; ``LlamaAttention``, whose forward
+is projections, rotate-half RoPE, the attention function, ``o_proj``), so Gemma's ``(1 + weight)``
+norm, a GELU MLP or Qwen3's q/k norms keep transformers' code. The fused attention forward
+applies RoPE straight into the tokens-major layout our paged attention reads (no transposed
+copies of q, k, v) and runs only under ``fpv2_paged`` without a transformers cache; anything
+else goes to the class's own forward. The replacement is per instance (``module.forward``), never on
 the class, so other models in the process are untouched; ``uninstall`` restores the eager forwards
 (the baselines that time stock transformers on the same model object call it).
 """
@@ -20,7 +25,9 @@ from kernels import elementwise
 
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+ATTENTION_CLASSES = frozenset({"LlamaAttention"})  # no sliding window, no q/k norms
 _BACKEND_ATTR = "_flashprefill_fused_backend"
+KINDS = ("rms_norm", "silu_mul", "rotary")
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -33,7 +40,30 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(act)
 
 
-_FORWARDS = (_norm_forward, _mlp_forward)
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, **kwargs):
+    from .attention import ATTENTION_NAME, paged_attention_forward
+
+    d = self.head_dim
+    if (past_key_values is not None or position_embeddings is None or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1 or self.config._attn_implementation != ATTENTION_NAME
+            or tuple(position_embeddings[0].shape[-2:]) != (hidden_states.shape[1], d)):
+        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    n = hidden_states.shape[1]
+    backend = getattr(self, _BACKEND_ATTR)
+    cos, sin = (c.reshape(n, d) for c in position_embeddings)
+    q = elementwise.rotary(self.q_proj(hidden_states).view(n, -1, d), cos, sin, backend=backend)
+    k = elementwise.rotary(self.k_proj(hidden_states).view(n, -1, d), cos, sin, backend=backend)
+    v = self.v_proj(hidden_states).view(n, -1, d)
+    # [1, H, T, d] views of the tokens-major tensors: the attention's layout change is then free
+    out, weights = paged_attention_forward(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attention_mask, dropout=0.0,
+                                           scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(1, n, -1)), weights
+
+
+_FORWARDS = {_norm_forward: "rms_norm", _mlp_forward: "silu_mul", _attention_forward: "rotary"}
 
 
 def _plain_norm(module: torch.nn.Module) -> bool:
@@ -49,18 +79,27 @@ def _silu_mlp(module: torch.nn.Module) -> bool:
             and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
 
 
+def _rope_attention(module: torch.nn.Module) -> bool:
+    d = getattr(module, "head_dim", None)
+    return (type(module).__name__ in ATTENTION_CLASSES and isinstance(d, int) and d >= 2 and d % 2 == 0
+            and (d // 2) & (d // 2 - 1) == 0 and isinstance(getattr(module, "scaling", None), float)
+            and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")))
+
+
 def install(model: torch.nn.Module, *, backend: str = "auto") -> dict[str, int]:
-    """Replace the plain RMSNorms and SiLU MLPs of ``model`` (see the module doc); idempotent.
-    ``backend``: ``kernels.elementwise``'s (``"auto"``: Triton on CUDA). Returns how many modules
-    of each kind now run fused."""
+    """Replace the plain RMSNorms, SiLU MLPs and rotate-half attentions of ``model`` (see the
+    module doc); idempotent. ``backend``: ``kernels.elementwise``'s (``"auto"``: Triton on CUDA).
+    Returns how many modules of each kind now run fused."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
-    counts = {"rms_norm": 0, "silu_mul": 0}
+    counts = dict.fromkeys(KINDS, 0)
     for module in model.modules():
         if _plain_norm(module):
             kind, forward = "rms_norm", _norm_forward
         elif _silu_mlp(module):
             kind, forward = "silu_mul", _mlp_forward
+        elif _rope_attention(module):
+            kind, forward = "rotary", _attention_forward
         else:
             continue
         setattr(module, _BACKEND_ATTR, backend)
@@ -83,11 +122,9 @@ def uninstall(model: torch.nn.Module) -> int:
 
 def installed(model: torch.nn.Module) -> dict[str, int]:
     """How many modules of ``model`` run fused now, by kind."""
-    counts = {"rms_norm": 0, "silu_mul": 0}
+    counts = dict.fromkeys(KINDS, 0)
     for module in model.modules():
-        func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if func is _norm_forward:
-            counts["rms_norm"] += 1
-        elif func is _mlp_forward:
-            counts["silu_mul"] += 1
+        kind = _FORWARDS.get(getattr(module.__dict__.get("forward"), "__func__", None))
+        if kind is not None:
+            counts[kind] += 1
     return counts

@@ -57,7 +57,7 @@ def test_cpu_smoke_run(bench, tmp_path):
         assert r["ttft_ms"] > 0 and r["sdpa_ttft_ms"] > 0 and 0 < r["density"] <= 1
         assert len(r["density_per_layer"]) == 2  # the tiny model's layers
         assert r["first_tokens_match"] == 1.0
-    assert all(r["fused_ops"] == "auto" and r["fused_counts"] == {"rms_norm": 0, "silu_mul": 0} for r in rows)  # CPU
+    assert all(r["fused_ops"] == "auto" and r["fused_counts"] == {"rms_norm": 0, "silu_mul": 0, "rotary": 0} for r in rows)  # CPU
     assert rows[0]["decode_ms_per_step"] > 0 and rows[0]["sdpa_decode_ms_per_step"] > 0
     assert "note" in rows[0] and "random weights" in rows[0]["note"]
 
@@ -71,7 +71,7 @@ def test_cpu_smoke_run_with_fused_ops(bench, tmp_path, monkeypatch):
                          "--out", str(out)])
     (row,) = result["rows"]
     assert row["status"] == "ok", row["errors"]
-    assert row["fused_ops"] == "on" and row["fused_counts"] == {"rms_norm": 5, "silu_mul": 2}  # 2 layers + final norm
+    assert row["fused_ops"] == "on" and row["fused_counts"] == {"rms_norm": 5, "silu_mul": 2, "rotary": 2}  # 2 layers + final norm
     assert row["first_tokens_match"] == 1.0 and row["sdpa_ttft_ms"] > 0
 
 
@@ -82,4 +82,4 @@ def test_sdpa_baseline_runs_stock_transformers(bench):
     fused.install(model)
     assert fused.installed(model)["rms_norm"] > 0
     bench.Sdpa(model, torch.device("cpu"))
-    assert fused.installed(model) == {"rms_norm": 0, "silu_mul": 0}
+    assert fused.installed(model) == {"rms_norm": 0, "silu_mul": 0, "rotary": 0}

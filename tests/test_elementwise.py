@@ -124,3 +124,57 @@ def test_gpu_prefill_sized_rows():
     g = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
     u = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
     assert _ulps(ew.silu_mul(g, u), ew.silu_mul_reference(g, u)) <= 2.0
+
+
+# ----------------------------------------------------------------------------- rotary
+def _cos_sin(positions: torch.Tensor, d: int, dtype: torch.dtype, base: float = 500000.0):
+    """As transformers' LlamaRotaryEmbedding builds them: cat(freqs, freqs), cos/sin in fp32, cast."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,dtype", [
+    (40, 4, 2, 64, torch.bfloat16), (7, 3, 1, 128, torch.float16), (19, 2, 2, 32, torch.float32), (0, 2, 1, 64, torch.bfloat16)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_matches_transformers(t, hq, hkv, d, dtype, device):
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(t * 131 + d)
+    q = (torch.randn(t, hq, d, generator=gen) * 2).to(dtype).to(device)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype).to(device)
+    positions = torch.randint(0, 131072, (t,), generator=gen)  # packed sequences: any positions
+    cos, sin = (c.to(device) for c in _cos_sin(positions, d, dtype))
+    # transformers' layout: [1, H, T, d] and cos/sin [1, T, d]
+    eq, ek = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    got_q = ew.rotary(q, cos, sin, backend="triton")
+    got_k = ew.rotary(k, cos, sin, backend="triton")
+    assert got_q.is_contiguous() and got_q.shape == q.shape and got_q.dtype == dtype
+    if t:
+        # the same products and sum, each rounded to the dtype: bit for bit
+        assert torch.equal(got_q, eq[0].transpose(0, 1)) and torch.equal(got_k, ek[0].transpose(0, 1))
+        assert torch.equal(ew.rotary(q, cos, sin, backend="reference"), eq[0].transpose(0, 1))
+
+
+@needs_triton
+def test_rotary_strided_input():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 16, 3, generator=gen).to(torch.bfloat16).permute(0, 2, 1)  # [9, 3, 16], last stride 3
+    cos, sin = _cos_sin(torch.arange(9), 16, torch.bfloat16)
+    assert torch.equal(ew.rotary(x, cos, sin, backend="triton"), ew.rotary_reference(x, cos, sin))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ew.rotary(torch.ones(2, 3, 4, 8), torch.ones(2, 8), torch.ones(2, 8)), "x"),
+    (lambda: ew.rotary(torch.ones(2, 3, 8), torch.ones(3, 8), torch.ones(2, 8)), "cos"),
+    (lambda: ew.rotary(torch.ones(2, 3, 8), torch.ones(2, 8), torch.ones(2, 4)), "sin"),
+    (lambda: ew.rotary(torch.ones(2, 3, 8), torch.ones(2, 8, dtype=torch.float16), torch.ones(2, 8)), "cos"),
+    (lambda: ew.rotary(torch.ones(2, 3, 96), torch.ones(2, 96), torch.ones(2, 96)), "head_dim"),
+    (lambda: ew.rotary(torch.ones(2, 3, 7), torch.ones(2, 7), torch.ones(2, 7)), "head_dim"),
+])
+def test_rotary_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

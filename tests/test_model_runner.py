@@ -164,14 +164,19 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from model_executor import fused
 
+    from kernels import elementwise
+
     layers = tiny.model.config.num_hidden_layers
     prompts = _prompts([90, 33], seed=5)
     logits = {}
+    rotary_calls = []
+    real_rotary = elementwise.rotary
+    monkeypatch.setattr(elementwise, "rotary", lambda *a, **k: rotary_calls.append(1) or real_rotary(*a, **k))
     for mode in (False, True):
         pool = make_pool(tiny, num_pages=16, page_size=64)
         runner = ModelRunner(tiny.model, pool, DENSE, dense_below=0, fused_ops=mode)
-        assert runner.fused_counts == ({"rms_norm": 2 * layers + 1, "silu_mul": layers} if mode
-                                       else {"rms_norm": 0, "silu_mul": 0})
+        assert runner.fused_counts == ({"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers} if mode
+                                       else {"rms_norm": 0, "silu_mul": 0, "rotary": 0})
         for i, p in enumerate(prompts):
             runner.ensure_capacity(f"r{i}", len(p))
         logits[mode] = runner.prefill([PrefillItem(f"r{i}", p) for i, p in enumerate(prompts)])
@@ -180,11 +185,29 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
         logits[(mode, "decode")] = runner.decode(["r0", "r1"], [3, 4])
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[(True, "decode")], logits[(False, "decode")], atol=1e-4, rtol=1e-4)
+    assert len(rotary_calls) == 2 * 2 * layers  # q and k of every layer, prefill and decode: the fused path ran
     # the default on CPU: eager (and it takes back what an earlier runner installed)
     fused.install(tiny.model)
     runner = ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=64), DENSE)
-    assert runner.fused_counts == {"rms_norm": 0, "silu_mul": 0} == fused.installed(tiny.model)
+    assert runner.fused_counts == {"rms_norm": 0, "silu_mul": 0, "rotary": 0} == fused.installed(tiny.model)
     assert all("forward" not in m.__dict__ for m in tiny.model.modules())
+
+
+def test_fused_attention_falls_back_outside_the_paged_runner():
+    """With a transformers cache (sdpa, generate) the fused attention forward hands over to the
+    class's own; fused norms/MLPs on the reference backend are eager's math: same logits, bit for bit."""
+    from model_executor import fused
+
+    model = build_tiny_model(seed=0, attn_implementation="sdpa").model
+    ids = torch.tensor([_prompts([21], seed=2)[0]])
+    with torch.no_grad():
+        want = model(ids, use_cache=True).logits
+        assert fused.install(model, backend="reference")["rotary"] == model.config.num_hidden_layers
+        got = model(ids, use_cache=True).logits
+    assert torch.equal(got, want)
+    layers = model.config.num_hidden_layers
+    assert fused.uninstall(model) == (2 * layers + 1) + layers + layers  # norms, MLPs, attentions
+    assert fused.installed(model) == {"rms_norm": 0, "silu_mul": 0, "rotary": 0}
 
 
 def test_fused_install_leaves_unknown_modules_alone():
@@ -203,7 +226,7 @@ def test_fused_install_leaves_unknown_modules_alone():
             self.act_fn = torch.nn.GELU()
 
     model = torch.nn.Sequential(GemmaRMSNorm(), LlamaMLP())
-    assert fused.install(model) == {"rms_norm": 0, "silu_mul": 0} and fused.uninstall(model) == 0
+    assert fused.install(model) == {"rms_norm": 0, "silu_mul": 0, "rotary": 0} and fused.uninstall(model) == 0
     with pytest.raises(ValueError, match="backend"):
         fused.install(model, backend="cuda")
 

@@ -267,7 +267,7 @@ def test_fused_ops_option_reaches_the_runner(monkeypatch, fused_ops, expect):
 
     monkeypatch.setattr(runner_mod, "ModelRunner", spy)
     rt = WorkerRuntime.build(ServiceConfig(fused_ops=fused_ops), num_pages=4)
-    assert seen == [expect] and rt.runner.fused_counts == {"rms_norm": 0, "silu_mul": 0}  # CPU: eager either way
+    assert seen == [expect] and rt.runner.fused_counts == {"rms_norm": 0, "silu_mul": 0, "rotary": 0}  # CPU: eager either way
 
 
 # ----------------------------------------------------------------------------- structured models
