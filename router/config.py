@@ -17,6 +17,7 @@ from kernels.config import SparseConfig
 TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.deployment.PrefillBatcher
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
 
@@ -79,6 +80,10 @@ class ServiceConfig:
         off, whole prompts per forward). At most ``max_batch_tokens``.
     max_queued_prefill_tokens: prompt tokens a prefill replica accepts into its queue before
         it answers "overloaded" (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After).
+    prefill_schedule: the order in which a prefill replica takes its waiting prompts: "fcfs"
+        (arrival order) or "shortest_first" (least causal work first: a lower median TTFT under
+        overload, longer waits for long prompts), where a prompt waiting ``prefill_max_wait_s``
+        or more goes ahead of all younger ones.
     max_running: requests one decode replica decodes per step.
     max_model_len: prompt + generated tokens per request.
     transport: how KV pages travel from prefill to decode. "object_store": framed CPU bytes
@@ -127,6 +132,8 @@ class ServiceConfig:
     prefill_chunk_tokens: int | None = None
     batch_wait_ms: float = 2.0
     max_queued_prefill_tokens: int = 262144
+    prefill_schedule: str = "fcfs"
+    prefill_max_wait_s: float = 30.0
     max_running: int = 64
     max_model_len: int = 32768
     default_max_tokens: int = 16
@@ -176,6 +183,9 @@ class ServiceConfig:
                     f"{self.prefill_chunk_tokens}: raise max_batch_tokens or use smaller chunks")
         _float("batch_wait_ms", self.batch_wait_ms, 0.0, 10_000.0)
         _int("max_queued_prefill_tokens", self.max_queued_prefill_tokens, 1)
+        if self.prefill_schedule not in PREFILL_SCHEDULES:
+            raise ValueError(f"prefill_schedule: expected one of {PREFILL_SCHEDULES}, got {self.prefill_schedule!r}")
+        _float("prefill_max_wait_s", self.prefill_max_wait_s, 0.0, 86400.0)
         _int("max_running", self.max_running, 1)
         _int("max_model_len", self.max_model_len, 2)
         _int("default_max_tokens", self.default_max_tokens, 1)

@@ -389,7 +389,7 @@ def test_merge_groups_records_failed_and_cut_groups(tmp_path):
     assert records[1]["error"] == "exit status 1, no partial results file; last log line: RuntimeError: boom"
     assert records[1]["log_tail"].startswith("starting\nTraceback") and records[0]["log_tail"] is None
     confs = bench.merge_groups(cfg, groups, records)
-    assert [c["name"] for c in confs] == list(bench.CONFIG_ORDER)
+    assert [c["name"] for c in confs] == list(bench.CONFIG_ORDER[:5])  # the five the groups named
     by = {c["name"]: c for c in confs}
     assert by["dense"]["status"] == by["sparse_bf16"]["status"] == "ok"
     assert by["dense"]["placement"] == {"group": 0, "gpus": ["0"], "layout": bench.layout_text(cfg)}
