@@ -22,6 +22,9 @@ sequence in every cell; ``--max-tokens`` (64) output tokens, which the structure
 always produces in full (no stop token). Arrival times: one seeded unit-rate sequence scaled by
 1/rate, so every cell replays the same workload, faster or slower.
 
+``--fused-ops off`` runs every configuration with ``ServiceConfig.fused_ops=False`` (transformers'
+eager norms, MLP and RoPE), as cells measured before the fused kernels existed did; default on.
+
 Placement: ``--gpus 1`` puts both replicas on one GPU (``num_gpus: 0.5`` each; KV pools 2560 and
 5120 pages of 64 tokens: 20 and 40 GiB next to 2 x 16 GB of weights); ``--gpus 2`` gives each its
 own GPU (4096 and 10240 pages). The prefill replica takes whole prompts up to the longest
@@ -154,6 +157,7 @@ class BenchConfig:
     http_port: int = 8000
     grpc_port: int = 9000
     transport: str = "auto"  # KV transport of every configuration (auto: CUDA IPC on a shared GPU, else NCCL)
+    fused_ops: bool = True  # ServiceConfig.fused_ops of every configuration (fused norms, MLP, RoPE on CUDA)
 
     def __post_init__(self) -> None:
         for name in self.configs:
@@ -203,6 +207,7 @@ def base_options(cfg: BenchConfig) -> dict[str, Any]:
         "default_max_tokens": cfg.max_tokens, "max_batch_tokens": longest,
         "max_queued_prefill_tokens": 1 << 40, "adopt_wait_s": 600.0, "lease_timeout_s": 900.0,
         "max_request_bytes": 16 << 20, "batch_wait_ms": 2.0, "transport": cfg.transport,
+        "fused_ops": cfg.fused_ops,
     }
     if cfg.smoke:
         return {**common, "device": "cpu", "dtype": "float32", "torch_threads": 1, "page_size": 16,
@@ -725,6 +730,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--transport", default=None, choices=("auto", "object_store", "nccl", "cuda_ipc"),
                     help="KV transport of every configuration (default auto: CUDA IPC on a shared GPU, "
                          "NCCL channels between GPUs)")
+    ap.add_argument("--fused-ops", choices=("on", "off"), default=None,
+                    help="ServiceConfig.fused_ops of every configuration (default on: fused RMSNorm, SiLU MLP and "
+                         "RoPE on CUDA; off: transformers' eager modules, as runs before these kernels)")
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--grpc-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
@@ -761,6 +769,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     values["fp8"] = args.fp8
     if args.transport is not None:
         values["transport"] = args.transport
+    if args.fused_ops is not None:
+        values["fused_ops"] = args.fused_ops == "on"
     groups = None
     if args.parallel is not None:
         for flag, given in (("--configs", args.configs is not None), ("--plot-only", args.plot_only),
@@ -888,7 +898,7 @@ def child_argv(cfg: BenchConfig, group: Group, *, out: Path, http_port: int, grp
              "--requests", str(cfg.requests), "--cell-seconds", repr(cfg.cell_seconds),
              "--drain-seconds", repr(cfg.drain_seconds), "--request-timeout", repr(cfg.request_timeout_s),
              "--lengths", ",".join(str(n) for n in cfg.lengths), "--max-tokens", str(cfg.max_tokens),
-             "--seed", str(cfg.seed), "--transport", cfg.transport,
+             "--seed", str(cfg.seed), "--transport", cfg.transport, "--fused-ops", "on" if cfg.fused_ops else "off",
              "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--out", str(out)]
     for flag, value in (("--prefill-kv-pages", cfg.prefill_kv_pages), ("--decode-kv-pages", cfg.decode_kv_pages),
                         ("--time-budget-s", time_budget_s)):

@@ -67,9 +67,15 @@ def test_bench_arguments():
     assert (cfg.gpus, cfg.configs, cfg.rates, cfg.requests, cfg.cell_seconds, cfg.drain_seconds, cfg.lengths) == \
         (2, ("dense", "sparse_bf16"), (1.0, 4.0), 12, 15.0, 10.0, (4096, 8192))
     assert cfg.run_configs == ("dense", "sparse_bf16", "sparse_fp8")
+    assert cfg.fused_ops is True and bench.service_options(cfg, "dense")["fused_ops"] is True
+    off, _ = bench.parse_args(["--fused-ops", "off", "--configs", "sparse_bf16_sjf"])
+    assert bench.service_options(off, "sparse_bf16_sjf")["fused_ops"] is False
+    assert bench.resolve_service_config(bench.service_options(off, "sparse_bf16_sjf"))[0].prefill_schedule == "shortest_first"
+    assert "--fused-ops off" in " ".join(bench.child_argv(off, bench.Group(0, ("sparse_bf16",)), out=Path("x"),
+                                                          http_port=1, grpc_port=2, time_budget_s=None))
     smoke, _ = bench.parse_args(["--cpu-smoke"])
     assert smoke.smoke and smoke.model == "builtin:structured-tiny" and smoke.http_port != 8000
-    for bad in (["--configs", "nope"], ["--gpus", "4"], ["--requests", "0"]):
+    for bad in (["--configs", "nope"], ["--gpus", "4"], ["--requests", "0"], ["--fused-ops", "maybe"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
