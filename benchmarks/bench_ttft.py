@@ -677,7 +677,7 @@ def _finish(row: dict, t_case: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = [
-    ("model", "model", "{}"), ("kv", "kv_dtype", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
+    ("model", "model", "{}"), ("kv", "kv_dtype", "{}"), ("fused", "fused_ops", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
     ("ours ms", "ttft_ms", "{:.1f}"), ("sdpa ms", "sdpa_ttft_ms", "{:.1f}"), ("x sdpa", "speedup_vs_sdpa", "{:.2f}"),
     ("dec ms", "decode_ms_per_step", "{:.2f}"), ("sdpa dec", "sdpa_decode_ms_per_step", "{:.2f}"),
     ("x dec", "decode_speedup_vs_sdpa", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
