@@ -17,11 +17,15 @@ the class, so other models in the process are untouched; ``uninstall`` restores 
 
 from __future__ import annotations
 
+import functools
+import logging
 import types
 
 import torch
 
 from kernels import elementwise
+
+logger = logging.getLogger(__name__)
 
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
@@ -128,3 +132,42 @@ def installed(model: torch.nn.Module) -> dict[str, int]:
         if kind is not None:
             counts[kind] += 1
     return counts
+
+
+def self_check(model: torch.nn.Module, device: torch.device, backend: str = "triton") -> str | None:
+    """Run each fused kernel once at ``model``'s sizes (hidden, intermediate, head_dim, dtype) on
+    ``device`` against its reference; ``None`` when all agree, else why not (a kernel that does
+    not compile here, or disagrees). What the runner checks before it installs them by default."""
+    c = model.config
+    dtype = next(model.parameters()).dtype
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    return _self_check(str(device), dtype, int(c.hidden_size), int(inter), int(head_dim), backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _self_check(device: str, dtype: torch.dtype, hidden: int, inter: int, head_dim: int, backend: str) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    try:
+        x, w = rand(3, hidden), rand(hidden)
+        checks = [("rms_norm", elementwise.rms_norm(x, w, 1e-5, backend=backend),
+                   elementwise.rms_norm_reference(x, w, 1e-5))]
+        g, u = rand(3, inter), rand(3, inter)
+        checks.append(("silu_mul", elementwise.silu_mul(g, u, backend=backend), elementwise.silu_mul_reference(g, u)))
+        if head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0:
+            q, cos, sin = rand(3, 2, head_dim), rand(3, head_dim), rand(3, head_dim)
+            checks.append(("rotary", elementwise.rotary(q, cos, sin, backend=backend),
+                           elementwise.rotary_reference(q, cos, sin)))
+        for name, got, want in checks:
+            # a few units of the dtype's last place at the values' magnitude (rounding order only)
+            tol = 4 * torch.finfo(dtype).eps * (want.float().abs().max().item() + 1.0)
+            err = (got.float() - want.float()).abs().max().item()
+            if not err <= tol:
+                return f"{name}: max |fused - reference| = {err:.3g} > {tol:.3g} on {device} ({dtype})"
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not build or run here: stay eager
+        return f"{type(exc).__name__}: {exc}"[:500]
+    return None

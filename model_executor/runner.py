@@ -9,6 +9,7 @@ and release them; the runner writes K/V into reserved pages and advances ``seq_l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from .attention import (
     ForwardState,
     register_attention,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,12 @@ class ModelRunner:
     dense_below: batches whose longest sequence (prefix included) is shorter than this many
         tokens use exact dense attention.
     backend: kernels backend, ``"auto"`` (Triton on CUDA, the reference on CPU).
-    fused_ops: run the model's RMSNorms and SiLU MLPs as fused kernels (``model_executor/fused.py``):
-        ``None`` (default) on CUDA when ``backend`` runs kernels (not ``"reference"``), ``True``
-        always (Triton; on CPU under ``TRITON_INTERPRET=1``), ``False`` never (restores the eager
-        modules of a model an earlier runner fused). ``fused_counts`` says what runs fused.
+    fused_ops: run the model's RMSNorms, SiLU MLPs and Llama RoPE as fused kernels
+        (``model_executor/fused.py``): ``None`` (default) on CUDA when ``backend`` runs kernels (not
+        ``"reference"``) and the kernels pass ``fused.self_check`` there (else eager, with a
+        warning), ``True`` always (Triton; on CPU under ``TRITON_INTERPRET=1``; ValueError if the
+        check fails), ``False`` never (restores the eager modules of a model an earlier runner
+        fused). ``fused_counts`` says what runs fused.
     """
 
     def __init__(
@@ -79,11 +84,19 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else pool.k.device
         self._check_geometry()
         kernel_backend = ops.resolve_backend(backend, self.device)  # ValueError for an unknown or unusable one
-        if fused_ops is None:
+        if fused_ops is None:  # by default only where they build and agree with eager here
             fused_ops = self.device.type == "cuda" and kernel_backend != "reference"
-        if fused_ops:
+            why = fused.self_check(model, self.device) if fused_ops else None
+            if why is not None:
+                logger.warning("fused_ops: keeping transformers' eager modules (%s)", why)
+                fused_ops = False
+        elif fused_ops:
             if not ops.triton_available(self.device):
                 raise ValueError(f"fused_ops: True needs Triton on {self.device} (CUDA, or TRITON_INTERPRET=1 on CPU)")
+            why = fused.self_check(model, self.device)
+            if why is not None:
+                raise ValueError(f"fused_ops: the fused kernels fail their check on {self.device}: {why}")
+        if fused_ops:
             fused.install(model, backend="triton")
         else:
             fused.uninstall(model)

@@ -175,6 +175,7 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
     for mode in (False, True):
         pool = make_pool(tiny, num_pages=16, page_size=64)
         runner = ModelRunner(tiny.model, pool, DENSE, dense_below=0, fused_ops=mode)
+        rotary_calls.clear()  # the runner's self-check ran each kernel once
         assert runner.fused_counts == ({"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers} if mode
                                        else {"rms_norm": 0, "silu_mul": 0, "rotary": 0})
         for i, p in enumerate(prompts):
@@ -229,6 +230,31 @@ def test_fused_install_leaves_unknown_modules_alone():
     assert fused.install(model) == {"rms_norm": 0, "silu_mul": 0, "rotary": 0} and fused.uninstall(model) == 0
     with pytest.raises(ValueError, match="backend"):
         fused.install(model, backend="cuda")
+
+
+def test_fused_self_check(tiny, monkeypatch):
+    """The check the runner makes before it installs the kernels: passes at the tiny model's
+    sizes (interpreter), names the kernel that disagrees or fails, and fused_ops=True refuses then."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels import elementwise
+    from model_executor import fused
+
+    fused._self_check.cache_clear()
+    assert fused.self_check(tiny.model, torch.device("cpu")) is None
+    fused._self_check.cache_clear()
+    monkeypatch.setattr(elementwise, "silu_mul", lambda g, u, backend: g * u)  # forgot the silu
+    why = fused.self_check(tiny.model, torch.device("cpu"))
+    assert why is not None and why.startswith("silu_mul: max |fused - reference|")
+    with pytest.raises(ValueError, match="fused_ops: the fused kernels fail their check"):
+        ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=64), DENSE, fused_ops=True)
+    fused._self_check.cache_clear()
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(elementwise, "rotary", broken)
+    assert "RuntimeError: PTX compile failed" in fused.self_check(tiny.model, torch.device("cpu"))
+    fused._self_check.cache_clear()
 
 
 def test_fused_ops_refused_without_triton(tiny, monkeypatch):
