@@ -6,7 +6,7 @@ Deploys the Ray Serve application (``router.launcher``: a local Ray on 127.0.0.1
 
 - ``dense``: ``alpha=0`` (every visible block: dense prefill through the same kernels);
 - ``sparse_bf16``: ``alpha=0.1`` (the default), bf16 KV pools;
-- ``sparse_fp8``: as ``sparse_bf16`` with ``kv_cache_dtype: "fp8_e4m3"`` (only with ``--fp8``;
+- ``sparse_fp8``: as ``sparse_bf16`` with ``kv_cache_dtype: "fp8_e4m3"`` (with ``--fp8`` or named in ``--configs``;
   recorded as skipped, with the reason, when ``ServiceConfig`` does not know the option or the
   replicas refuse it);
 - ``sparse_bf16_chunk8k`` / ``sparse_bf16_chunk16k``: ``sparse_bf16`` with
@@ -713,7 +713,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--gpus", type=int, default=1, help="1: both replicas share GPU 0; 2: one GPU each")
     ap.add_argument("--configs", default=None,
                     help=f"comma-separated, from {list(CONFIGURATIONS)} (default: all but sparse_fp8)")
-    ap.add_argument("--fp8", action="store_true", help="also run sparse_fp8 (ServiceConfig kv_cache_dtype='fp8_e4m3')")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also run sparse_fp8 (ServiceConfig kv_cache_dtype='fp8_e4m3'); naming it in --configs does too")
     ap.add_argument("--rates", default=None, help="requests/s, comma-separated (default 1,4,16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per cell at most (default 100)")
     ap.add_argument("--cell-seconds", type=float, default=None, help="no request sent after this (default 120)")
@@ -766,7 +767,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
                       ("grpc_port", "grpc_port")):
         if getattr(args, flag) is not None:
             values[key] = getattr(args, flag)
-    values["fp8"] = args.fp8
+    values["fp8"] = args.fp8 or "sparse_fp8" in values.get("configs", ())  # naming it runs it
     if args.transport is not None:
         values["transport"] = args.transport
     if args.fused_ops is not None:

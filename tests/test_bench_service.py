@@ -68,6 +68,9 @@ def test_bench_arguments():
         (2, ("dense", "sparse_bf16"), (1.0, 4.0), 12, 15.0, 10.0, (4096, 8192))
     assert cfg.run_configs == ("dense", "sparse_bf16", "sparse_fp8")
     assert cfg.fused_ops is True and bench.service_options(cfg, "dense")["fused_ops"] is True
+    named, _ = bench.parse_args(["--configs", "sparse_fp8"])  # naming sparse_fp8 runs it, no --fp8 needed
+    assert named.fp8 and named.run_configs == ("sparse_fp8",)
+    assert not bench.parse_args(["--configs", "sparse_bf16"])[0].fp8
     off, _ = bench.parse_args(["--fused-ops", "off", "--configs", "sparse_bf16_sjf"])
     assert bench.service_options(off, "sparse_bf16_sjf")["fused_ops"] is False
     assert bench.resolve_service_config(bench.service_options(off, "sparse_bf16_sjf"))[0].prefill_schedule == "shortest_first"
