@@ -494,7 +494,13 @@ def format_prefill_by_length(by: dict) -> str:
     return "\n".join(lines)
 
 
-def targets(configurations: list[dict]) -> dict:
+def summaries(configurations: list[dict]) -> dict:
+    """What a results file derives from its cells: ``table``, ``targets``, ``prefill_by_length``."""
+    by = prefill_by_length(configurations)
+    return {"table": table_rows(configurations), "targets": targets(configurations, by), "prefill_by_length": by}
+
+
+def targets(configurations: list[dict], by_length: dict | None = None) -> dict:
     """The issue's targets, from whatever cells ran: sparse (bf16) P50 TTFT at the lowest rate
     at least 3x below dense; output tokens/s at the highest rate at least 1.8x dense; no
     lost requests anywhere."""
@@ -520,7 +526,7 @@ def targets(configurations: list[dict]) -> dict:
         if d and s and d["output_tokens_per_s"]:
             out["throughput_ratio_at_highest_rate"] = {
                 "rate": hi, "sparse_over_dense": s["output_tokens_per_s"] / d["output_tokens_per_s"], "target": 1.8}
-    by = prefill_by_length(configurations)
+    by = prefill_by_length(configurations) if by_length is None else by_length
     if "dense" in by and "sparse_bf16" in by:  # what the throughput ratio is bounded by (see prefill_by_length)
         out["prefill_alone_ratio_over_mix"] = by["dense"]["mix_mean_min_s"] / by["sparse_bf16"]["mix_mean_min_s"]
     return out
@@ -818,8 +824,7 @@ def plot_only(out_path: Path) -> dict:
         raise SystemExit(f"bench_service: --plot-only needs an existing results file, {out_path} is missing")
     result = json.loads(out_path.read_text())
     confs = result.get("configurations", [])
-    # everything derived from the cells, recomputed by this code: table, targets, prefill by length
-    result.update(table=table_rows(confs), targets=targets(confs), prefill_by_length=prefill_by_length(confs))
+    result.update(summaries(confs))  # everything derived from the cells, recomputed by this code
     result["plots"] = plot(confs, out_path)
     write_json(out_path, result)
     print(format_table(result["table"]))
@@ -1179,9 +1184,7 @@ def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_pat
         result["parallel"] = {"spec": ";".join(",".join(g.configs) for g in groups), "child_margin_s": margin,
                               "kill_margin_s": KILL_MARGIN_S,
                               "groups": [{k: v for k, v in r.items() if k != "partial"} for r in records]}
-        result["table"] = table_rows(result["configurations"])
-        result["targets"] = targets(result["configurations"])
-        result["prefill_by_length"] = prefill_by_length(result["configurations"])
+        result.update(summaries(result["configurations"]))
         result["wall_s"] = budget.elapsed
         write_json(out_path, result)
 
@@ -1287,9 +1290,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save(done: list[dict]) -> None:
         result["configurations"] = merge_configurations(previous, done)
-        result["table"] = table_rows(result["configurations"])
-        result["targets"] = targets(result["configurations"])
-        result["prefill_by_length"] = prefill_by_length(result["configurations"])
+        result.update(summaries(result["configurations"]))
         result["wall_s"] = budget.elapsed
         write_json(out_path, result)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from .ops import triton_available
+from .ops import resolve_backend
 
 _BACKENDS = ("auto", "triton", "reference")
 
@@ -48,13 +48,15 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def _resolve(backend: object, device: torch.device) -> str:
+    """``ops.resolve_backend`` without ``cutlass`` (these steps have no CUTLASS kernel)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
-    if backend == "triton" and not triton_available(device):
-        raise ValueError(f"backend: 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got tensors on {device}")
-    return backend
+    return resolve_backend(backend, device)
+
+
+def rotary_supports(head_dim: object) -> bool:
+    """The rotary kernel's head dims: twice a power of two (64, 128, 256, ...)."""
+    return isinstance(head_dim, int) and head_dim >= 2 and head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
@@ -103,7 +105,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: st
     for name, c in (("cos", cos), ("sin", sin)):
         if tuple(c.shape) != (t, d):
             raise ValueError(f"{name}: expected shape [{t}, {d}] (x's tokens and head_dim), got {tuple(c.shape)}")
-    if d < 2 or d % 2 or (d // 2) & (d // 2 - 1):
+    if not rotary_supports(d):
         raise ValueError(f"x: expected a head_dim of twice a power of two (64, 128, 256, ...), got {d}")
     if _resolve(backend, x.device) == "reference":
         return rotary_reference(x, cos, sin)

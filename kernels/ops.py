@@ -161,17 +161,15 @@ def attention_planned(
                                  and _auto_cutlass(q, k_pages, v_pages)):
         from . import cutlass_attention  # forced: unsupported inputs raise ValueError
 
-        out = cutlass_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
-        _count_attention("cutlass")
-        return out
-    if resolved == "triton":
+        kernel, attend = "cutlass", cutlass_attention.sparse_attention
+    elif resolved == "triton":
         from . import triton_attention
 
-        out = triton_attention.sparse_attention(q, k_pages, v_pages, plan, index, descales=descales)
-        _count_attention("triton")
-        return out
-    out = reference.sparse_attention(q, k_pages, v_pages, plan, index, descales)
-    _count_attention("reference")
+        kernel, attend = "triton", triton_attention.sparse_attention
+    else:
+        kernel, attend = "reference", reference.sparse_attention
+    out = attend(q, k_pages, v_pages, plan, index, descales=descales)
+    _count_attention(kernel)
     return out
 
 

@@ -225,13 +225,6 @@ def _wsum64(payload: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _word_view(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V storage (``k_raw``, ``v_raw``: page-major, V token-major in FP8 pools)
-    as ``[layers, pages, words]`` of the widest integer one page of one layer divides into
-    (int64 at the usual shapes; see :func:`~kv_transfer.pool.copy_word`)."""
-    return pool_page_words(pool)
-
-
 def _page_index(pages: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(pages, torch.Tensor):
         return pages
@@ -274,7 +267,7 @@ def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[in
     (``k_raw``/``v_raw``), flat. ``pages``: page ids, or their int64 index on
     the pool's device. ``out``: a contiguous ``uint8`` buffer whose first bytes receive the
     gather (the result is that view), instead of a new tensor."""
-    k, v = _word_view(pool)
+    k, v = pool_page_words(pool)
     l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
     if out is None:
         block = torch.empty(shape, dtype=k.dtype, device=pool.device)
@@ -291,7 +284,7 @@ def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[in
 def scatter_pages(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.Tensor,
                   layers: tuple[int, int] | None = None) -> None:
     """The inverse of :func:`gather_pages`: ``payload`` into layers ``[l0, l1)`` of ``pages``."""
-    k, v = _word_view(pool)
+    k, v = pool_page_words(pool)
     l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
     _check_bytes("payload", payload, k.device, exact=nbytes)
     if not len(pages):
@@ -309,7 +302,7 @@ def _clear_pages(pool: KVPool, pages: list[int]) -> None:
     lane = _Lane(pool.device)
     with _device_guard(pool.device), lane.use():
         index = _page_index(pages, pool.device)
-        for part in _word_view(pool):
+        for part in pool_page_words(pool):
             part.index_fill_(1, index, 0)
     lane.synchronize()
 

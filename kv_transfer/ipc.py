@@ -305,10 +305,6 @@ def _staged_ticket(reply: Any, transport: str, rid: str) -> TransferTicket:
 
 
 # ---------------------------------------------------------------------------- copying
-def _pool_words(pool: KVPool, word: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return pool_page_words(pool, word)
-
-
 def _sender_words(base: torch.Tensor, storage: _Storage, spec: _IpcTicket, word: torch.dtype) -> torch.Tensor:
     """The sender's K or V storage as ``[layers, pool_pages, page_words]`` of ``word``, from the
     uint8 view of its whole storage (pages copied whole: V's layout inside a page, token-major in
@@ -655,7 +651,7 @@ class CudaIpcTransport(KVTransport):
             with _copy_stream(pool.device) as synchronize:
                 src_index = torch.tensor(spec.pages, dtype=torch.long, device=pool.device)
                 dst_index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-                for src, dst in zip(sources, _pool_words(pool, word)):
+                for src, dst in zip(sources, pool_page_words(pool, word)):
                     copy_pages(src, dst, src_index, dst_index, self.copy_chunk_bytes)
                 synchronize()
         finally:

@@ -25,6 +25,8 @@ import torch
 
 from kernels import elementwise
 
+from .attention import ATTENTION_NAME, paged_attention_forward
+
 logger = logging.getLogger(__name__)
 
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -46,8 +48,6 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                        past_key_values=None, **kwargs):
-    from .attention import ATTENTION_NAME, paged_attention_forward
-
     d = self.head_dim
     if (past_key_values is not None or position_embeddings is None or hidden_states.dim() != 3
             or hidden_states.shape[0] != 1 or self.config._attn_implementation != ATTENTION_NAME
@@ -84,9 +84,8 @@ def _silu_mlp(module: torch.nn.Module) -> bool:
 
 
 def _rope_attention(module: torch.nn.Module) -> bool:
-    d = getattr(module, "head_dim", None)
-    return (type(module).__name__ in ATTENTION_CLASSES and isinstance(d, int) and d >= 2 and d % 2 == 0
-            and (d // 2) & (d // 2 - 1) == 0 and isinstance(getattr(module, "scaling", None), float)
+    return (type(module).__name__ in ATTENTION_CLASSES and elementwise.rotary_supports(getattr(module, "head_dim", None))
+            and isinstance(getattr(module, "scaling", None), float)
             and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")))
 
 
@@ -158,7 +157,7 @@ def _self_check(device: str, dtype: torch.dtype, hidden: int, inter: int, head_d
                    elementwise.rms_norm_reference(x, w, 1e-5))]
         g, u = rand(3, inter), rand(3, inter)
         checks.append(("silu_mul", elementwise.silu_mul(g, u, backend=backend), elementwise.silu_mul_reference(g, u)))
-        if head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0:
+        if elementwise.rotary_supports(head_dim):
             q, cos, sin = rand(3, 2, head_dim), rand(3, head_dim), rand(3, head_dim)
             checks.append(("rotary", elementwise.rotary(q, cos, sin, backend=backend),
                            elementwise.rotary_reference(q, cos, sin)))

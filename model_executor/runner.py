@@ -84,18 +84,17 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else pool.k.device
         self._check_geometry()
         kernel_backend = ops.resolve_backend(backend, self.device)  # ValueError for an unknown or unusable one
-        if fused_ops is None:  # by default only where they build and agree with eager here
+        asked = fused_ops
+        if asked is None:  # by default on CUDA, where the kernels build and agree with eager
             fused_ops = self.device.type == "cuda" and kernel_backend != "reference"
-            why = fused.self_check(model, self.device) if fused_ops else None
-            if why is not None:
-                logger.warning("fused_ops: keeping transformers' eager modules (%s)", why)
-                fused_ops = False
-        elif fused_ops:
-            if not ops.triton_available(self.device):
-                raise ValueError(f"fused_ops: True needs Triton on {self.device} (CUDA, or TRITON_INTERPRET=1 on CPU)")
-            why = fused.self_check(model, self.device)
-            if why is not None:
+        elif asked and not ops.triton_available(self.device):
+            raise ValueError(f"fused_ops: True needs Triton on {self.device} (CUDA, or TRITON_INTERPRET=1 on CPU)")
+        why = fused.self_check(model, self.device) if fused_ops else None
+        if why is not None:
+            if asked:
                 raise ValueError(f"fused_ops: the fused kernels fail their check on {self.device}: {why}")
+            logger.warning("fused_ops: keeping transformers' eager modules (%s)", why)
+            fused_ops = False
         if fused_ops:
             fused.install(model, backend="triton")
         else:
