@@ -6,7 +6,9 @@
 #   bash scripts/service_plan.sh poll DIR [SECONDS]   # wait up to SECONDS (default 540) or until done
 #
 # Each "config:rates" item is one `bench_service.py --configs config --rates rates --merge` run
-# into DIR/service_h200.json, in order, with 100 requests a cell, drained (cells end when their
+# into DIR/service_h200.json, in order; an item whose configurations are ';'-separated groups
+# ("sparse_fp8;sparse_bf16_chunk8k:1,16,4") is one `--parallel` run instead, group k on GPU k.
+# 100 requests a cell, drained (cells end when their
 # last request finishes; a request is cut only 450 s after the 150 s sending window: $CELL_OPTS
 # replaces those four options). Extra bench_service options go in $SERVICE_OPTS (e.g. "--gpus 2"). DIR/log has every run's output;
 # `poll` prints the progress lines and, where $OUT is set, copies the JSON, plots and log there.
@@ -26,8 +28,11 @@ case $cmd in
     plan=""
     for item in "$@"; do
       case $item in *:*) ;; *) echo "start: expected config:rates, got '$item'" >&2; exit 2 ;; esac
+      configs=${item%%:*}; rates=${item#*:}
+      [ -n "$configs" ] && [ -n "$rates" ] || { echo "start: expected config:rates, got '$item'" >&2; exit 2; }
+      case $configs in *\;*) select="--parallel $(printf %q "$configs")" ;; *) select="--configs $configs" ;; esac
       plan+="${PYTHON:-python3} benchmarks/bench_service.py $common --out $dir/service_h200.json --merge"
-      plan+=" --configs ${item%%:*} --rates ${item#*:}; "
+      plan+=" $select --rates $rates; "
     done
     echo "plan: $plan" > "$dir/log"
     PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 setsid nohup bash -c "$plan echo PLAN-DONE" >> "$dir/log" 2>&1 < /dev/null &
@@ -36,7 +41,7 @@ case $cmd in
   poll)
     limit=${3:-540}; t0=$(date +%s)
     while ! grep -q PLAN-DONE "$dir/log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
-    grep -E '^\[[a-z0-9_]+\] (rate|deployed|prefill attention)|^wrote|Traceback|Error' "$dir/log" | tail -n 40
+    grep -E '^(\[g[0-9]+\] )?(\[[a-z0-9_]+\] (rate|deployed|prefill attention)|wrote)|^\[g[0-9]+\] (ok|error|killed)|Traceback|Error' "$dir/log" | tail -n 40
     grep -q PLAN-DONE "$dir/log" && echo "PLAN-DONE" || echo "still running after ${limit}s"
     if [ -n "${OUT:-}" ]; then cp "$dir"/service_h200*.json "$dir"/*.png "$dir/log" "$OUT"/ 2>/dev/null; fi
     ;;

@@ -27,6 +27,8 @@ def _run(*args, env=None, timeout=60):
     (("start",), "usage"),
     (("start", "DIR"), "at least one"),
     (("start", "DIR", "dense"), "config:rates"),
+    (("start", "DIR", "dense:"), "config:rates"),
+    (("start", "DIR", ":1,4"), "config:rates"),
     (("stop", "DIR"), "usage"),
 ])
 def test_usage_errors(args, match, tmp_path):
@@ -62,3 +64,39 @@ def test_plan_runs_detached_and_merges_cells(tmp_path):
                for c in conf["cells"])
     assert "[sparse_bf16] rate 16/s" in polled.stdout
     assert (out / "service_h200.json").exists() and (out / "log").exists()  # copied for the device tool
+
+
+def test_group_item_becomes_one_parallel_run(tmp_path):
+    """An item of ';'-separated groups is one ``--parallel`` run (the groups one argument), the
+    others ``--configs`` runs, in the plan's order; the interpreter here records its arguments."""
+    argv_log = tmp_path / "argv.jsonl"
+    fake = tmp_path / "fake_python.sh"
+    fake.write_text(f"#!/usr/bin/env bash\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "
+                    f"\"$@\" >> {argv_log}\n")
+    fake.chmod(0o755)
+    plan = tmp_path / "plan"
+    started = _run("start", str(plan), "sparse_fp8;sparse_bf16_chunk8k:1,16,4", "sparse_bf16_chunk16k:4",
+                   env={"PYTHON": str(fake), "CELL_OPTS": "--requests 3"})
+    assert started.returncode == 0, started.stderr
+    polled = _run("poll", str(plan), "30")
+    assert "PLAN-DONE" in polled.stdout
+    first, second = (json.loads(line) for line in argv_log.read_text().splitlines())
+    assert first[first.index("--parallel") + 1] == "sparse_fp8;sparse_bf16_chunk8k" and "--configs" not in first
+    assert first[first.index("--rates") + 1] == "1,16,4" and "--merge" in first
+    assert second[second.index("--configs") + 1] == "sparse_bf16_chunk16k" and "--parallel" not in second
+    for argv in (first, second):
+        assert argv[argv.index("--out") + 1] == str(plan / "service_h200.json")
+        assert argv[argv.index("--requests") + 1] == "3" and argv[argv.index("--gpus") + 1] == "1"
+
+
+def test_poll_reports_group_lines(tmp_path):
+    """poll shows a --parallel run's progress: cells and group outcomes behind their [gK] prefix."""
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    (plan / "log").write_text("plan: x\n[g0] [sparse_fp8] rate 1/s: 100 sent\n[g1] noise\n"
+                              "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent\n[g1] error: exit status 1\n"
+                              "[g0] ok\nPLAN-DONE\n")
+    polled = _run("poll", str(plan), "5")
+    lines = polled.stdout.splitlines()
+    assert lines == ["[g0] [sparse_fp8] rate 1/s: 100 sent", "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent",
+                     "[g1] error: exit status 1", "[g0] ok", "PLAN-DONE"]
