@@ -43,7 +43,9 @@ case $cmd in
     while ! grep -q PLAN-DONE "$dir/log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
     grep -E '^(\[g[0-9]+\] )?(\[[a-z0-9_]+\] (rate|deployed|prefill attention)|wrote)|^\[g[0-9]+\] (ok|error|killed)|Traceback|Error' "$dir/log" | tail -n 40
     grep -q PLAN-DONE "$dir/log" && echo "PLAN-DONE" || echo "still running after ${limit}s"
-    if [ -n "${OUT:-}" ]; then cp "$dir"/service_h200*.json "$dir"/*.png "$dir/log" "$OUT"/ 2>/dev/null; fi
+    # with the --parallel groups' partial results (written after every cell; the merged file
+    # gets a group's cells only when the group ends), so a machine lost mid-run loses no cell
+    if [ -n "${OUT:-}" ]; then cp "$dir"/service_h200*.json "$dir"/*.png "$dir"/*_parallel/group*.json "$dir/log" "$OUT"/ 2>/dev/null; fi
     ;;
   *) echo "usage: $0 start DIR config:rates... | poll DIR [SECONDS]" >&2; exit 2 ;;
 esac

@@ -96,7 +96,12 @@ def test_poll_reports_group_lines(tmp_path):
     (plan / "log").write_text("plan: x\n[g0] [sparse_fp8] rate 1/s: 100 sent\n[g1] noise\n"
                               "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent\n[g1] error: exit status 1\n"
                               "[g0] ok\nPLAN-DONE\n")
-    polled = _run("poll", str(plan), "5")
+    (plan / "service_h200_parallel").mkdir()
+    (plan / "service_h200_parallel" / "group1.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    polled = _run("poll", str(plan), "5", env={"OUT": str(out)})
+    assert sorted(p.name for p in out.iterdir()) == ["group1.json", "log"]  # a group's partial cells come back
     lines = polled.stdout.splitlines()
     assert lines == ["[g0] [sparse_fp8] rate 1/s: 100 sent", "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent",
                      "[g1] error: exit status 1", "[g0] ok", "PLAN-DONE"]
