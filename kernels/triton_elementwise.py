@@ -91,6 +91,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+# No FP contraction: with it the compiler narrows the fp32 products to bf16 and fuses one into the
+# add (``fma.rn.bf16``), rounding once where eager rounds each product, so ~15% of the elements
+# differed from transformers by an ulp on the H200 (bench_elementwise, 2026-12-01). Without it every
+# step is a ``.rn`` op (tests/test_elementwise.py checks the sm_90 PTX on CPU).
+ROTARY_LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
+
+
 @triton.jit
 def _rotary_kernel(
     X, Y, COS, SIN, n_heads, stride_xt, stride_xh, stride_yt, stride_yh, stride_ct, stride_st,
@@ -127,6 +134,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     block_h = min(triton.next_power_of_2(h), max(1, 4096 // d))
     _rotary_kernel[(t, triton.cdiv(h, block_h))](
         x, y, cos, sin, h, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), sin.stride(0),
-        HALF=d // 2, BLOCK_H=block_h, num_warps=4,
+        HALF=d // 2, BLOCK_H=block_h, **ROTARY_LAUNCH,
     )
     return y

@@ -33,6 +33,11 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwe
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 ATTENTION_CLASSES = frozenset({"LlamaAttention"})  # no sliding window, no q/k norms
 _BACKEND_ATTR = "_flashprefill_fused_backend"
+# Below this many tokens the MLP keeps eager ``act_fn(gate) * up``: measured on the H200
+# (benchmarks/bench_elementwise.py, 2026-12-01), the fused call is slower up to 256 tokens (22-37
+# vs 17-25 us a call: its host-side cost, the GPU work being tiny) and faster from 1024 (1.1x,
+# 1.7x from 4096). RMSNorm and RoPE are faster fused at every count measured, from 1 token.
+SILU_MUL_MIN_TOKENS = 1024
 KINDS = ("rms_norm", "silu_mul", "rotary")
 
 
@@ -42,8 +47,10 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    act = elementwise.silu_mul(self.gate_proj(x), self.up_proj(x), backend=getattr(self, _BACKEND_ATTR))
-    return self.down_proj(act)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.numel() < SILU_MUL_MIN_TOKENS * gate.shape[-1]:  # decode steps, short prompts
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(elementwise.silu_mul(gate, up, backend=getattr(self, _BACKEND_ATTR)))
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,

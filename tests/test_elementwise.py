@@ -5,6 +5,9 @@ CPU (CI) and on CUDA (``gpu`` marker)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import zlib
 
 import pytest
 import torch
@@ -13,7 +16,9 @@ from kernels import elementwise as ew
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the CUDA cases carry the gpu marker, so `pytest -m gpu` on the device runs them
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +50,7 @@ def _llama_norm(n: int, eps: float, dtype: torch.dtype, device: str, weight: tor
 def test_rms_norm_matches_transformers(shape, dtype, wdtype, device):
     if device == "cpu" and not INTERPRET:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype, wdtype)).encode()))  # not hash(): salted per process
     x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(wdtype).to(device)
     eps = 1e-5
@@ -54,8 +59,9 @@ def test_rms_norm_matches_transformers(shape, dtype, wdtype, device):
     got = ew.rms_norm(x, w, eps, backend="triton")
     assert got.dtype == expect.dtype == torch.promote_types(wdtype, dtype) and got.shape == x.shape
     # the normalized row rounds to x's dtype before the weight multiply: at most one ulp of that
-    # rounding (the sum of squares is reduced in another order), then the same exact multiply
-    assert _ulps(got, expect) <= 2.0
+    # rounding (the sum of squares is reduced in another order), then the same exact multiply; in
+    # fp32 nothing hides the reduction order (a few fp32 ulps of the sum, seen up to 2.2 ulps out)
+    assert _ulps(got, expect) <= (2.0 if dtype != torch.float32 else 8.0)
     assert torch.equal(ew.rms_norm(x, w, eps, backend="reference"), expect)  # the reference is eager's math
 
 
@@ -178,3 +184,39 @@ def test_rotary_strided_input():
 def test_rotary_bad_arguments_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+_PTX_CHECK = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_elementwise as te
+for dtype in ("bf16", "fp16"):
+    sig = {"X": f"*{dtype}", "Y": f"*{dtype}", "COS": f"*{dtype}", "SIN": f"*{dtype}",
+           **{n: "i32" for n in ("n_heads", "stride_xt", "stride_xh", "stride_yt", "stride_yh", "stride_ct", "stride_st")},
+           "HALF": "constexpr", "BLOCK_H": "constexpr"}
+    compiled = triton.compile(ASTSource(fn=te._rotary_kernel, signature=sig, constexprs={"HALF": 64, "BLOCK_H": 32}),
+                              target=GPUTarget("cuda", 90, 64), options=dict(te.ROTARY_LAUNCH))
+    ops = [line.split()[0] for line in compiled.asm["ptx"].splitlines()
+           if re.match(r"\s*(add|sub|mul|fma)\.\S*(f16|f32)\b", line)]
+    print(dtype, " ".join(ops))
+"""
+
+
+def test_rotary_ptx_rounds_every_step():
+    """The rotary kernel as built for the H200 (sm_90 PTX, compiled here on CPU, in a process of
+    its own: the interpreter's patches of triton.language break real compiles): no fused
+    multiply-add and every float add/mul carries ``.rn``, which ptxas may not contract, so each
+    product is rounded before the sum as in eager (with FP contraction on, the compiler emitted
+    ``fma.rn.bf16`` and the H200 results differed from transformers by an ulp)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHECK], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert set(lines) == {"bf16", "fp16"}
+    for dtype, ops in lines.items():
+        ops = ops.split()
+        assert ops and not any(op.startswith("fma") for op in ops), (dtype, ops)
+        assert all(".rn." in op for op in ops), (dtype, sorted(set(ops)))

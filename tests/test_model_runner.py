@@ -167,6 +167,7 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
 
     from kernels import elementwise
 
+    monkeypatch.setattr(fused, "SILU_MUL_MIN_TOKENS", 1)  # these few tokens run the fused MLP too
     layers = tiny.model.config.num_hidden_layers
     prompts = _prompts([90, 33], seed=5)
     logits = {}
@@ -193,6 +194,33 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
     runner = ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=64), DENSE)
     assert runner.fused_counts == {"rms_norm": 0, "silu_mul": 0, "rotary": 0} == fused.installed(tiny.model)
     assert all("forward" not in m.__dict__ for m in tiny.model.modules())
+
+
+def test_fused_mlp_leaves_small_batches_to_eager(monkeypatch):
+    """Below SILU_MUL_MIN_TOKENS tokens the fused MLP forward computes eager ``act_fn(gate) * up``
+    (the fused call costs more there, see fused.py); from it on, the kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from kernels import elementwise
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=24, hidden_act="silu", num_attention_heads=2,
+                                num_key_value_heads=1))
+    calls = []
+    real = elementwise.silu_mul
+    monkeypatch.setattr(elementwise, "silu_mul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(fused, "SILU_MUL_MIN_TOKENS", 8)
+    with torch.no_grad():
+        x = torch.randn(1, 10, 16)
+        want = mlp(x)
+        assert fused.install(mlp, backend="triton")["silu_mul"] == 1
+        for tokens, fused_call in ((7, False), (8, True), (10, True)):
+            calls.clear()
+            got = mlp(x[:, :tokens])
+            assert bool(calls) == fused_call, tokens
+            torch.testing.assert_close(got, want[:, :tokens], atol=1e-6, rtol=1e-5)
 
 
 def test_fused_attention_falls_back_outside_the_paged_runner():
