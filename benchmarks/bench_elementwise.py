@@ -13,7 +13,9 @@ the references first (RMSNorm/SiLU within 2 ulps, RoPE bit for bit).
 
 Usage (H200, ``PYTHONPATH=$PWD``): ``python3 benchmarks/bench_elementwise.py``; prints a table and
 writes ``benchmarks/results/elementwise_h200.json`` (``--out``). ``--cpu-smoke``: tiny sizes on
-CPU under ``TRITON_INTERPRET=1`` (checks the script, times nothing meaningful).
+CPU under ``TRITON_INTERPRET=1`` (checks the script, times nothing meaningful; run it through
+``tests/test_bench_elementwise.py``, whose conftest fixes triton 3.6's interpreter rounding of
+fp32 -> bf16, or RoPE reads as MISMATCH).
 """
 
 from __future__ import annotations
