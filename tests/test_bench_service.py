@@ -140,6 +140,14 @@ def test_targets_table_and_plots(tmp_path):
     text = bench.format_table(rows)
     assert "sparse_bf16" in text and "skipped: time budget" in text and "not requested" in text
     assert bench.targets([]) == {"lost_total": 0, "sent_total": 0, "zero_lost": None}
+    assert "ttft_p50_ratio_shortest_first" not in t
+    sjf = FAKE + [{"name": "dense_sjf", "status": "ok", "cells": [{"rate": 4.0, "summary": _summary(4.0, 6.0, 90.0)},
+                                                                 {"rate": 1.0, "summary": _summary(1.0, 5.0, 90.0)}]},
+                  {"name": "sparse_bf16_sjf", "status": "ok", "cells": [{"rate": 16.0, "summary": _summary(16.0, 1.0, 90.0)},
+                                                                       {"rate": 4.0, "summary": _summary(4.0, 0.5, 90.0)}]}]
+    # the lowest rate both shortest-first configurations ran: 4/s (dense_sjf's 1/s has no partner)
+    assert bench.targets(sjf)["ttft_p50_ratio_shortest_first"] == {"rate": 4.0, "dense_over_sparse": pytest.approx(12.0),
+                                                                   "target": 3.0}
     pytest.importorskip("matplotlib")
     paths = bench.plot(FAKE, tmp_path / "service.json")
     assert [Path(p).name for p in paths] == ["service_ttft_throughput.png", "service_breakdown.png"]
