@@ -765,7 +765,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--plot-only", action="store_true",
                     help="no run: recompute the table, targets and prefill-by-length summary of an existing --out "
                          "file from its cells, redraw the plots, reprint")
+    ap.add_argument("--merge-from", action="append", default=None, metavar="FILE",
+                    help="with --plot-only: first merge FILE's configurations into --out as --merge would (cells at "
+                         "rates --out lacks are added, a rate both measured takes FILE's); refused when FILE's "
+                         "workload or layout differs. Repeatable: e.g. the results of plans run on separate GPUs")
     args = ap.parse_args(argv)
+    if args.merge_from and not args.plot_only:
+        ap.error("--merge-from: only with --plot-only (a run merges its own cells with --merge)")
     values: dict[str, Any] = dict(SMOKE) if args.cpu_smoke else {}
     if args.cpu_smoke:
         values["http_port"], values["grpc_port"] = _free_port(), _free_port()
@@ -828,12 +834,34 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def plot_only(out_path: Path) -> dict:
-    """Recompute the table, targets and prefill-by-length summary of a results file from its cells,
-    redraw the plots and reprint (no Ray, no GPU)."""
+# what must agree for two results files' cells to sit in one table (the same prompts, arrivals,
+# outputs and replica layout)
+WORKLOAD_KEYS = ("model", "gpus", "requests", "lengths", "max_tokens", "seed", "smoke")
+
+
+def merge_results_file(result: dict, other_path: Path) -> None:
+    """``--merge-from``: ``other_path``'s configurations into ``result`` (as ``--merge``)."""
+    if not other_path.exists():
+        raise SystemExit(f"bench_service: --merge-from: {other_path} is missing")
+    other = json.loads(other_path.read_text())
+    mine, theirs = result.get("config", {}), other.get("config", {})
+    differ = [k for k in WORKLOAD_KEYS if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise SystemExit(f"bench_service: --merge-from: {other_path} has another workload or layout ("
+                         + ", ".join(f"{k}: {theirs.get(k)!r} vs {mine.get(k)!r}" for k in differ) + ")")
+    result["configurations"] = merge_configurations(result.get("configurations", []), other.get("configurations", []))
+    result.setdefault("merged_from", []).append({"file": str(other_path), "env": other.get("env"),
+                                                 "placement": other.get("placement")})
+
+
+def plot_only(out_path: Path, merge_from: list[str] | None = None) -> dict:
+    """Recompute the table, targets and prefill-by-length summary of a results file from its cells
+    (after merging ``merge_from`` files into it), redraw the plots and reprint (no Ray, no GPU)."""
     if not out_path.exists():
         raise SystemExit(f"bench_service: --plot-only needs an existing results file, {out_path} is missing")
     result = json.loads(out_path.read_text())
+    for other in merge_from or ():
+        merge_results_file(result, Path(other))
     confs = result.get("configurations", [])
     result.update(summaries(confs))  # everything derived from the cells, recomputed by this code
     result["plots"] = plot(confs, out_path)
@@ -1255,7 +1283,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         out_path = RESULTS
     if args.plot_only:
-        return plot_only(out_path)
+        return plot_only(out_path, args.merge_from)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # inherited by the replicas
     budget = Budget(cfg.time_budget_s)

@@ -7,7 +7,10 @@
 #
 # Each "config:rates" item is one `bench_service.py --configs config --rates rates --merge` run
 # into DIR/service_h200.json, in order; an item whose configurations are ';'-separated groups
-# ("sparse_fp8;sparse_bf16_chunk8k:1,16,4") is one `--parallel` run instead, group k on GPU k.
+# ("sparse_fp8;sparse_bf16_chunk8k:1,16,4") is one `--parallel` run instead, group k on GPU k,
+# and an item led by '@' ("@sparse_bf16_chunk16k:4,16") a one-group `--parallel` run: with
+# CUDA_VISIBLE_DEVICES=1 in the plan's environment it runs on GPU 1 with a Ray of its own, so two
+# plans (two DIRs) can share a host; `bench_service.py --plot-only --merge-from` joins their files.
 # 100 requests a cell, drained (cells end when their
 # last request finishes; a request is cut only 450 s after the 150 s sending window: $CELL_OPTS
 # replaces those four options). Extra bench_service options go in $SERVICE_OPTS (e.g. "--gpus 2"). DIR/log has every run's output;
@@ -29,8 +32,12 @@ case $cmd in
     for item in "$@"; do
       case $item in *:*) ;; *) echo "start: expected config:rates, got '$item'" >&2; exit 2 ;; esac
       configs=${item%%:*}; rates=${item#*:}
-      [ -n "$configs" ] && [ -n "$rates" ] || { echo "start: expected config:rates, got '$item'" >&2; exit 2; }
-      case $configs in *\;*) select="--parallel $(printf %q "$configs")" ;; *) select="--configs $configs" ;; esac
+      [ -n "${configs#@}" ] && [ -n "$rates" ] || { echo "start: expected config:rates, got '$item'" >&2; exit 2; }
+      case $configs in
+        @*) select="--parallel $(printf %q "${configs#@}")" ;;
+        *\;*) select="--parallel $(printf %q "$configs")" ;;
+        *) select="--configs $configs" ;;
+      esac
       plan+="${PYTHON:-python3} benchmarks/bench_service.py $common --out $dir/service_h200.json --merge"
       plan+=" $select --rates $rates; "
     done

@@ -228,6 +228,39 @@ def test_plot_only_needs_a_results_file(tmp_path):
     assert json.loads(out.read_text())["targets"] == result["targets"]
 
 
+def test_plot_only_merges_files_of_the_same_workload(tmp_path):
+    """--merge-from adds another file's cells (a plan run on another GPU) to --out before the
+    recompute; a file of another workload or layout is refused and --out is left as it was."""
+    workload = {"model": "builtin:structured-8b", "gpus": 1, "requests": 100, "lengths": [4096, 131072],
+                "max_tokens": 64, "seed": 0, "smoke": False}
+    out, other, alien = tmp_path / "r.json", tmp_path / "gpu1.json", tmp_path / "alien.json"
+    base = [{"name": "dense", "status": "ok", "cells": [{"rate": 1.0, "status": "ok", "summary": _summary(1.0, 9.0, 100.0)}]},
+            {"name": "sparse_bf16", "status": "ok", "cells": [{"rate": 1.0, "status": "ok", "summary": _summary(1.0, 2.0, 120.0)}]}]
+    extra = [{"name": "sparse_bf16", "status": "ok", "cells": [{"rate": 16.0, "status": "ok", "summary": _summary(16.0, 5.0, 260.0)}]},
+             {"name": "dense", "status": "ok", "cells": [{"rate": 16.0, "status": "ok", "summary": _summary(16.0, 30.0, 100.0)}]}]
+    out.write_text(json.dumps({"config": workload, "configurations": base}))
+    other.write_text(json.dumps({"config": workload, "configurations": extra, "placement": "GPU 1"}))
+    alien.write_text(json.dumps({"config": {**workload, "gpus": 2, "requests": 24}, "configurations": extra}))
+    before = out.read_text()
+    with pytest.raises(SystemExit, match=r"another workload or layout \(gpus: 2 vs 1, requests: 24 vs 100\)"):
+        bench.main(["--plot-only", "--out", str(out), "--merge-from", str(alien)])
+    with pytest.raises(SystemExit, match="missing"):
+        bench.main(["--plot-only", "--out", str(out), "--merge-from", str(tmp_path / "none.json")])
+    assert out.read_text() == before
+    result = bench.main(["--plot-only", "--out", str(out), "--merge-from", str(other)])
+    assert [(c["name"], [x["rate"] for x in c["cells"]]) for c in result["configurations"]] == [
+        ("dense", [1.0, 16.0]), ("sparse_bf16", [1.0, 16.0])]
+    assert result["targets"]["throughput_ratio_at_highest_rate"]["sparse_over_dense"] == pytest.approx(2.6)
+    assert result["merged_from"] == [{"file": str(other), "env": None, "placement": "GPU 1"}]
+    assert json.loads(out.read_text())["configurations"] == result["configurations"]
+
+
+def test_merge_from_needs_plot_only(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--merge-from", "x.json"])
+    assert "--merge-from: only with --plot-only" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- the smoke run
 def test_cpu_smoke_run_end_to_end(tmp_path):
     """Ray + Serve on 127.0.0.1, the tiny structured model on CPU, one chunked sparse

@@ -29,6 +29,7 @@ def _run(*args, env=None, timeout=60):
     (("start", "DIR", "dense"), "config:rates"),
     (("start", "DIR", "dense:"), "config:rates"),
     (("start", "DIR", ":1,4"), "config:rates"),
+    (("start", "DIR", "@:1,4"), "config:rates"),
     (("stop", "DIR"), "usage"),
 ])
 def test_usage_errors(args, match, tmp_path):
@@ -76,11 +77,13 @@ def test_group_item_becomes_one_parallel_run(tmp_path):
     fake.chmod(0o755)
     plan = tmp_path / "plan"
     started = _run("start", str(plan), "sparse_fp8;sparse_bf16_chunk8k:1,16,4", "sparse_bf16_chunk16k:4",
-                   env={"PYTHON": str(fake), "CELL_OPTS": "--requests 3"})
+                   "@dense_sjf,dense:1", env={"PYTHON": str(fake), "CELL_OPTS": "--requests 3"})
     assert started.returncode == 0, started.stderr
     polled = _run("poll", str(plan), "30")
     assert "PLAN-DONE" in polled.stdout
-    first, second = (json.loads(line) for line in argv_log.read_text().splitlines())
+    first, second, third = (json.loads(line) for line in argv_log.read_text().splitlines())
+    # '@': one group, as --parallel (the plan's CUDA_VISIBLE_DEVICES picks its GPU)
+    assert third[third.index("--parallel") + 1] == "dense_sjf,dense" and "--configs" not in third
     assert first[first.index("--parallel") + 1] == "sparse_fp8;sparse_bf16_chunk8k" and "--configs" not in first
     assert first[first.index("--rates") + 1] == "1,16,4" and "--merge" in first
     assert second[second.index("--configs") + 1] == "sparse_bf16_chunk16k" and "--parallel" not in second
