@@ -14,7 +14,7 @@
 # 100 requests a cell, drained (cells end when their
 # last request finishes; a request is cut only 450 s after the 150 s sending window: $CELL_OPTS
 # replaces those four options). Extra bench_service options go in $SERVICE_OPTS (e.g. "--gpus 2"). DIR/log has every run's output;
-# `poll` prints the progress lines and, where $OUT is set, copies the JSON, plots and log there.
+# `poll` prints the progress lines and, where $OUT is set, copies the JSON files and log there.
 # Needs Ray importable (see ../shared/device/stage-wheels.sh) and, for the CUTLASS attention
 # stage, FLASHPREFILL_CUTLASS_LIB; GIT_COMMIT names the commit in the records; $PYTHON the
 # interpreter (default python3).
@@ -51,8 +51,9 @@ case $cmd in
     grep -E '^(\[g[0-9]+\] )?(\[[a-z0-9_]+\] (rate|deployed|prefill attention)|wrote)|^\[g[0-9]+\] (ok|error|killed)|Traceback|Error' "$dir/log" | tail -n 40
     grep -q PLAN-DONE "$dir/log" && echo "PLAN-DONE" || echo "still running after ${limit}s"
     # with the --parallel groups' partial results (written after every cell; the merged file
-    # gets a group's cells only when the group ends), so a machine lost mid-run loses no cell
-    if [ -n "${OUT:-}" ]; then cp "$dir"/service_h200*.json "$dir"/*.png "$dir"/*_parallel/group*.json "$dir/log" "$OUT"/ 2>/dev/null; fi
+    # gets a group's cells only when the group ends), so a machine lost mid-run loses no cell;
+    # no plots (`--plot-only` redraws them): the device tool brings back at most 8 files a call
+    if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && cp "$dir"/service_h200*.json "$dir"/*_parallel/group*.json "$dir/log" "$OUT"/ 2>/dev/null; fi
     ;;
   *) echo "usage: $0 start DIR config:rates... | poll DIR [SECONDS]" >&2; exit 2 ;;
 esac
