@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,18 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_service import _commit  # noqa: E402  (GIT_COMMIT, else git: the device's tree is a copy)
 from kernels import elementwise as ew  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384, 65536)
 SHAPE = {"hidden": 4096, "intermediate": 14336, "q_heads": 32, "kv_heads": 8, "head_dim": 128}  # Llama-3.1-8B
 SMOKE_SHAPE = {"hidden": 64, "intermediate": 96, "q_heads": 4, "kv_heads": 2, "head_dim": 16}
-
-
-def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest difference in units of the last place of ``want``'s dtype at ``want``'s magnitude."""
-    eps = torch.finfo(want.dtype).eps
-    scale = want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
-    return float(((got.float() - want.float()).abs() / (scale * eps)).max()) if want.numel() else 0.0
 
 
 def per_call_s(fn, n: int, repeats: int, sync) -> float:
@@ -64,7 +57,7 @@ def per_call_s(fn, n: int, repeats: int, sync) -> float:
 
 
 def cases(t: int, shape: dict, device: str, dtype: torch.dtype, gen: torch.Generator):
-    """(op, eager callable, fused callable, reference output, fused output check) at ``t`` tokens."""
+    """(op, eager callable, fused callable, check of the fused output) at ``t`` tokens."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
     h, i, d = shape["hidden"], shape["intermediate"], shape["head_dim"]
@@ -90,9 +83,9 @@ def cases(t: int, shape: dict, device: str, dtype: torch.dtype, gen: torch.Gener
 
     return [
         ("rms_norm", lambda: norm(x), lambda: ew.rms_norm(x, norm.weight, 1e-5, backend="triton"),
-         lambda got: _ulps(got, ew.rms_norm_reference(x, norm.weight, 1e-5)) <= 2.0),
+         lambda got: ew.max_ulps(got, ew.rms_norm_reference(x, norm.weight, 1e-5)) <= 2.0),
         ("silu_mul", lambda: act(gate) * up, lambda: ew.silu_mul(gate, up, backend="triton"),
-         lambda got: _ulps(got, ew.silu_mul_reference(gate, up)) <= 2.0),
+         lambda got: ew.max_ulps(got, ew.silu_mul_reference(gate, up)) <= 2.0),
         ("rotary", eager_rope, fused_rope,
          lambda got: all(torch.equal(g, w[0].transpose(0, 1)) for g, w in zip(got, eager_rope()))),
     ]
@@ -135,13 +128,8 @@ def env_info(device: str) -> dict:
     import triton
     import transformers
 
-    try:
-        commit = os.environ.get("GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
     return {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__, "commit": commit,
+            "triton": triton.__version__, "transformers": transformers.__version__, "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "PYTHONPATH=$PWD python3 benchmarks/bench_elementwise.py " + " ".join(sys.argv[1:])}
 

@@ -47,6 +47,16 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of ``a`` and ``b`` in units of the last place of ``a``'s dtype at the
+    larger of the two magnitudes: the measure of the "within 2 ulps" above."""
+    if not a.numel():
+        return 0.0
+    eps = torch.finfo(a.dtype).eps
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    return ((a.float() - b.float()).abs() / (scale * eps)).max().item()
+
+
 def _resolve(backend: object, device: torch.device) -> str:
     """``ops.resolve_backend`` without ``cutlass`` (these steps have no CUTLASS kernel)."""
     if backend not in _BACKENDS:

@@ -30,9 +30,8 @@ case $cmd in
     common="--gpus 1 ${CELL_OPTS:---requests 100 --cell-seconds 150 --drain-seconds 450 --request-timeout 600} ${SERVICE_OPTS:-}"
     plan=""
     for item in "$@"; do
-      case $item in *:*) ;; *) echo "start: expected config:rates, got '$item'" >&2; exit 2 ;; esac
       configs=${item%%:*}; rates=${item#*:}
-      [ -n "${configs#@}" ] && [ -n "$rates" ] || { echo "start: expected config:rates, got '$item'" >&2; exit 2; }
+      [[ $item == *:* && -n ${configs#@} && -n $rates ]] || { echo "start: expected config:rates, got '$item'" >&2; exit 2; }
       case $configs in
         @*) select="--parallel $(printf %q "${configs#@}")" ;;
         *\;*) select="--parallel $(printf %q "$configs")" ;;

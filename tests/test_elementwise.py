@@ -21,11 +21,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference in units of the dtype's last place at the values' magnitude."""
-    eps = torch.finfo(a.dtype).eps
-    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(torch.finfo(a.dtype).tiny)
-    return ((a.float() - b.float()).abs() / (scale * eps)).max().item()
+def test_max_ulps():
+    one_ulp_up = torch.tensor([1.0, 2.0]).to(torch.bfloat16), torch.tensor([1.0078125, 2.0]).to(torch.bfloat16)
+    # 2**-7 apart at 1.0078125: bf16's eps (2**-7) at that magnitude
+    assert ew.max_ulps(*one_ulp_up) == pytest.approx(1 / 1.0078125)
+    assert ew.max_ulps(torch.zeros(3), torch.zeros(3)) == 0.0 and ew.max_ulps(torch.empty(0), torch.empty(0)) == 0.0
 
 
 def _llama_norm(n: int, eps: float, dtype: torch.dtype, device: str, weight: torch.Tensor):
@@ -61,7 +61,7 @@ def test_rms_norm_matches_transformers(shape, dtype, wdtype, device):
     # the normalized row rounds to x's dtype before the weight multiply: at most one ulp of that
     # rounding (the sum of squares is reduced in another order), then the same exact multiply; in
     # fp32 nothing hides the reduction order (a few fp32 ulps of the sum, seen up to 2.2 ulps out)
-    assert _ulps(got, expect) <= (2.0 if dtype != torch.float32 else 8.0)
+    assert ew.max_ulps(got, expect) <= (2.0 if dtype != torch.float32 else 8.0)
     assert torch.equal(ew.rms_norm(x, w, eps, backend="reference"), expect)  # the reference is eager's math
 
 
@@ -78,7 +78,7 @@ def test_silu_mul_matches_eager(shape, dtype, device):
     got = ew.silu_mul(gate, up, backend="triton")
     assert got.dtype == dtype and got.shape == gate.shape
     if gate.numel():
-        assert _ulps(got, expect) <= 4.0  # exp and the division differ by an ulp or two in fp32
+        assert ew.max_ulps(got, expect) <= 4.0  # exp and the division differ by an ulp or two in fp32
 
 
 @needs_triton
@@ -86,10 +86,10 @@ def test_non_contiguous_inputs_and_auto_on_cpu():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 40, generator=gen).to(torch.bfloat16)[:, ::2]  # last stride 2
     w = torch.rand(20, generator=gen).to(torch.bfloat16) + 0.5
-    assert _ulps(ew.rms_norm(x, w, 1e-6, backend="triton"), ew.rms_norm_reference(x, w, 1e-6)) <= 2.0
+    assert ew.max_ulps(ew.rms_norm(x, w, 1e-6, backend="triton"), ew.rms_norm_reference(x, w, 1e-6)) <= 2.0
     g = torch.randn(30, 8, generator=gen).t()  # transposed
     u = torch.randn(8, 30, generator=gen)
-    assert _ulps(ew.silu_mul(g, u, backend="triton"), ew.silu_mul_reference(g, u)) <= 2.0
+    assert ew.max_ulps(ew.silu_mul(g, u, backend="triton"), ew.silu_mul_reference(g, u)) <= 2.0
     # auto on CPU is the reference, bit for bit
     assert torch.equal(ew.silu_mul(g, u), ew.silu_mul_reference(g, u))
 
@@ -126,10 +126,10 @@ def test_gpu_prefill_sized_rows():
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(8192, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=gen)).to(torch.bfloat16)
-    assert _ulps(ew.rms_norm(x, w, 1e-5), ew.rms_norm_reference(x, w, 1e-5)) <= 2.0
+    assert ew.max_ulps(ew.rms_norm(x, w, 1e-5), ew.rms_norm_reference(x, w, 1e-5)) <= 2.0
     g = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
     u = torch.randn(8192, 14336, device="cuda", generator=gen).to(torch.bfloat16)
-    assert _ulps(ew.silu_mul(g, u), ew.silu_mul_reference(g, u)) <= 2.0
+    assert ew.max_ulps(ew.silu_mul(g, u), ew.silu_mul_reference(g, u)) <= 2.0
 
 
 # ----------------------------------------------------------------------------- rotary
