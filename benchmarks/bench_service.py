@@ -484,7 +484,8 @@ def prefill_by_length(configurations: list[dict]) -> dict:
 
 def format_prefill_by_length(by: dict) -> str:
     names = list(by)
-    lengths = sorted({n for v in by.values() for n in v["lengths"]})
+    # by length as a number: a summary read back from JSON has its lengths as string keys
+    lengths = sorted({n for v in by.values() for n in v["lengths"]}, key=int)
     if not names:
         return ""
     lines = ["prefill s (min / median) by prompt length: " + " | ".join(names)]

@@ -179,6 +179,9 @@ def test_prefill_by_length_and_its_ratio():
     assert t["prefill_alone_ratio_over_mix"] == pytest.approx(((0.6 + 24.0) / 5) / (10.25 / 3))
     text = bench.format_prefill_by_length(by)
     assert "0.20 / 0.30 | 0.25 / 0.25" in text and "mix mean of the minima: 4.92 | 3.42" in text
+    # read back from a results file the lengths are string keys: still in numeric order
+    again = bench.format_prefill_by_length(json.loads(json.dumps(by)))
+    assert [line.split()[0] for line in again.splitlines()[1:3]] == ["4096", "131072"]
     assert bench.prefill_by_length(FAKE) == {} and "prefill_alone_ratio_over_mix" not in bench.targets(FAKE)
     assert bench.format_prefill_by_length({}) == ""
 
