@@ -26,6 +26,9 @@ always produces in full (no stop token). Arrival times: one seeded unit-rate seq
 
 ``--fused-ops off`` runs every configuration with ``ServiceConfig.fused_ops=False`` (transformers'
 eager norms, MLP and RoPE), as cells measured before the fused kernels existed did; default on.
+``--cuda-graphs off`` likewise runs eager decode steps (``ServiceConfig.cuda_graphs=False``), as
+cells measured before the decode CUDA graphs did; each configuration records
+``decode_graphs``, its decode replicas' graph status and step counts.
 
 Placement: ``--gpus 1`` puts both replicas on one GPU (``num_gpus: 0.5`` each; KV pools 2560 and
 5120 pages of 64 tokens: 20 and 40 GiB next to 2 x 16 GB of weights); ``--gpus 2`` gives each its
@@ -162,6 +165,7 @@ class BenchConfig:
     grpc_port: int = 9000
     transport: str = "auto"  # KV transport of every configuration (auto: CUDA IPC on a shared GPU, else NCCL)
     fused_ops: bool = True  # ServiceConfig.fused_ops of every configuration (fused norms, MLP, RoPE on CUDA)
+    cuda_graphs: bool = True  # ServiceConfig.cuda_graphs of every configuration (decode steps from CUDA graphs)
 
     def __post_init__(self) -> None:
         for name in self.configs:
@@ -211,7 +215,7 @@ def base_options(cfg: BenchConfig) -> dict[str, Any]:
         "default_max_tokens": cfg.max_tokens, "max_batch_tokens": longest,
         "max_queued_prefill_tokens": 1 << 40, "adopt_wait_s": 600.0, "lease_timeout_s": 900.0,
         "max_request_bytes": 16 << 20, "batch_wait_ms": 2.0, "transport": cfg.transport,
-        "fused_ops": cfg.fused_ops,
+        "fused_ops": cfg.fused_ops, "cuda_graphs": cfg.cuda_graphs,
     }
     if cfg.smoke:
         return {**common, "device": "cpu", "dtype": "float32", "torch_threads": 1, "page_size": 16,
@@ -332,6 +336,15 @@ def prefill_attention_kernels(app: str) -> list[dict]:
     from router.launcher import replica_stats
 
     return [s.get("attention_kernels", {}) for s in replica_stats(app, "PrefillServer")]
+
+
+def decode_graph_stats(app: str) -> list[dict]:
+    """Per decode replica: whether its decode steps ran from CUDA graphs (``decode_graphs``: on,
+    off or why eager) and how many steps ran in a graph and eagerly."""
+    from router.launcher import replica_stats
+
+    keep = ("decode_graphs", "decode_graph_steps", "decode_eager_steps")
+    return [{k: s[k] for k in keep if k in s} for s in replica_stats(app, "DecodeServer")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,6 +705,8 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
                   f"{summary['output_tokens_per_s']:.1f} tok/s ({time.monotonic() - t_cell:.1f} s)", flush=True)
         conf["attention_kernels"] = prefill_attention_kernels(local.app_name)
         print(f"[{name}] prefill attention calls by kernel: {conf['attention_kernels']}", flush=True)
+        conf["decode_graphs"] = decode_graph_stats(local.app_name)
+        print(f"[{name}] decode graphs: {conf['decode_graphs']}", flush=True)
         conf["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded; the next configuration still runs
         traceback.print_exc()
@@ -755,6 +770,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--fused-ops", choices=("on", "off"), default=None,
                     help="ServiceConfig.fused_ops of every configuration (default on: fused RMSNorm, SiLU MLP and "
                          "RoPE on CUDA; off: transformers' eager modules, as runs before these kernels)")
+    ap.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                    help="ServiceConfig.cuda_graphs of every configuration (default on: decode steps replayed "
+                         "from CUDA graphs on CUDA; off: eager decode steps, as runs before them)")
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--grpc-port", type=int, default=None)
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(ROOT)}); plots beside it")
@@ -799,6 +817,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
         values["transport"] = args.transport
     if args.fused_ops is not None:
         values["fused_ops"] = args.fused_ops == "on"
+    if args.cuda_graphs is not None:
+        values["cuda_graphs"] = args.cuda_graphs == "on"
     groups = None
     if args.parallel is not None:
         for flag, given in (("--configs", args.configs is not None), ("--plot-only", args.plot_only),
@@ -948,6 +968,7 @@ def child_argv(cfg: BenchConfig, group: Group, *, out: Path, http_port: int, grp
              "--drain-seconds", repr(cfg.drain_seconds), "--request-timeout", repr(cfg.request_timeout_s),
              "--lengths", ",".join(str(n) for n in cfg.lengths), "--max-tokens", str(cfg.max_tokens),
              "--seed", str(cfg.seed), "--transport", cfg.transport, "--fused-ops", "on" if cfg.fused_ops else "off",
+             "--cuda-graphs", "on" if cfg.cuda_graphs else "off",
              "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--out", str(out)]
     for flag, value in (("--prefill-kv-pages", cfg.prefill_kv_pages), ("--decode-kv-pages", cfg.decode_kv_pages),
                         ("--time-budget-s", time_budget_s)):

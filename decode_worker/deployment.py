@@ -189,6 +189,7 @@ class DecodeServer:
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.decode_kv_pages)
+        self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows one)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0)
@@ -313,10 +314,16 @@ class DecodeServer:
             "transfers": dict(self.transfers),
             "refused_full": self.refused_full,
             "steps": self.loop.steps,
+            "decode_graphs": self.runtime.decode_graphs,
+            **self._graph_steps(),
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
             **{k: v for r in self.receivers.values() for k, v in r.counters().items()},
         }
+
+    def _graph_steps(self) -> dict:
+        graphs = self.runtime.runner.decode_graphs
+        return {f"decode_{k}": v for k, v in graphs.stats.items()} if graphs is not None else {}
 
     def record_replica_metadata(self) -> dict:
         return {"role": "decode", "device": str(self.pool.device), "page_size": self.pool.page_size}

@@ -3,6 +3,7 @@
 The one place model execution lives; the prefill and decode workers both import it.
 - ``attention``: the attention function registered with transformers (``fpv2_paged``).
 - ``runner.ModelRunner``: packed varlen prefill (chunks welcome) and batched decode.
+- ``cuda_graphs``: decode steps replayed from CUDA graphs (``ModelRunner.enable_decode_graphs``).
 - ``sampling``: ``SamplingParams`` and the vectorized ``Sampler``.
 - ``loading``: local Hugging Face directories and the built-in models (tiny, structured).
 - ``tokenizer``: the byte-level tokenizer, the id tokenizer and the HF adapter.

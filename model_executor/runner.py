@@ -19,6 +19,7 @@ from kernels import ops
 from kernels.config import SparseConfig
 
 from . import fused
+from .cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from .attention import (
     ATTENTION_NAME,
     BATCH_KWARG,
@@ -104,6 +105,24 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)
         self.last_state: ForwardState | None = None  # of the latest forward, for tests and stats
+        self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
+
+    def enable_decode_graphs(
+        self, *, max_seqlen: int, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, capture: bool = True
+    ) -> DecodeGraphs:
+        """Run ``decode`` steps from CUDA graphs (``model_executor/cuda_graphs.py``): one per
+        batch size in ``batch_sizes``, for sequences up to ``max_seqlen`` tokens; other steps stay
+        eager. Captures now (reserving one free page meanwhile) and checks each graph against the
+        eager step; ValueError if one does not reproduce it (the runner then stays eager).
+        ``capture=False``: the same padded static-buffer step without graphs (CPU)."""
+        self.decode_graphs = None  # an earlier set's memory goes before the new one is captured
+        graphs = DecodeGraphs(self, max_seqlen=max_seqlen, batch_sizes=batch_sizes, capture=capture)
+        self.decode_graphs = graphs
+        return graphs
+
+    def disable_decode_graphs(self) -> None:
+        """Back to eager decode steps (the graphs' memory is freed)."""
+        self.decode_graphs = None
 
     def _check_geometry(self) -> None:
         cfg = self.model.config
@@ -188,17 +207,28 @@ class ModelRunner:
             backend=self.backend,
             calibrate_kv=calibrate_kv,
         )
-        out = self.model(
-            input_ids=input_ids.to(dev)[None],
-            position_ids=position_ids.to(dev)[None],
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-            **{BATCH_KWARG: batch},
-        )
+        logits = self.run_model(batch, input_ids.to(dev), position_ids.to(dev), logits_to_keep)
         for rid, n in zip(request_ids, seqlens_kv):
             self.pool.set_seq_len(rid, n)
         self.last_state = batch.state
-        return out.logits[0].float()
+        return logits
+
+    def run_model(
+        self, batch: ForwardBatch, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        logits_to_keep: torch.Tensor | int,
+    ) -> torch.Tensor:
+        """The model over one packed batch whose metadata is built (device tensors, no host
+        work): float32 logits ``[kept, V]``. Advances no ``seq_len``: the caller does. What the
+        decode CUDA graphs capture (``model_executor/cuda_graphs.py``)."""
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+                **{BATCH_KWARG: batch},
+            )
+            return out.logits[0].float()
 
     def prefill(self, items: Sequence[PrefillItem]) -> torch.Tensor:
         """Prefill a batch (whole prompts or chunks); returns float32 logits ``[B, V]`` of each
@@ -274,6 +304,12 @@ class ModelRunner:
             start = self.pool.seq_len(rid)
             self._check_room(rid, start, 1)
             starts.append(start)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(rids, ids, starts)
+            if logits is not None:
+                for rid, start in zip(rids, starts):
+                    self.pool.set_seq_len(rid, start + 1)
+                return logits
         return self._forward(
             rids, ids, torch.tensor(starts, dtype=torch.int64), starts, [1] * len(rids),
             ForwardMode.DECODE, logits_to_keep=0,

@@ -100,6 +100,10 @@ class ServiceConfig:
         by sparse prefill above ``dense_below``.
     fused_ops: on CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels
         (``model_executor/fused.py``, the eager modules' math); ``False``: transformers' eager modules.
+    cuda_graphs: decode replicas on CUDA replay their decode steps from CUDA graphs, one per batch
+        size up to ``max_running``, for sequences up to ``max_model_len`` tokens
+        (``model_executor/cuda_graphs.py``); other steps run eagerly. A capture that fails or does
+        not reproduce the eager step leaves the replica eager, with a warning (its stats say why).
     debug_routing: add replica ids to responses (the ``routing`` field).
     torch_threads: intra-op threads per worker replica (0: leave torch's default).
     decode_resumes: how many times a stream whose decode replica died is resumed (prompt +
@@ -142,6 +146,7 @@ class ServiceConfig:
     lease_timeout_s: float = 120.0
     expected_density: float = 0.3
     fused_ops: bool = True
+    cuda_graphs: bool = True
     debug_routing: bool = False
     torch_threads: int = 0
     retry_after_s: int = 1
@@ -203,6 +208,8 @@ class ServiceConfig:
             raise ValueError(f"auth_token_env: expected an environment variable name or None, got {self.auth_token_env!r}")
         if not isinstance(self.fused_ops, bool):
             raise ValueError(f"fused_ops: expected a bool, got {self.fused_ops!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.debug_routing, bool):
             raise ValueError(f"debug_routing: expected a bool, got {self.debug_routing!r}")
         self.sparse_config  # validates alpha, block_size, sink/window via SparseConfig

@@ -6,6 +6,7 @@ are seeded, a local directory is read offline) and by the ingress (tokenizer onl
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from .config import ServiceConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +55,7 @@ class WorkerRuntime:
     pool: Any
     runner: Any
     device: torch.device
+    decode_graphs: str = "off"  # what enable_decode_graphs did (routing stats)
 
     @classmethod
     def build(cls, config: ServiceConfig, *, num_pages: int) -> "WorkerRuntime":
@@ -78,6 +82,28 @@ class WorkerRuntime:
         if pool.k_scale is not None:  # same prompt, same model: every replica gets the same scales
             runner.calibrate_kv_scales(margin=config.kv_scale_margin)
         return cls(config, loaded, pool, runner, device)
+
+    def enable_decode_graphs(self) -> str:
+        """Decode replicas: capture the decode step as CUDA graphs (``ServiceConfig.cuda_graphs``)
+        for batch sizes up to ``max_running`` and sequences up to ``max_model_len``. Never raises:
+        where graphs are off, impossible or fail their check the runner stays eager; returns (and
+        keeps in ``decode_graphs``) what happened, for the replica's stats."""
+        from model_executor.cuda_graphs import graph_batch_sizes
+
+        if not self.config.cuda_graphs:
+            self.decode_graphs = "off: cuda_graphs is False"
+        elif self.device.type != "cuda":
+            self.decode_graphs = f"off: runs on {self.device}"
+        else:
+            sizes = graph_batch_sizes(self.config.max_running)
+            try:
+                self.runner.enable_decode_graphs(max_seqlen=self.config.max_model_len, batch_sizes=sizes)
+                self.decode_graphs = f"on: batch sizes {list(sizes)}, up to {self.config.max_model_len} tokens"
+            except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the replica eager
+                self.runner.disable_decode_graphs()
+                self.decode_graphs = f"eager: capture failed: {type(exc).__name__}: {exc}"[:500]
+                logger.warning("decode CUDA graphs: %s", self.decode_graphs)
+        return self.decode_graphs
 
 
 def rss_bytes() -> int:

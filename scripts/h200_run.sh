@@ -34,6 +34,9 @@ for s in "${steps[@]}"; do
     fidelity_quick) run bench_fidelity_quick 90 python3 benchmarks/bench_fidelity.py --quick ;;
     retrieval_quick) run bench_retrieval_quick 110 python3 benchmarks/bench_retrieval.py --trials 12 ;;
     decode) run bench_decode 180 python3 benchmarks/bench_decode.py ;;
+    # decode CUDA graphs: their GPU tests, then eager vs graph steps of the structured 8B model
+    decode_graphs) run gpu_tests_graphs 200 python3 -m pytest -m gpu tests/test_cuda_graphs.py tests/test_model_runner.py -q -p no:cacheprovider -rfE
+                   run bench_decode_graphs 300 python3 benchmarks/bench_decode_graphs.py ;;
     fp8_tests) run gpu_tests_fp8 150 python3 -m pytest -m gpu tests/test_fp8.py tests/test_triton_attention.py -q -p no:cacheprovider -rfE ;;
     cutlass_tests) run gpu_tests_cutlass 300 python3 -m pytest -m gpu tests/test_cutlass_attention.py -q -s -p no:cacheprovider -rfE ;;
     # SANITIZE_K narrows the sanitizer cases (pytest -k), e.g. "sanitizer and persistent"

@@ -76,9 +76,16 @@ def test_bench_arguments():
     assert bench.resolve_service_config(bench.service_options(off, "sparse_bf16_sjf"))[0].prefill_schedule == "shortest_first"
     assert "--fused-ops off" in " ".join(bench.child_argv(off, bench.Group(0, ("sparse_bf16",)), out=Path("x"),
                                                           http_port=1, grpc_port=2, time_budget_s=None))
+    assert cfg.cuda_graphs is True and bench.service_options(cfg, "dense")["cuda_graphs"] is True
+    eager, _ = bench.parse_args(["--cuda-graphs", "off"])
+    assert bench.service_options(eager, "sparse_bf16")["cuda_graphs"] is False
+    argv = " ".join(bench.child_argv(eager, bench.Group(0, ("sparse_bf16",)), out=Path("x"), http_port=1,
+                                     grpc_port=2, time_budget_s=None))
+    assert "--cuda-graphs off" in argv and "--fused-ops on" in argv
     smoke, _ = bench.parse_args(["--cpu-smoke"])
     assert smoke.smoke and smoke.model == "builtin:structured-tiny" and smoke.http_port != 8000
-    for bad in (["--configs", "nope"], ["--gpus", "4"], ["--requests", "0"], ["--fused-ops", "maybe"]):
+    for bad in (["--configs", "nope"], ["--gpus", "4"], ["--requests", "0"], ["--fused-ops", "maybe"],
+                ["--cuda-graphs", "yes"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

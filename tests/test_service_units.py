@@ -250,6 +250,24 @@ def test_service_config():
             ServiceConfig.from_dict(bad)
     with pytest.raises(ValueError, match="fused_ops"):
         ServiceConfig.from_dict({"fused_ops": "yes"})
+    with pytest.raises(ValueError, match="cuda_graphs: expected a bool"):
+        ServiceConfig.from_dict({"cuda_graphs": 1})
+
+
+def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eager():
+    import torch
+
+    from router.runtime import WorkerRuntime
+
+    rt = WorkerRuntime.build(ServiceConfig(), num_pages=4)
+    assert rt.enable_decode_graphs() == "off: runs on cpu" and rt.runner.decode_graphs is None
+    off = WorkerRuntime.build(ServiceConfig(cuda_graphs=False), num_pages=4)
+    assert off.enable_decode_graphs() == "off: cuda_graphs is False"
+    rt.device = torch.device("cuda")  # as if on a GPU: the runner (on the CPU) refuses to capture
+    status = rt.enable_decode_graphs()
+    assert status.startswith("eager: capture failed: ValueError: capture: CUDA graphs need a CUDA runner")
+    assert rt.decode_graphs == status and rt.runner.decode_graphs is None
+    assert rt.pool.free_pages == rt.pool.num_pages  # nothing borrowed is kept
 
 
 @pytest.mark.parametrize("fused_ops,expect", [(True, None), (False, False)])
