@@ -134,7 +134,8 @@ class DecodeGraphs:
         pos = torch.as_tensor(list(starts), dtype=torch.int64)
         need = -(-(int(pos.max()) + 1) // self.page_size)  # page-table columns any row reads
         table = self.pool.page_table(request_ids, device="cpu")[:, :need]
-        slots = self.pool.slot_mapping(request_ids, pos.tolist(), [1] * batch, device="cpu")
+        # each new token's slot, from the table (what pool.slot_mapping computes, one request at a time)
+        slots = table[torch.arange(batch), pos // self.page_size].to(torch.int64) * self.page_size + pos % self.page_size
         self._fill(bs, token_ids.to(torch.int64), pos, slots, (pos + 1).to(torch.int32), table)
         if self.capture:
             self._graphs[bs].replay()
