@@ -144,12 +144,28 @@ def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_per_tensor(x: torch.Tensor, *, margin: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x8, descale [1])``; no host synchronisation."""
+def quantize_per_tensor(
+    x: torch.Tensor, *, margin: float = 1.0, backend: str = "reference"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, descale [1])``; no host synchronisation. ``backend``: ``"reference"`` (eager
+    PyTorch), ``"triton"`` (one max-abs reduction, then one fused pass: ``kernels/triton_fp8.py``,
+    the same bits), ``"auto"`` (Triton on CUDA)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or is_fp8(x):
         raise ValueError(f"x: expected a floating-point (non-FP8) tensor, got {_describe(x)}")
-    amax = x.detach().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    from .ops import resolve_backend
+
+    fused = resolve_backend(backend, x.device) in ("triton", "cutlass")
+    if not x.numel():
+        amax = torch.zeros((), device=x.device)
+    elif fused:  # max |x| in one pass, no |x| temporary (the same value: it is one of x's)
+        amax = torch.linalg.vector_norm(x.detach(), ord=math.inf)
+    else:
+        amax = x.detach().abs().amax()
     descale = descale_from_amax(amax.reshape(1), margin=margin)
+    if fused:
+        from . import triton_fp8
+
+        return triton_fp8.quantize_per_tensor(x.contiguous(), descale), descale
     return quantize(x, descale), descale
 
 

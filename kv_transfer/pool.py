@@ -340,10 +340,13 @@ class KVPool:
         return slots.to(self.device if device is None else device)
 
     # ------------------------------------------------------------------ data
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              backend: str = "auto") -> None:
         """Scatter ``k, v [T, Hkv, d]`` into layer ``layer`` at flat ``slots [T]`` (from
         ``slot_mapping``; their values are not checked, to stay free of host syncs).
-        FP8 pools store ``x / scale`` saturated to e4m3."""
+        FP8 pools store ``x / scale`` saturated to e4m3: with ``backend`` ``"auto"`` (on CUDA) or
+        ``"triton"`` one fused kernel quantizes and scatters K and V (``kernels/triton_fp8.py``),
+        ``"reference"`` does it in eager PyTorch; the same bytes either way."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
@@ -358,6 +361,19 @@ class KVPool:
                 raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name}: expected a tensor on {self.device}, got one on {x.device}")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
+        if self.k_scale is not None and backend != "reference":
+            from kernels.ops import triton_available
+
+            if backend == "triton" or (self.device.type == "cuda" and triton_available(self.device)):
+                if not triton_available(self.device):
+                    raise ValueError(f"backend: 'triton' needs a CUDA pool or TRITON_INTERPRET=1, this one is on {self.device}")
+                from kernels import triton_fp8
+
+                triton_fp8.write_pages(_last_contiguous(k), _last_contiguous(v), slots.contiguous(),
+                                       self.k_scale[layer], self.v_scale[layer], self.k[layer], self.v_raw[layer])
+                return
         index = slots.long()
         for pages, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
             data = x.to(self.dtype) if scale is None else quantize_fp8(x, scale[layer])
@@ -457,6 +473,10 @@ def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [T, H, d] / scale [H]`` saturated to +-448 and rounded to e4m3 (``kernels.fp8``)."""
     return fp8.quantize(x, scale.view(1, -1, 1))
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _describe(x: object) -> str:

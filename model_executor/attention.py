@@ -98,9 +98,10 @@ def _prefill(
 ) -> torch.Tensor:
     pool = batch.pool
     k_pages, v_pages = pool.k[layer], pool.v[layer]
+    backend = ops.resolve_backend(batch.backend, q.device)
     q_descale = None
     if pool.k_scale is not None:  # FP8 pool: per-tensor q scale, computed on the device
-        q, q_descale = fp8.quantize_per_tensor(q)
+        q, q_descale = fp8.quantize_per_tensor(q, backend="reference" if backend == "reference" else "triton")
     config = batch.sparse_config
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
@@ -119,7 +120,6 @@ def _prefill(
     if q_descale is not None:  # the pool's scales were validated when set: no sync here
         descales = ops.plan_descales(q, plan, q_descale, pool.k_scale[layer], pool.v_scale[layer],
                                      check_values=False)
-    backend = ops.resolve_backend(batch.backend, q.device)
     if batch.dense and backend == "reference":
         out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out
@@ -191,7 +191,8 @@ def paged_attention_forward(
     v = _to_tokens_major(value).to(work_dtype)
     if batch.calibrate_kv is not None and pool.k_scale is not None:
         pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
-    pool.write(layer, batch.slots, k, v)
+    # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
+    pool.write(layer, batch.slots, k, v, backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
     q = _to_tokens_major(query).to(work_dtype)
     if batch.mode is ForwardMode.DECODE:
         out = _decode(batch, layer, q, scaling)
