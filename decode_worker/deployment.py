@@ -44,6 +44,7 @@ from kv_transfer.transfer import (
     select_transport,
 )
 from router.config import ServiceConfig
+from router.metrics import Metrics
 from router.protocol import params_from_dict
 from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from router.scheduling import routing_hint
@@ -95,9 +96,11 @@ class PrefillCaller:
 class DecodeLoop:
     """Continuous batching: the only code that calls the engine."""
 
-    def __init__(self, engine: DecodeEngine, *, step_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: DecodeEngine, *, step_delay_s: float = 0.0, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.step_delay_s = step_delay_s  # fault-injection drills only
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._graph_counts = (0, 0)  # the runner's decode-graph (graph, eager) steps last seen
         self._inbox: collections.deque[_Add | _Cancel] = collections.deque()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -146,6 +149,23 @@ class DecodeLoop:
                 self.engine.cancel(cmd.request_id)
                 self.engine.pop_finished(cmd.request_id)
 
+    def _record(self) -> None:
+        """A step's metrics: how it ran (a CUDA graph or eager), the batch, the pool."""
+        m = self.metrics
+        if not m.enabled:
+            return
+        graphs = self.engine.runner.decode_graphs
+        if graphs is None:
+            m.inc("decode_steps_total", mode="eager")
+        else:
+            counts = (graphs.stats["graph_steps"], graphs.stats["eager_steps"])
+            m.inc("decode_steps_total", counts[0] - self._graph_counts[0], mode="graph")
+            m.inc("decode_steps_total", counts[1] - self._graph_counts[1], mode="eager")
+            self._graph_counts = counts
+        m.set("decode_running_requests", self.engine.num_running)
+        m.set("decode_waiting_requests", self.engine.num_waiting)
+        m.pool("decode", self.engine.pool)
+
     async def _run(self) -> None:
         while True:
             if not self._inbox and not self.engine.has_unfinished():
@@ -170,6 +190,7 @@ class DecodeLoop:
                 self._outboxes.clear()
                 continue
             self.steps += 1
+            self._record()
             for out in outputs:
                 outbox = self._outboxes.get(out.request_id)
                 if outbox is None:
@@ -192,7 +213,9 @@ class DecodeServer:
         self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows one)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
-        self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0)
+        self.metrics = Metrics()
+        self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
+                               metrics=self.metrics)
         self.receivers = self._make_receivers()  # ticket.transport -> what receives it
         self.replica_id = replica_id()
         self.transfers: collections.Counter = collections.Counter()  # adopted, by transport
@@ -239,6 +262,8 @@ class DecodeServer:
         footprint = self.pool.pages_for(int(request["kv_len"]) + int(request["params"]["max_new_tokens"]))
         if not await self._admit(rid, footprint):
             self.refused_full += 1
+            self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
+                             outcome=TransferFailure.POOL_EXHAUSTED.value)
             yield {"type": "transfer_error", "reason": TransferFailure.POOL_EXHAUSTED.value,
                    "retryable": footprint <= self.pool.num_pages,
                    "message": f"no room for {footprint} pages within {self.config.adopt_wait_s}s",
@@ -256,6 +281,7 @@ class DecodeServer:
                 await receiver.receive(ticket, self.pool)
             except TransferError as exc:
                 self.transfer_failures += 1
+                self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
                 logger.warning("KV transfer for %s over %s failed: %s", rid, transport, exc.reason.value)
                 # a channel that failed (not a full pool) is avoided for this request's retry
                 fallback = "object_store" if transport != "object_store" and exc.reason is not TransferFailure.POOL_EXHAUSTED else None
@@ -264,6 +290,8 @@ class DecodeServer:
                        "fallback": fallback}
                 return
             self.transfers[transport] += 1
+            self.metrics.inc("kv_transfers_total", transport=str(transport), outcome="adopted")
+            self.metrics.observe("kv_transfer_seconds", time.monotonic() - t0)
             yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
                    "num_pages": len(self.pool.pages(rid))}
             params = params_from_dict(request["params"])
@@ -315,6 +343,7 @@ class DecodeServer:
             "refused_full": self.refused_full,
             "steps": self.loop.steps,
             "decode_graphs": self.runtime.decode_graphs,
+            "metrics": self.metrics.status(),
             **self._graph_steps(),
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,

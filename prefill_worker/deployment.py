@@ -39,6 +39,7 @@ from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from router.config import PREFILL_SCHEDULES, ServiceConfig
+from router.metrics import Metrics
 from router.protocol import RequestError, params_from_dict
 from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from router.scheduling import PrefillCostModel
@@ -68,7 +69,7 @@ class PrefillBatcher:
 
     def __init__(self, engine: PrefillEngine, *, max_batch_tokens: int, batch_wait_s: float,
                  max_queued_tokens: int, retry_after_s: int, schedule: str = "fcfs",
-                 max_wait_s: float = 30.0) -> None:
+                 max_wait_s: float = 30.0, metrics: Metrics | None = None) -> None:
         if schedule not in PREFILL_SCHEDULES:
             raise ValueError(f"schedule: expected one of {PREFILL_SCHEDULES}, got {schedule!r}")
         self.engine = engine
@@ -84,6 +85,7 @@ class PrefillBatcher:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
+        self.metrics = metrics if metrics is not None else Metrics()
 
     # -- accounting (routing stats) ----------------------------------------------------
     @property
@@ -194,6 +196,15 @@ class PrefillBatcher:
                         self.pool.release(result.request_id)
                     else:
                         item.future.set_result(result)
+                self._record(batch, time.monotonic() - now)
+
+    def _record(self, batch: list, seconds: float) -> None:
+        m = self.metrics
+        m.inc("prefill_tokens_total", sum(len(item.request.prompt_token_ids) for item in batch))
+        m.observe("prefill_batch_seconds", seconds)
+        m.set("prefill_queued_requests", self.num_queued)
+        m.set("prefill_queued_tokens", self.queued_tokens)
+        m.pool("prefill", self.pool)
 
 
 class PrefillServer:
@@ -327,6 +338,7 @@ class PrefillServer:
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
             "attention_kernels": attention_kernel_calls(),  # which kernel "auto" ran, per layer call
+            "metrics": self.batcher.metrics.status(),
             **self.transport.counters(),
         }
 

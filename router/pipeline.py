@@ -36,6 +36,7 @@ from typing import Any
 
 from .config import ServiceConfig
 from .detokenize import TextStream
+from .metrics import Metrics
 from .protocol import GenerationRequest, RequestError, params_to_dict
 from .scheduling import PrefillCostModel, routing_hint
 from .state import RequestLifecycle, RequestPhase
@@ -84,8 +85,9 @@ def _is_replica_failure(exc: BaseException) -> bool:
 
 class DisaggregatedPipeline:
     def __init__(self, prefill_handle: Any, decode_handle: Any, config: ServiceConfig, tokenizer: Any,
-                 page_size: int | None = None) -> None:
+                 page_size: int | None = None, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer = tokenizer
         self.page_size = page_size or config.page_size
         self._prefill = prefill_handle.options(stream=True)
@@ -113,6 +115,7 @@ class DisaggregatedPipeline:
         attempt: _Attempt | None = None
         attempts = resumes = 0
         transport: str | None = None  # "object_store" once a channel transfer of this request failed
+        outcome: str | None = None  # the finish reason once the last delta is decided (metrics)
         try:
             while True:
                 # -- connect: prefill (+ transfer) until a decode replica has adopted the pages.
@@ -148,7 +151,7 @@ class DisaggregatedPipeline:
                         if reason is not None:
                             life.to(RequestPhase.FINISHED)
                             delta.text += text.finish()
-                            delta.finish_reason = reason
+                            delta.finish_reason = outcome = reason
                             delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
                             yield delta
                             return
@@ -200,7 +203,7 @@ class DisaggregatedPipeline:
                             life.to(RequestPhase.FINISHED)
                             if event["finished"]:
                                 attempt.decode_stream = None  # ended on its own: nothing to cancel
-                            delta.finish_reason = reason
+                            delta.finish_reason = outcome = reason
                             delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
                             yield delta
                             return
@@ -221,14 +224,32 @@ class DisaggregatedPipeline:
         except (asyncio.CancelledError, GeneratorExit):
             if not life.done:
                 life.to(RequestPhase.CANCELLED)
+            outcome = outcome or "cancelled"
             raise
         except Exception:
             if not life.done:
                 life.to(RequestPhase.FAILED)
+            outcome = outcome or "failed"
             raise
         finally:
             if attempt is not None:
                 self._close(attempt)
+            self._record(req, life, outcome or "cancelled", len(generated), resumes)
+
+    def _record(self, req: GenerationRequest, life: RequestLifecycle, outcome: str, output_tokens: int,
+                resumes: int) -> None:
+        """The request's metrics (``router/metrics.py``); never raises."""
+        try:
+            end = life.finished_at if life.finished_at is not None else time.monotonic()
+            tpot = None
+            if life.first_token_at is not None and output_tokens > 1:
+                tpot = (end - life.first_token_at) / (output_tokens - 1)
+            self.metrics.request_ended(
+                finish_reason=outcome, prompt_tokens=req.prompt_len if life.first_token_at is not None else None,
+                output_tokens=output_tokens, ttft_s=life.ttft_s, latency_s=end - life.received_at, tpot_s=tpot,
+                prefill_retries=max(life.prefill_attempts - 1 - resumes, 0), resumes=resumes)
+        except Exception:  # noqa: BLE001 - metrics never fail a request
+            logger.warning("request metrics of %s not recorded", req.request_id, exc_info=True)
 
     def _unavailable(self, role: str, exc: BaseException) -> RequestError:
         return RequestError(f"{role} replicas failed on every attempt ({type(exc).__name__}); retry later",

@@ -1,4 +1,4 @@
-"""Shared test inputs: random varlen paged batches with fixed seeds."""
+"""Shared test inputs: random varlen paged batches with fixed seeds; a fake of Ray's metric classes."""
 
 from __future__ import annotations
 
@@ -85,3 +85,38 @@ def poison_empty(monkeypatch, module) -> None:
         return t
 
     monkeypatch.setattr(module, "_empty", empty)
+
+
+# ----------------------------------------------------------------- metrics
+class FakeMetric:
+    def __init__(self, name, *, description, tag_keys=None, boundaries=None):
+        self.name, self.description, self.tag_keys, self.boundaries = name, description, tag_keys, boundaries
+        self.calls = []
+
+    def inc(self, value, tags=None):
+        self.calls.append(("inc", value, tags))
+
+    def set(self, value, tags=None):
+        self.calls.append(("set", value, tags))
+
+    def observe(self, value, tags=None):
+        self.calls.append(("observe", value, tags))
+
+
+class FakeMetricsBackend:
+    """``ray.serve.metrics``' three classes; remembers every metric made."""
+
+    def __init__(self):
+        self.made = {}
+
+        def factory(name, **kw):
+            assert name not in self.made, f"{name} created twice"
+            self.made[name] = FakeMetric(name, **kw)
+            return self.made[name]
+
+        self.Counter = self.Gauge = self.Histogram = factory
+
+    def calls(self, name):
+        from router.metrics import PREFIX
+
+        return self.made[PREFIX + name].calls

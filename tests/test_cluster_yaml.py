@@ -29,6 +29,10 @@ def test_cluster_yaml_validates_against_ray_schema():
     assert types["prefill_gpu_worker"]["resources"]["prefill_gpu"] == types["prefill_gpu_worker"]["resources"]["GPU"]
     assert types["decode_gpu_worker"]["resources"]["decode_gpu"] == types["decode_gpu_worker"]["resources"]["GPU"]
     assert not {"GPU", "prefill_gpu", "decode_gpu"} & set(types[config["head_node_type"]]["resources"])
+    # every node exports Prometheus metrics (router/metrics.py) on one known port
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all("--metrics-export-port=8080" in c for c in starts)
 
 
 def test_cluster_yaml_schema_rejects_unknown_keys():

@@ -339,11 +339,12 @@ def _run(pipeline, req):
     return out, error
 
 
-def _pipeline(prefill, decode, **config):
+def _pipeline(prefill, decode, metrics=None, **config):
     from router.pipeline import DisaggregatedPipeline
 
     cfg = ServiceConfig.from_dict({"transfer_retries": 2, "decode_resumes": 2, **config})
-    return DisaggregatedPipeline(_Handle(prefill=prefill), _Handle(generate=decode), cfg, ByteTokenizer())
+    return DisaggregatedPipeline(_Handle(prefill=prefill), _Handle(generate=decode), cfg, ByteTokenizer(),
+                                 metrics=metrics)
 
 
 REQ = PARSER.parse({"model": "m", "prompt": [256, 72, 105], "max_tokens": 12, "temperature": 0}, "completion")
@@ -433,3 +434,38 @@ def test_timing_breakdown_comes_from_where_each_step_runs():
     assert t["total_s"] >= t["ttft_s"] >= 0 and t["prefill_attempts"] == 1
     out, error = _run(_pipeline(_prefill, _decode), REQ)
     assert error is None and out[-1].timing["export_s"] is None and out[-1].timing["first_decode_s"] is None
+
+
+def test_pipeline_records_each_request_once_with_its_outcome():
+    from router.metrics import Metrics
+    from tests.helpers import FakeMetricsBackend
+
+    backend = FakeMetricsBackend()
+    metrics = Metrics(backend)
+    # one resumed after a decode death, one whose prefill keeps dying (503), one cut by the client
+    out, error = _run(_pipeline(_prefill, lambda p, n: _decode(p, n, die_after=lambda n: 4 if n == 1 else None),
+                                metrics=metrics), REQ)
+    assert error is None
+    out, error = _run(_pipeline(lambda p, n: _prefill(p, n, die=lambda n: True), _decode, metrics=metrics), REQ)
+    assert error.status == 503
+
+    async def first_then_leave():
+        stream = _pipeline(_prefill, _decode, metrics=metrics).stream(REQ)
+        await stream.__anext__()
+        await stream.aclose()
+
+    import asyncio
+
+    asyncio.run(first_then_leave())
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["length", "failed", "cancelled"]
+    # prompt tokens of the two requests that were prefilled; 12 + 1 tokens sent
+    assert backend.calls("prompt_tokens_total") == [("inc", 3, None), ("inc", 3, None)]
+    assert backend.calls("generation_tokens_total") == [("inc", 12, None), ("inc", 1, None)]
+    assert len(backend.calls("time_to_first_token_seconds")) == 2  # the failed one had no first token
+    assert len(backend.calls("time_per_output_token_seconds")) == 1  # needs two tokens
+    assert len(backend.calls("e2e_request_latency_seconds")) == 3
+    assert all(c[1] >= 0 for c in backend.calls("e2e_request_latency_seconds"))
+    retries = backend.calls("request_retries_total")
+    assert ("inc", 1, {"kind": "resume"}) in retries  # the decode death
+    assert ("inc", 2, {"kind": "prefill"}) in retries  # the prefill tried three times
+

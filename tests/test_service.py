@@ -245,6 +245,10 @@ def test_corrupt_transfer_fails_cleanly_then_retries(service):
     assert r.json()["timing"]["prefill_attempts"] == 1
     dec = replica_stats("faults", "DecodeServer")
     assert sum(s["transfer_failures"] for s in dec) == 4
+    # Prometheus metrics (router/metrics.py) record in the replicas, none failed
+    for s in dec + replica_stats("faults", "PrefillServer"):
+        assert s["metrics"]["enabled"] and not s["metrics"]["broken"], s["metrics"]
+    assert any("kv_transfers_total" in s["metrics"]["recording"] for s in dec)
     wait_pools_idle("faults")
 
 
