@@ -27,6 +27,16 @@ Bookkeeping per request: its page list and ``seq_len`` (tokens written/committed
 only grow (``reserve``) until ``release``. Allocation is all-or-nothing and raises the typed
 ``PoolExhausted`` that the scheduler acts on (preempt, queue, or spill).
 
+Prefix cache (prefill replicas, ``PrefillEngine(prefix_cache=True)``): a full page of prompt
+tokens can be registered under a digest of the whole prefix up to its end (``prefix_digests``:
+a BLAKE2b chain over the token ids, page by page, so equal digests mean equal prefixes, not
+merely equal pages). A later request whose prompt starts with cached pages takes them
+(``reserve_with_prefix``) and computes only the rest. Pages are reference counted: a cached
+page held by no request is *evictable*, counts as free, and is reused (least recently released
+first) only when the free list is empty; a page several requests hold goes back when the last
+one releases it. Cached pages are full and never written again (a request writes only past its
+matched prefix).
+
 CUDA pools are allocated outside torch's expandable segments (see ``_plain_cuda_segments``) so
 that a decode replica on the same GPU can map them through CUDA IPC (``kv_transfer.ipc``).
 
@@ -37,7 +47,9 @@ pages the caller owns and takes no lock.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import os
 import re
 import threading
@@ -179,15 +191,34 @@ class KVPool:
         self._lock = threading.Lock()
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> 0, 1, ...
         self._requests: dict[str, _Request] = {}
+        self._refs: dict[int, int] = {}  # page -> requests holding it (> 1: a shared prefix page)
+        self._cache: dict[bytes, int] = {}  # prefix digest -> page (prefix cache)
+        self._digest_of: dict[int, bytes] = {}  # cached page -> its digest
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
 
     # ------------------------------------------------------------------ accounting
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.free_pages
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` pages for a request (lock held, ``n <= free_pages`` checked): free ones first,
+        then evicted cached ones, least recently released first."""
+        pages = []
+        for _ in range(max(n, 0)):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._cache[self._digest_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
@@ -212,12 +243,11 @@ class KVPool:
                     f"(request {request_id!r}), got {num_tokens}"
                 )
             need = self.pages_for(num_tokens) - held
-            if need > len(self._free):
-                raise PoolExhausted(need, len(self._free), request_id)
+            if need > self.free_pages:
+                raise PoolExhausted(need, self.free_pages, request_id)
             if req is None:
                 req = self._requests[request_id] = _Request()
-            for _ in range(max(need, 0)):
-                req.pages.append(self._free.pop())
+            req.pages.extend(self._take(need))
             return list(req.pages)
 
     def adopt(self, request_id: str, num_tokens: int) -> list[int]:
@@ -230,21 +260,112 @@ class KVPool:
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} already holds pages in this pool")
             need = self.pages_for(num_tokens)
-            if need > len(self._free):
-                raise PoolExhausted(need, len(self._free), request_id)
-            req = self._requests[request_id] = _Request(seq_len=num_tokens)
-            for _ in range(need):
-                req.pages.append(self._free.pop())
+            if need > self.free_pages:
+                raise PoolExhausted(need, self.free_pages, request_id)
+            req = self._requests[request_id] = _Request(seq_len=num_tokens, pages=self._take(need))
             return list(req.pages)
 
     def release(self, request_id: str) -> int:
-        """Return the request's pages to the free list; returns how many. Unknown ids: 0."""
+        """Let go of the request's pages; returns how many it held. Unknown ids: 0. A page goes
+        back when no request holds it any more: to the free list, or, if cached, to the
+        evictable pages (most recently released last)."""
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
                 return 0
-            self._free.extend(reversed(req.pages))  # the request's first page is reused first
+            for page in reversed(req.pages):  # the request's first page is reused first
+                left = self._refs[page] - 1
+                if left:
+                    self._refs[page] = left
+                    continue
+                del self._refs[page]
+                if page in self._digest_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
             return len(req.pages)
+
+    # ------------------------------------------------------------------ prefix cache
+    def prefix_digests(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Digest of each *full* page of ``token_ids``: page ``i``'s covers tokens
+        ``[0, (i + 1) * page_size)`` (BLAKE2b-128 chained over the pages' int64 ids)."""
+        ids = torch.as_tensor(list(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids,
+                              dtype=torch.int64).cpu()
+        raw = ids.numpy().tobytes()
+        step = self.page_size * 8
+        digests, parent = [], b""
+        for i in range(ids.numel() // self.page_size):
+            parent = hashlib.blake2b(parent + raw[i * step:(i + 1) * step], digest_size=16).digest()
+            digests.append(parent)
+        return digests
+
+    def _match(self, digests: Sequence[bytes]) -> list[int]:
+        pages = []
+        for d in digests:
+            page = self._cache.get(d)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def cached_prefix_pages(self, digests: Sequence[bytes]) -> int:
+        """How many leading pages of ``digests`` the cache holds (a lookup; nothing is taken)."""
+        with self._lock:
+            return len(self._match(digests))
+
+    def reserve_with_prefix(self, request_id: str, digests: Sequence[bytes], num_tokens: int) -> int:
+        """Create ``request_id`` holding pages for ``num_tokens`` tokens, its first pages the
+        cached ones of the longest cached prefix among ``digests`` (shared, not copied), the
+        rest new; its ``seq_len`` is the tokens of the shared pages, which it returns.
+        All-or-nothing as ``reserve``: ``PoolExhausted`` leaves the pool as it was.
+        ``ValueError`` if the request exists or the digests cover more than ``num_tokens``."""
+        _check_positive_int("num_tokens", num_tokens, minimum=0)
+        if len(digests) * self.page_size > num_tokens:
+            raise ValueError(f"digests: {len(digests)} pages of {self.page_size} tokens are more than "
+                             f"num_tokens ({num_tokens})")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request_id: {request_id!r} already holds pages in this pool")
+            shared = self._match(digests)
+            need = self.pages_for(num_tokens) - len(shared)
+            # shared pages no one holds are evictable: taking them leaves that many fewer to take
+            reclaim = sum(1 for p in shared if p in self._evictable)
+            if need > self.free_pages - reclaim:
+                raise PoolExhausted(need, self.free_pages - reclaim, request_id)
+            for page in shared:
+                if page in self._evictable:
+                    del self._evictable[page]
+                self._refs[page] = self._refs.get(page, 0) + 1
+            self._requests[request_id] = _Request(pages=shared + self._take(need), seq_len=len(shared) * self.page_size)
+            return len(shared) * self.page_size
+
+    def cache_prefix(self, request_id: str, digests: Sequence[bytes]) -> int:
+        """Register ``request_id``'s first ``len(digests)`` pages (written: within its
+        ``seq_len``) under ``digests`` (from ``prefix_digests`` of its tokens); a digest already
+        cached keeps its page. Returns how many pages were newly cached."""
+        with self._lock:
+            req = self._get(request_id)
+            if len(digests) * self.page_size > req.seq_len:
+                raise ValueError(f"digests: {len(digests)} pages of {self.page_size} tokens are more than the "
+                                 f"{req.seq_len} tokens written for {request_id!r}")
+            added = 0
+            for page, d in zip(req.pages, digests):
+                if d in self._cache or page in self._digest_of:
+                    continue
+                self._cache[d] = page
+                self._digest_of[page] = d
+                added += 1
+            return added
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix (pages held by requests stay theirs); returns how many."""
+        with self._lock:
+            n = len(self._cache)
+            self._free.extend(reversed(self._evictable))
+            self._evictable.clear()
+            self._cache.clear()
+            self._digest_of.clear()
+            return n
 
     def rename(self, request_id: str, new_id: str) -> None:
         """Move ``request_id``'s pages and ``seq_len`` to ``new_id`` in one step (nothing is
@@ -292,9 +413,11 @@ class KVPool:
         with self._lock:
             return {
                 "num_pages": self.num_pages,
-                "free_pages": len(self._free),
-                "used_pages": self.num_pages - len(self._free),
+                "free_pages": self.free_pages,
+                "used_pages": self.used_pages,
                 "requests": len(self._requests),
+                "cached_pages": len(self._cache),
+                "evictable_pages": len(self._evictable),
                 "page_size": self.page_size,
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "page_bytes": self.page_bytes,

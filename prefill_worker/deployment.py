@@ -196,11 +196,15 @@ class PrefillBatcher:
                         self.pool.release(result.request_id)
                     else:
                         item.future.set_result(result)
-                self._record(batch, time.monotonic() - now)
+                self._record(batch, results, time.monotonic() - now)
 
-    def _record(self, batch: list, seconds: float) -> None:
+    def _record(self, batch: list, results: list, seconds: float) -> None:
         m = self.metrics
-        m.inc("prefill_tokens_total", sum(len(item.request.prompt_token_ids) for item in batch))
+        prompt = sum(len(item.request.prompt_token_ids) for item in batch)
+        cached = sum(getattr(r, "cached_tokens", 0) for r in results)
+        m.inc("prefill_tokens_total", prompt - cached)
+        m.inc("prefix_cache_queries_total", prompt)
+        m.inc("prefix_cache_hits_total", cached)
         m.observe("prefill_batch_seconds", seconds)
         m.set("prefill_queued_requests", self.num_queued)
         m.set("prefill_queued_tokens", self.queued_tokens)
@@ -215,7 +219,8 @@ class PrefillServer:
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
         self.pool = self.runtime.pool
         self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
-                                    chunk_size=self.config.prefill_chunk_size)
+                                    chunk_size=self.config.prefill_chunk_size,
+                                    prefix_cache=self.config.prefix_caching)
         self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
                                            expected_density=self.config.expected_density)
         self.batcher = PrefillBatcher(
@@ -284,6 +289,7 @@ class PrefillServer:
                 "request_id": rid,
                 "first_token": int(result.first_token),
                 "kv_len": int(result.kv_len),
+                "cached_tokens": int(result.cached_tokens),
                 "ticket": ticket,
                 "replica_id": self.replica_id,
                 "queue_s": queue_s,

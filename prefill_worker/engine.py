@@ -8,14 +8,27 @@ until ``release(request_id)`` (after the KV transfer, or by the single-process g
 
 Request life: WAITING (pages reserved) -> PREFILLING (some chunks done) -> DONE (first token
 sampled), or FAILED (error; pages released).
+
+Prefix cache (``prefix_cache=True``): a prompt whose leading full pages match a prompt prefilled
+before (``KVPool.prefix_digests``: same tokens from the first one) takes those pages from the
+pool's cache and computes only the rest, as a chunk after a cached prefix (``cached_len``); at
+least its last token is always computed (its logits give the first token). A prompt that
+finishes registers its full pages for the next ones. ``PrefillResult.cached_tokens`` says how
+many tokens were reused. With sparse prefill (``alpha > 0``) the reused prefix is a multiple of
+the operator's query tile (``Q_TILE`` = 128 packed rows, so a multiple of 128 tokens also for
+any GQA group): the new tokens' tiles then line up with the tiles of a whole-prompt prefill,
+and SPEC.md's block selection (per tile, over absolute key blocks) is the same, so a cache hit
+computes what a miss would.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import Sampler, SamplingParams
 
@@ -43,6 +56,7 @@ class PrefillResult:
     first_token: int
     pages: tuple[int, ...]
     kv_len: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -51,6 +65,8 @@ class _Prefilling:
     state: PrefillState = PrefillState.WAITING
     done_tokens: int = 0
     first_token: int | None = None
+    cached_tokens: int = 0
+    digests: list[bytes] = field(default_factory=list)  # prefix cache: the prompt's full pages
 
     @property
     def prompt_len(self) -> int:
@@ -66,6 +82,8 @@ class PrefillEngine:
 
     chunk_size: prefill every prompt in chunks of at most this many tokens (``None``: whole
     prompts, except that a prompt longer than ``max_batch_tokens`` is split at the budget).
+    prefix_cache: reuse the pool's cached prefix pages and cache finished prompts' pages (see
+    the module doc).
     """
 
     def __init__(
@@ -75,6 +93,7 @@ class PrefillEngine:
         max_batch_tokens: int = 8192,
         chunk_size: int | None = None,
         sampler: Sampler | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens: expected an int >= 1, got {max_batch_tokens!r}")
@@ -82,6 +101,12 @@ class PrefillEngine:
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
+        self.prefix_cache = prefix_cache
+        page = runner.page_size
+        # reuse granularity (tokens): whole pages; with sparse prefill, whole query tiles too
+        self.reuse_granule = math.lcm(page, Q_TILE) if runner.sparse_config.alpha > 0 else page
         self.runner = runner
         self.pool = runner.pool
         self.max_batch_tokens = max_batch_tokens
@@ -102,18 +127,27 @@ class PrefillEngine:
                 raise ValueError(f"requests[{i}].request_id: {r.request_id!r} is already in use")
             seen.add(r.request_id)
 
-    def _reserve_all(self, requests: Sequence[PrefillRequest]) -> None:
-        """All or nothing: on PoolExhausted, the pages reserved here are given back."""
+    def _reserve_all(self, live: Sequence[_Prefilling]) -> None:
+        """All or nothing: on PoolExhausted, the pages reserved here are given back. With the
+        prefix cache, each request starts past its cached prefix."""
         reserved: list[str] = []
         try:
-            for r in requests:
-                self.runner.ensure_capacity(r.request_id, len(r.prompt_token_ids))
-                reserved.append(r.request_id)
+            for s in live:
+                rid, n = s.request.request_id, s.prompt_len
+                if self.prefix_cache:
+                    s.digests = self.pool.prefix_digests(s.request.prompt_token_ids)
+                    # the last prompt token is always computed: its logits give the first token
+                    reusable = (n - 1) // self.reuse_granule * self.reuse_granule
+                    usable = s.digests[: reusable // self.pool.page_size]
+                    s.cached_tokens = s.done_tokens = self.pool.reserve_with_prefix(rid, usable, n)
+                else:
+                    self.runner.ensure_capacity(rid, n)
+                reserved.append(rid)
         except BaseException:
             for rid in reserved:
                 self.pool.release(rid)
-            if self.pool.has(requests[len(reserved)].request_id):
-                self.pool.release(requests[len(reserved)].request_id)
+            if self.pool.has(live[len(reserved)].request.request_id):
+                self.pool.release(live[len(reserved)].request.request_id)
             raise
 
     def _next_batch(self, live: list[_Prefilling]) -> list[tuple[_Prefilling, int]]:
@@ -139,8 +173,8 @@ class PrefillEngine:
         self._validate(requests)
         if not requests:
             return []
-        self._reserve_all(requests)
         live = [_Prefilling(r) for r in requests]
+        self._reserve_all(live)
         try:
             while any(s.remaining for s in live):
                 batch = self._next_batch(live)
@@ -168,6 +202,8 @@ class PrefillEngine:
                     for (_, s), tok in zip(finishing, tokens):
                         s.first_token = int(tok)
                         s.state = PrefillState.DONE
+                        if s.digests:  # its full pages serve the prompts that start like it
+                            self.pool.cache_prefix(s.request.request_id, s.digests)
         except BaseException:
             for s in live:
                 s.state = PrefillState.FAILED
@@ -180,6 +216,7 @@ class PrefillEngine:
                 first_token=s.first_token,
                 pages=tuple(self.pool.pages(s.request.request_id)),
                 kv_len=s.prompt_len,
+                cached_tokens=s.cached_tokens,
             )
             for s in live
         ]

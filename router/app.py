@@ -188,11 +188,13 @@ class OpenAIIngress:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse_stream(self, req: GenerationRequest, first: Delta, deltas):
-        completion_tokens = 0
+        completion_tokens, cached_tokens = 0, None
         try:
             delta = first
             while True:
                 completion_tokens += len(delta.token_ids)
+                if delta.timing is not None:
+                    cached_tokens = delta.timing.get("cached_tokens")
                 chunk = stream_chunk(req, delta.text, delta.token_ids, delta.finish_reason, first=delta.first)
                 if delta.finish_reason is not None:
                     chunk["timing"] = delta.timing
@@ -203,7 +205,7 @@ class OpenAIIngress:
                     break
                 delta = await deltas.__anext__()
             if req.include_usage:
-                yield _sse(usage_chunk(req, completion_tokens))
+                yield _sse(usage_chunk(req, completion_tokens, cached_tokens))
         except StopAsyncIteration:
             pass
         except Exception as exc:  # after a 200 went out, the error travels in-band

@@ -100,6 +100,12 @@ class ServiceConfig:
         by sparse prefill above ``dense_below``.
     fused_ops: on CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels
         (``model_executor/fused.py``, the eager modules' math); ``False``: transformers' eager modules.
+    prefix_caching: prefill replicas keep the full KV pages of prompts they prefilled and let a
+        later prompt that starts with the same tokens reuse them, computing only the rest
+        (``KVPool`` prefix cache, least recently used pages evicted first when the pool needs
+        room). ``usage.prompt_tokens_details.cached_tokens`` and ``timing.cached_tokens`` say how
+        many prompt tokens a request reused. With sparse prefill the reused prefix is treated as
+        a chunk boundary (as with ``prefill_chunk_tokens``).
     cuda_graphs: decode replicas on CUDA replay their decode steps from CUDA graphs, one per batch
         size up to ``max_running``, for sequences up to ``max_model_len`` tokens
         (``model_executor/cuda_graphs.py``); other steps run eagerly. A capture that fails or does
@@ -147,6 +153,7 @@ class ServiceConfig:
     expected_density: float = 0.3
     fused_ops: bool = True
     cuda_graphs: bool = True
+    prefix_caching: bool = True
     debug_routing: bool = False
     torch_threads: int = 0
     retry_after_s: int = 1
@@ -208,6 +215,8 @@ class ServiceConfig:
             raise ValueError(f"auth_token_env: expected an environment variable name or None, got {self.auth_token_env!r}")
         if not isinstance(self.fused_ops, bool):
             raise ValueError(f"fused_ops: expected a bool, got {self.fused_ops!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching: expected a bool, got {self.prefix_caching!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.debug_routing, bool):

@@ -16,7 +16,9 @@ ingress (one request's trip, ``router/pipeline.py``)
   (decoding resumed on another replica).
 prefill replicas
   ``prefill_queued_requests``, ``prefill_queued_tokens`` (gauges, after every batch),
-  ``prefill_tokens_total``, ``prefill_batch_seconds`` (a forward batch, histogram).
+  ``prefill_tokens_total`` (computed), ``prefix_cache_queries_total`` (prompt tokens looked up),
+  ``prefix_cache_hits_total`` (prompt tokens reused from the prefix cache),
+  ``prefill_batch_seconds`` (a forward batch, histogram).
 decode replicas
   ``decode_running_requests``, ``decode_waiting_requests`` (gauges, after every step),
   ``decode_steps_total{mode}``: ``graph`` or ``eager`` (``model_executor/cuda_graphs.py``),
@@ -57,7 +59,9 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
                               "on another replica (resume).", ("kind",), None),
     "prefill_queued_requests": ("gauge", "Requests waiting in a prefill replica's queue.", (), None),
     "prefill_queued_tokens": ("gauge", "Prompt tokens waiting in a prefill replica's queue.", (), None),
-    "prefill_tokens_total": ("counter", "Tokens prefilled.", (), None),
+    "prefill_tokens_total": ("counter", "Prompt tokens computed (not reused from the prefix cache).", (), None),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache.", (), None),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens whose KV pages came from the prefix cache.", (), None),
     "prefill_batch_seconds": ("histogram", "Time of one prefill forward batch.", (), BATCH_BUCKETS),
     "decode_running_requests": ("gauge", "Requests in a decode replica's running batch.", (), None),
     "decode_waiting_requests": ("gauge", "Requests waiting for a decode replica's batch.", (), None),

@@ -277,7 +277,8 @@ class DisaggregatedPipeline:
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)))
         )
         event = await attempt.prefill_stream.__anext__()
-        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"], export_s=event.get("export_s"))
+        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"], export_s=event.get("export_s"),
+                              cached_tokens=event.get("cached_tokens"))
         attempt.routing["prefill_replica"] = event["replica_id"]
         return event
 
@@ -332,6 +333,7 @@ class DisaggregatedPipeline:
             "total_s": now - life.received_at,
             "prefill_attempts": life.prefill_attempts,
             "decode_resumes": resumes,
+            "cached_tokens": attempt.timing.get("cached_tokens"),
         }
 
     def _routing(self, attempt: _Attempt) -> dict | None:

@@ -344,9 +344,13 @@ def params_from_dict(raw: dict) -> SamplingParams:
 
 
 # ----------------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
+    return out
 
 
 def completion_response(req: GenerationRequest, result: Any) -> dict:
@@ -363,7 +367,8 @@ def completion_response(req: GenerationRequest, result: Any) -> dict:
         choice["prompt_token_ids"] = list(req.prompt_token_ids)
     out = {
         "id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-        "choices": [choice], "usage": usage(req.prompt_len, len(result.token_ids)),
+        "choices": [choice],
+        "usage": usage(req.prompt_len, len(result.token_ids), (result.timing or {}).get("cached_tokens")),
         "timing": result.timing,
     }
     if result.routing is not None:
@@ -389,10 +394,10 @@ def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int],
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int) -> dict:
+def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [], "usage": usage(req.prompt_len, completion_tokens)}
+            "choices": [], "usage": usage(req.prompt_len, completion_tokens, cached_tokens)}
 
 
 def models_response(model_id: str, created: int) -> dict:

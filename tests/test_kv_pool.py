@@ -26,8 +26,8 @@ def test_layout_and_page_bytes():
     assert pool.page_bytes == 2 * 2 * 4 * 2 * 8 * 2  # K+V x layers x tokens x heads x d x bytes
     assert pool.k[1].shape == (16, 4, 2, 8)  # layer view: the kernels' k_pages
     assert pool.stats() == {
-        "num_pages": 16, "free_pages": 16, "used_pages": 0, "requests": 0,
-        "page_size": 4, "dtype": "bfloat16", "page_bytes": pool.page_bytes,
+        "num_pages": 16, "free_pages": 16, "used_pages": 0, "requests": 0, "cached_pages": 0,
+        "evictable_pages": 0, "page_size": 4, "dtype": "bfloat16", "page_bytes": pool.page_bytes,
     }
 
 
@@ -340,3 +340,94 @@ def test_fp8_v_is_token_major():
     assert int((pool.v_raw[0].view(torch.uint8) != 0).sum()) == 0  # other layers untouched
     bf16 = make_pool(dtype=torch.bfloat16)
     assert bf16.v_raw is bf16.v and bf16.v.is_contiguous()
+
+
+# ---------------------------------------------------------------- prefix cache
+def _filled(pool, rid, tokens):
+    """A request holding ``tokens`` with its pages written (seq_len set) and cached."""
+    pool.reserve(rid, len(tokens))
+    pool.set_seq_len(rid, len(tokens))
+    digests = pool.prefix_digests(tokens)
+    return digests, pool.cache_prefix(rid, digests)
+
+
+def test_prefix_digests_chain_whole_prefixes():
+    pool = make_pool(page_size=4)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 1000, (14,), generator=gen).tolist()
+    b = a[:8] + [x + 1 for x in a[8:]]  # same first two pages, then different
+    c = [a[0] + 1] + a[1:]  # differs in the first token only
+    da, db, dc = (pool.prefix_digests(x) for x in (a, b, c))
+    assert len(da) == 3 and all(len(d) == 16 for d in da)  # 14 tokens: three full pages of 4
+    assert db[:2] == da[:2] and db[2] != da[2]
+    assert not set(dc) & set(da)  # a page's digest covers the whole prefix, not only its tokens
+    assert pool.prefix_digests(torch.tensor(a)) == da and pool.prefix_digests(a[:3]) == []
+
+
+def test_a_cached_prefix_is_shared_and_reference_counted():
+    pool = make_pool(num_pages=10, page_size=4)
+    prompt = list(range(100, 114))  # 14 tokens: pages of 4, 4, 4 cached; 2 tokens in a fourth page
+    digests, added = _filled(pool, "a", prompt)
+    assert added == 3 and pool.stats()["cached_pages"] == 3
+    matched = pool.reserve_with_prefix("b", digests[: (len(prompt) - 1) // 4], len(prompt))
+    assert matched == 12 and pool.seq_len("b") == 12
+    assert pool.pages("b")[:3] == pool.pages("a")[:3] and pool.pages("b")[3] != pool.pages("a")[3]
+    assert pool.free_pages == 10 - 5  # a: 4 pages, b: one new page
+    pool.release("a")
+    assert pool.free_pages == 10 - 4  # the shared pages stay with b; a's own fourth page is free
+    pool.release("b")
+    assert pool.free_pages == 10 and pool.stats()["evictable_pages"] == 3  # cached, nobody holds them
+    assert pool.cached_prefix_pages(digests) == 3
+    assert pool.reserve_with_prefix("c", digests[:2], 9) == 8  # an evictable page is taken back
+    assert pool.stats()["evictable_pages"] == 1 and pool.free_pages == 10 - 3
+
+
+def test_evictable_pages_are_reused_last_and_least_recently_released_first():
+    pool = make_pool(num_pages=6, page_size=4)
+    d1, _ = _filled(pool, "one", list(range(8)))  # pages cached: 2
+    d2, _ = _filled(pool, "two", list(range(50, 58)))  # 2 more
+    pool.release("one")
+    pool.release("two")
+    assert pool.free_pages == 6 and pool.stats()["evictable_pages"] == 4
+    pool.reserve("x", 8)  # the 2 truly free pages first: nothing evicted
+    assert pool.cached_prefix_pages(d1) == 2 and pool.cached_prefix_pages(d2) == 2
+    pool.reserve("y", 4)  # now one eviction: a page of "one", released before "two"'s
+    assert pool.cached_prefix_pages(d2) == 2 and pool.cached_prefix_pages(d1) < 2
+    with pytest.raises(PoolExhausted):
+        pool.reserve("z", 16)
+    assert pool.stats()["evictable_pages"] == 3  # a failed reservation evicts nothing
+
+
+def test_reserve_with_prefix_is_all_or_nothing():
+    pool = make_pool(num_pages=5, page_size=4)
+    digests, _ = _filled(pool, "a", list(range(12)))  # 3 pages, cached
+    pool.reserve("b", 8)  # the other 2 pages
+    before = pool.stats()
+    with pytest.raises(PoolExhausted):
+        pool.reserve_with_prefix("c", digests[:2], 20)  # 2 shared + 3 new > 0 free
+    assert pool.stats() == before and not pool.has("c")
+    pool.release("a")  # its 3 pages become evictable
+    with pytest.raises(PoolExhausted):
+        # 2 shared (evictable, taken back) + 3 new: only the third evictable page is left for them
+        pool.reserve_with_prefix("c", digests[:2], 20)
+    assert pool.stats()["evictable_pages"] == 3 and not pool.has("c")
+    assert pool.reserve_with_prefix("c", digests[:2], 12) == 8  # 2 shared + 1 new (the third)
+
+
+def test_prefix_cache_errors_and_clear():
+    pool = make_pool(num_pages=8, page_size=4)
+    digests, _ = _filled(pool, "a", list(range(12)))
+    with pytest.raises(ValueError, match="request_id: 'a' already holds pages"):
+        pool.reserve_with_prefix("a", digests, 12)
+    with pytest.raises(ValueError, match="digests: 3 pages of 4 tokens are more than num_tokens"):
+        pool.reserve_with_prefix("b", digests, 11)
+    pool.reserve("w", 8)
+    pool.set_seq_len("w", 5)
+    with pytest.raises(ValueError, match="digests: 2 pages of 4 tokens are more than the 5 tokens written"):
+        pool.cache_prefix("w", pool.prefix_digests(list(range(8))))
+    assert pool.cache_prefix("a", digests) == 0  # cached already
+    pool.release("a")
+    assert pool.clear_prefix_cache() == 3
+    assert pool.stats()["cached_pages"] == 0 and pool.free_pages == 8 - 2
+    assert pool.reserve_with_prefix("b", digests, 12) == 0  # nothing cached any more
+

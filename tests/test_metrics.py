@@ -132,8 +132,11 @@ def test_prefill_batcher_records_a_batch():
     batcher = PrefillBatcher(SimpleNamespace(pool=pool), max_batch_tokens=4096, batch_wait_s=0.0,
                              max_queued_tokens=1 << 20, retry_after_s=1, metrics=Metrics(backend))
     batch = [SimpleNamespace(request=SimpleNamespace(prompt_token_ids=[1] * n)) for n in (100, 28)]
-    batcher._record(batch, 0.75)
-    assert backend.calls("prefill_tokens_total") == [("inc", 128, None)]
+    results = [SimpleNamespace(cached_tokens=64), SimpleNamespace(cached_tokens=0)]
+    batcher._record(batch, results, 0.75)
+    assert backend.calls("prefill_tokens_total") == [("inc", 64, None)]  # computed: 128 less 64 reused
+    assert backend.calls("prefix_cache_queries_total") == [("inc", 128, None)]
+    assert backend.calls("prefix_cache_hits_total") == [("inc", 64, None)]
     assert backend.calls("prefill_batch_seconds") == [("observe", 0.75, None)]
     assert backend.calls("prefill_queued_requests") == [("set", 0, None)]
     assert backend.calls("kv_pages_used") == [("set", 5, {"role": "prefill"})]

@@ -252,6 +252,9 @@ def test_service_config():
         ServiceConfig.from_dict({"fused_ops": "yes"})
     with pytest.raises(ValueError, match="cuda_graphs: expected a bool"):
         ServiceConfig.from_dict({"cuda_graphs": 1})
+    with pytest.raises(ValueError, match="prefix_caching: expected a bool"):
+        ServiceConfig.from_dict({"prefix_caching": "on"})
+    assert ServiceConfig().prefix_caching and not ServiceConfig(prefix_caching=False).prefix_caching
 
 
 def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eager():
