@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import os
 import re
 import threading
@@ -59,6 +58,8 @@ from typing import Sequence
 import torch
 
 from kernels import fp8
+
+from .prefix import prefix_digests
 
 POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
@@ -287,17 +288,11 @@ class KVPool:
 
     # ------------------------------------------------------------------ prefix cache
     def prefix_digests(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Digest of each *full* page of ``token_ids``: page ``i``'s covers tokens
-        ``[0, (i + 1) * page_size)`` (BLAKE2b-128 chained over the pages' int64 ids)."""
-        ids = torch.as_tensor(list(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids,
-                              dtype=torch.int64).cpu()
-        raw = ids.numpy().tobytes()
-        step = self.page_size * 8
-        digests, parent = [], b""
-        for i in range(ids.numel() // self.page_size):
-            parent = hashlib.blake2b(parent + raw[i * step:(i + 1) * step], digest_size=16).digest()
-            digests.append(parent)
-        return digests
+        """Digest of each *full* page of ``token_ids`` (``kv_transfer.prefix``): page ``i``'s
+        stands for tokens ``[0, (i + 1) * page_size)``."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        return prefix_digests(token_ids, self.page_size)
 
     def _match(self, digests: Sequence[bytes]) -> list[int]:
         pages = []

@@ -38,7 +38,7 @@ from .config import ServiceConfig
 from .detokenize import TextStream
 from .metrics import Metrics
 from .protocol import GenerationRequest, RequestError, params_to_dict
-from .scheduling import PrefillCostModel, routing_hint
+from .scheduling import PrefillCostModel, prefix_hint, routing_hint
 from .state import RequestLifecycle, RequestPhase
 
 logger = logging.getLogger("ray.serve")
@@ -273,8 +273,10 @@ class DisaggregatedPipeline:
         }
         if transport is not None:
             payload["transport"] = transport
+        # prefix affinity: where this prompt's prefix went before, it may be cached
+        prefix = prefix_hint(context, self.page_size, self.cost_model) if self.config.prefix_caching else None
         attempt.prefill_stream = self._prefill.prefill.remote(
-            payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)))
+            payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
         event = await attempt.prefill_stream.__anext__()
         attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"], export_s=event.get("export_s"),

@@ -15,8 +15,17 @@ Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
   what this router routed there and has not seen complete). The max keeps a burst routed
   between two stats refreshes from piling onto one replica, without double counting.
 - replicas whose free KV pages cannot hold the prompt go last; the rest are ranked by
-  outstanding work, and replicas within 10% (or one small request) of the least loaded
-  form the first tier, where Serve picks by queue length.
+  outstanding work plus this prompt's cost there, and replicas within 10% (or one small
+  request) of the best form the first tier, where Serve picks by queue length.
+- prefix affinity: the ingress sends digests of the prompt's prefix (its first
+  ``PREFIX_STRIDE`` pages, then every ``PREFIX_STRIDE``-th), each with the prompt's cost if that
+  much of it is cached
+  (``kv_transfer.prefix``). The router remembers which replicas it sent each digest to (an LRU
+  index of ``PREFIX_INDEX_ENTRIES`` digests); on a replica that was sent the longest matching
+  prefix the prompt costs only its uncached part, which ranks that replica first unless it is
+  busier by more than the saving. The index is this router's view (each ingress replica has its
+  own) and a replica may have evicted the pages since: a wrong guess costs a cache miss, never
+  a wrong result.
 - a call whose hint names a ``replica`` (a decode replica asking the holder of a request's
   KV pages to send them over a channel) goes to that replica only.
 
@@ -26,8 +35,10 @@ prompt plus ``max_tokens``) and running + waiting requests relative to ``max_run
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +51,8 @@ except ImportError:  # pragma: no cover - Ray absent
 logger = logging.getLogger("ray.serve")
 
 ROUTING_KWARG = "routing"  # keyword argument every routed call carries: a RoutingHint dict
+PREFIX_STRIDE = 8  # pages between two prefix digests in a routing hint (512 tokens at page 64)
+PREFIX_INDEX_ENTRIES = 200_000  # digests a prefill router remembers (LRU)
 
 
 @dataclass(frozen=True)
@@ -71,13 +84,65 @@ class PrefillCostModel:
 PIN_GRACE_S = 2.0
 
 
-def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = None) -> dict:
+def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = None,
+                 prefix: Sequence[tuple[str, float]] | None = None) -> dict:
     """What the ingress tells the routers about a call (a plain dict: it travels to the replica
-    as a keyword argument, which ignores it). ``replica``: pin the call to that replica id."""
-    hint = {"cost": float(cost), "pages": int(pages)}
+    as a keyword argument, which ignores it). ``replica``: pin the call to that replica id.
+    ``prefix``: ``(digest, cost if cached up to there)`` pairs, shortest prefix first
+    (:func:`prefix_hint`)."""
+    hint: dict[str, Any] = {"cost": float(cost), "pages": int(pages)}
     if replica is not None:
         hint["replica"] = str(replica)
+    if prefix:
+        hint["prefix"] = [[str(d), float(c)] for d, c in prefix]
     return hint
+
+
+def prefix_hint(token_ids: Sequence[int], page_size: int, cost_model: "PrefillCostModel",
+                stride: int = PREFIX_STRIDE) -> list[tuple[str, float]]:
+    """The prefix part of a prefill call's routing hint: the digests (``kv_transfer.prefix``, 8
+    bytes in hex) of full pages 1..``stride``, then of every ``stride``-th page, each with the
+    prompt's cost when the prefix up to there is cached (at most all but its last token: the
+    prefill always computes that one)."""
+    from kv_transfer.prefix import prefix_digests
+
+    n = len(token_ids)
+    digests = prefix_digests(token_ids, page_size)
+    pages = [i for i in range(1, len(digests) + 1) if i <= stride or i % stride == 0]
+    return [(digests[i - 1][:8].hex(), cost_model.cost(n, min(i * page_size, n - 1))) for i in pages]
+
+
+class _PrefixIndex:
+    """Which replicas this router sent each prefix digest to (LRU over digests)."""
+
+    def __init__(self, max_entries: int = PREFIX_INDEX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._where: collections.OrderedDict[str, set] = collections.OrderedDict()
+
+    def add(self, digests: Sequence[str], replica_id: Any) -> None:
+        for d in digests:
+            holders = self._where.get(d)
+            if holders is None:
+                holders = self._where[d] = set()
+            else:
+                self._where.move_to_end(d)
+            holders.add(replica_id)
+        while len(self._where) > self.max_entries:
+            self._where.popitem(last=False)
+
+    def cost_on(self, replica_id: Any, prefix: Sequence[Sequence], default: float) -> float:
+        """The prompt's cost on ``replica_id``: that of its longest prefix sent there, else ``default``."""
+        for digest, cost in reversed(prefix):
+            if replica_id in self._where.get(digest, ()):
+                return float(cost)
+        return default
+
+    def forget_replica(self, replica_id: Any) -> None:
+        for holders in self._where.values():
+            holders.discard(replica_id)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def _replica_key(replica: Any) -> str:
@@ -150,8 +215,10 @@ class _InflightLedger:
 class PrefillRequestRouter(RequestRouter):
     """Ranks prefill replicas by outstanding causal work (see the module docstring)."""
 
-    def initialize_state(self, min_slack: float = 0.0, relative_slack: float = 0.1, **_: Any) -> None:
+    def initialize_state(self, min_slack: float = 0.0, relative_slack: float = 0.1,
+                         prefix_index_entries: int = PREFIX_INDEX_ENTRIES, **_: Any) -> None:
         self._ledger = _InflightLedger()
+        self._prefixes = _PrefixIndex(prefix_index_entries)
         self._min_slack = float(min_slack)
         self._relative_slack = float(relative_slack)
 
@@ -163,11 +230,18 @@ class PrefillRequestRouter(RequestRouter):
         if hint.get("replica") is not None:
             return self._pinned(candidate_replicas, str(hint["replica"]), pending_request)
         need = int(hint.get("pages", 0))
+        cost = float(hint.get("cost", 0.0))
+        prefix = hint.get("prefix") or []
         fits, tight = [], []
+        cheapest = cost
         for r in candidate_replicas:
             free = _stat(r, "free_pages", float("inf"))
-            (fits if free >= need else tight).append((self.outstanding(r), r))
-        slack = max(self._min_slack, self._relative_slack * min((s for s, _ in fits), default=0.0), float(hint.get("cost", 0.0)) * 0.5)
+            # outstanding work plus what this prompt costs there (less where its prefix is cached)
+            here = self._prefixes.cost_on(r.replica_id, prefix, cost) if prefix else cost
+            cheapest = min(cheapest, here)
+            (fits if free >= need else tight).append((self.outstanding(r) + here, r))
+        # half of the prompt's cheapest cost: a replica that would save more than that ranks alone
+        slack = max(self._min_slack, self._relative_slack * min((s for s, _ in fits), default=0.0), cheapest * 0.5)
         ranked = _tiers(fits, slack)
         if tight:
             ranked.extend([r] for _, r in sorted(tight, key=lambda x: x[0]))
@@ -192,12 +266,15 @@ class PrefillRequestRouter(RequestRouter):
         hint = _hint(pending_request)
         self._ledger.add(pending_request.metadata.internal_request_id, replica_id,
                          float(hint.get("cost", 0.0)), int(hint.get("pages", 0)))
+        if hint.get("prefix"):
+            self._prefixes.add([d for d, _ in hint["prefix"]], replica_id)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._ledger.done(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         self._ledger.forget_replica(replica_id)
+        self._prefixes.forget_replica(replica_id)
         super().on_replica_actor_died(replica_id)
 
 

@@ -431,3 +431,17 @@ def test_prefix_cache_errors_and_clear():
     assert pool.stats()["cached_pages"] == 0 and pool.free_pages == 8 - 2
     assert pool.reserve_with_prefix("b", digests, 12) == 0  # nothing cached any more
 
+
+
+def test_prefix_digests_module_takes_any_int_sequence_and_checks_page_size():
+    import numpy as np
+
+    from kv_transfer.prefix import prefix_digests
+
+    tokens = list(range(37))
+    want = prefix_digests(tokens, 8)
+    assert len(want) == 4
+    assert prefix_digests(np.array(tokens), 8) == want == make_pool(page_size=8).prefix_digests(torch.tensor(tokens))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="page_size: expected an int >= 1"):
+            prefix_digests(tokens, bad)

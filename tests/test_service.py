@@ -152,16 +152,14 @@ def test_prefix_cache_hit_reuses_pages_and_keeps_the_tokens(service, app):
     first, _ = stream(client, app, body)
     second, _ = stream(client, app, body)
     granule = 64 if app == "dense" else 128  # page_size 64; sparse: lcm with the query tile
-    # the sparse app has two prefill replicas and routing does not follow cached prefixes yet:
-    # a repeat that lands on the other replica is a miss there
-    hits = {0, (300 - 1) // granule * granule} if REPLICAS[app][0] > 1 else {(300 - 1) // granule * granule}
-    for chunks, cached in ((first, {0}), (second, hits)):
+    # the sparse app has two prefill replicas: the router sends the repeat where the prefix went
+    for chunks, cached in ((first, 0), (second, (300 - 1) // granule * granule)):
         assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == want
-        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] in cached
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert first[-2]["routing"]["prefill_replica"] == second[-2]["routing"]["prefill_replica"]
     longer = ids[:200] + prompt_of(50, seed=1002)
     r = complete(client, app, {"prompt": longer, "max_tokens": 3, "temperature": 0, "return_token_ids": True})
-    hits = {0, 128} if REPLICAS[app][0] > 1 else {192}
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] in hits
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (128 if app == "sparse" else 192)
     assert r.json()["choices"][0]["token_ids"] == oracle_tokens(CONFIGS[app], longer, 3)
     wait_pools_idle(app)
     for s in replica_stats(app, "PrefillServer"):

@@ -500,3 +500,59 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     assert reply["ok"] is False and reply["reason"] == "unavailable" and "object_store" in reply["message"]
     with pytest.raises(ValueError, match="method"):
         dd.PrefillCaller("generate")
+
+
+def _prefixed(cost, pages, prefix, key):
+    return SimpleNamespace(args=[], kwargs={"routing": routing_hint(cost=cost, pages=pages, prefix=prefix)},
+                           metadata=SimpleNamespace(internal_request_id=key))
+
+
+def test_prefix_hint_digests_every_stride_pages_with_the_cached_cost():
+    from router.scheduling import prefix_hint
+
+    model = PrefillCostModel(token_weight=0.0, dense_below=0, expected_density=1.0)
+    tokens = list(range(1000, 1000 + 20 * 64 + 10))  # 20 full pages of 64 + 10 tokens
+    hint = prefix_hint(tokens, 64, model, stride=8)
+    assert len(hint) == 9 and all(len(d) == 16 for d, _ in hint)  # pages 1..8, then 16: 8 bytes in hex
+    n = len(tokens)
+    assert [c for _, c in hint] == [model.cost(n, i * 64) for i in (1, 2, 3, 4, 5, 6, 7, 8, 16)]
+    other = prefix_hint(tokens[:8 * 64] + [7] * (12 * 64 + 10), 64, model, stride=8)
+    assert [d for d, _ in other[:8]] == [d for d, _ in hint[:8]] and other[8][0] != hint[8][0]
+    assert len(prefix_hint(tokens[:100], 64, model, stride=8)) == 1  # one full page
+    assert prefix_hint(tokens[:63], 64, model) == []  # no full page: no hint
+    assert prefix_hint(tokens[:64], 64, model)[0][1] == model.cost(64, 63)  # the last token is always computed
+
+
+def test_prefill_router_prefers_the_replica_that_has_the_prefix_unless_it_is_much_busier():
+    router = _router(PrefillRequestRouter)
+    a = FakeReplica("a", {"outstanding_cost": 0.0, "free_pages": 100})
+    b = FakeReplica("b", {"outstanding_cost": 0.0, "free_pages": 100})
+    prefix = [["d1", 600.0], ["d2", 200.0]]  # full cost 1000; 200 if all of d2 is cached
+    first = _prefixed(1000.0, 5, prefix, "first")
+    router.on_request_routed(first, "b", None)
+    router.on_request_completed("b", "first")
+    ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, prefix, "again")))
+    assert [[r.name for r in t] for t in ranked] == [["b"], ["a"]]  # 0 + 200 beats 0 + 1000
+    # a shorter shared prefix still counts: d1 only
+    ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, [["d1", 600.0], ["zz", 100.0]], "c")))
+    assert ranked[0] == [b]
+    # b busy by more than the saving: a goes first
+    b.routing_stats["outstanding_cost"] = 5000.0
+    ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, prefix, "d")))
+    assert ranked[0] == [a]
+    # a replica that died is forgotten
+    b.routing_stats["outstanding_cost"] = 0.0
+    router._prefixes.forget_replica("b")
+    ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, prefix, "e")))
+    assert sorted(r.name for r in ranked[0]) == ["a", "b"]
+
+
+def test_prefix_index_is_bounded_lru():
+    from router.scheduling import _PrefixIndex
+
+    index = _PrefixIndex(max_entries=3)
+    index.add(["p", "q", "r"], "x")
+    index.add(["p"], "y")  # p is the newest now
+    index.add(["s"], "x")  # evicts q, the least recently touched
+    assert len(index) == 3
+    assert index.cost_on("x", [["q", 1.0]], 9.0) == 9.0 and index.cost_on("y", [["p", 2.0]], 9.0) == 2.0
