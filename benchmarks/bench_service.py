@@ -26,6 +26,10 @@ always produces in full (no stop token). Arrival times: one seeded unit-rate seq
 
 ``--fused-ops off`` runs every configuration with ``ServiceConfig.fused_ops=False`` (transformers'
 eager norms, MLP and RoPE), as cells measured before the fused kernels existed did; default on.
+``--shared-prefix-tokens N`` makes every prompt one shared document of ``N`` tokens followed by its
+own tokens (what the prefix cache serves; a cell's summary counts ``cached_prompt_tokens``); run it
+with ``sparse_bf16`` (prefix cache on, the default) and ``sparse_bf16_nocache`` (or ``dense`` /
+``dense_nocache``) into their own ``--out``: ``--merge`` refuses a file of another workload.
 ``--cuda-graphs off`` likewise runs eager decode steps (``ServiceConfig.cuda_graphs=False``), as
 cells measured before the decode CUDA graphs did; each configuration records
 ``decode_graphs``, its decode replicas' graph status and step counts.
@@ -114,7 +118,7 @@ from benchmarks.open_loop import CellSpec, records_to_json, run_cell, summarize 
 
 RESULTS = ROOT / "benchmarks" / "results" / "service_h200.json"
 CONFIG_ORDER = ("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k", "sparse_bf16_sjf",
-                "dense_sjf")
+                "dense_sjf", "sparse_bf16_nocache", "dense_nocache")
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "dense": {"alpha": 0.0},
     "sparse_bf16": {"alpha": 0.1},
@@ -124,6 +128,9 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
     # not in the issue's grid (run it by name): the prefill queue by least causal work first
     "sparse_bf16_sjf": {"alpha": 0.1, "prefill_schedule": "shortest_first", "prefill_max_wait_s": 60.0},
     "dense_sjf": {"alpha": 0.0, "prefill_schedule": "shortest_first", "prefill_max_wait_s": 60.0},
+    # the prefix cache off (on by default): the baseline of a --shared-prefix-tokens workload
+    "sparse_bf16_nocache": {"alpha": 0.1, "prefix_caching": False},
+    "dense_nocache": {"alpha": 0.0, "prefix_caching": False},
 }
 SMOKE_CHUNK_DIVISOR = 64  # --cpu-smoke: 8K / 16K chunks become 128 / 256 tokens (its prompts are 256..512)
 POOL_PAGES = {1: (2560, 5120), 2: (4096, 10240)}  # (prefill, decode) pages of 64 tokens per replica
@@ -166,6 +173,7 @@ class BenchConfig:
     transport: str = "auto"  # KV transport of every configuration (auto: CUDA IPC on a shared GPU, else NCCL)
     fused_ops: bool = True  # ServiceConfig.fused_ops of every configuration (fused norms, MLP, RoPE on CUDA)
     cuda_graphs: bool = True  # ServiceConfig.cuda_graphs of every configuration (decode steps from CUDA graphs)
+    shared_prefix_tokens: int = 0  # every prompt starts with the same this many tokens (a shared document)
 
     def __post_init__(self) -> None:
         for name in self.configs:
@@ -179,6 +187,9 @@ class BenchConfig:
             raise ValueError(f"rates: expected positive requests/s, got {list(self.rates)}")
         if not self.lengths or any(n < 2 for n in self.lengths):
             raise ValueError(f"lengths: expected prompt lengths >= 2, got {list(self.lengths)}")
+        if not 0 <= self.shared_prefix_tokens < min(self.lengths):
+            raise ValueError(f"shared_prefix_tokens: expected 0 <= n < the shortest prompt ({min(self.lengths)}), "
+                             f"got {self.shared_prefix_tokens}")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens: expected >= 2 (a first token and a decode step), got {self.max_tokens}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
@@ -267,16 +278,21 @@ def replica_options(cfg: BenchConfig) -> dict[str, Any]:
 
 def build_prompts(cfg: BenchConfig, model_id: str) -> list[tuple[int, bytes]]:
     """One (length, streaming request body) per request: lengths drawn from ``cfg.lengths``
-    with the seed, each prompt a distinct ``haystack_ids`` draw."""
+    with the seed, each prompt a distinct ``haystack_ids`` draw. With ``shared_prefix_tokens``
+    every prompt is the same draw of that many tokens (one document) followed by a distinct
+    draw for the rest (the questions): what the prefix cache serves."""
     from evals.structured_model import haystack_ids
     from model_executor.loading import structured_spec
 
     spec = structured_spec(cfg.model)
     rng = random.Random(cfg.seed)
+    shared = cfg.shared_prefix_tokens
+    doc = haystack_ids(spec, shared, seed=cfg.seed * 7_919 + 1)[0].tolist() if shared else []
     out = []
     for i in range(cfg.requests):
         n = rng.choice(cfg.lengths)
-        ids = haystack_ids(spec, n, seed=cfg.seed * 1_000_003 + i)[0].tolist()
+        ids = haystack_ids(spec, n - shared + (1 if shared else 0), seed=cfg.seed * 1_000_003 + i)[0].tolist()
+        ids = doc + ids[1:] if shared else ids  # the document keeps the BOS, the rest drops its own
         out.append((n, encode_body(completion_body(model_id, ids, cfg.max_tokens, True))))
     return out
 
@@ -702,7 +718,8 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
             print(f"[{name}] rate {rate:g}/s: sent {summary['sent']} of {spec.requests} (not sent "
                   f"{summary['not_sent']}), completed {summary['completed']}, lost {summary['lost']} "
                   f"{summary['lost_by_reason'] or ''}, TTFT P50 {'-' if p50 is None else f'{p50:.2f} s'} (completed), "
-                  f"{summary['output_tokens_per_s']:.1f} tok/s ({time.monotonic() - t_cell:.1f} s)", flush=True)
+                  f"{summary['output_tokens_per_s']:.1f} tok/s, {summary.get('cached_prompt_tokens', 0)} prompt tokens "
+                  f"from the prefix cache ({time.monotonic() - t_cell:.1f} s)", flush=True)
         conf["attention_kernels"] = prefill_attention_kernels(local.app_name)
         print(f"[{name}] prefill attention calls by kernel: {conf['attention_kernels']}", flush=True)
         conf["decode_graphs"] = decode_graph_stats(local.app_name)
@@ -759,6 +776,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--request-timeout", type=float, default=None, help="per request, seconds (default 300)")
     ap.add_argument("--lengths", default=None, help="prompt lengths drawn from, comma-separated (default 4K..128K)")
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 64)")
+    ap.add_argument("--shared-prefix-tokens", type=int, default=None,
+                    help="every prompt starts with the same this many tokens (a shared document; default 0): run "
+                         "with sparse_bf16 and sparse_bf16_nocache to measure the prefix cache")
     ap.add_argument("--prefill-kv-pages", type=int, default=None)
     ap.add_argument("--decode-kv-pages", type=int, default=None)
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -809,7 +829,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
                       ("request_timeout", "request_timeout_s"), ("max_tokens", "max_tokens"),
                       ("prefill_kv_pages", "prefill_kv_pages"), ("decode_kv_pages", "decode_kv_pages"),
                       ("time_budget_s", "time_budget_s"), ("seed", "seed"), ("http_port", "http_port"),
-                      ("grpc_port", "grpc_port")):
+                      ("grpc_port", "grpc_port"), ("shared_prefix_tokens", "shared_prefix_tokens")):
         if getattr(args, flag) is not None:
             values[key] = getattr(args, flag)
     values["fp8"] = args.fp8 or "sparse_fp8" in values.get("configs", ())  # naming it runs it
@@ -860,7 +880,28 @@ def write_json(path: Path, obj: Any) -> None:
 
 # what must agree for two results files' cells to sit in one table (the same prompts, arrivals,
 # outputs and replica layout)
-WORKLOAD_KEYS = ("model", "gpus", "requests", "lengths", "max_tokens", "seed", "smoke")
+WORKLOAD_KEYS = ("model", "gpus", "requests", "lengths", "max_tokens", "seed", "smoke", "shared_prefix_tokens")
+WORKLOAD_DEFAULTS = {"shared_prefix_tokens": 0}  # what files written before a key existed ran with
+
+
+def workload_differences(mine: dict, theirs: dict) -> list[str]:
+    """The ``WORKLOAD_KEYS`` on which two results files' ``config`` differ."""
+    return [k for k in WORKLOAD_KEYS if mine.get(k, WORKLOAD_DEFAULTS.get(k)) != theirs.get(k, WORKLOAD_DEFAULTS.get(k))]
+
+
+def previous_configurations(out_path: Path, cfg: "BenchConfig", merge: bool) -> list[dict]:
+    """``--merge``: the configurations already in ``out_path`` (none without it or the file);
+    SystemExit, before anything runs, if that file measured another workload or layout."""
+    if not (merge and out_path.exists()):
+        return []
+    earlier = json.loads(out_path.read_text())
+    mine = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as a results file holds it (lists, not tuples)
+    differ = workload_differences(mine, earlier["config"]) if "config" in earlier else []  # no config: nothing to check
+    if differ:
+        raise SystemExit(f"bench_service: --merge: {out_path} holds another workload or layout ("
+                         + ", ".join(f"{k}: {earlier.get('config', {}).get(k)!r} vs {mine.get(k)!r}" for k in differ)
+                         + "); write to another --out")
+    return earlier.get("configurations", [])
 
 
 def merge_results_file(result: dict, other_path: Path) -> None:
@@ -869,7 +910,7 @@ def merge_results_file(result: dict, other_path: Path) -> None:
         raise SystemExit(f"bench_service: --merge-from: {other_path} is missing")
     other = json.loads(other_path.read_text())
     mine, theirs = result.get("config", {}), other.get("config", {})
-    differ = [k for k in WORKLOAD_KEYS if mine.get(k) != theirs.get(k)]
+    differ = workload_differences(mine, theirs)
     if differ:
         raise SystemExit(f"bench_service: --merge-from: {other_path} has another workload or layout ("
                          + ", ".join(f"{k}: {theirs.get(k)!r} vs {mine.get(k)!r}" for k in differ) + ")")
@@ -967,6 +1008,7 @@ def child_argv(cfg: BenchConfig, group: Group, *, out: Path, http_port: int, grp
              "--requests", str(cfg.requests), "--cell-seconds", repr(cfg.cell_seconds),
              "--drain-seconds", repr(cfg.drain_seconds), "--request-timeout", repr(cfg.request_timeout_s),
              "--lengths", ",".join(str(n) for n in cfg.lengths), "--max-tokens", str(cfg.max_tokens),
+             "--shared-prefix-tokens", str(cfg.shared_prefix_tokens),
              "--seed", str(cfg.seed), "--transport", cfg.transport, "--fused-ops", "on" if cfg.fused_ops else "off",
              "--cuda-graphs", "on" if cfg.cuda_graphs else "off",
              "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--out", str(out)]
@@ -1208,7 +1250,7 @@ def run_parallel(cfg: BenchConfig, groups: list[Group], argv: list[str], out_pat
     env = environment(argv)  # env["gpus"]: every GPU of the host; env["command"]: this command
     commit = env["commit"]  # every child records the same commit
     print(env, flush=True)
-    previous = json.loads(out_path.read_text()).get("configurations", []) if merge and out_path.exists() else []
+    previous = previous_configurations(out_path, cfg, merge)
     margin = CHILD_MARGIN_S["cpu" if cfg.smoke else "gpu"]
     child_budget = None if cfg.time_budget_s is None else round(cfg.time_budget_s - budget.elapsed - margin, 1)
     deadline = None if cfg.time_budget_s is None else budget.t0 + cfg.time_budget_s - KILL_MARGIN_S
@@ -1310,6 +1352,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot_only:
         return plot_only(out_path, args.merge_from)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    previous = previous_configurations(out_path, cfg, args.merge)  # refuses another workload now
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # inherited by the replicas
     budget = Budget(cfg.time_budget_s)
     if args.groups is not None:
@@ -1341,9 +1384,6 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"built {len(prompts_cache[model_id])} prompts in {time.monotonic() - t0:.1f} s", flush=True)
         return prompts_cache[model_id]
 
-    previous = []
-    if args.merge and out_path.exists():
-        previous = json.loads(out_path.read_text()).get("configurations", [])
     config = dataclasses.asdict(cfg)
     result: dict[str, Any] = {
         "benchmark": "service under open-loop load: dense vs sparse prefill (router/, prefill_worker/, decode_worker/)",

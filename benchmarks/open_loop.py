@@ -247,6 +247,7 @@ def summarize(records: list[RequestRecord], spec: CellSpec) -> dict:
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     tokens = sum(r.output_tokens for r in ok)
+    cached = sum(int(r.timing.get("cached_tokens") or 0) for r in ok if isinstance(r.timing, dict))
     server: dict[str, Any] = {}
     for key in BREAKDOWN:
         vals = [float(r.timing[key]) for r in ok if r.timing and r.timing.get(key) is not None]
@@ -272,7 +273,7 @@ def summarize(records: list[RequestRecord], spec: CellSpec) -> dict:
         "ttft_p50_sent_s": p50_sent, "ttft_p99_sent_s": p99_sent,
         "ttft_sent_lower_bound": {"p50": p50_bound, "p99": p99_bound},
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
-        "output_tokens": tokens, "busy_s": busy,
+        "output_tokens": tokens, "busy_s": busy, "cached_prompt_tokens": cached,
         "output_tokens_per_s": tokens / busy, "requests_per_s": len(ok) / busy,
         "server_median_s": server, "ttft_p50_by_prompt_len": by_length,
         "problems": sorted({r.problem for r in lost if r.problem})[:10],

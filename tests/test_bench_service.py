@@ -645,3 +645,29 @@ def test_cpu_smoke_parallel_groups_end_to_end(tmp_path):
     assert "[g0] [sparse_bf16] rate 8/s" in proc.stdout and "[g1] [sparse_bf16_chunk8k] rate 8/s" in proc.stdout
     assert "[g0] ok" in proc.stdout and "TTFT p50" in proc.stdout
     assert (tmp_path / "par_parallel" / "group1.log").read_text().count("[sparse_bf16_chunk8k] rate 8/s") == 1
+
+
+def test_shared_prefix_workload_and_merge_guard(tmp_path):
+    """--shared-prefix-tokens: every prompt starts with one document, then its own tokens; a run
+    refuses to --merge into a file of another workload (a file from before the key existed ran
+    with none)."""
+    cfg, _ = bench.parse_args(["--cpu-smoke", "--shared-prefix-tokens", "200", "--requests", "6",
+                               "--configs", "sparse_bf16,sparse_bf16_nocache"])
+    assert cfg.shared_prefix_tokens == 200 and cfg.run_configs == ("sparse_bf16", "sparse_bf16_nocache")
+    assert bench.resolve_service_config(bench.service_options(cfg, "sparse_bf16_nocache"))[0].prefix_caching is False
+    prompts = bench.build_prompts(cfg, "m")
+    ids = [json.loads(body)["prompt"] for _, body in prompts]
+    assert [len(x) for x in ids] == [n for n, _ in prompts] and all(n > 200 for n, _ in prompts)
+    assert all(x[:200] == ids[0][:200] for x in ids)  # one document
+    assert len({tuple(x[200:210]) for x in ids}) == len(ids)  # each its own continuation
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cpu-smoke", "--shared-prefix-tokens", str(10**6)])
+    old = tmp_path / "old.json"
+    config = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    old.write_text(json.dumps({"config": {k: v for k, v in config.items() if k != "shared_prefix_tokens"},
+                               "configurations": [{"name": "dense"}]}))
+    with pytest.raises(SystemExit, match=r"--merge: .* another workload or layout \(shared_prefix_tokens: None vs 200\)"):
+        bench.previous_configurations(old, cfg, merge=True)
+    plain = dataclasses.replace(cfg, shared_prefix_tokens=0)
+    assert bench.previous_configurations(old, plain, merge=True) == [{"name": "dense"}]
+    assert bench.previous_configurations(old, cfg, merge=False) == []
