@@ -26,7 +26,9 @@ always produces in full (no stop token). Arrival times: one seeded unit-rate seq
 
 ``--fused-ops off`` runs every configuration with ``ServiceConfig.fused_ops=False`` (transformers'
 eager norms, MLP and RoPE), as cells measured before the fused kernels existed did; default on.
-``--shared-prefix-tokens N`` makes every prompt one shared document of ``N`` tokens followed by its
+Every cell starts with empty prefix caches (``PrefillServer.clear_prefix_cache`` on each prefill
+replica; the cell records how many pages that dropped): the cells replay the same prompts, which
+would otherwise hit pages an earlier cell cached. ``--shared-prefix-tokens N`` makes every prompt one shared document of ``N`` tokens followed by its
 own tokens (what the prefix cache serves; a cell's summary counts ``cached_prompt_tokens``); run it
 with ``sparse_bf16`` (prefix cache on, the default) and ``sparse_bf16_nocache`` (or ``dense`` /
 ``dense_nocache``) into their own ``--out``: ``--merge`` refuses a file of another workload.
@@ -344,6 +346,19 @@ def wait_idle(app: str, timeout_s: float) -> dict:
                     "prefill": [{k: s.get(k) for k in keep if k in s} for s in pre],
                     "decode": [{k: s.get(k) for k in keep if k in s} for s in dec]}
         time.sleep(0.25)
+
+
+def clear_prefix_caches(app: str) -> int:
+    """Empty every prefill replica's prefix cache (calls pinned to each replica): each cell
+    replays the same prompts, and pages a previous cell cached would turn them into hits."""
+    from ray import serve
+
+    from router.launcher import replica_stats
+    from router.scheduling import routing_hint
+
+    handle = serve.get_deployment_handle("PrefillServer", app_name=app)
+    return sum(handle.clear_prefix_cache.remote(routing=routing_hint(replica=s["replica_id"])).result(timeout_s=60)["cleared"]
+               for s in replica_stats(app, "PrefillServer"))
 
 
 def prefill_attention_kernels(app: str) -> list[dict]:
@@ -705,13 +720,15 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
                 conf["cells"].append({"rate": rate, "status": "skipped: time budget"})
                 continue
             idle = wait_idle(local.app_name, max(5.0, min(cfg.idle_timeout_s, budget.remaining() - cell_s)))
+            cleared = clear_prefix_caches(local.app_name)  # every cell starts with a cold prefix cache
             spec = cfg.cell(rate)
             started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             t_cell = time.monotonic()
             records = asyncio.run(run_cell(base_url, spec, prompts, max_tokens=cfg.max_tokens))
             summary = summarize(records, spec)
             conf["cells"].append({"rate": rate, "status": "ok", "commit": commit, "date": started,
-                                  "idle_before": idle, "wall_s": time.monotonic() - t_cell,
+                                  "idle_before": idle, "prefix_cache_cleared": cleared,
+                                  "wall_s": time.monotonic() - t_cell,
                                   "summary": summary, "records": records_to_json(records)})
             on_cell(conf)
             p50 = summary["ttft_p50_s"]

@@ -328,6 +328,12 @@ class PrefillServer:
         # a device gather and checksum: off the event loop
         return await asyncio.to_thread(self.transport.serve_stage, self.pool, request)
 
+    async def clear_prefix_cache(self, routing: dict | None = None) -> dict:
+        """Drop this replica's cached prefixes (pages that requests hold stay theirs), e.g. so
+        that a benchmark's load cell starts cold; call it pinned (``routing_hint(replica=...)``)
+        to reach a given replica. Returns how many pages were dropped and this replica's id."""
+        return {"cleared": self.pool.clear_prefix_cache(), "replica_id": self.replica_id}
+
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:
         return {

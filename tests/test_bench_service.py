@@ -292,10 +292,13 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert len(conf["attention_kernels"]) == 1 and isinstance(conf["attention_kernels"][0], dict)
     assert "prefill attention calls by kernel" in proc.stdout
     assert [c["rate"] for c in conf["cells"]] == [4.0, 16.0]
+    assert conf["cells"][1]["prefix_cache_cleared"] > 0  # the pages the first cell's prompts cached
     slack = 0.05
     for cell in conf["cells"]:
         s = cell["summary"]
         assert s["sent"] == s["completed"] == 4 and s["lost"] == s["not_sent"] == 0 and cell["idle_before"]["idle"]
+        # each cell starts cold and its prompts are distinct: no prompt token comes from the cache
+        assert s["cached_prompt_tokens"] == 0 and cell["prefix_cache_cleared"] >= 0
         assert s["ttft_p50_s"] > 0 and s["tpot_p50_s"] > 0 and s["output_tokens_per_s"] > 0
         for rec in cell["records"]:
             t = rec["timing"]
