@@ -100,7 +100,7 @@ class DecodeLoop:
         self.engine = engine
         self.step_delay_s = step_delay_s  # fault-injection drills only
         self.metrics = metrics if metrics is not None else Metrics()
-        self._graph_counts = (0, 0)  # the runner's decode-graph (graph, eager) steps last seen
+        self._graph_counts = (None, 0, 0)  # the runner's decode graphs and their (graph, eager) steps last seen
         self._inbox: collections.deque[_Add | _Cancel] = collections.deque()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
@@ -158,10 +158,13 @@ class DecodeLoop:
         if graphs is None:
             m.inc("decode_steps_total", mode="eager")
         else:
+            seen, graph_steps, eager_steps = self._graph_counts
+            if seen is not graphs:  # graphs captured anew: their counts start from zero
+                graph_steps = eager_steps = 0
             counts = (graphs.stats["graph_steps"], graphs.stats["eager_steps"])
-            m.inc("decode_steps_total", counts[0] - self._graph_counts[0], mode="graph")
-            m.inc("decode_steps_total", counts[1] - self._graph_counts[1], mode="eager")
-            self._graph_counts = counts
+            m.inc("decode_steps_total", max(counts[0] - graph_steps, 0), mode="graph")
+            m.inc("decode_steps_total", max(counts[1] - eager_steps, 0), mode="eager")
+            self._graph_counts = (graphs, *counts)
         m.set("decode_running_requests", self.engine.num_running)
         m.set("decode_waiting_requests", self.engine.num_waiting)
         m.pool("decode", self.engine.pool)
@@ -210,7 +213,7 @@ class DecodeServer:
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.decode_kv_pages)
-        self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows one)
+        self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
         self.metrics = Metrics()

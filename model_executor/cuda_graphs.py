@@ -17,9 +17,11 @@ the decode kernel's split count (chosen for ``max_seqlen``; the kernel divides e
 keys over the splits, so any length up to ``max_seqlen`` is attended exactly). A step that needs
 more (a bigger batch, a longer sequence) runs eagerly; ``stats`` counts both.
 
-Capture reserves one page of the pool for its own dummy step and gives it back; after capture,
-each graph is replayed on fresh probe inputs and compared with the same step run eagerly (a value
-the capture baked in instead of reading from the buffers would show there).
+Capture borrows pages of the pool and gives them back: one for its own dummy step, and a few
+others on which each graph is then replayed with fresh probe inputs (distinct lengths over
+several pages, random tokens and positions) and compared with the same step run eagerly (a page
+table, length, slot or position the capture baked in instead of reading from the buffers would
+show there).
 
 ``capture=False`` builds the same buffers and padding and runs the step eagerly through them, with
 no graph: what the CPU tests check, and a way to tell a graph problem from a padding one.
@@ -35,6 +37,7 @@ from .attention import ForwardBatch, ForwardMode
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 CAPTURE_ID = "__decode_graph_capture__"
+PROBE_ID = "__decode_graph_probe__"
 WARMUP_RUNS = 2  # eager runs before each capture: Triton compiles, cuBLAS picks its kernels
 # a graph must reproduce the eager step; the only differences allowed are the rounding of
 # kernels that may pick another reduction order between runs (relative to the logits' scale)
@@ -136,7 +139,7 @@ class DecodeGraphs:
         table = self.pool.page_table(request_ids, device="cpu")[:, :need]
         # each new token's slot, from the table (what pool.slot_mapping computes, one request at a time)
         slots = table[torch.arange(batch), pos // self.page_size].to(torch.int64) * self.page_size + pos % self.page_size
-        self._fill(bs, token_ids.to(torch.int64), pos, slots, (pos + 1).to(torch.int32), table)
+        self._fill(bs, token_ids.to("cpu", torch.int64), pos, slots, (pos + 1).to(torch.int32), table)
         if self.capture:
             self._graphs[bs].replay()
             out = self._outputs[bs]
@@ -146,56 +149,70 @@ class DecodeGraphs:
         return out[:batch].clone()  # the graph's output is overwritten by the next replay
 
     # -- capture ----------------------------------------------------------------------------
+    def probe_pages(self) -> int:
+        """Pages ``verify`` needs: every probe row ends on a slot of its own, over at least two pages."""
+        return max(2, -(-self.batch_sizes[-1] // self.page_size))
+
     def _capture_all(self) -> None:
         pool = self.pool
-        if pool.free_pages < 1:
-            raise ValueError("pool: capturing decode graphs needs one free page for its dummy step, none is free")
-        pool.reserve(CAPTURE_ID, 1)
+        need = 1 + self.probe_pages()
+        if pool.free_pages < need:
+            raise ValueError(f"pool: capturing and checking decode graphs needs {need} free pages (a dummy step's "
+                             f"and the probes'), {pool.free_pages} are free")
+        pool.reserve(CAPTURE_ID, self.page_size)
+        pool.reserve(PROBE_ID, (need - 1) * self.page_size)
         try:
             page = pool.pages(CAPTURE_ID)[0]
-            # the dummy step: every row the first slot of the capture's page
+            # the dummy step: every row the first slot of the capture's page (the probes use others)
             self._page_table.fill_(page)
             self._slots.fill_(page * self.page_size)
             self._seqlens.fill_(1)
             self._ids.fill_(0)
             self._pos.fill_(0)
-            mem = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(self.runner.device)
-            side.wait_stream(torch.cuda.current_stream(self.runner.device))
-            for bs in reversed(self.batch_sizes):  # largest first: the smaller ones reuse its memory
-                with torch.cuda.stream(side):
-                    for _ in range(WARMUP_RUNS):
-                        self._step(bs)
-                torch.cuda.current_stream(self.runner.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mem, capture_error_mode="thread_local"):
-                    self._outputs[bs] = self._step(bs)
-                self._graphs[bs] = graph
-            torch.cuda.synchronize(self.runner.device)
-            self.verify(page)
+            with torch.cuda.device(self.runner.device):
+                mem = torch.cuda.graph_pool_handle()
+                side = torch.cuda.Stream(self.runner.device)
+                side.wait_stream(torch.cuda.current_stream(self.runner.device))
+                for bs in reversed(self.batch_sizes):  # largest first: the smaller ones reuse its memory
+                    with torch.cuda.stream(side):
+                        for _ in range(WARMUP_RUNS):
+                            self._step(bs)
+                    torch.cuda.current_stream(self.runner.device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=mem, capture_error_mode="thread_local"):
+                        self._outputs[bs] = self._step(bs)
+                    self._graphs[bs] = graph
+                torch.cuda.synchronize(self.runner.device)
+                self.verify(pool.pages(PROBE_ID))
         finally:
             pool.release(CAPTURE_ID)
+            pool.release(PROBE_ID)
 
-    def verify(self, page: int, *, seed: int = 0) -> None:
-        """Replay every graph on probe inputs unlike the capture's (random tokens, positions and
-        lengths within ``page``, whose K/V is first filled with random values) and compare with
-        the same step run eagerly; ValueError naming the batch size on a mismatch."""
+    def verify(self, pages: Sequence[int], *, seed: int = 0) -> None:
+        """Replay every graph on probe inputs unlike the capture's and compare with the same step
+        run eagerly; ValueError naming the batch size on a mismatch. The probe: ``pages`` (other
+        than the capture's; at least ``probe_pages()``) filled with random K/V and laid end to end
+        as every row's sequence, each row a distinct length (so its new token has a slot of its
+        own: the writes do not race) spread over all the pages, with random tokens and positions.
+        A page table, length, slot or position the capture baked in would show."""
+        if len(pages) < self.probe_pages():
+            raise ValueError(f"pages: expected at least {self.probe_pages()} probe pages, got {len(pages)}")
         gen = torch.Generator().manual_seed(seed)
-        pool, ps = self.pool, self.page_size
-        slots = torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64, device=self.runner.device)
+        pool, ps, dev = self.pool, self.page_size, self.runner.device
+        table = torch.tensor(list(pages), dtype=torch.int32)
+        flat = (table.to(torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)  # slots in sequence order
         dtype = next(self.runner.model.parameters()).dtype  # what the model hands the pool (FP8 quantizes)
-        shape = (ps, pool.num_kv_heads, pool.head_dim)
+        shape = (flat.numel(), pool.num_kv_heads, pool.head_dim)
         for layer in range(pool.num_layers):
-            k = torch.randn(shape, generator=gen).to(self.runner.device, dtype)
-            v = torch.randn(shape, generator=gen).to(self.runner.device, dtype)
-            pool.write(layer, slots, k, v)
+            k = torch.randn(shape, generator=gen).to(dev, dtype)
+            v = torch.randn(shape, generator=gen).to(dev, dtype)
+            pool.write(layer, flat.to(dev), k, v)
         vocab = self.runner.vocab_size
         for bs in self.batch_sizes:
-            lens = torch.randint(1, ps + 1, (bs,), generator=gen)
+            lens = torch.randperm(flat.numel(), generator=gen)[:bs] + 1  # distinct: distinct last slots
             ids = torch.randint(0, vocab, (bs,), generator=gen)
             pos = torch.randint(0, self.max_seqlen, (bs,), generator=gen)
-            self._fill(bs, ids, pos, page * ps + lens - 1, lens.to(torch.int32),
-                       torch.full((bs, 1), page, dtype=torch.int32))
+            self._fill(bs, ids, pos, flat[lens - 1], lens.to(torch.int32), table.expand(bs, -1))
             if self.capture:
                 self._graphs[bs].replay()
                 got = self._outputs[bs].clone()

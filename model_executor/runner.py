@@ -112,7 +112,7 @@ class ModelRunner:
     ) -> DecodeGraphs:
         """Run ``decode`` steps from CUDA graphs (``model_executor/cuda_graphs.py``): one per
         batch size in ``batch_sizes``, for sequences up to ``max_seqlen`` tokens; other steps stay
-        eager. Captures now (reserving one free page meanwhile) and checks each graph against the
+        eager. Captures now (borrowing a few free pages meanwhile) and checks each graph against the
         eager step; ValueError if one does not reproduce it (the runner then stays eager).
         ``capture=False``: the same padded static-buffer step without graphs (CPU)."""
         self.decode_graphs = None  # an earlier set's memory goes before the new one is captured

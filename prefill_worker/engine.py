@@ -17,8 +17,9 @@ finishes registers its full pages for the next ones. ``PrefillResult.cached_toke
 many tokens were reused. With sparse prefill (``alpha > 0``) the reused prefix is a multiple of
 the operator's query tile (``Q_TILE`` = 128 packed rows, so a multiple of 128 tokens also for
 any GQA group): the new tokens' tiles then line up with the tiles of a whole-prompt prefill,
-and SPEC.md's block selection (per tile, over absolute key blocks) is the same, so a cache hit
-computes what a miss would.
+and SPEC.md's block selection (per tile, over absolute key blocks) is the same, so a hit
+computes what a miss would in the same batch (what else shares a forward still matters as
+without the cache: ``dense_below`` is decided per batch, and FP8 quantizes q per batch).
 """
 
 from __future__ import annotations

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from kernels.config import Q_TILE
 
 from .config import ServiceConfig
 from .detokenize import TextStream
@@ -93,6 +96,8 @@ class DisaggregatedPipeline:
         self._prefill = prefill_handle.options(stream=True)
         self._decode = decode_handle.options(stream=True)
         self.cost_model = PrefillCostModel(dense_below=config.dense_below, expected_density=config.expected_density)
+        # what a prefill replica's prefix cache reuses at a time (PrefillEngine.reuse_granule)
+        self._reuse_granule = math.lcm(self.page_size, Q_TILE) if config.alpha > 0 else self.page_size
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -274,7 +279,8 @@ class DisaggregatedPipeline:
         if transport is not None:
             payload["transport"] = transport
         # prefix affinity: where this prompt's prefix went before, it may be cached
-        prefix = prefix_hint(context, self.page_size, self.cost_model) if self.config.prefix_caching else None
+        prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
+                  if self.config.prefix_caching else None)
         attempt.prefill_stream = self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )

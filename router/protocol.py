@@ -348,8 +348,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
+    if cached_tokens is not None:  # after a resume the re-prefilled context is longer than the prompt
+        out["prompt_tokens_details"] = {"cached_tokens": min(int(cached_tokens), prompt_tokens)}
     return out
 
 

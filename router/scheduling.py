@@ -99,17 +99,19 @@ def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = Non
 
 
 def prefix_hint(token_ids: Sequence[int], page_size: int, cost_model: "PrefillCostModel",
-                stride: int = PREFIX_STRIDE) -> list[tuple[str, float]]:
+                stride: int = PREFIX_STRIDE, granule: int | None = None) -> list[tuple[str, float]]:
     """The prefix part of a prefill call's routing hint: the digests (``kv_transfer.prefix``, 8
     bytes in hex) of full pages 1..``stride``, then of every ``stride``-th page, each with the
-    prompt's cost when the prefix up to there is cached (at most all but its last token: the
-    prefill always computes that one)."""
+    prompt's cost when the prefix up to there is cached: what the prefill engine would reuse,
+    whole ``granule``s (default: pages; ``PrefillEngine.reuse_granule``) of all but the last
+    token, which it always computes."""
     from kv_transfer.prefix import prefix_digests
 
     n = len(token_ids)
+    g = granule or page_size
     digests = prefix_digests(token_ids, page_size)
     pages = [i for i in range(1, len(digests) + 1) if i <= stride or i % stride == 0]
-    return [(digests[i - 1][:8].hex(), cost_model.cost(n, min(i * page_size, n - 1))) for i in pages]
+    return [(digests[i - 1][:8].hex(), cost_model.cost(n, min(i * page_size, n - 1) // g * g)) for i in pages]
 
 
 class _PrefixIndex:
@@ -264,10 +266,12 @@ class PrefillRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
         hint = _hint(pending_request)
-        self._ledger.add(pending_request.metadata.internal_request_id, replica_id,
-                         float(hint.get("cost", 0.0)), int(hint.get("pages", 0)))
-        if hint.get("prefix"):
-            self._prefixes.add([d for d, _ in hint["prefix"]], replica_id)
+        cost, prefix = float(hint.get("cost", 0.0)), hint.get("prefix") or []
+        # outstanding work there: the prompt's cost on that replica (less what it has cached)
+        here = self._prefixes.cost_on(replica_id, prefix, cost) if prefix else cost
+        self._ledger.add(pending_request.metadata.internal_request_id, replica_id, here, int(hint.get("pages", 0)))
+        if prefix:
+            self._prefixes.add([d for d, _ in prefix], replica_id)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._ledger.done(internal_request_id)

@@ -109,9 +109,16 @@ def test_steps_no_graph_holds_run_eagerly(tiny):
 
 def test_verify_catches_a_graph_that_replays_stale_values(tiny):
     runner = _runner(tiny)
+    graphs = DecodeGraphs(runner, max_seqlen=64, batch_sizes=(1, 2, 40), capture=False)
+    assert graphs.probe_pages() == 3  # 40 rows, each its own last slot: three pages of 16
+    pages = runner.pool.reserve("probe", 3 * PAGE)
+    with pytest.raises(ValueError, match="pages: expected at least 3 probe pages"):
+        graphs.verify(pages[:2])
+    graphs.verify(pages)  # the eager step against itself: passes
+    assert len(set(graphs._slots[:40].tolist())) == 40  # no two probe rows write one slot
+    assert graphs._seqlens[:40].max() > PAGE  # rows read across pages
     graphs = DecodeGraphs(runner, max_seqlen=64, batch_sizes=(1, 2), capture=False)
-    page = runner.pool.reserve("probe", 1)[0]
-    graphs.verify(page)  # the eager step against itself: passes
+    pages = pages[:2]
 
     class Frozen:  # a "graph" whose output never changes: what a capture of baked-in values does
         def replay(self):
@@ -121,7 +128,7 @@ def test_verify_catches_a_graph_that_replays_stale_values(tiny):
     graphs._graphs = {1: Frozen(), 2: Frozen()}
     graphs._outputs = {b: torch.zeros(b, runner.vocab_size) for b in (1, 2)}
     with pytest.raises(ValueError, match="batch_sizes: the decode graph of batch size 1 does not reproduce"):
-        graphs.verify(page)
+        graphs.verify(pages)
 
 
 def test_capture_needs_cuda_and_a_free_page(tiny):
@@ -129,11 +136,12 @@ def test_capture_needs_cuda_and_a_free_page(tiny):
     with pytest.raises(ValueError, match="capture: CUDA graphs need a CUDA runner"):
         runner.enable_decode_graphs(max_seqlen=64)
     assert runner.decode_graphs is None
-    full = _runner(tiny, num_pages=2)
-    full.pool.reserve("all", 2 * PAGE)
+    full = _runner(tiny, num_pages=4)
+    full.pool.reserve("most", 2 * PAGE)
     graphs = DecodeGraphs(full, max_seqlen=64, batch_sizes=(1,), capture=False)
-    with pytest.raises(ValueError, match="pool: capturing decode graphs needs one free page"):
+    with pytest.raises(ValueError, match="pool: capturing and checking decode graphs needs 3 free pages"):
         graphs._capture_all()
+    assert full.pool.free_pages == 2  # nothing borrowed is kept
 
 
 @pytest.mark.parametrize("bad, match", [

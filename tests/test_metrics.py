@@ -117,6 +117,10 @@ def test_decode_loop_counts_graph_and_eager_steps_and_sets_gauges():
     loop._record()
     assert backend.calls("decode_steps_total") == [("inc", 1.0, {"mode": "eager"}), ("inc", 2, {"mode": "graph"}),
                                                    ("inc", 1, {"mode": "eager"})]
+    runner.enable_decode_graphs(max_seqlen=64, batch_sizes=(2,), capture=False)  # new graphs: counts restart
+    engine.step()
+    loop._record()
+    assert backend.calls("decode_steps_total")[-1] == ("inc", 1, {"mode": "graph"})
     assert backend.calls("decode_running_requests")[-1] == ("set", 2, None)
     assert backend.calls("kv_pages_used")[-1] == ("set", runner.pool.num_pages - runner.pool.free_pages,
                                                   {"role": "decode"})

@@ -520,7 +520,11 @@ def test_prefix_hint_digests_every_stride_pages_with_the_cached_cost():
     assert [d for d, _ in other[:8]] == [d for d, _ in hint[:8]] and other[8][0] != hint[8][0]
     assert len(prefix_hint(tokens[:100], 64, model, stride=8)) == 1  # one full page
     assert prefix_hint(tokens[:63], 64, model) == []  # no full page: no hint
-    assert prefix_hint(tokens[:64], 64, model)[0][1] == model.cost(64, 63)  # the last token is always computed
+    # the engine reuses whole pages of all but the last token: a one-page prompt reuses nothing
+    assert prefix_hint(tokens[:64], 64, model)[0][1] == model.cost(64, 0)
+    # with sparse prefill it reuses whole 128-token tiles: page 3 (192 tokens) saves 128
+    tiled = prefix_hint(tokens, 64, model, granule=128)
+    assert tiled[2][1] == model.cost(n, 128) and tiled[3][1] == model.cost(n, 256)
 
 
 def test_prefill_router_prefers_the_replica_that_has_the_prefix_unless_it_is_much_busier():
@@ -533,6 +537,10 @@ def test_prefill_router_prefers_the_replica_that_has_the_prefix_unless_it_is_muc
     router.on_request_completed("b", "first")
     ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, prefix, "again")))
     assert [[r.name for r in t] for t in ranked] == [["b"], ["a"]]  # 0 + 200 beats 0 + 1000
+    # routed there, it adds only its uncached cost to b's outstanding work
+    router.on_request_routed(_prefixed(1000.0, 5, prefix, "again"), "b", None)
+    assert router.outstanding(b) == 200.0
+    router.on_request_completed("b", "again")
     # a shorter shared prefix still counts: d1 only
     ranked = asyncio.run(router.choose_replicas([a, b], _prefixed(1000.0, 5, [["d1", 600.0], ["zz", 100.0]], "c")))
     assert ranked[0] == [b]
@@ -556,3 +564,12 @@ def test_prefix_index_is_bounded_lru():
     index.add(["s"], "x")  # evicts q, the least recently touched
     assert len(index) == 3
     assert index.cost_on("x", [["q", 1.0]], 9.0) == 9.0 and index.cost_on("y", [["p", 2.0]], 9.0) == 2.0
+
+
+def test_usage_reports_cached_prompt_tokens_within_the_prompt():
+    from router.protocol import usage
+
+    assert usage(10, 3) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert usage(10, 3, 8)["prompt_tokens_details"] == {"cached_tokens": 8}
+    # after a decode resume the re-prefilled context (prompt + tokens so far) may be cached beyond the prompt
+    assert usage(10, 3, 12)["prompt_tokens_details"] == {"cached_tokens": 10}
