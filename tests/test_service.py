@@ -150,6 +150,10 @@ def test_prefix_cache_hit_reuses_pages_and_keeps_the_tokens(service, app):
     body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
             "stream": True, "stream_options": {"include_usage": True}}
     first, _ = stream(client, app, body)
+    # the router ranks by load too: let its copy of the replicas' stats (refreshed every 0.5 s)
+    # show the first request gone, or the replica holding the prefix still looks busy with it
+    wait_pools_idle(app)
+    time.sleep(1.0)
     second, _ = stream(client, app, body)
     granule = 64 if app == "dense" else 128  # page_size 64; sparse: lcm with the query tile
     # the sparse app has two prefill replicas: the router sends the repeat where the prefix went
@@ -158,6 +162,8 @@ def test_prefix_cache_hit_reuses_pages_and_keeps_the_tokens(service, app):
         assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     assert first[-2]["routing"]["prefill_replica"] == second[-2]["routing"]["prefill_replica"]
     longer = ids[:200] + prompt_of(50, seed=1002)
+    wait_pools_idle(app)
+    time.sleep(1.0)
     r = complete(client, app, {"prompt": longer, "max_tokens": 3, "temperature": 0, "return_token_ids": True})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (128 if app == "sparse" else 192)
     assert r.json()["choices"][0]["token_ids"] == oracle_tokens(CONFIGS[app], longer, 3)
