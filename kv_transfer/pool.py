@@ -424,11 +424,7 @@ class KVPool:
         ``request_ids[b]``, padded with 0 (never read past ``seqlens_kv``)."""
         with self._lock:
             lists = [list(self._get(r).pages) for r in request_ids]
-        width = max(1, max((len(p) for p in lists), default=0))
-        # one tensor from padded lists (a per-row tensor copy costs ~10 us a row: a decode step's
-        # host time at large batches)
-        table = torch.tensor([p + [0] * (width - len(p)) for p in lists], dtype=torch.int32).reshape(len(lists), width)
-        return table.to(self.device if device is None else device)
+        return _padded_table(lists, torch.int32).to(self.device if device is None else device)
 
     def slot_mapping(
         self, request_ids: Sequence[str], starts: Sequence[int], lengths: Sequence[int], *, device=None
@@ -442,7 +438,6 @@ class KVPool:
             )
         with self._lock:
             lists = [list(self._get(r).pages) for r in request_ids]
-        parts = []
         for rid, p, start, length in zip(request_ids, lists, starts, lengths):
             _check_positive_int("starts", int(start), minimum=0)
             _check_positive_int("lengths", int(length), minimum=0)
@@ -451,10 +446,12 @@ class KVPool:
                     f"lengths: tokens [{start}, {start + length}) of {rid!r} exceed its "
                     f"{len(p)} reserved pages ({len(p) * self.page_size} tokens); reserve first"
                 )
-            pos = torch.arange(start, start + length, dtype=torch.int64)
-            page = torch.tensor(p, dtype=torch.int64)[pos // self.page_size] if length else pos
-            parts.append(page * self.page_size + pos % self.page_size)
-        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        # every request's positions at once (a decode step's host time at large batches)
+        n = torch.tensor([int(x) for x in lengths], dtype=torch.int64)
+        first = torch.tensor([int(x) for x in starts], dtype=torch.int64)
+        row = torch.repeat_interleave(torch.arange(len(lists)), n)
+        pos = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n - first, n)
+        slots = _padded_table(lists, torch.int64)[row, pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(self.device if device is None else device)
 
     # ------------------------------------------------------------------ data
@@ -481,17 +478,15 @@ class KVPool:
                 raise ValueError(f"{name}: expected a tensor on {self.device}, got one on {x.device}")
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
-        if self.k_scale is not None and backend != "reference":
+        if self.k_scale is not None and (backend == "triton" or (backend == "auto" and self.device.type == "cuda")):
+            from kernels import triton_fp8
             from kernels.ops import triton_available
 
-            if backend == "triton" or (self.device.type == "cuda" and triton_available(self.device)):
-                if not triton_available(self.device):
-                    raise ValueError(f"backend: 'triton' needs a CUDA pool or TRITON_INTERPRET=1, this one is on {self.device}")
-                from kernels import triton_fp8
-
-                triton_fp8.write_pages(_last_contiguous(k), _last_contiguous(v), slots.contiguous(),
-                                       self.k_scale[layer], self.v_scale[layer], self.k[layer], self.v_raw[layer])
-                return
+            if not triton_available(self.device):
+                raise ValueError(f"backend: 'triton' needs a CUDA pool or TRITON_INTERPRET=1, this one is on {self.device}")
+            triton_fp8.write_pages(_last_contiguous(k), _last_contiguous(v), slots.contiguous(),
+                                   self.k_scale[layer], self.v_scale[layer], self.k[layer], self.v_raw[layer])
+            return
         index = slots.long()
         for pages, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
             data = x.to(self.dtype) if scale is None else quantize_fp8(x, scale[layer])
@@ -591,6 +586,13 @@ def fp8_scale_from_amax(x: torch.Tensor, *, margin: float = 1.0) -> torch.Tensor
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [T, H, d] / scale [H]`` saturated to +-448 and rounded to e4m3 (``kernels.fp8``)."""
     return fp8.quantize(x, scale.view(1, -1, 1))
+
+
+def _padded_table(lists: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """``[len(lists), max(1, longest)]`` page ids, rows padded with 0 (one tensor from padded
+    lists: a tensor copy per row costs ~10 us a row)."""
+    width = max(1, max((len(p) for p in lists), default=0))
+    return torch.tensor([p + [0] * (width - len(p)) for p in lists], dtype=dtype).reshape(len(lists), width)
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:

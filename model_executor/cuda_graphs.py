@@ -87,6 +87,14 @@ class DecodeGraphs:
         self._seqlens = torch.ones(n, dtype=torch.int32, device=dev)
         self._page_table = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
         self._cu = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one new token per sequence
+        # CUDA: a step's metadata goes through pinned host buffers, copied without a host sync;
+        # an event says when the last step's copies have read them
+        self._staged = None
+        self._copied: torch.cuda.Event | None = None
+        if dev.type == "cuda":
+            self._staged = (torch.zeros(3, n, dtype=torch.int64, pin_memory=True),
+                            torch.ones(n, dtype=torch.int32, pin_memory=True),
+                            torch.zeros(n, self.max_pages, dtype=torch.int32, pin_memory=True))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.stats = {"graph_steps": 0, "eager_steps": 0}
@@ -120,9 +128,26 @@ class DecodeGraphs:
         def padded(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x
 
-        self._i64[:, :bs].copy_(torch.stack([padded(ids), padded(pos), padded(slots)]))
-        self._seqlens[:bs].copy_(padded(seqlens))
-        self._page_table[:bs, : table.shape[1]].copy_(padded(table))
+        if self._staged is None:  # CPU: the static buffers are host memory
+            self._i64[:, :bs].copy_(torch.stack([padded(ids), padded(pos), padded(slots)]))
+            self._seqlens[:bs].copy_(padded(seqlens))
+            self._page_table[:bs, : table.shape[1]].copy_(padded(table))
+            return
+        h64, hseq, htable = self._staged
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies are done with the staging buffers
+        for row, x in enumerate((ids, pos, slots)):
+            h64[row, :bs].copy_(padded(x))
+        hseq[:bs].copy_(padded(seqlens))
+        htable[:bs, : table.shape[1]].copy_(padded(table))
+        # contiguous slices only (a strided host source would be staged through pageable memory);
+        # the table's columns past this step's are stale and never read
+        for row, dst in enumerate((self._ids, self._pos, self._slots)):
+            dst[:bs].copy_(h64[row, :bs], non_blocking=True)
+        self._seqlens[:bs].copy_(hseq[:bs], non_blocking=True)
+        self._page_table[:bs].copy_(htable[:bs], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def run(self, request_ids: Sequence[str], token_ids: torch.Tensor, starts: Sequence[int]) -> torch.Tensor | None:
         """One decode step of ``request_ids`` (their newest tokens ``token_ids``, int64 host, at
@@ -137,8 +162,7 @@ class DecodeGraphs:
         pos = torch.as_tensor(list(starts), dtype=torch.int64)
         need = -(-(int(pos.max()) + 1) // self.page_size)  # page-table columns any row reads
         table = self.pool.page_table(request_ids, device="cpu")[:, :need]
-        # each new token's slot, from the table (what pool.slot_mapping computes, one request at a time)
-        slots = table[torch.arange(batch), pos // self.page_size].to(torch.int64) * self.page_size + pos % self.page_size
+        slots = self.pool.slot_mapping(request_ids, starts, [1] * batch, device="cpu")
         self._fill(bs, token_ids.to("cpu", torch.int64), pos, slots, (pos + 1).to(torch.int32), table)
         if self.capture:
             self._graphs[bs].replay()

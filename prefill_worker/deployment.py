@@ -201,7 +201,7 @@ class PrefillBatcher:
     def _record(self, batch: list, results: list, seconds: float) -> None:
         m = self.metrics
         prompt = sum(len(item.request.prompt_token_ids) for item in batch)
-        cached = sum(getattr(r, "cached_tokens", 0) for r in results)
+        cached = sum(r.cached_tokens for r in results)
         m.inc("prefill_tokens_total", prompt - cached)
         m.inc("prefix_cache_queries_total", prompt)
         m.inc("prefix_cache_hits_total", cached)

@@ -34,6 +34,12 @@ from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import Sampler, SamplingParams
 
 
+def prefix_reuse_granule(page_size: int, *, sparse: bool) -> int:
+    """Tokens a prefix-cache hit reuses at a time: whole pages; with sparse prefill whole query
+    tiles too (see the module doc). The router estimates a hit's saving with it."""
+    return math.lcm(page_size, Q_TILE) if sparse else page_size
+
+
 class PrefillState(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -105,9 +111,7 @@ class PrefillEngine:
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
         self.prefix_cache = prefix_cache
-        page = runner.page_size
-        # reuse granularity (tokens): whole pages; with sparse prefill, whole query tiles too
-        self.reuse_granule = math.lcm(page, Q_TILE) if runner.sparse_config.alpha > 0 else page
+        self.reuse_granule = prefix_reuse_granule(runner.page_size, sparse=runner.sparse_config.alpha > 0)
         self.runner = runner
         self.pool = runner.pool
         self.max_batch_tokens = max_batch_tokens

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.config import Q_TILE
+from prefill_worker.engine import prefix_reuse_granule
 
 from .config import ServiceConfig
 from .detokenize import TextStream
@@ -96,8 +95,7 @@ class DisaggregatedPipeline:
         self._prefill = prefill_handle.options(stream=True)
         self._decode = decode_handle.options(stream=True)
         self.cost_model = PrefillCostModel(dense_below=config.dense_below, expected_density=config.expected_density)
-        # what a prefill replica's prefix cache reuses at a time (PrefillEngine.reuse_granule)
-        self._reuse_granule = math.lcm(self.page_size, Q_TILE) if config.alpha > 0 else self.page_size
+        self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.alpha > 0)
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
