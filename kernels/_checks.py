@@ -30,6 +30,18 @@ def softmax_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
+def canonical_device(device: object, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device``, an index-less ``cuda`` made ``cuda:<current>``: tensors
+    report the indexed form, and ``torch.device("cuda") != torch.device("cuda:0")``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}: expected a torch device or its name, got {device!r}") from exc
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def check_tensor(
     name: str,
     t: object,

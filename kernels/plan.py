@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import bad_page_entries, check_tensor, page_entry_error
+from ._checks import bad_page_entries, canonical_device, check_tensor, page_entry_error
 from .config import Q_TILE, SparseConfig
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -118,7 +118,7 @@ def make_plan(
     cu = check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=_INT_DTYPES)
     skv = check_tensor("seqlens_kv", seqlens_kv, ndim=1, dtypes=_INT_DTYPES)
     pt = check_tensor("page_table", page_table, ndim=2, dtypes=_INT_DTYPES)
-    device = torch.device(device) if device is not None else cu.device
+    device = canonical_device(device) if device is not None else cu.device
     for name, t in (("cu_seqlens_q", cu), ("seqlens_kv", skv), ("page_table", pt)):
         if t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")

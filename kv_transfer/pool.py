@@ -58,6 +58,7 @@ from typing import Sequence
 import torch
 
 from kernels import fp8
+from kernels._checks import canonical_device
 
 from .prefix import prefix_digests
 
@@ -170,7 +171,7 @@ class KVPool:
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.dtype = config.dtype
-        self.device = torch.device(config.device)
+        self.device = canonical_device(config.device)  # cuda:<current>, as the tensors report it
         shape = (config.num_layers, self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
         # zeros, not empty: padding slots hold finite values, so a masked read stays finite
         with _plain_cuda_segments(self.device):

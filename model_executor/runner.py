@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels._checks import canonical_device
 from kernels.config import SparseConfig
 
 from . import fused
@@ -82,7 +83,7 @@ class ModelRunner:
         self.pool = pool
         self.dense_below = dense_below
         self.backend = backend
-        self.device = torch.device(device) if device is not None else pool.k.device
+        self.device = canonical_device(device) if device is not None else pool.k.device
         self._check_geometry()
         kernel_backend = ops.resolve_backend(backend, self.device)  # ValueError for an unknown or unusable one
         asked = fused_ops

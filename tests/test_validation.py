@@ -111,3 +111,18 @@ def test_contiguous_call_validates():
         sparse_attention(q, k, k[..., :32])
     with pytest.raises(ValueError, match="q"):
         sparse_attention(q[0], k, k)
+
+
+def test_canonical_device(monkeypatch):
+    from kernels._checks import canonical_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert canonical_device("cuda") == torch.device("cuda", 3)  # tensors report cuda:<index>
+    assert canonical_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert canonical_device("cuda:1") == torch.device("cuda", 1)
+    assert canonical_device("cpu") == torch.device("cpu")
+    assert canonical_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device"):
+        canonical_device("nonsense")
+    with pytest.raises(ValueError, match="pool_device"):
+        canonical_device(1.5, "pool_device")
