@@ -34,6 +34,7 @@ from .protocol import (
     models_response,
     openapi_extra,
     stream_chunk,
+    usage,
     usage_chunk,
 )
 from .runtime import load_tokenizer
@@ -275,10 +276,12 @@ class OpenAIIngress:
     @staticmethod
     def _grpc_extras(pb: Any, msg: Any, req: GenerationRequest, timing: dict | None, routing: dict | None,
                      completion_tokens: int) -> None:
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=req.prompt_len, completion_tokens=completion_tokens,
-                                    total_tokens=req.prompt_len + completion_tokens))
-        t = {k: float(v) for k, v in (timing or {}).items() if k in ("ttft_s", "queue_s", "prefill_s", "transfer_s", "total_s") and v is not None}
-        msg.timing.CopyFrom(pb.Timing(**t))
+        u = usage(req.prompt_len, completion_tokens, (timing or {}).get("cached_tokens"))  # as HTTP reports it
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                                    total_tokens=u["total_tokens"],
+                                    cached_tokens=u.get("prompt_tokens_details", {}).get("cached_tokens", 0)))
+        fields = pb.Timing.DESCRIPTOR.fields_by_name
+        msg.timing.CopyFrom(pb.Timing(**{k: float(v) for k, v in (timing or {}).items() if k in fields and v is not None}))
         if routing:
             msg.routing.CopyFrom(pb.Routing(**{k: v or "" for k, v in routing.items()}))
 
@@ -306,14 +309,18 @@ class OpenAIIngress:
             self._grpc_fail(grpc_context, err)
             raise
         completion_tokens = 0
+        cached_tokens = None  # as the HTTP stream: from whichever message carried timing
         deltas = self.pipeline.stream(req)
         try:
             async for delta in deltas:
                 completion_tokens += len(delta.token_ids)
+                if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
+                    cached_tokens = delta.timing["cached_tokens"]
                 msg = pb.GenerateStreamResponse(request_id=req.request_id, text=delta.text,
                                                 token_ids=delta.token_ids, finish_reason=delta.finish_reason or "")
                 if delta.finish_reason is not None:
-                    self._grpc_extras(pb, msg, req, delta.timing, delta.routing, completion_tokens)
+                    timing = {**(delta.timing or {}), "cached_tokens": cached_tokens}
+                    self._grpc_extras(pb, msg, req, timing, delta.routing, completion_tokens)
                 yield msg
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))

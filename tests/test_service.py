@@ -130,12 +130,16 @@ def test_http_and_grpc_match_single_process_engines(service, app):
         resp = stub.Generate(grpc_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0),
                              metadata=meta, timeout=120)
         assert list(resp.token_ids) == want and resp.usage.completion_tokens == len(want)
+        assert resp.usage.prompt_tokens == n and resp.usage.total_tokens == n + len(want)
+        assert 0 <= resp.usage.cached_tokens < n and resp.usage.cached_tokens % 64 == 0  # whole pages
         assert resp.timing.ttft_s > 0 and resp.routing.prefill_replica and resp.routing.decode_replica
+        assert resp.timing.prefill_s > 0 and resp.timing.first_decode_s > 0
 
         msgs = list(stub.GenerateStream(grpc_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0),
                                         metadata=meta, timeout=120))
         assert [t for m in msgs for t in m.token_ids] == want
         assert msgs[-1].finish_reason in ("stop", "length") and all(not m.finish_reason for m in msgs[:-1])
+        assert msgs[-1].usage.completion_tokens == len(want) and 0 <= msgs[-1].usage.cached_tokens < n
     wait_pools_idle(app)
 
 
@@ -167,6 +171,14 @@ def test_prefix_cache_hit_reuses_pages_and_keeps_the_tokens(service, app):
     r = complete(client, app, {"prompt": longer, "max_tokens": 3, "temperature": 0, "return_token_ids": True})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (128 if app == "sparse" else 192)
     assert r.json()["choices"][0]["token_ids"] == oracle_tokens(CONFIGS[app], longer, 3)
+    # gRPC reports the same count, unary and on a stream's last message
+    stub, meta = grpc_stub(service["channel"]), (("application", app),)
+    for call in (stub.Generate, stub.GenerateStream):
+        wait_pools_idle(app)
+        time.sleep(1.0)
+        out = call(grpc_request(prompt_token_ids=ids, max_tokens=6, temperature=0.0), metadata=meta, timeout=120)
+        last = out if call is stub.Generate else list(out)[-1]
+        assert last.usage.cached_tokens == (300 - 1) // granule * granule and last.usage.prompt_tokens == 300
     wait_pools_idle(app)
     for s in replica_stats(app, "PrefillServer"):
         assert s["free_pages"] == s["num_pages"]  # cached pages count as free; none held

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frouter/proto/flashprefill.proto\x12\x0f\x66lashprefill.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08messages\x18\x04 \x03(\x0b\x32\x1c.flashprefill.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"a\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\":\n\x07Routing\x12\x17\n\x0fprefill_replica\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x02 \x01(\t\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x07 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.flashprefill.v1.Routing\"\xdf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x06 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x07 \x01(\x0b\x32\x18.flashprefill.v1.Routing2\xbe\x01\n\x0c\x46lashPrefill\x12O\n\x08Generate\x12 .flashprefill.v1.GenerateRequest\x1a!.flashprefill.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .flashprefill.v1.GenerateRequest\x1a\'.flashprefill.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frouter/proto/flashprefill.proto\x12\x0f\x66lashprefill.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08messages\x18\x04 \x03(\x0b\x32\x1c.flashprefill.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x8b\x01\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08\x65xport_s\x18\x06 \x01(\x01\x12\x16\n\x0e\x66irst_decode_s\x18\x07 \x01(\x01\":\n\x07Routing\x12\x17\n\x0fprefill_replica\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x02 \x01(\t\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x07 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.flashprefill.v1.Routing\"\xdf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x06 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x07 \x01(\x0b\x32\x18.flashprefill.v1.Routing2\xbe\x01\n\x0c\x46lashPrefill\x12O\n\x08Generate\x12 .flashprefill.v1.GenerateRequest\x1a!.flashprefill.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .flashprefill.v1.GenerateRequest\x1a\'.flashprefill.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=99
   _globals['_GENERATEREQUEST']._serialized_end=425
   _globals['_USAGE']._serialized_start=427
-  _globals['_USAGE']._serialized_end=506
-  _globals['_TIMING']._serialized_start=508
-  _globals['_TIMING']._serialized_end=605
-  _globals['_ROUTING']._serialized_start=607
-  _globals['_ROUTING']._serialized_end=665
-  _globals['_GENERATERESPONSE']._serialized_start=668
-  _globals['_GENERATERESPONSE']._serialized_end=900
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=903
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1126
-  _globals['_FLASHPREFILL']._serialized_start=1129
-  _globals['_FLASHPREFILL']._serialized_end=1319
+  _globals['_USAGE']._serialized_end=529
+  _globals['_TIMING']._serialized_start=532
+  _globals['_TIMING']._serialized_end=671
+  _globals['_ROUTING']._serialized_start=673
+  _globals['_ROUTING']._serialized_end=731
+  _globals['_GENERATERESPONSE']._serialized_start=734
+  _globals['_GENERATERESPONSE']._serialized_end=966
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=969
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1192
+  _globals['_FLASHPREFILL']._serialized_start=1195
+  _globals['_FLASHPREFILL']._serialized_end=1385
 # @@protoc_insertion_point(module_scope)
