@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from kernels.decode import paged_decode  # noqa: E402
 from kernels.triton_decode import _num_sms, choose_num_splits  # noqa: E402
@@ -74,17 +74,6 @@ class DecodeResult:
     sdpa_err: float = 0.0
     lse_err: float = 0.0
     tflops: float = 0.0
-
-
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout on this machine)"
 
 
 def _bench(fn, cfg: DecodeBenchConfig) -> float:
@@ -235,7 +224,7 @@ def main() -> None:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "PYTHONPATH=$PWD python3 benchmarks/bench_decode.py",
     }
     print(env, flush=True)

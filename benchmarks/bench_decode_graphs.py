@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_service import _commit  # noqa: E402  (GIT_COMMIT, else git: the device's tree is a copy)
+from evals.report import git_commit  # noqa: E402
 from kernels.config import SparseConfig  # noqa: E402
 from model_executor import ModelRunner, load_model  # noqa: E402
 from model_executor.generate import make_pool  # noqa: E402
@@ -181,7 +181,7 @@ def main(argv=None) -> dict:
     graphs = runner.enable_decode_graphs(max_seqlen=max_seqlen, batch_sizes=sizes, capture=capture)
     capture_s = time.perf_counter() - t0
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "commit": _commit(),
+           "torch": torch.__version__, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "PYTHONPATH=$PWD python3 benchmarks/bench_decode_graphs.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(f"{model_name}: fused {runner.fused_counts}; graphs for batch sizes {sizes} up to {graphs.max_seqlen} "

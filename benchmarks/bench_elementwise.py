@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_service import _commit  # noqa: E402  (GIT_COMMIT, else git: the device's tree is a copy)
+from evals.report import git_commit  # noqa: E402
 from kernels import elementwise as ew  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384, 65536)
@@ -129,7 +129,7 @@ def env_info(device: str) -> dict:
     import transformers
 
     return {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__, "commit": _commit(),
+            "triton": triton.__version__, "transformers": transformers.__version__, "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "PYTHONPATH=$PWD python3 benchmarks/bench_elementwise.py " + " ".join(sys.argv[1:])}
 

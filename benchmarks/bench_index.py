@@ -31,7 +31,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -43,6 +42,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.config import SparseConfig  # noqa: E402
@@ -91,15 +91,6 @@ class IndexResult:
     density: float
     inputs: str
     sweep: list[dict] = field(default_factory=list)
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout on this machine)"
 
 
 def _time_ms(fn, cfg: IndexBenchConfig) -> float:
@@ -272,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "config": asdict(cfg),
         "launch": asdict(IndexLaunch()),
         "rows": [asdict(r) for r in rows],

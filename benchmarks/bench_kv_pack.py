@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from kv_transfer.channel import gather_pages, payload_checksum, scatter_pages  # noqa: E402
 from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(tokens, geometry, device, args.iters, torch.bfloat16)
     env = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "commit": os.environ.get("GIT_COMMIT", "unknown"), "geometry": geometry,
+           "commit": git_commit(), "geometry": geometry,
            "command": "python3 benchmarks/bench_kv_pack.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))

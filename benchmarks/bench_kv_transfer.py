@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -320,13 +320,7 @@ def peer_copy(cfg: BenchConfig, nbytes_list: list[int], budget: Budget) -> dict[
 def environment(cfg: BenchConfig, args: argparse.Namespace, endpoints: list[dict]) -> dict:
     import ray
 
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown (no git on this machine; set GIT_COMMIT)"
+    commit = git_commit()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,

@@ -39,7 +39,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.config import KV_TILE, Q_TILE, SparseConfig  # noqa: E402
@@ -135,7 +135,7 @@ def _env(device) -> dict:
         "triton": triton.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
     }
     try:
         import flash_attn  # noqa: F401
@@ -146,26 +146,9 @@ def _env(device) -> dict:
     return env
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):  # set by whoever ships the tree to a host (the GPU host's
-        return os.environ["GIT_COMMIT"]  # checkout is a copy whose git state is not the run's)
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if out.returncode == 0:
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
-        pass
-    return os.environ.get("FP_COMMIT", "unknown")
-
-
 # ---------------------------------------------------------------------------------------------
 # inputs, index, work accounting
 # ---------------------------------------------------------------------------------------------
-
-
 def make_inputs(length: int, batch: int, target: float | None, cfg: BenchConfig, device):
     dtype = getattr(torch, cfg.dtype)
     source = "structured"

@@ -114,6 +114,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from benchmarks.load_test import completion_body, encode_body  # noqa: E402
 from benchmarks.open_loop import CellSpec, records_to_json, run_cell, summarize  # noqa: E402
@@ -383,21 +384,6 @@ def decode_graph_stats(app: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown (no git checkout, GIT_COMMIT unset)"
-
-
 def _gpus() -> list[str]:
     """GPU names from nvidia-smi (the driver process never touches CUDA itself)."""
     try:
@@ -416,7 +402,7 @@ def environment(argv: list[str]) -> dict:
     return {"gpus": _gpus(), "torch": torch.__version__, "cuda": torch.version.cuda, "ray": ray.__version__,
             "transformers": transformers.__version__, "python": sys.version.split()[0],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "command": "PYTHONPATH=$PWD python3 benchmarks/bench_service.py " + shlex.join(argv),
+            "commit": git_commit(), "command": "PYTHONPATH=$PWD python3 benchmarks/bench_service.py " + shlex.join(argv),
             "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
@@ -714,7 +700,7 @@ def run_configuration(name: str, cfg: BenchConfig, local, budget: Budget, prompt
         conf["warmup_s"] = time.monotonic() - t0 - conf["deploy_s"]
         print(f"[{name}] deployed in {conf['deploy_s']:.1f} s, warmed up in {conf['warmup_s']:.1f} s", flush=True)
         prompts = prompts_for(service.model_id)
-        commit = _commit()
+        commit = git_commit()
         for rate in cfg.rates:
             if not budget.allows(cell_s):
                 conf["cells"].append({"rate": rate, "status": "skipped: time budget"})

@@ -62,7 +62,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +75,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from evals.report import git_commit  # noqa: E402
 
 from evals.structured_model import (  # noqa: E402
     build_structured_llama, haystack_ids, llama31_8b_spec, llama_config, tiny_spec,
@@ -160,21 +160,6 @@ TINY_OVERRIDES = dict(
 # ---------------------------------------------------------------------------------------------
 
 
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):  # the GPU host's checkout is a copy whose git state is not the run's
-        return os.environ["GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        pass
-    return os.environ.get("GIT_COMMIT", "unknown (no git checkout, GIT_COMMIT unset)")
-
-
 def _env(device: torch.device, argv: list[str]) -> dict:
     import transformers
 
@@ -193,7 +178,7 @@ def _env(device: torch.device, argv: list[str]) -> dict:
         "triton": triton_version,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "PYTHONPATH=$PWD python3 benchmarks/bench_ttft.py " + " ".join(argv),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }

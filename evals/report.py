@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from dataclasses import asdict, is_dataclass
@@ -12,6 +13,23 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def git_commit() -> str:
+    """The commit a benchmark or evaluation ran: ``GIT_COMMIT`` when set (whoever ships the tree
+    to a GPU host sets it; the copy there has no git state of its own), else the checkout's HEAD,
+    with ``-dirty`` when tracked files differ from it."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git checkout, GIT_COMMIT unset)"
+    return head + ("-dirty" if dirty else "")
 
 
 def environment() -> dict:
@@ -24,13 +42,7 @@ def environment() -> dict:
         triton_version = None
     import transformers
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    commit = git_commit()
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cpu": platform.processor() or platform.machine(),

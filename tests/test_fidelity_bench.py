@@ -238,3 +238,25 @@ def test_plot_accuracy_writes_pngs(smoke, tmp_path):
     if any(r["dtype"] == "fp8" for r in saved["rows"]):
         assert "**graded inputs, fp8**" in plot.markdown_fidelity(saved)
     assert "0.75" in plot.markdown_retrieval(retrieval)
+
+
+def test_git_commit_prefers_the_environment_then_the_checkout(monkeypatch):
+    import re
+    import subprocess
+
+    from evals.report import git_commit
+
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"
+    monkeypatch.delenv("GIT_COMMIT")
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        assert git_commit().startswith("unknown")
+        return
+    got = git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", got) and got.startswith(head)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    assert git_commit() == "unknown (no git checkout, GIT_COMMIT unset)"
