@@ -105,7 +105,7 @@ class ModelRunner:
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)
-        self.last_state: ForwardState | None = None  # of the latest forward, for tests and stats
+        self.last_state: ForwardState | None = None  # of the latest eager forward (a graph step keeps none), for tests
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
 
     def enable_decode_graphs(
