@@ -8,9 +8,9 @@ a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128, bf16, 64-token
 
 (a) ``memcpy``: one contiguous device-to-device copy of the same byte count in this process,
     the ceiling for any copy on this GPU (each byte read once and written once);
-(b) ``copy_pages``: the IPC path's copy routine between two pools in this process, fragmented
-    page lists, no IPC: gather into a temporary, scatter out (each byte read twice, written
-    twice), ``copy_chunk_bytes`` at a time;
+(b) ``copy_pages``: the IPC path's copy routine between two pools in this process (the same
+    integer word, ``copy_word``), fragmented page lists, no IPC: gather into a temporary,
+    scatter out (each byte read twice, written twice), ``copy_chunk_bytes`` at a time;
 (c) ``ipc``: ``CudaIpcTransport.receive`` end to end in this process of a ticket exported by a
     sender process (spawned): ticket checks, page reservation, the mapping (opened once per
     sender storage, then cached, as in a replica), the copy on a side stream, the sync.
@@ -47,7 +47,7 @@ from evals.report import git_commit  # noqa: E402
 import torch  # noqa: E402
 
 from kv_transfer.ipc import CudaIpcTransport, copy_pages  # noqa: E402
-from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from kv_transfer.pool import KVPool, KVPoolConfig, copy_word  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}
@@ -173,7 +173,7 @@ def run(lengths: tuple[int, ...], repeats: int, device: str = "cuda:0") -> dict:
             src_pages = torch.tensor(fragmented_request(src, "r", n), dtype=torch.long, device=device)
             dst.reserve("r", n)
             dst_pages = torch.tensor(dst.pages("r"), dtype=torch.long, device=device)
-            word = torch.int16
+            word = copy_word(src.k[0, 0].numel() * src.k.element_size())  # as the IPC receive picks it
 
             def local_copy():
                 for a, b in ((src.k, dst.k), (src.v, dst.v)):
