@@ -3,21 +3,69 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+
+# flags that set a ServiceConfig option of the same name (None: not given)
+_FLAG_OPTIONS = ("model", "served_model_name", "device", "alpha", "prefill_kv_pages", "decode_kv_pages")
+
+
+def parse_option(pair: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (key, value): VALUE as JSON when it parses (numbers, true/false, null,
+    lists, objects), else the string itself (``model=/models/llama``)."""
+    key, sep, text = pair.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--option: expected KEY=VALUE, got {pair!r}")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    return key.strip(), value
+
+
+def load_config_file(path: str) -> dict:
+    """A JSON or YAML (``.yaml``/``.yml``) file holding one mapping of ServiceConfig options."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path!r}: {exc.strerror or exc}") from None
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # a Ray dependency
+
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config: {path!r} is not valid YAML: {exc}") from None
+    else:
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--config: {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config: {path!r} must hold a mapping of options, got {type(raw).__name__}")
+    return raw
+
+
+def service_options(args: argparse.Namespace) -> dict:
+    """ServiceConfig options from the command line: the ``--config`` file, then the flags given,
+    then each ``--option KEY=VALUE`` (later wins); unset options keep ServiceConfig's defaults."""
+    options = load_config_file(args.config) if args.config else {}
+    options.update({name: getattr(args, name) for name in _FLAG_OPTIONS if getattr(args, name) is not None})
+    if args.debug_routing:
+        options["debug_routing"] = True
+    for pair in args.option or ():
+        key, value = parse_option(pair)
+        options[key] = value
+    return options
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import ServiceConfig
     from .launcher import LocalServeOptions, serve_forever
 
-    options = {
-        "model": args.model, "alpha": args.alpha, "device": args.device,
-        "prefill_kv_pages": args.prefill_kv_pages, "decode_kv_pages": args.decode_kv_pages,
-        "debug_routing": args.debug_routing,
-    }
-    if args.served_model_name:
-        options["served_model_name"] = args.served_model_name
-    config = ServiceConfig.from_dict(options)
+    config = ServiceConfig.from_dict(service_options(args))
     local = LocalServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
                               num_cpus=args.num_cpus)
@@ -39,19 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start a local Ray on 127.0.0.1 and deploy the service")
-    s.add_argument("--model", default="builtin:tiny", help="'builtin:tiny' or a local Hugging Face directory")
+    s.add_argument("--model", default=None, help="'builtin:tiny' (default) or a local Hugging Face directory")
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    s.add_argument("--alpha", type=float, default=0.1, help="FlashPrefill V2 threshold (0 = dense)")
+    s.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"), help="default auto")
+    s.add_argument("--alpha", type=float, default=None, help="FlashPrefill V2 threshold (0 = dense; default 0.1)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=9000)
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--decode-replicas", type=int, default=1)
-    s.add_argument("--prefill-kv-pages", type=int, default=1024)
-    s.add_argument("--decode-kv-pages", type=int, default=1024)
+    s.add_argument("--prefill-kv-pages", type=int, default=None, help="default 1024")
+    s.add_argument("--decode-kv-pages", type=int, default=None, help="default 1024")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray")
     s.add_argument("--debug-routing", action="store_true", help="add replica ids to responses")
+    s.add_argument("--config", default=None, metavar="PATH",
+                   help="JSON or YAML file of service options (router/config.py ServiceConfig; the flags override it)")
+    s.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="any ServiceConfig option, VALUE as JSON or a string, e.g. --option prefill_chunk_tokens=8192 "
+                        "(repeatable; overrides --config and the flags)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("client", help="send one prompt and print the reply")
@@ -72,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=_gen_proto)
 
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from .config import ServiceConfig
+
+        try:  # bad options fail here, before Ray starts
+            ServiceConfig.from_dict(service_options(args))
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
     return int(args.func(args) or 0)
 
 
