@@ -213,5 +213,5 @@ def test_captured_graphs_match_eager_decode_on_cuda(kv):
         assert torch.equal(y.argmax(-1)[clear], x.argmax(-1)[clear])
         checked += int(clear.sum())
         rows += x.shape[0]
-    # not vacuous: on this model most rows clear the gap (13 of 20 on a CPU bf16 run)
+    # not vacuous: at least a quarter of the rows must clear the gap (three H200 runs did)
     assert checked > 0 and checked >= rows // 4, f"argmax checked on only {checked} of {rows} rows"
