@@ -9,7 +9,7 @@ a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128, bf16, 64-token
 (a) ``memcpy``: one contiguous device-to-device copy of the same byte count in this process,
     the ceiling for any copy on this GPU (each byte read once and written once);
 (b) ``copy_pages``: the IPC path's copy routine between two pools in this process (the same
-    integer word, ``copy_word``), fragmented page lists, no IPC: gather into a temporary,
+    integer word, ``pool_page_words``), fragmented page lists, no IPC: gather into a temporary,
     scatter out (each byte read twice, written twice), ``copy_chunk_bytes`` at a time;
 (c) ``ipc``: ``CudaIpcTransport.receive`` end to end in this process of a ticket exported by a
     sender process (spawned): ticket checks, page reservation, the mapping (opened once per
@@ -47,7 +47,7 @@ from evals.report import git_commit  # noqa: E402
 import torch  # noqa: E402
 
 from kv_transfer.ipc import CudaIpcTransport, copy_pages  # noqa: E402
-from kv_transfer.pool import KVPool, KVPoolConfig, copy_word  # noqa: E402
+from kv_transfer.pool import KVPool, KVPoolConfig, pool_page_words  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}
@@ -173,15 +173,14 @@ def run(lengths: tuple[int, ...], repeats: int, device: str = "cuda:0") -> dict:
             src_pages = torch.tensor(fragmented_request(src, "r", n), dtype=torch.long, device=device)
             dst.reserve("r", n)
             dst_pages = torch.tensor(dst.pages("r"), dtype=torch.long, device=device)
-            word = copy_word(src.k[0, 0].numel() * src.k.element_size())  # as the IPC receive picks it
+            src_words, dst_words = pool_page_words(src), pool_page_words(dst)  # the word the receive picks
 
             def local_copy():
-                for a, b in ((src.k, dst.k), (src.v, dst.v)):
-                    copy_pages(a.view(word).view(a.shape[0], a.shape[1], -1), b.view(word).view(b.shape[0], b.shape[1], -1),
-                               src_pages, dst_pages, receiver.copy_chunk_bytes)
+                for a, b in zip(src_words, dst_words):
+                    copy_pages(a, b, src_pages, dst_pages, receiver.copy_chunk_bytes)
 
             copy_s, copy_runs = _median_s(local_copy, repeats, sync)
-            del src
+            del src, src_words, dst_words
             dst.release("r")
 
             # (a) one contiguous copy of the same bytes
@@ -200,7 +199,7 @@ def run(lengths: tuple[int, ...], repeats: int, device: str = "cuda:0") -> dict:
                 "runs_ms": {"memcpy": [t * 1e3 for t in memcpy_runs], "copy_pages": [t * 1e3 for t in copy_runs],
                             "ipc": [t * 1e3 for t in ipc_runs]},
             })
-            print_row(rows[-1], flush=True)
+            print(format_row(rows[-1]), flush=True)
         counters = receiver.counters()
     finally:
         receiver.close()
@@ -223,10 +222,6 @@ def format_row(r: dict) -> str:
     return (f"{r['tokens']:>7} {r['bytes'] / 1e9:>6.2f} | {r['memcpy_ms']:>9.2f} {r['memcpy_gbps']:>6.0f} | "
             f"{r['copy_pages_ms']:>13.2f} {r['copy_pages_gbps']:>6.0f} {r['copy_pages_of_memcpy']:>5.2f} | "
             f"{r['ipc_ms']:>7.2f} {r['ipc_gbps']:>6.0f} {r['ipc_of_memcpy']:>5.2f} | {r['check']}")
-
-
-def print_row(r: dict, flush: bool = False) -> None:
-    print(format_row(r), flush=flush)
 
 
 def main(argv: list[str] | None = None) -> int:

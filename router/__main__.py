@@ -62,10 +62,9 @@ def service_options(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import ServiceConfig
     from .launcher import LocalServeOptions, serve_forever
 
-    config = ServiceConfig.from_dict(service_options(args))
+    config = args.service_config  # built and checked by main, before Ray starts
     local = LocalServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
                               num_cpus=args.num_cpus)
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ServiceConfig
 
         try:  # bad options fail here, before Ray starts
-            ServiceConfig.from_dict(service_options(args))
+            args.service_config = ServiceConfig.from_dict(service_options(args))
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
     return int(args.func(args) or 0)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kernels._checks import canonical_device
+
 from .config import ServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -21,8 +23,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(config: ServiceConfig) -> torch.device:
-    """The replica's device, with its index (``cuda:0``, not ``cuda``: tensors report the
-    indexed form, and the pool and the runner compare devices)."""
+    """The replica's device, with its index (``cuda:0``, not ``cuda``: as tensors report it)."""
     if config.device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
@@ -30,7 +31,7 @@ def resolve_device(config: ServiceConfig) -> torch.device:
         raise ValueError("device: 'cuda' was asked for but this replica sees no GPU (num_gpus in ray_actor_options?)")
     elif config.device == "cpu":
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return canonical_device("cuda")
 
 
 def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
