@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 from evals.report import git_commit  # noqa: E402
 from kernels.config import SparseConfig  # noqa: E402
 from model_executor import ModelRunner, load_model  # noqa: E402
-from model_executor.generate import make_pool  # noqa: E402
+from model_executor.loading import make_pool  # noqa: E402
 
 CASES = ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (32, 4096), (64, 4096))
 SMOKE_CASES = ((1, 40), (3, 100))

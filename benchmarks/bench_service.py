@@ -17,7 +17,7 @@ Deploys the Ray Serve application (``router.launcher``: a local Ray on 127.0.0.1
   (``ttft_p50_ratio_shortest_first``), the schedule-fair view of the TTFT target.
 
 Model: ``builtin:structured-8b`` (Llama-3.1-8B's shape, weights constructed to show sinks,
-locality and retrieval; ``evals/structured_model.py``), bf16, built from the seed on each
+locality and retrieval; ``model_executor/structured_model.py``), bf16, built from the seed on each
 replica's GPU. Prompts: ``haystack_ids`` token ids, lengths drawn with the seed from
 ``--lengths`` (default 4K..128K, powers of two), one distinct prompt per request and the same
 sequence in every cell; ``--max-tokens`` (64) output tokens, which the structured model
@@ -254,7 +254,7 @@ def service_options(cfg: BenchConfig, name: str) -> dict[str, Any]:
 def resolve_service_config(options: dict[str, Any]):
     """(ServiceConfig, None), or (None, why it cannot run) when ServiceConfig refuses the
     options (an option this checkout does not know yet, such as ``kv_cache_dtype``)."""
-    from router.config import ServiceConfig
+    from serving.config import ServiceConfig
 
     try:
         return ServiceConfig.from_dict(options), None

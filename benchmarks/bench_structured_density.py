@@ -1,4 +1,4 @@
-"""Index-stage density of the structured Llama-3.1-8B-shaped model (evals/structured_model.py)
+"""Index-stage density of the structured Llama-3.1-8B-shaped model (model_executor/structured_model.py)
 at 4K..128K with the paper's settings (alpha 0.1, block 128, sink 256, window 512), against the
 paper's Table 3 densities for Llama-3.1-8B on needle-in-a-haystack inputs.
 

@@ -1,13 +1,13 @@
 """Model-runner benchmark on the H200: TTFT and decode time per token, ours vs transformers ``sdpa``.
 
 Model: Llama-3.1-8B's shape (32 layers, hidden 4096, 32/8 heads, d 128, MLP 14336, vocab 128256,
-RoPE llama3; ``evals.structured_model.llama_config``), bf16, two weight sets:
+RoPE llama3; ``model_executor.structured_model.llama_config``), bf16, two weight sets:
 
 - ``random``: transformers' own random init (std 0.02). Attention has no structure: random keys
   average out over a block, every block-mean score is about the same and the index keeps almost
   every block, so these rows show the operator near its
   dense limit, not a trained model's sparsity (the ``note`` field beside the numbers says so).
-- ``structured``: ``evals.structured_model.build_structured_llama`` at the same shape (sinks,
+- ``structured``: ``model_executor.structured_model.build_structured_llama`` at the same shape (sinks,
   locality bands, retrieval heads written into the weights), prompts from ``haystack_ids``
   (needle-in-a-haystack-like): density close to the paper's on Llama-3.1-8B.
 
@@ -98,7 +98,7 @@ NOTES = {
         "structured rows)"
     ),
     "structured": (
-        "structured benchmark model (evals.structured_model at the same shape: sinks, locality, "
+        "structured benchmark model (model_executor.structured_model at the same shape: sinks, locality, "
         "retrieval heads) on haystack_ids prompts: realistic density (paper Table 3, Llama-3.1-8B: "
         "54/34/19/9/4.6% at 8K/16K/32K/64K/128K)"
     ),

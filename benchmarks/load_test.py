@@ -5,7 +5,7 @@
 
 Sends ``requests`` greedy requests (mixed prompt lengths and ``max_tokens``; HTTP and gRPC,
 streaming and not) with at most ``concurrency`` in flight, and checks each one against the
-single-process oracle (``model_executor.generate.generate``, one prompt at a time):
+single-process oracle (``router.offline.generate``, one prompt at a time):
 - lost: no complete response (transport error, non-200, missing finish_reason / ``[DONE]``);
 - duplicated: a response id seen twice, or more tokens than the oracle (repeats after a resume);
 - garbled: token ids differ from the oracle, or the text differs from their detokenization.
@@ -117,7 +117,7 @@ class Oracle:
     def __init__(self, config: Any = None) -> None:
         from model_executor.loading import load_model
         from model_executor.tokenizer import ByteTokenizer
-        from router.config import ServiceConfig
+        from serving.config import ServiceConfig
 
         self.config = config or ServiceConfig.from_dict({"alpha": 0.0})
         self.model = load_model(None)
@@ -127,7 +127,7 @@ class Oracle:
     def tokens(self, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
         key = (prompt, max_tokens)
         if key not in self._cache:
-            from model_executor.generate import generate
+            from router.offline import generate
             from model_executor.sampling import SamplingParams
 
             params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
@@ -376,7 +376,7 @@ def _start_local(args: argparse.Namespace) -> tuple[str, str]:
     from ray.serve.config import gRPCOptions
 
     from router.app import GRPC_SERVICER, build_application
-    from router.config import ServiceConfig
+    from serving.config import ServiceConfig
     from router.launcher import prepare_environment, ray_init_kwargs
 
     prepare_environment()

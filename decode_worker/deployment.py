@@ -43,11 +43,10 @@ from kv_transfer.transfer import (
     TransferFailure,
     select_transport,
 )
-from router.config import ServiceConfig
-from router.metrics import Metrics
-from router.protocol import params_from_dict
-from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
-from router.scheduling import routing_hint
+from serving.config import ServiceConfig
+from serving.metrics import Metrics
+from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from serving.costs import routing_hint
 
 logger = logging.getLogger("ray.serve")
 
@@ -262,7 +261,7 @@ class DecodeServer:
         rid = str(request["request_id"])
         ticket = request["ticket"]
         t0 = time.monotonic()
-        footprint = self.pool.pages_for(int(request["kv_len"]) + int(request["params"]["max_new_tokens"]))
+        footprint = self.pool.pages_for(int(request["kv_len"]) + request["params"].max_new_tokens)
         if not await self._admit(rid, footprint):
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
@@ -297,7 +296,7 @@ class DecodeServer:
             self.metrics.observe("kv_transfer_seconds", time.monotonic() - t0)
             yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
                    "num_pages": len(self.pool.pages(rid))}
-            params = params_from_dict(request["params"])
+            params = request["params"]
             outbox = self.loop.submit(rid, int(request["kv_len"]), int(request["first_token"]), params)
             submitted = True
             t_submit, first_step_s = time.monotonic(), None
@@ -383,19 +382,11 @@ class DecodeServer:
 
 
 def make_decode_deployment(config: ServiceConfig, **options: Any):
-    """The Serve deployment with this project's router and defaults; ``options`` override."""
-    from ray.serve.config import RequestRouterConfig
-
-    from router.scheduling import DecodeRequestRouter
-
+    """The Serve deployment with this replica's defaults; ``options`` override (the ingress
+    adds its request router: ``router.app.build_application``)."""
     defaults: dict[str, Any] = {
         "name": "DecodeServer",
         "max_ongoing_requests": config.max_running * 2,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=DecodeRequestRouter,
-            request_routing_stats_period_s=0.5,
-            request_routing_stats_timeout_s=5.0,
-        ),
         "graceful_shutdown_timeout_s": 120.0,
         "health_check_period_s": 5.0,
     }

@@ -1,5 +1,5 @@
 """RULER-style needle-in-a-haystack (NIAH, single needle) for a local Hugging Face model
-directory, dense vs FlashPrefill V2 side by side through ``model_executor.generate``.
+directory, dense vs FlashPrefill V2 side by side through ``router.offline``.
 
 Task (one sample per context length, needle depth and trial)
     A haystack of filler prose (generated here from fixed word lists by a seeded RNG: no
@@ -407,14 +407,14 @@ def run_niah(
 ) -> dict:
     """Run every sample through every mode; returns the JSON payload (without environment).
 
-    ``generate_fn`` defaults to ``model_executor.generate.generate`` (tests pass stubs with the
+    ``generate_fn`` defaults to ``router.offline.generate`` (tests pass stubs with the
     same signature). Samples of one length go through ``generate_fn`` in groups whose KV cache
     fits ``kv_budget_gb``; forwards hold at most ``max(batch_tokens, length)`` tokens.
     """
     from model_executor.sampling import SamplingParams
 
     if generate_fn is None:
-        from model_executor.generate import generate as generate_fn
+        from router.offline import generate as generate_fn
     if loaded.tokenizer is None:
         raise ValueError("model: the NIAH harness needs a tokenizer (the model directory has none)")
     if trials < 1:

@@ -7,7 +7,9 @@ The one place model execution lives; the prefill and decode workers both import 
 - ``sampling``: ``SamplingParams`` and the vectorized ``Sampler``.
 - ``loading``: local Hugging Face directories and the built-in models (tiny, structured).
 - ``tokenizer``: the byte-level tokenizer, the id tokenizer and the HF adapter.
-- ``generate.generate``: prefill + decode in one process (imports the worker engines).
+- ``structured_model``: the structured benchmark models (built-in ``builtin:structured-*``).
+- ``loading.make_pool``: a KV pool shaped for a loaded model.
+Prefill and decode in one process (the oracle) is ``router.offline.generate``, above the workers.
 This package never imports Ray.
 """
 

@@ -15,7 +15,7 @@ vocabulary 264 (256 bytes + specials, see ``ByteTokenizer``), RoPE theta 10000,
 numerics exercise every code path.
 
 The built-in structured models (``BUILTIN_STRUCTURED_8B``, ``BUILTIN_STRUCTURED_TINY``) are the
-benchmark models of ``evals.structured_model``: Llama-3.1-8B's shape (or its CPU-sized tiny
+benchmark models of ``model_executor.structured_model``: Llama-3.1-8B's shape (or its CPU-sized tiny
 spec) with weights constructed so that heads show sinks, locality and retrieval, so FlashPrefill
 selects about as much as on the real model. They are built on the replica's own device, from
 ``seed`` alone (the constructed weights from the spec's seed, the rest of transformers' init
@@ -116,8 +116,8 @@ def build_tiny_model(
 
 
 def structured_spec(name: str, seed: int = 0) -> Any:
-    """The ``evals.structured_model`` spec of a built-in structured model."""
-    from evals.structured_model import llama31_8b_spec, tiny_spec
+    """The ``model_executor.structured_model`` spec of a built-in structured model."""
+    from .structured_model import llama31_8b_spec, tiny_spec
 
     if name == BUILTIN_STRUCTURED_8B:
         return llama31_8b_spec(seed=seed)
@@ -135,7 +135,7 @@ def build_structured_model(
 ) -> LoadedModel:
     """A built-in structured benchmark model (see the module docstring), built on ``device``
     in ``dtype``; the same ``seed`` gives the same weights on every device of one kind."""
-    from evals.structured_model import build_structured_llama
+    from .structured_model import build_structured_llama
 
     spec = structured_spec(name, seed)
     device = torch.device(device)
@@ -336,3 +336,21 @@ def load_model(
     if str(source) in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
         return build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
     return load_model_dir(source, dtype=dtype, device=device)
+
+
+def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype=None, device=None):
+    """A KV pool shaped for ``loaded`` (dtype and device of the model by default)."""
+    from kv_transfer.pool import KVPool, KVPoolConfig
+
+    param = next(loaded.model.parameters())
+    return KVPool(
+        KVPoolConfig(
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            page_size=page_size,
+            dtype=dtype or param.dtype,
+            device=str(device or param.device),
+            num_pages=num_pages,
+        )
+    )

@@ -1,8 +1,9 @@
 """The prefill deployment: prefill-only replicas that ship their KV pages to decode replicas.
 
 One replica = one :class:`PrefillServer` = one model copy, one KV pool, one
-:class:`PrefillBatcher` (an asyncio loop that groups waiting prompts into forward batches by
-a token budget and runs ``PrefillEngine.prefill`` off the event loop).
+:class:`PrefillEngine` with the replica's one scheduler, and one :class:`PrefillLoop` (an
+asyncio task that runs the engine a forward at a time off the event loop, so an arrival joins
+at the next chunk boundary).
 
 ``prefill(request)`` is a *streaming* method and doubles as the page lease:
 1. it queues the prompt, and once prefilled (first token sampled) exports the pages through
@@ -25,7 +26,6 @@ stops: pages a decode replica is still fetching are never pulled away.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,75 +38,67 @@ from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
-from router.config import PREFILL_SCHEDULES, ServiceConfig
-from router.metrics import Metrics
-from router.protocol import RequestError, params_from_dict
-from router.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
-from router.scheduling import PrefillCostModel
+from serving.config import ServiceConfig
+from serving.metrics import Metrics
+from serving.errors import RequestError
+from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from serving.costs import PrefillCostModel
 
 logger = logging.getLogger("ray.serve")
 
 
 @dataclass
-class _Queued:
+class _Pending:
     request: PrefillRequest
-    cost: float
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
+    started_at: float | None = None  # its first forward began
 
 
-class PrefillBatcher:
-    """Groups waiting prompts into prefill batches bounded by ``max_batch_tokens`` and by the
-    pool's free pages; runs one batch at a time in a worker thread.
+class PrefillLoop:
+    """The replica's step loop: an asyncio task that runs the engine one forward at a time in
+    a worker thread, so that prompts arriving meanwhile join at the next forward (the engine's
+    scheduler decides which: ``prefill_worker/scheduler.py``), and hands each finished
+    prompt's result to the ``submit`` call waiting for it.
 
-    ``schedule``: the order in which waiting prompts enter batches. ``"fcfs"``: arrival order,
-    and a prompt waiting for free pages holds back the ones behind it (no overtaking, no
-    starvation). ``"shortest_first"``: least causal work first (the router's cost of each prompt;
-    ties in arrival order), which cuts the median TTFT of an overloaded replica at the expense
-    of its long prompts; a prompt that has waited ``max_wait_s`` or more goes ahead of every
-    younger one (arrival order among them), which bounds how long a long prompt can be passed over."""
+    ``max_queued_tokens``: a prompt that would take the waiting prompts' tokens past it is
+    refused with 429 (retry later). ``batch_wait_s``: how long an idle loop waits after a first
+    arrival for more to join its first forward, while they would not fill it."""
 
     def __init__(self, engine: PrefillEngine, *, max_batch_tokens: int, batch_wait_s: float,
-                 max_queued_tokens: int, retry_after_s: int, schedule: str = "fcfs",
-                 max_wait_s: float = 30.0, metrics: Metrics | None = None) -> None:
-        if schedule not in PREFILL_SCHEDULES:
-            raise ValueError(f"schedule: expected one of {PREFILL_SCHEDULES}, got {schedule!r}")
+                 max_queued_tokens: int, retry_after_s: int, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.pool = engine.pool
         self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
         self.max_queued_tokens = max_queued_tokens
         self.retry_after_s = retry_after_s
-        self.schedule = schedule
-        self.max_wait_s = max_wait_s
-        self._queue: collections.deque[_Queued] = collections.deque()
-        self._running: list[_Queued] = []
+        self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.batches = 0
+        self.batches = 0  # forwards run
         self.metrics = metrics if metrics is not None else Metrics()
 
     # -- accounting (routing stats) ----------------------------------------------------
     @property
     def queued_tokens(self) -> int:
-        return sum(len(q.request.prompt_token_ids) for q in self._queue)
+        return self.engine.waiting_tokens()
 
     @property
     def outstanding_cost(self) -> float:
-        return sum(q.cost for q in self._queue) + sum(q.cost for q in self._running)
+        return self.engine.outstanding_cost()
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue)
+        return self.engine.num_waiting()
 
     def pages_freed(self) -> None:
-        """Pages came back: a batch that waited for room may fit now."""
+        """Pages came back: a prompt that waited for room may fit now."""
         self._wake.set()
 
     # -- submission --------------------------------------------------------------------
-    async def submit(self, request: PrefillRequest, cost: float) -> tuple[PrefillResult, float, float]:
-        """Returns (result, seconds queued, seconds in the forward)."""
+    async def submit(self, request: PrefillRequest) -> tuple[PrefillResult, float, float]:
+        """Returns (result, seconds queued, seconds from its first forward to its first token)."""
         n = len(request.prompt_token_ids)
         need = self.pool.pages_for(n)
         if need > self.pool.num_pages:
@@ -114,97 +106,79 @@ class PrefillBatcher:
                 f"prompt: {n} tokens need {need} KV pages; a prefill replica holds {self.pool.num_pages} "
                 "(raise prefill_kv_pages or shorten the prompt)", param="prompt", status=400, code="prompt_too_long",
             )
-        if self._queue and self.queued_tokens + n > self.max_queued_tokens:
+        queued = self.queued_tokens
+        if queued and queued + n > self.max_queued_tokens:
             raise RequestError(
-                f"prefill replica overloaded: {self.queued_tokens} prompt tokens queued "
+                f"prefill replica overloaded: {queued} prompt tokens queued "
                 f"(limit {self.max_queued_tokens}); retry later",
                 status=429, code="overloaded", retry_after_s=self.retry_after_s,
             )
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        item = _Queued(request, cost, asyncio.get_running_loop().create_future())
-        self._queue.append(item)
+            self._task = loop.create_task(self._run())
+        rid = request.request_id
+        item = _Pending(request, loop.create_future())
+        self.engine.add_request(request)
+        self._pending[rid] = item
         self._wake.set()
         try:
             result = await asyncio.shield(item.future)
         except asyncio.CancelledError:
-            if item in self._queue:
-                self._queue.remove(item)
-            else:  # in the running batch: its pages are released when the batch completes
-                item.future.add_done_callback(self._release_orphan)
+            # still in the engine: dropped there (its pages go back now or after its forward);
+            # finished meanwhile: the loop releases the result's pages when it sees the future done
+            self.engine.abort_request(rid)
+            item.future.cancel()
             raise
+        finally:
+            self._pending.pop(rid, None)
         started = item.started_at or item.enqueued_at
         return result, started - item.enqueued_at, time.monotonic() - started
 
-    def _release_orphan(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self.pool.release(future.result().request_id)
-
-    def _in_order(self) -> list[_Queued]:
-        """The queue in the order of ``schedule``."""
-        if self.schedule == "fcfs":
-            return list(self._queue)
-        now = time.monotonic()
-        overdue = [q for q in self._queue if now - q.enqueued_at >= self.max_wait_s]
-        younger = [q for q in self._queue if now - q.enqueued_at < self.max_wait_s]
-        return overdue + sorted(younger, key=lambda q: q.cost)  # stable: ties stay in arrival order
-
-    def _next_batch(self) -> list[_Queued]:
-        budget, free = self.max_batch_tokens, self.pool.free_pages
-        batch: list[_Queued] = []
-        for item in self._in_order():
-            n = len(item.request.prompt_token_ids)
-            need = self.pool.pages_for(n)
-            if batch and n > budget:
-                break
-            if need > free:
-                break  # wait for released pages: nothing behind it overtakes (no starvation)
-            batch.append(item)
-            budget -= n
-            free -= need
-        for item in batch:
-            self._queue.remove(item)
-        return batch
-
     async def _run(self) -> None:
         while True:
-            await self._wake.wait()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                if self.batch_wait_s > 0 and self.queued_tokens < self.max_batch_tokens:
+                    await asyncio.sleep(self.batch_wait_s)  # let a first forward fill
+                continue
             self._wake.clear()
-            if self._queue and self.batch_wait_s > 0 and self.queued_tokens < self.max_batch_tokens:
-                await asyncio.sleep(self.batch_wait_s)  # let a batch form
-            while self._queue:
-                batch = self._next_batch()
-                if not batch:
-                    break  # no room in the pool: pages_freed() wakes us
-                now = time.monotonic()
-                for item in batch:
-                    item.started_at = now
-                self._running = batch
-                try:
-                    results = await asyncio.to_thread(self.engine.prefill, [b.request for b in batch])
-                except Exception as exc:  # the engine released the batch's pages
-                    logger.exception("prefill batch failed")
-                    for item in batch:
-                        if not item.future.done():
-                            item.future.set_exception(exc)
-                    continue
-                finally:
-                    self._running = []
-                    self.batches += 1
-                for item, result in zip(batch, results):
-                    if item.future.done():  # cancelled by the caller meanwhile
-                        self.pool.release(result.request_id)
-                    else:
-                        item.future.set_result(result)
-                self._record(batch, results, time.monotonic() - now)
+            t0 = time.monotonic()
+            try:
+                out = await asyncio.to_thread(self.engine.step)
+            except Exception:  # the engine fails a forward's prompts itself; this is a bug
+                logger.exception("prefill step failed")
+                await asyncio.sleep(0.1)
+                continue
+            if not out.chunks:  # no room for what waits: pages_freed() or a new arrival wakes us
+                await self._wake.wait()
+                continue
+            self.batches += 1
+            for c in out.chunks:
+                item = self._pending.get(c.request_id)
+                if item is not None and item.started_at is None:
+                    item.started_at = t0
+            for rid, exc in out.failed:
+                logger.error("prefill of %s failed: %r", rid, exc)
+                item = self._pending.get(rid)
+                if item is not None and not item.future.done():
+                    item.future.set_exception(exc)
+            for result in out.finished:
+                item = self._pending.get(result.request_id)
+                if item is None or item.future.done():  # its caller is gone
+                    self.pool.release(result.request_id)
+                    self._wake.set()
+                else:
+                    item.future.set_result(result)
+            self._record(out, time.monotonic() - t0)
 
-    def _record(self, batch: list, results: list, seconds: float) -> None:
+    def _record(self, out, seconds: float) -> None:
         m = self.metrics
-        prompt = sum(len(item.request.prompt_token_ids) for item in batch)
-        cached = sum(r.cached_tokens for r in results)
-        m.inc("prefill_tokens_total", prompt - cached)
-        m.inc("prefix_cache_queries_total", prompt)
-        m.inc("prefix_cache_hits_total", cached)
+        m.inc("prefill_tokens_total", out.num_tokens)
+        prompt = sum(r.kv_len for r in out.finished)
+        if prompt:
+            m.inc("prefix_cache_queries_total", prompt)
+            m.inc("prefix_cache_hits_total", sum(r.cached_tokens for r in out.finished))
         m.observe("prefill_batch_seconds", seconds)
         m.set("prefill_queued_requests", self.num_queued)
         m.set("prefill_queued_tokens", self.queued_tokens)
@@ -218,16 +192,17 @@ class PrefillServer:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
         self.pool = self.runtime.pool
-        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
-                                    chunk_size=self.config.prefill_chunk_size,
-                                    prefix_cache=self.config.prefix_caching)
         self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
                                            expected_density=self.config.expected_density)
-        self.batcher = PrefillBatcher(
+        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
+                                    chunk_size=self.config.prefill_chunk_size,
+                                    prefix_cache=self.config.prefix_caching,
+                                    policy=self.config.prefill_schedule, max_wait_s=self.config.prefill_max_wait_s,
+                                    cost=self.cost_model.cost)
+        self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.max_batch_tokens,
             batch_wait_s=self.config.batch_wait_ms / 1000.0,
             max_queued_tokens=self.config.max_queued_prefill_tokens, retry_after_s=self.config.retry_after_s,
-            schedule=self.config.prefill_schedule, max_wait_s=self.config.prefill_max_wait_s,
         )
         self.object_store = ObjectStoreTransport()
         self.transport = self._make_transport()
@@ -260,13 +235,12 @@ class PrefillServer:
         """Streaming: yields one ``prefilled`` event, then holds the pages until closed."""
         rid = str(request["request_id"])
         ids = [int(t) for t in request["prompt_token_ids"]]
-        params = params_from_dict(request["params"])
-        cost = self.cost_model.cost(len(ids))
+        params = request["params"]
         self.active += 1
         try:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
-            result, queue_s, prefill_s = await self.batcher.submit(PrefillRequest(rid, ids, params), cost)
+            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, ids, params))
         except BaseException:
             self.active -= 1
             self.completed += 1
@@ -306,7 +280,7 @@ class PrefillServer:
                 exporter.discard(ticket)  # a channel's export record; a send under way then fails
             if self.pool.has(rid):
                 self.engine.release(rid)
-                self.batcher.pages_freed()
+                self.loop.pages_freed()
             self.active -= 1
             self.completed += 1
 
@@ -337,20 +311,20 @@ class PrefillServer:
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:
         return {
-            "outstanding_cost": self.batcher.outstanding_cost,
-            "queued": self.batcher.num_queued,
-            "queued_tokens": self.batcher.queued_tokens,
+            "outstanding_cost": self.loop.outstanding_cost,
+            "queued": self.loop.num_queued,
+            "queued_tokens": self.loop.queued_tokens,
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
             "leased": len(self._leases),
             "active": self.active,
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
-            "batches": self.batcher.batches,
+            "batches": self.loop.batches,
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
             "attention_kernels": attention_kernel_calls(),  # which kernel "auto" ran, per layer call
-            "metrics": self.batcher.metrics.status(),
+            "metrics": self.loop.metrics.status(),
             **self.transport.counters(),
         }
 
@@ -362,7 +336,7 @@ class PrefillServer:
         return {**self.record_routing_stats(), **{f"pool_{k}": v for k, v in self.pool.stats().items()}}
 
     def check_health(self) -> None:
-        task = self.batcher._task
+        task = self.loop._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
 
@@ -374,19 +348,11 @@ class PrefillServer:
 
 
 def make_prefill_deployment(config: ServiceConfig, **options: Any):
-    """The Serve deployment with this project's router and defaults; ``options`` override."""
-    from ray.serve.config import RequestRouterConfig
-
-    from router.scheduling import PrefillRequestRouter
-
+    """The Serve deployment with this replica's defaults; ``options`` override (the ingress
+    adds its request router: ``router.app.build_application``)."""
     defaults: dict[str, Any] = {
         "name": "PrefillServer",
         "max_ongoing_requests": 256,  # includes page leases, which are cheap
-        "request_router_config": RequestRouterConfig(
-            request_router_class=PrefillRequestRouter,
-            request_routing_stats_period_s=0.5,
-            request_routing_stats_timeout_s=5.0,
-        ),
         "graceful_shutdown_timeout_s": max(30.0, config.lease_timeout_s / 2),
         "health_check_period_s": 5.0,
     }

@@ -1,13 +1,17 @@
-"""PrefillEngine: the prefill worker's model loop, without Ray.
+"""PrefillEngine: the prefill worker's model loop, without Ray, one forward at a time.
 
-Takes a batch of prompts, reserves their pages (all or nothing), runs the prompts through
-the ModelRunner in forward batches bounded by a token budget (optionally in chunks: a later
-chunk attends to the earlier ones through the pool), samples each request's first token and
-returns it with the request's page list and KV length. The pages stay owned by the pool
-until ``release(request_id)`` (after the KV transfer, or by the single-process generator).
+Prompts enter with :meth:`add_request` and wait; each :meth:`step` asks the replica's one
+:class:`~prefill_worker.scheduler.PrefillScheduler` for the next forward (admission, token
+budget, chunking, order: its module doc), runs it through the ModelRunner (a later chunk
+attends to the earlier ones through the pool), samples the first token of every prompt it
+finished and returns those prompts' results with their page lists and KV lengths. The pages
+stay owned by the pool until ``release(request_id)`` (after the KV transfer, or by the
+single-process generator). :meth:`prefill` is the whole-batch convenience: reserve every
+prompt's pages (all or nothing), then step until all are done.
 
-Request life: WAITING (pages reserved) -> PREFILLING (some chunks done) -> DONE (first token
-sampled), or FAILED (error; pages released).
+Request life: WAITING (queued, no pages) -> PREFILLING (pages reserved; zero or more chunks
+done) -> DONE (first token sampled), or FAILED (its forward raised; pages released), or
+ABORTED (:meth:`abort_request`; pages released at once, or after the forward it is in).
 
 Prefix cache (``prefix_cache=True``): a prompt whose leading full pages match a prompt prefilled
 before (``KVPool.prefix_digests``: same tokens from the first one) takes those pages from the
@@ -26,12 +30,16 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import Sampler, SamplingParams
+
+from .scheduler import PrefillScheduler, PromptState
 
 
 def prefix_reuse_granule(page_size: int, *, sparse: bool) -> int:
@@ -45,6 +53,7 @@ class PrefillState(enum.Enum):
     PREFILLING = "prefilling"
     DONE = "done"
     FAILED = "failed"
+    ABORTED = "aborted"
 
 
 @dataclass(frozen=True)
@@ -66,31 +75,43 @@ class PrefillResult:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """What one forward computed for one prompt: tokens ``[start, start + num_tokens)``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+
 @dataclass
-class _Prefilling:
-    request: PrefillRequest
-    state: PrefillState = PrefillState.WAITING
-    done_tokens: int = 0
-    first_token: int | None = None
-    cached_tokens: int = 0
-    digests: list[bytes] = field(default_factory=list)  # prefix cache: the prompt's full pages
+class StepOutput:
+    """One forward: its chunks in batch order, the prompts it finished, and the prompts that
+    failed with it (``(request_id, error)``: their pages are released)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished: list[PrefillResult] = field(default_factory=list)
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def remaining(self) -> int:
-        return self.prompt_len - self.done_tokens
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
 
 
 class PrefillEngine:
-    """Batches prompts by ``max_batch_tokens`` new tokens per forward.
+    """Runs the prefill scheduler's forwards (see the module doc).
 
-    chunk_size: prefill every prompt in chunks of at most this many tokens (``None``: whole
-    prompts, except that a prompt longer than ``max_batch_tokens`` is split at the budget).
-    prefix_cache: reuse the pool's cached prefix pages and cache finished prompts' pages (see
-    the module doc).
+    max_batch_tokens: new tokens per forward, at most. chunk_size: prefill every prompt in
+    chunks of at most this many tokens (``None``: whole prompts, except that a prompt longer
+    than ``max_batch_tokens`` is split at the budget). policy / max_wait_s: the scheduler's
+    (``fcfs`` or ``shortest_first`` with its aging bound). cost: ``(prompt_len, done_tokens)
+    -> remaining causal work`` for ``shortest_first`` (the replica passes its routing cost
+    model's). prefix_cache: reuse the pool's cached prefix pages and cache finished prompts'
+    pages (see the module doc). clock: the scheduler's time (``time.monotonic``).
+
+    Thread safety: :meth:`add_request`, :meth:`abort_request` and the accounting may be called
+    from another thread while :meth:`step` runs (one lock guards the scheduler; the forward
+    runs outside it).
     """
 
     def __init__(
@@ -101,15 +122,15 @@ class PrefillEngine:
         chunk_size: int | None = None,
         sampler: Sampler | None = None,
         prefix_cache: bool = False,
+        policy: str = "fcfs",
+        max_wait_s: float = 30.0,
+        cost=None,
+        clock=time.monotonic,
     ) -> None:
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens: expected an int >= 1, got {max_batch_tokens!r}")
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
+        self.scheduler = PrefillScheduler(max_batch_tokens=max_batch_tokens, chunk_size=chunk_size, policy=policy,
+                                          max_wait_s=max_wait_s, cost=cost, admit=self._admit)
         self.prefix_cache = prefix_cache
         self.reuse_granule = prefix_reuse_granule(runner.page_size, sparse=runner.sparse_config.alpha > 0)
         self.runner = runner
@@ -117,117 +138,202 @@ class PrefillEngine:
         self.max_batch_tokens = max_batch_tokens
         self.chunk_size = chunk_size
         self.sampler = sampler or Sampler()
+        self.clock = clock
+        self._lock = threading.Lock()
         self.forward_batches = 0  # forward passes run (for tests and stats)
 
-    def _validate(self, requests: Sequence[PrefillRequest]) -> None:
+    # -- admission ---------------------------------------------------------------------
+    def _validate(self, requests: Sequence[PrefillRequest], name: str = "requests") -> None:
         seen: set[str] = set()
         for i, r in enumerate(requests):
+            at = f"{name}[{i}]" if name == "requests" else name
             if not isinstance(r, PrefillRequest):
-                raise ValueError(f"requests[{i}]: expected a PrefillRequest, got {type(r).__name__}")
+                raise ValueError(f"{at}: expected a PrefillRequest, got {type(r).__name__}")
             if not isinstance(r.params, SamplingParams):
-                raise ValueError(f"requests[{i}].params: expected SamplingParams, got {type(r.params).__name__}")
+                raise ValueError(f"{at}.params: expected SamplingParams, got {type(r.params).__name__}")
             if len(r.prompt_token_ids) == 0:
-                raise ValueError(f"requests[{i}].prompt_token_ids: expected a non-empty prompt")
-            if r.request_id in seen or self.pool.has(r.request_id):
-                raise ValueError(f"requests[{i}].request_id: {r.request_id!r} is already in use")
+                raise ValueError(f"{at}.prompt_token_ids: expected a non-empty prompt")
+            with self._lock:
+                scheduled = self.scheduler.get(r.request_id) is not None
+            if r.request_id in seen or scheduled or self.pool.has(r.request_id):
+                raise ValueError(f"{at}.request_id: {r.request_id!r} is already in use")
             seen.add(r.request_id)
 
-    def _reserve_all(self, live: Sequence[_Prefilling]) -> None:
-        """All or nothing: on PoolExhausted, the pages reserved here are given back. With the
-        prefix cache, each request starts past its cached prefix."""
-        reserved: list[str] = []
-        try:
-            for s in live:
-                rid, n = s.request.request_id, s.prompt_len
-                if self.prefix_cache:
-                    s.digests = self.pool.prefix_digests(s.request.prompt_token_ids)
-                    # the last prompt token is always computed: its logits give the first token
-                    reusable = (n - 1) // self.reuse_granule * self.reuse_granule
-                    usable = s.digests[: reusable // self.pool.page_size]
-                    s.cached_tokens = s.done_tokens = self.pool.reserve_with_prefix(rid, usable, n)
-                else:
-                    self.runner.ensure_capacity(rid, n)
-                reserved.append(rid)
-        except BaseException:
-            for rid in reserved:
-                self.pool.release(rid)
-            if self.pool.has(live[len(reserved)].request.request_id):
-                self.pool.release(live[len(reserved)].request.request_id)
-            raise
+    def _reserve(self, request: PrefillRequest) -> tuple[int, list[bytes]]:
+        """Reserve a prompt's pages (raises PoolExhausted, reserving nothing); returns the
+        tokens the prefix cache gave and the prompt's full-page digests."""
+        rid, n = request.request_id, len(request.prompt_token_ids)
+        if not self.prefix_cache:
+            self.runner.ensure_capacity(rid, n)
+            return 0, []
+        digests = self.pool.prefix_digests(request.prompt_token_ids)
+        # the last prompt token is always computed: its logits give the first token
+        reusable = (n - 1) // self.reuse_granule * self.reuse_granule
+        cached = self.pool.reserve_with_prefix(rid, digests[: reusable // self.pool.page_size], n)
+        return cached, digests
 
-    def _next_batch(self, live: list[_Prefilling]) -> list[tuple[_Prefilling, int]]:
-        budget = self.max_batch_tokens
-        batch: list[tuple[_Prefilling, int]] = []
-        for s in live:
-            if s.remaining == 0:
-                continue
-            take = min(s.remaining, self.chunk_size or s.remaining)
-            if take > budget:
-                if batch and self.chunk_size is None:
-                    break  # whole prompts: wait for the next forward
-                take = budget
-            if take == 0:
-                break
-            batch.append((s, take))
-            budget -= take
-        return batch
+    def _admit(self, seq: PromptState) -> bool:
+        from kv_transfer.pool import PoolExhausted
+
+        try:
+            cached, digests = self._reserve(seq.payload)
+        except PoolExhausted:
+            return False
+        seq.done_tokens = seq.cached_tokens = cached
+        seq.extra["digests"] = digests
+        return True
+
+    def add_request(self, request: PrefillRequest) -> None:
+        """Queue a prompt (WAITING: its pages are reserved when the scheduler first picks it)."""
+        self._validate([request], "request")
+        with self._lock:
+            self.scheduler.add(request.request_id, len(request.prompt_token_ids), self.clock(), request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished prompt: its pages go back now, or after the forward it is in.
+        Returns False if the engine does not hold it (finished, failed or unknown)."""
+        with self._lock:
+            seq = self.scheduler.get(request_id)
+            if seq is None or seq.aborted:
+                return False
+            seq.aborted = True
+            if seq.in_flight:
+                return True  # step() releases it after the forward
+            self.scheduler.remove(request_id)
+        if seq.admitted and self.pool.has(request_id):
+            self.pool.release(request_id)
+        return True
+
+    # -- accounting --------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return any(not s.aborted for s in self.scheduler)
+
+    def state(self, request_id: str) -> PrefillState | None:
+        """WAITING or PREFILLING while the engine holds the prompt; None once it is out."""
+        with self._lock:
+            seq = self.scheduler.get(request_id)
+            if seq is None:
+                return None
+            return PrefillState.ABORTED if seq.aborted else (
+                PrefillState.PREFILLING if seq.admitted else PrefillState.WAITING)
+
+    def waiting_tokens(self) -> int:
+        with self._lock:
+            return sum(s.prompt_len for s in self.scheduler.waiting if not s.aborted)
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return sum(1 for s in self.scheduler.waiting if not s.aborted)
+
+    def num_running(self) -> int:
+        with self._lock:
+            return sum(1 for s in self.scheduler.running if not s.aborted)
+
+    def outstanding_cost(self) -> float:
+        """Remaining causal work of every unfinished prompt (the scheduler's cost)."""
+        with self._lock:
+            return sum(self.scheduler.remaining_cost(s) for s in self.scheduler if not s.aborted)
+
+    # -- the forward -------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """Run one forward of the scheduler's choosing (an empty output: nothing can run now,
+        e.g. the pool has no room for the waiting prompts and none is running)."""
+        with self._lock:
+            chunks = self.scheduler.schedule(self.clock())
+        out = StepOutput([ScheduledChunk(c.request_id, c.start, c.num_tokens) for c in chunks])
+        if not chunks:
+            return out
+        try:
+            items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
+                                 c.start) for c in chunks]
+            logits = self.runner.prefill(items)
+            self.forward_batches += 1
+            rows = [i for i, c in enumerate(chunks) if c.last and not c.seq.aborted]
+            tokens = []
+            if rows:
+                tokens = self.sampler(logits[rows], [chunks[i].seq.payload.params for i in rows],
+                                      [0] * len(rows)).tolist()
+        except BaseException as exc:
+            with self._lock:
+                failed = self.scheduler.fail(chunks)
+            for seq in failed:
+                if self.pool.has(seq.request_id):
+                    self.pool.release(seq.request_id)
+                if not seq.aborted:
+                    out.failed.append((seq.request_id, exc))
+            if not isinstance(exc, Exception):
+                raise
+            return out
+        with self._lock:
+            finished, aborted = self.scheduler.commit(chunks)
+        first = {chunks[i].request_id: int(t) for i, t in zip(rows, tokens)}
+        for seq in aborted:
+            if self.pool.has(seq.request_id):
+                self.pool.release(seq.request_id)
+        for seq in finished:
+            rid = seq.request_id
+            if seq.extra.get("digests"):  # its full pages serve the prompts that start like it
+                self.pool.cache_prefix(rid, seq.extra["digests"])
+            out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
+                                              kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens))
+        return out
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:
-        """Prefill every request; results in the order given."""
+        """Prefill every request now, all or nothing: their pages are reserved together
+        (PoolExhausted reserves nothing), then forwards run until all are done (prompts
+        already queued with :meth:`add_request` share those forwards). Results in the order
+        given; an error in a forward releases every request's pages and is raised."""
         requests = list(requests)
         self._validate(requests)
         if not requests:
             return []
-        live = [_Prefilling(r) for r in requests]
-        self._reserve_all(live)
+        reserved: list[tuple[PrefillRequest, int, list[bytes]]] = []
         try:
-            while any(s.remaining for s in live):
-                batch = self._next_batch(live)
-                items = [
-                    PrefillItem(
-                        s.request.request_id,
-                        s.request.prompt_token_ids[s.done_tokens : s.done_tokens + take],
-                        s.done_tokens,
-                    )
-                    for s, take in batch
-                ]
-                logits = self.runner.prefill(items)
-                self.forward_batches += 1
-                finishing = []
-                for row, (s, take) in enumerate(batch):
-                    s.done_tokens += take
-                    s.state = PrefillState.PREFILLING
-                    if s.remaining == 0:
-                        finishing.append((row, s))
-                if finishing:
-                    rows = [row for row, _ in finishing]
-                    tokens = self.sampler(
-                        logits[rows], [s.request.params for _, s in finishing], [0] * len(rows)
-                    ).tolist()
-                    for (_, s), tok in zip(finishing, tokens):
-                        s.first_token = int(tok)
-                        s.state = PrefillState.DONE
-                        if s.digests:  # its full pages serve the prompts that start like it
-                            self.pool.cache_prefix(s.request.request_id, s.digests)
+            for r in requests:
+                cached, digests = self._reserve(r)
+                reserved.append((r, cached, digests))
         except BaseException:
-            for s in live:
-                s.state = PrefillState.FAILED
-                if self.pool.has(s.request.request_id):
-                    self.pool.release(s.request.request_id)
+            for r, _, _ in reserved:
+                self.pool.release(r.request_id)
+            if self.pool.has(requests[len(reserved)].request_id):
+                self.pool.release(requests[len(reserved)].request_id)
             raise
-        return [
-            PrefillResult(
-                request_id=s.request.request_id,
-                first_token=s.first_token,
-                pages=tuple(self.pool.pages(s.request.request_id)),
-                kv_len=s.prompt_len,
-                cached_tokens=s.cached_tokens,
-            )
-            for s in live
-        ]
+        with self._lock:
+            now = self.clock()
+            for r, cached, digests in reserved:
+                seq = self.scheduler.add(r.request_id, len(r.prompt_token_ids), now, r, admitted=True,
+                                         done_tokens=cached, cached_tokens=cached)
+                seq.extra["digests"] = digests
+        ids = {r.request_id for r in requests}
+        results: dict[str, PrefillResult] = {}
+        try:
+            while len(results) < len(ids):
+                out = self.step()
+                for rid, exc in out.failed:
+                    if rid in ids:
+                        raise exc
+                for res in out.finished:
+                    if res.request_id in ids:
+                        results[res.request_id] = res
+                if not out.chunks:  # pragma: no cover - reserved prompts always run
+                    raise RuntimeError("prefill: the scheduler ran nothing for reserved prompts")
+        except BaseException:
+            for rid in ids:
+                self.abort_request(rid)
+                if rid in results and self.pool.has(rid):
+                    self.pool.release(rid)
+            raise
+        return [results[r.request_id] for r in requests]
 
     def release(self, request_id: str) -> int:
         """Give a finished request's pages back to the pool; returns the page count."""
         if not self.pool.has(request_id):
             raise ValueError(f"request_id: {request_id!r} holds no pages")
         return self.pool.release(request_id)
+
+
+__all__ = [
+    "PrefillEngine", "PrefillRequest", "PrefillResult", "PrefillState", "ScheduledChunk", "StepOutput",
+    "prefix_reuse_granule",
+]

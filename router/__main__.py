@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray")
     s.add_argument("--debug-routing", action="store_true", help="add replica ids to responses")
     s.add_argument("--config", default=None, metavar="PATH",
-                   help="JSON or YAML file of service options (router/config.py ServiceConfig; the flags override it)")
+                   help="JSON or YAML file of service options (serving/config.py ServiceConfig; the flags override it)")
     s.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="any ServiceConfig option, VALUE as JSON or a string, e.g. --option prefill_chunk_tokens=8192 "
                         "(repeatable; overrides --config and the flags)")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from .config import ServiceConfig
+        from serving.config import ServiceConfig
 
         try:  # bad options fail here, before Ray starts
             args.service_config = ServiceConfig.from_dict(service_options(args))

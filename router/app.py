@@ -6,7 +6,7 @@
                                   +-------(DecodeRequestRouter)--> DecodeServer x M
 
 ``build_app(args)`` is the ``import_path`` target of ``serve_config.yaml`` (``args`` are
-:class:`~router.config.ServiceConfig` options); :func:`build_application` is the Python API
+:class:`~serving.config.ServiceConfig` options); :func:`build_application` is the Python API
 with per-deployment options (the launcher and the tests use it).
 
 No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations at
@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import ServiceConfig
+from serving.config import ServiceConfig
 from .pipeline import Delta, DisaggregatedPipeline
 from .protocol import (
     GenerationRequest,
@@ -37,7 +37,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
-from .runtime import load_tokenizer
+from serving.runtime import load_tokenizer
 from .security import BearerAuth, grpc_authorization
 
 logger = logging.getLogger("ray.serve")
@@ -355,15 +355,22 @@ def build_application(
 ):
     """The bound application. ``prefill``/``decode``/``ingress``: Serve deployment options
     (``num_replicas``, ``autoscaling_config``, ``ray_actor_options``, ...) over the defaults."""
-    from ray.serve.config import BackpressureConfig
+    from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from decode_worker.deployment import make_decode_deployment
     from prefill_worker.deployment import make_prefill_deployment
 
+    from .scheduling import DecodeRequestRouter, PrefillRequestRouter
+
+    def routed_by(router_class: type) -> dict:
+        return {"request_router_config": RequestRouterConfig(
+            request_router_class=router_class, request_routing_stats_period_s=0.5,
+            request_routing_stats_timeout_s=5.0)}
+
     config = ServiceConfig.from_dict(config)
     worker_defaults = _default_worker_options(config)
-    prefill_opts = {**worker_defaults, **(prefill or {})}
-    decode_opts = {**worker_defaults, **(decode or {})}
+    prefill_opts = {**worker_defaults, **routed_by(PrefillRequestRouter), **(prefill or {})}
+    decode_opts = {**worker_defaults, **routed_by(DecodeRequestRouter), **(decode or {})}
     raw = config.to_dict()
     worker_raw = config.worker_dict()  # the auth token stays with the ingress
     prefill_dep = make_prefill_deployment(config, **prefill_opts)

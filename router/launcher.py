@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ServiceConfig
+from serving.config import ServiceConfig
 
 APP_NAME = "flashprefill"
 GRPC_MAX_MESSAGE_BYTES = 4 << 20

@@ -29,18 +29,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from model_executor.sampling import SamplingParams
 from prefill_worker.engine import prefix_reuse_granule
 
-from .config import ServiceConfig
+from serving.config import ServiceConfig
 from .detokenize import TextStream
-from .metrics import Metrics
-from .protocol import GenerationRequest, RequestError, params_to_dict
-from .scheduling import PrefillCostModel, prefix_hint, routing_hint
+from serving.metrics import Metrics
+from serving.errors import RequestError
+
+from .protocol import GenerationRequest
+from serving.costs import PrefillCostModel, prefix_hint, routing_hint
 from .state import RequestLifecycle, RequestPhase
 
 logger = logging.getLogger("ray.serve")
@@ -112,7 +116,7 @@ class DisaggregatedPipeline:
     async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         life = RequestLifecycle(req.request_id)
         text = TextStream(self.tokenizer, req.stop)
-        params = params_to_dict(req.sampling_params())
+        params = req.sampling_params()
         nonce = uuid.uuid4().hex[:8]
         generated: list[int] = []  # every token the client has been sent, in order
         attempt: _Attempt | None = None
@@ -126,7 +130,7 @@ class DisaggregatedPipeline:
                 # continues from generated[-1]: nothing is sent twice, nothing is skipped.
                 context = list(req.prompt_token_ids) + generated[:-1]
                 left = req.max_tokens - max(len(generated) - 1, 0)
-                step_params = {**params, "max_new_tokens": left}
+                step_params = dataclasses.replace(params, max_new_tokens=left)
                 cost = self.cost_model.cost(len(context))
                 for n in range(self.config.transfer_retries + 1):
                     attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
@@ -241,7 +245,7 @@ class DisaggregatedPipeline:
 
     def _record(self, req: GenerationRequest, life: RequestLifecycle, outcome: str, output_tokens: int,
                 resumes: int) -> None:
-        """The request's metrics (``router/metrics.py``); never raises."""
+        """The request's metrics (``serving/metrics.py``); never raises."""
         try:
             end = life.finished_at if life.finished_at is not None else time.monotonic()
             tpot = None
@@ -266,7 +270,7 @@ class DisaggregatedPipeline:
         return RequestError(f"KV transfer failed: {event.get('message')}", status=502, code="kv_transfer_failed")
 
     # -- steps -------------------------------------------------------------------------
-    async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: dict,
+    async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
                              cost: float, *, skip_transfer: bool, transport: str | None = None) -> dict:
         payload = {
             "request_id": attempt.worker_request_id,
@@ -288,7 +292,7 @@ class DisaggregatedPipeline:
         attempt.routing["prefill_replica"] = event["replica_id"]
         return event
 
-    async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: dict,
+    async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: SamplingParams,
                             first_token: int, prefilled: dict) -> dict:
         payload = {
             "request_id": attempt.worker_request_id,

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_executor.sampling import SamplingParams
+from serving.errors import RequestError
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256
 MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0
-MAX_ERROR_MESSAGE = 512
 
 # Parameters we accept only at their "off" value (OpenAI clients send some of them by default).
 _NEUTRAL = {
@@ -45,55 +45,6 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stre
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL)
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-class RequestError(Exception):
-    """A request the service refuses; rendered as an OpenAI error object.
-
-    status: HTTP status (400 bad input, 404 unknown model, 429 overloaded, 500/502/503).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        error_type: str | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        if len(message) > MAX_ERROR_MESSAGE:  # messages quote bad values: keep them short
-            message = message[: MAX_ERROR_MESSAGE - 3] + "..."
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-        self.retry_after_s = retry_after_s
-        self.error_type = error_type or _type_for(status)
-
-    def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
-
-    def __reduce__(self):
-        return (_rebuild_request_error, (self.message, self.param, self.status, self.code, self.error_type, self.retry_after_s))
-
-
-def _rebuild_request_error(message, param, status, code, error_type, retry_after_s):
-    return RequestError(message, param=param, status=status, code=code, error_type=error_type, retry_after_s=retry_after_s)
-
-
-def _type_for(status: int) -> str:
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status == 401:
-        return "authentication_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def bad(param: str, message: str) -> RequestError:
@@ -326,21 +277,6 @@ class RequestParser:
             include_usage=include_usage,
             return_token_ids=_bool(body, "return_token_ids", False),
         )
-
-
-def params_to_dict(params: SamplingParams) -> dict:
-    """SamplingParams as plain data (what travels to the worker replicas)."""
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
-            "seed": params.seed}
-
-
-def params_from_dict(raw: dict) -> SamplingParams:
-    return SamplingParams(
-        temperature=float(raw["temperature"]), top_k=int(raw["top_k"]), top_p=float(raw["top_p"]),
-        max_new_tokens=int(raw["max_new_tokens"]), stop_token_ids=tuple(int(t) for t in raw["stop_token_ids"]),
-        seed=None if raw.get("seed") is None else int(raw["seed"]),
-    )
 
 
 # ----------------------------------------------------------------------------- responses

@@ -39,7 +39,6 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 try:  # the cost model is usable without Ray (tests, benchmarks)
@@ -48,71 +47,9 @@ except ImportError:  # pragma: no cover - Ray absent
     PendingRequest = RunningReplica = Any  # type: ignore[misc,assignment]
     RequestRouter = object  # type: ignore[misc,assignment]
 
+from serving.costs import PIN_GRACE_S, PREFIX_INDEX_ENTRIES, PREFIX_STRIDE, ROUTING_KWARG, PrefillCostModel, prefix_hint, routing_hint  # noqa: F401
+
 logger = logging.getLogger("ray.serve")
-
-ROUTING_KWARG = "routing"  # keyword argument every routed call carries: a RoutingHint dict
-PREFIX_STRIDE = 8  # pages between two prefix digests in a routing hint (512 tokens at page 64)
-PREFIX_INDEX_ENTRIES = 200_000  # digests a prefill router remembers (LRU)
-
-
-@dataclass(frozen=True)
-class PrefillCostModel:
-    token_weight: float = 256.0
-    dense_below: int = 1024
-    expected_density: float = 0.3
-
-    def __post_init__(self) -> None:
-        if self.token_weight < 0 or not 0.0 <= self.expected_density <= 1.0 or self.dense_below < 0:
-            raise ValueError(
-                "PrefillCostModel: expected token_weight >= 0, expected_density in [0, 1], dense_below >= 0; "
-                f"got {self.token_weight}, {self.expected_density}, {self.dense_below}"
-            )
-
-    def density(self, prompt_len: int) -> float:
-        return 1.0 if prompt_len < self.dense_below else self.expected_density
-
-    def cost(self, prompt_len: int, cached_prefix: int = 0) -> float:
-        if prompt_len < 0 or not 0 <= cached_prefix <= prompt_len:
-            raise ValueError(f"cached_prefix: expected 0 <= cached_prefix <= prompt_len ({prompt_len}), got {cached_prefix}")
-        new = prompt_len - cached_prefix
-        pairs = new * (cached_prefix + prompt_len + 1) / 2.0
-        return self.token_weight * new + pairs * self.density(prompt_len)
-
-
-# How long a call pinned to a replica this router does not (yet) list waits for it, before any
-# replica may take the call (to refuse it at once: see PrefillRequestRouter).
-PIN_GRACE_S = 2.0
-
-
-def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = None,
-                 prefix: Sequence[tuple[str, float]] | None = None) -> dict:
-    """What the ingress tells the routers about a call (a plain dict: it travels to the replica
-    as a keyword argument, which ignores it). ``replica``: pin the call to that replica id.
-    ``prefix``: ``(digest, cost if cached up to there)`` pairs, shortest prefix first
-    (:func:`prefix_hint`)."""
-    hint: dict[str, Any] = {"cost": float(cost), "pages": int(pages)}
-    if replica is not None:
-        hint["replica"] = str(replica)
-    if prefix:
-        hint["prefix"] = [[str(d), float(c)] for d, c in prefix]
-    return hint
-
-
-def prefix_hint(token_ids: Sequence[int], page_size: int, cost_model: "PrefillCostModel",
-                stride: int = PREFIX_STRIDE, granule: int | None = None) -> list[tuple[str, float]]:
-    """The prefix part of a prefill call's routing hint: the digests (``kv_transfer.prefix``, 8
-    bytes in hex) of full pages 1..``stride``, then of every ``stride``-th page, each with the
-    prompt's cost when the prefix up to there is cached: what the prefill engine would reuse,
-    whole ``granule``s (default: pages; ``PrefillEngine.reuse_granule``) of all but the last
-    token, which it always computes."""
-    from kv_transfer.prefix import prefix_digests
-
-    n = len(token_ids)
-    g = granule or page_size
-    digests = prefix_digests(token_ids, page_size)
-    pages = [i for i in range(1, len(digests) + 1) if i <= stride or i % stride == 0]
-    return [(digests[i - 1][:8].hex(), cost_model.cost(n, min(i * page_size, n - 1) // g * g)) for i in pages]
-
 
 class _PrefixIndex:
     """Which replicas this router sent each prefix digest to (LRU over digests)."""

@@ -117,6 +117,6 @@ class FakeMetricsBackend:
         self.Counter = self.Gauge = self.Histogram = factory
 
     def calls(self, name):
-        from router.metrics import PREFIX
+        from serving.metrics import PREFIX
 
         return self.made[PREFIX + name].calls

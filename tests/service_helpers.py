@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import ray
 
-from router.config import ServiceConfig
+from serving.config import ServiceConfig
 from router.launcher import replica_stats  # noqa: F401 - re-exported for the tests
 
 
@@ -85,7 +85,7 @@ def _oracle_model():
 def oracle_tokens(config: ServiceConfig, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens from the single-process engines, one prompt at a time (as the service
     runs them when requests arrive one by one)."""
-    from model_executor.generate import generate
+    from router.offline import generate
     from model_executor.sampling import SamplingParams
     from model_executor.tokenizer import ByteTokenizer
 

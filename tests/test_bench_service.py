@@ -101,7 +101,7 @@ def test_configurations_that_cannot_run_are_recorded_without_a_deploy():
 
 
 def _service_config_knows(name: str) -> bool:
-    from router.config import ServiceConfig
+    from serving.config import ServiceConfig
 
     return name in {f.name for f in dataclasses.fields(ServiceConfig)}
 

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"

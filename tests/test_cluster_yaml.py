@@ -29,7 +29,7 @@ def test_cluster_yaml_validates_against_ray_schema():
     assert types["prefill_gpu_worker"]["resources"]["prefill_gpu"] == types["prefill_gpu_worker"]["resources"]["GPU"]
     assert types["decode_gpu_worker"]["resources"]["decode_gpu"] == types["decode_gpu_worker"]["resources"]["GPU"]
     assert not {"GPU", "prefill_gpu", "decode_gpu"} & set(types[config["head_node_type"]]["resources"])
-    # every node exports Prometheus metrics (router/metrics.py) on one known port
+    # every node exports Prometheus metrics (serving/metrics.py) on one known port
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = [c for c in config[key] if "ray start" in c]
         assert starts and all("--metrics-export-port=8080" in c for c in starts)
@@ -62,6 +62,6 @@ def test_serve_config_schema_and_pinning():
     assert "prefill_gpu" in cluster["prefill_gpu_worker"]["resources"]
     assert "decode_gpu" in cluster["decode_gpu_worker"]["resources"]
     # the builder accepts the args (ServiceConfig options) of the file
-    from router.config import ServiceConfig
+    from serving.config import ServiceConfig
 
     ServiceConfig.from_dict(app.get("args", {}))

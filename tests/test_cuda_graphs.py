@@ -10,7 +10,7 @@ import torch
 from kernels.config import SparseConfig
 from model_executor import ModelRunner, PrefillItem, build_tiny_model
 from model_executor.cuda_graphs import DecodeGraphs, check_batch_sizes, graph_batch_sizes
-from model_executor.generate import make_pool
+from model_executor.loading import make_pool
 
 DENSE = SparseConfig(alpha=0.0)
 PAGE = 16

@@ -9,7 +9,7 @@ from decode_worker.engine import DecodeEngine, FinishReason, RequestState, StepO
 from kernels.config import SparseConfig
 from kv_transfer.pool import PoolExhausted
 from model_executor import ModelRunner, SamplingParams, build_tiny_model
-from model_executor.generate import generate, make_pool
+from router.offline import generate, make_pool
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)

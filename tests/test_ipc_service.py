@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""router/metrics.py: what each recording call creates and records (a fake of Ray's metric
+"""serving/metrics.py: what each recording call creates and records (a fake of Ray's metric
 classes stands in for ray.serve.metrics), the no-op without Ray, and that a broken metric never
 fails the caller. The pipeline's records are checked in test_reliability_units.py."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from router import metrics as metrics_mod
-from router.metrics import PREFIX, SPECS, Metrics
+from serving import metrics as metrics_mod
+from serving.metrics import PREFIX, SPECS, Metrics
 from tests.helpers import FakeMetricsBackend as FakeBackend
 
 
@@ -80,7 +80,7 @@ def test_every_name_the_service_records_is_specified():
 
     root = Path(__file__).resolve().parents[1]
     used = set()
-    for path in ("router/metrics.py", "router/pipeline.py", "prefill_worker/deployment.py",
+    for path in ("serving/metrics.py", "router/pipeline.py", "prefill_worker/deployment.py",
                  "decode_worker/deployment.py"):
         used |= set(re.findall(r'\.(?:inc|set|observe)\(\s*"([a-z_]+)"', (root / path).read_text()))
     assert used and used <= set(SPECS), sorted(used - set(SPECS))
@@ -94,7 +94,7 @@ def test_decode_loop_counts_graph_and_eager_steps_and_sets_gauges():
     from decode_worker.engine import DecodeEngine
     from kernels.config import SparseConfig
     from model_executor import ModelRunner, PrefillItem, SamplingParams, build_tiny_model
-    from model_executor.generate import make_pool
+    from model_executor.loading import make_pool
 
     loaded = build_tiny_model(seed=0)
     runner = ModelRunner(loaded.model, make_pool(loaded, num_pages=16, page_size=16), SparseConfig(alpha=0.0),
@@ -126,21 +126,25 @@ def test_decode_loop_counts_graph_and_eager_steps_and_sets_gauges():
                                                   {"role": "decode"})
 
 
-def test_prefill_batcher_records_a_batch():
+def test_prefill_loop_records_a_step():
     from types import SimpleNamespace
 
-    from prefill_worker.deployment import PrefillBatcher
+    from prefill_worker.deployment import PrefillLoop
+    from prefill_worker.engine import PrefillResult, ScheduledChunk, StepOutput
 
     pool = SimpleNamespace(num_pages=50, free_pages=45)
+    engine = SimpleNamespace(pool=pool, waiting_tokens=lambda: 300, num_waiting=lambda: 2)
     backend = FakeBackend()
-    batcher = PrefillBatcher(SimpleNamespace(pool=pool), max_batch_tokens=4096, batch_wait_s=0.0,
-                             max_queued_tokens=1 << 20, retry_after_s=1, metrics=Metrics(backend))
-    batch = [SimpleNamespace(request=SimpleNamespace(prompt_token_ids=[1] * n)) for n in (100, 28)]
-    results = [SimpleNamespace(cached_tokens=64), SimpleNamespace(cached_tokens=0)]
-    batcher._record(batch, results, 0.75)
-    assert backend.calls("prefill_tokens_total") == [("inc", 64, None)]  # computed: 128 less 64 reused
-    assert backend.calls("prefix_cache_queries_total") == [("inc", 128, None)]
+    loop = PrefillLoop(engine, max_batch_tokens=4096, batch_wait_s=0.0,
+                       max_queued_tokens=1 << 20, retry_after_s=1, metrics=Metrics(backend))
+    # a step that computed a 100-token prompt's last 36 tokens (64 reused) and a 40-token chunk of another
+    out = StepOutput([ScheduledChunk("a", 64, 36), ScheduledChunk("b", 0, 40)],
+                     [PrefillResult("a", 1, (0, 1), 100, cached_tokens=64)])
+    loop._record(out, 0.75)
+    assert backend.calls("prefill_tokens_total") == [("inc", 76, None)]  # computed: 36 + 40
+    assert backend.calls("prefix_cache_queries_total") == [("inc", 100, None)]  # the finished prompt
     assert backend.calls("prefix_cache_hits_total") == [("inc", 64, None)]
     assert backend.calls("prefill_batch_seconds") == [("observe", 0.75, None)]
-    assert backend.calls("prefill_queued_requests") == [("set", 0, None)]
+    assert backend.calls("prefill_queued_requests") == [("set", 2, None)]
+    assert backend.calls("prefill_queued_tokens") == [("set", 300, None)]
     assert backend.calls("kv_pages_used") == [("set", 5, {"role": "prefill"})]

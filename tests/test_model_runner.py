@@ -21,7 +21,7 @@ from model_executor import (
     load_model_dir,
 )
 from model_executor import fused
-from model_executor.generate import generate, make_pool
+from router.offline import generate, make_pool
 from model_executor.loading import BUILTIN_TINY
 
 DENSE = SparseConfig(alpha=0.0)

@@ -12,7 +12,7 @@ import torch
 
 from evals import niah
 from kernels.config import SparseConfig
-from model_executor.generate import GenerationResult
+from router.offline import GenerationResult
 from model_executor.loading import load_model
 from model_executor.tokenizer import ByteTokenizer, HFTokenizer
 

@@ -11,7 +11,7 @@ import torch
 from kernels.config import SparseConfig
 from kv_transfer.pool import PoolExhausted
 from model_executor import ModelRunner, build_tiny_model
-from model_executor.generate import make_pool
+from model_executor.loading import make_pool
 from model_executor.sampling import SamplingParams
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 

@@ -28,7 +28,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import free_port, oracle_tokens, prompt_of, replica_actors  # noqa: E402
 
 MODEL = "builtin:tiny"

@@ -29,7 +29,7 @@ from kv_transfer.transfer import (  # noqa: E402
     read_frame,
 )
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from router.protocol import RequestError, RequestParser  # noqa: E402
 from router.security import BearerAuth, _decode_proc_addr  # noqa: E402
 from router.state import RequestLifecycle, RequestPhase  # noqa: E402
@@ -313,7 +313,7 @@ def _decode(payload, n, die_after=None, full=False):
                          "replica_id": f"d{n}"}])
     seq = list(payload["ticket"]) + [payload["first_token"]]
     events = [{"type": "adopted", "replica_id": f"d{n}", "transfer_s": 0.0}]
-    for _ in range(payload["params"]["max_new_tokens"] - 1):
+    for _ in range(payload["params"].max_new_tokens - 1):
         seq.append(_nxt(seq))
         events.append({"type": "tokens", "tokens": [seq[-1]], "finished": False, "finish_reason": None})
     events[-1] = {**events[-1], "finished": True, "finish_reason": "length"}
@@ -361,7 +361,7 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
     sent = tokens[:5]  # first token + 4 decoded before the death
     assert prefills[1]["prompt_token_ids"] == list(REQ.prompt_token_ids) + sent[:-1]
-    assert decodes[1]["first_token"] == sent[-1] and decodes[1]["params"]["max_new_tokens"] == 12 - 5 + 1
+    assert decodes[1]["first_token"] == sent[-1] and decodes[1]["params"].max_new_tokens == 12 - 5 + 1
     assert all(s.cancelled for s in pipe._prefill.prefill.streams)  # every lease released
 
 
@@ -437,7 +437,7 @@ def test_timing_breakdown_comes_from_where_each_step_runs():
 
 
 def test_pipeline_records_each_request_once_with_its_outcome():
-    from router.metrics import Metrics
+    from serving.metrics import Metrics
     from tests.helpers import FakeMetricsBackend
 
     backend = FakeMetricsBackend()

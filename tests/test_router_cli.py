@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.__main__ import load_config_file, main, parse_option, service_options
-from router.config import ServiceConfig
+from serving.config import ServiceConfig
 
 
 @pytest.fixture

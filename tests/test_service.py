@@ -21,7 +21,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 grpc = pytest.importorskip("grpc")
 
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import (  # noqa: E402
     local_serve,
     oracle_tokens,
@@ -292,7 +292,7 @@ def test_corrupt_transfer_fails_cleanly_then_retries(service):
     assert r.json()["timing"]["prefill_attempts"] == 1
     dec = replica_stats("faults", "DecodeServer")
     assert sum(s["transfer_failures"] for s in dec) == 4
-    # Prometheus metrics (router/metrics.py) record in the replicas, none failed
+    # Prometheus metrics (serving/metrics.py) record in the replicas, none failed
     for s in dec + replica_stats("faults", "PrefillServer"):
         assert s["metrics"]["enabled"] and not s["metrics"]["broken"], s["metrics"]
     assert any("kv_transfers_total" in s["metrics"]["recording"] for s in dec)

@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("ray.serve")
 
+from model_executor.sampling import SamplingParams  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
-from router.config import ServiceConfig  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
 from router.detokenize import TextStream  # noqa: E402
-from router.protocol import RequestError, RequestParser, params_from_dict, params_to_dict  # noqa: E402
+from router.protocol import RequestError, RequestParser  # noqa: E402
 from router.scheduling import (  # noqa: E402
     DecodeRequestRouter,
     PrefillCostModel,
@@ -37,7 +38,8 @@ def test_parse_completion_defaults_and_fields():
     assert req.max_tokens == 16 and req.temperature == 0.0 and req.stop == ("x",) and req.seed == 5 and req.top_k == 0
     assert req.stop_token_ids == ByteTokenizer().stop_token_ids
     sp = req.sampling_params()
-    assert params_from_dict(params_to_dict(sp)) == sp
+    assert sp == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=16,
+                                stop_token_ids=tuple(ByteTokenizer().stop_token_ids), seed=5)
     # batch of one, token ids, default max_tokens clipped to the room left
     req = parser(max_model_len=10).parse({"model": "m", "prompt": [[1, 2, 3]]}, "completion")
     assert req.prompt_token_ids == (1, 2, 3) and req.max_tokens == 7
@@ -260,7 +262,7 @@ def test_service_config():
 def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eager():
     import torch
 
-    from router.runtime import WorkerRuntime
+    from serving.runtime import WorkerRuntime
 
     rt = WorkerRuntime.build(ServiceConfig(), num_pages=4)
     assert rt.enable_decode_graphs() == "off: runs on cpu" and rt.runner.decode_graphs is None
@@ -277,7 +279,7 @@ def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eag
 def test_fused_ops_option_reaches_the_runner(monkeypatch, fused_ops, expect):
     """True leaves the choice to the runner (fused on CUDA), False forces the eager modules."""
     from model_executor import runner as runner_mod
-    from router.runtime import WorkerRuntime
+    from serving.runtime import WorkerRuntime
 
     seen = []
     real = runner_mod.ModelRunner

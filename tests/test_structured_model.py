@@ -1,4 +1,4 @@
-"""The structured benchmark model (evals/structured_model.py), tiny configuration on CPU."""
+"""The structured benchmark model (model_executor/structured_model.py), tiny configuration on CPU."""
 
 import math
 

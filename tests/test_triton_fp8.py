@@ -112,7 +112,7 @@ def test_model_prefill_writes_the_same_fp8_pages_with_either_backend(monkeypatch
     _device("cpu")
     from kernels.config import SparseConfig
     from model_executor import ModelRunner, PrefillItem, build_tiny_model
-    from model_executor.generate import make_pool
+    from model_executor.loading import make_pool
 
     from kernels import triton_fp8
 

@@ -1,4 +1,5 @@
-"""Single-process generation: prefill then decode in one process sharing one KV pool.
+"""Single-process generation: prefill then decode in one process sharing one KV pool (the
+offline entry point, beside the service's ingress: it drives both worker engines).
 
 Used by tests and as the oracle for the disaggregated service (same runner, same sampler,
 same seeds; only the KV transfer between pools is missing).
@@ -11,9 +12,11 @@ from dataclasses import dataclass
 
 from kernels.config import SparseConfig
 
-from .loading import LoadedModel, load_model
-from .runner import ModelRunner
-from .sampling import SamplingParams
+from decode_worker.engine import DecodeEngine
+from model_executor.loading import LoadedModel, load_model, make_pool
+from model_executor.runner import ModelRunner
+from model_executor.sampling import SamplingParams
+from prefill_worker.engine import PrefillEngine, PrefillRequest
 
 
 @dataclass(frozen=True)
@@ -22,24 +25,6 @@ class GenerationResult:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     finish_reason: str
-
-
-def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype=None, device=None):
-    """A KV pool shaped for ``loaded`` (dtype and device of the model by default)."""
-    from kv_transfer.pool import KVPool, KVPoolConfig
-
-    param = next(loaded.model.parameters())
-    return KVPool(
-        KVPoolConfig(
-            num_layers=loaded.num_layers,
-            num_kv_heads=loaded.num_kv_heads,
-            head_dim=loaded.head_dim,
-            page_size=page_size,
-            dtype=dtype or param.dtype,
-            device=str(device or param.device),
-            num_pages=num_pages,
-        )
-    )
 
 
 def generate(
@@ -61,9 +46,6 @@ def generate(
     ``model`` defaults to the built-in tiny model. The pool holds every prompt plus its
     ``max_new_tokens`` unless ``num_pages`` says otherwise. Results in prompt order.
     """
-    from decode_worker.engine import DecodeEngine
-    from prefill_worker.engine import PrefillEngine, PrefillRequest
-
     loaded = model if model is not None else load_model(None)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)

@@ -17,7 +17,7 @@ from kernels.config import SparseConfig
 TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.deployment.PrefillBatcher
+PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
 

@@ -1,0 +1,55 @@
+"""RequestError: a request the service refuses, raised in any layer and rendered by the ingress
+as an OpenAI error object (HTTP) or a gRPC status."""
+
+from __future__ import annotations
+
+MAX_ERROR_MESSAGE = 512
+
+
+class RequestError(Exception):
+    """A request the service refuses; rendered as an OpenAI error object.
+
+    status: HTTP status (400 bad input, 404 unknown model, 429 overloaded, 500/502/503).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        error_type: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        if len(message) > MAX_ERROR_MESSAGE:  # messages quote bad values: keep them short
+            message = message[: MAX_ERROR_MESSAGE - 3] + "..."
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.retry_after_s = retry_after_s
+        self.error_type = error_type or _type_for(status)
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self):
+        return (_rebuild_request_error, (self.message, self.param, self.status, self.code, self.error_type, self.retry_after_s))
+
+
+def _rebuild_request_error(message, param, status, code, error_type, retry_after_s):
+    return RequestError(message, param=param, status=status, code=code, error_type=error_type, retry_after_s=retry_after_s)
+
+
+def _type_for(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status == 401:
+        return "authentication_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
