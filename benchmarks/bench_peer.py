@@ -1,0 +1,669 @@
+"""Our operator beside the paper's own (qhfan/FlashPrefillv2) on the H200, stage by stage.
+
+Built by ``benchmarks/peers/stage_flashprefillv2.sh`` into ``.peer/build`` (carried to the device);
+the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
+
+- Inputs: ``kernels.synthetic.structured_inputs`` (paper density per length), 32/8 heads, d=128,
+  bf16; B=1 at each ``--lengths`` and one varlen batch (``--varlen``, each sequence its own seed);
+  the same paged K/V for every kernel, at page size 64 (ours) and 1 (the peer's token-level
+  paging; ``--page1`` picks the cases).
+- Kernels (``kernel`` column): ``ours`` (Triton index + attention with mean correction; the
+  CUTLASS attention stage when its library loads, ``--attention``), ``peer`` (``FlashPrefill``:
+  block 128, sink 2 blocks, window ``--peer-window`` blocks, ``abs_threshold = alpha``,
+  ``last_n_blocks = --peer-last-n``, mean correction on), ``ours@peer`` / ``peer@ours`` (each
+  attention stage on the *other's* index, converted by ``benchmarks/peers/convert.py``), FA4 dense
+  and block-sparse on our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1).
+- bf16 and FP8 (e4m3, per-tensor descales, the same quantized tensors for both operators).
+- Per row: each stage's median ms (``index_ms``, ``attention_ms``, ``attention_nocorr_ms``,
+  ``total_ms``), the error against exact fp32 attention on ``--rows`` sampled query positions
+  per sequence (all heads; for FP8 on the dequantized inputs), and for each index its density
+  (visible selected pairs over causal pairs) and needle recall; ``agree``: Jaccard of the two
+  indexes' visible tiles.
+
+Usage (H200, ``PYTHONPATH=$PWD``; ``--peer-path`` defaults to ``.peer/build``)::
+
+    python3 benchmarks/bench_peer.py                      # ~5-7 min
+    python3 benchmarks/bench_peer.py --lengths 131072 --varlen '' --page1 ''
+    TRITON_INTERPRET=1 python3 benchmarks/bench_peer.py --dry-run   # CPU, tiny, ~1 min
+
+Writes ``benchmarks/results/peer_h200.json`` (``--dry-run``: ``peer_cpu_dryrun.json``) and
+prints a table last. Every baseline that cannot run is a row with ``skipped`` and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "benchmarks")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+from evals.report import git_commit  # noqa: E402
+from kernels import fidelity  # noqa: E402
+from kernels.config import SparseConfig  # noqa: E402
+from kernels.ops import attention_planned, build_index_planned, plan_descales, plan_prefill  # noqa: E402
+from kernels.paged import contiguous_to_paged  # noqa: E402
+from peers import convert  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+FP8 = torch.float8_e4m3fn
+
+
+@dataclasses.dataclass
+class Cfg:
+    lengths: tuple[int, ...] = (8192, 32768, 65536, 131072)
+    varlen: tuple[int, ...] = (8192, 16384, 32768, 65536)
+    page_sizes: tuple[int, ...] = (64, 1)
+    page1: tuple[str, ...] = ("131072", "varlen")  # cases that also run at page size 1
+    fp8: bool = True
+    alpha: float = SparseConfig().alpha
+    peer_window: int = 5  # blocks; 5 reproduces our window_tokens=512 (FLASHPREFILLV2.md)
+    peer_last_n: int = 0  # the peer's dense last query tiles; ours has no such rule
+    attention: str = "auto"  # our attention stage: auto (cutlass when it loads), cutlass, triton
+    rows: int = 256  # sampled query positions per sequence for the exact reference
+    fa4: bool = True
+    fa4_min_len: int = 32768
+    sdpa: bool = True
+    budget_ms: float = 200.0
+    seed: int = 0
+    target_density: float | None = None  # None: the paper's density for each length
+    device: str = "cuda"
+    peer_path: str = str(ROOT / ".peer/build")
+
+
+# ---------------------------------------------------------------------------------------------
+# timing, environment
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_ms(fn, device, budget_ms: float) -> float:
+    """Median ms: ``do_bench`` under 20 ms a call, else a few CUDA-event-timed calls; on the CPU
+    one timed call (the dry run checks plumbing, not speed)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = s.elapsed_time(e)
+    if est < 20.0:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=max(40, int(budget_ms / 3)), return_mode="median"))
+    times = [est]
+    for _ in range(max(2, min(10, int(budget_ms / est)))):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return float(sorted(times)[len(times) // 2])
+
+
+def peer_build_info(path: str) -> str | None:
+    try:
+        return (Path(path) / "BUILD_INFO.txt").read_text().splitlines()[0]
+    except OSError:
+        return None
+
+
+def import_peer(path: str):
+    """``(FlashPrefill, None)`` or ``(None, reason)``."""
+    if path and path not in sys.path and Path(path).is_dir():
+        sys.path.insert(0, path)
+    try:
+        from flashprefill import FlashPrefill
+
+        return FlashPrefill, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"flashprefill does not import from {path!r}: {e!r}"[:300]
+
+
+def import_fa4():
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"flash_attn.cute does not import: {e!r}"[:200]
+
+
+def environment(cfg: Cfg, device) -> dict:
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "peer_build": peer_build_info(cfg.peer_path)}
+    try:
+        import flash_attn
+
+        env["flash_attn"] = getattr(flash_attn, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        env["flash_attn"] = None
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs and the exact reference
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    seqlens: tuple[int, ...]
+    q: torch.Tensor  # [Tq, Hq, d] packed
+    ks: list  # per sequence [L, Hkv, d]
+    vs: list
+    needles: torch.Tensor  # [N, 6] (batch relabelled)
+    predicted_density: float
+
+
+def make_case(name: str, seqlens: tuple[int, ...], cfg: Cfg, device) -> Case:
+    from kernels.synthetic import structured_inputs
+
+    qs, ks, vs, needles, dens = [], [], [], [], []
+    for i, length in enumerate(seqlens):
+        x = structured_inputs(length, batch=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                              dtype=torch.bfloat16, device=device, seed=cfg.seed + i,
+                              target_density=cfg.target_density)
+        qs.append(x.q[0])
+        ks.append(x.k[0])
+        vs.append(x.v[0])
+        nb = x.needle_blocks.clone()
+        nb[:, 0] = i
+        needles.append(nb)
+        dens.append((x.predicted_density, length))
+        del x
+    pred = sum(d * n * n for d, n in dens) / sum(n * n for _, n in dens)
+    return Case(name, tuple(seqlens), torch.cat(qs, 0), ks, vs, torch.cat(needles, 0), pred)
+
+
+def paged(case: Case, page_size: int, ks=None, vs=None):
+    """``(k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv)`` of the case's sequences."""
+    ks = case.ks if ks is None else ks
+    vs = case.vs if vs is None else vs
+    kp, vp, tables = [], [], []
+    base = 0
+    for k, v in zip(ks, vs):
+        k1, t1 = contiguous_to_paged(k[None], page_size)
+        v1, _ = contiguous_to_paged(v[None], page_size)
+        kp.append(k1)
+        vp.append(v1)
+        tables.append(t1[0] + base)
+        base += k1.shape[0]
+    width = max(t.numel() for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32, device=case.q.device)
+    for b, t in enumerate(tables):
+        table[b, : t.numel()] = t
+    dev = case.q.device
+    lens = torch.tensor(case.seqlens, dtype=torch.int32, device=dev)
+    cu = torch.zeros(len(case.seqlens) + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(lens, 0)
+    return torch.cat(kp, 0), torch.cat(vp, 0), table, cu, lens
+
+
+def sample_rows(seqlens: tuple[int, ...], rows: int) -> list[torch.Tensor]:
+    """Per sequence, ``rows`` positions spread over it (the first and last included)."""
+    out = []
+    for n in seqlens:
+        pos = torch.linspace(0, n - 1, min(rows, n)).round().long()
+        out.append(torch.unique(torch.cat([pos, torch.tensor([n - 1])])))
+    return out
+
+
+def exact_rows(q: torch.Tensor, ks: list, vs: list, seqlens, positions, scale: float) -> torch.Tensor:
+    """Exact fp32 causal attention of the sampled query rows: ``[sum R_b, Hq, d]``."""
+    g = HQ // HKV
+    outs = []
+    q0 = 0
+    for b, n in enumerate(seqlens):
+        pos = positions[b].to(q.device)
+        qq = q[q0 + pos].float()  # [R, Hq, d]
+        k, v = ks[b].float(), vs[b].float()
+        o = torch.empty(pos.numel(), HQ, D, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] > pos[:, None]  # [R, L]
+        for h in range(HKV):
+            s = torch.einsum("rgd,ld->grl", qq[:, h * g : (h + 1) * g], k[:, h]) * scale
+            s.masked_fill_(mask[None], float("-inf"))
+            o[:, h * g : (h + 1) * g] = torch.einsum("grl,ld->rgd", torch.softmax(s, -1), v[:, h])
+            del s
+        outs.append(o)
+        q0 += n
+    return torch.cat(outs, 0)
+
+
+def row_ids(seqlens, positions) -> torch.Tensor:
+    starts = [0]
+    for n in seqlens[:-1]:
+        starts.append(starts[-1] + n)
+    return torch.cat([p + s for p, s in zip(positions, starts)])
+
+
+def errors(out: torch.Tensor, ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    got = out[ids.to(out.device)].float()
+    diff = got - ref
+    return {"rel_l2": float(diff.norm() / ref.norm().clamp_min(1e-30)),
+            "max_abs": float(diff.abs().max()), "finite": bool(torch.isfinite(got).all())}
+
+
+# ---------------------------------------------------------------------------------------------
+# one case at one page size and dtype
+# ---------------------------------------------------------------------------------------------
+
+
+def our_attention_backend(cfg: Cfg, device, q, kp, vp) -> str:
+    if device.type != "cuda":
+        return "auto"  # the reference on the CPU
+    if cfg.attention in ("cutlass", "triton"):
+        return cfg.attention
+    try:
+        from kernels import cutlass_attention, cutlass_build
+
+        if cutlass_attention.supports(q, kp, vp):
+            cutlass_build.load_library()
+            return "cutlass"
+    except Exception:  # noqa: BLE001
+        pass
+    return "triton"
+
+
+def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, peer_why,
+            fa4, fa4_why) -> list[dict]:
+    t_case = time.time()
+    base = {"case": case.name, "seqlens": list(case.seqlens), "batch": len(case.seqlens),
+            "tokens": sum(case.seqlens), "page_size": page_size, "dtype": dtype}
+    rows: list[dict] = []
+    scale = SparseConfig().softmax_scale(D)
+    positions = sample_rows(case.seqlens, cfg.rows)
+    ids = row_ids(case.seqlens, positions)
+    is_fp8 = dtype == "fp8_e4m3"
+    q, ks, vs = case.q, case.ks, case.vs
+    cdesc = None
+    if is_fp8:
+        from kernels import fp8
+
+        def scale_of(xs):  # one per-tensor descale over every sequence
+            amax = torch.stack([x.detach().abs().amax().float() for x in xs]).amax()
+            return fp8.descale_from_amax(amax.reshape(1))
+
+        qd, kd, vd = scale_of([case.q]), scale_of(case.ks), scale_of(case.vs)
+        q = fp8.quantize(case.q, qd)
+        ks = [fp8.quantize(k, kd) for k in case.ks]
+        vs = [fp8.quantize(v, vd) for v in case.vs]
+        cdesc = (float(qd), float(kd), float(vd))
+        ref = exact_rows((q.float() * qd), [k.float() * kd for k in ks], [v.float() * vd for v in vs],
+                         case.seqlens, positions, scale)
+    else:
+        ref = exact_rows(q, ks, vs, case.seqlens, positions, scale)
+    kp, vp, table, cu, lens = paged(case, page_size, ks, vs)
+    config = SparseConfig(alpha=cfg.alpha)
+    plan = plan_prefill(q, kp, vp, table, cu, lens, config)
+    plan_nc = dataclasses.replace(plan, config=dataclasses.replace(config, mean_correction=False))
+    ds = None
+    if is_fp8:
+        one = lambda x: torch.tensor([x], dtype=torch.float32, device=device)  # noqa: E731
+        ds = plan_descales(q, plan, one(cdesc[0]), one(cdesc[1]), one(cdesc[2]))
+    idx_backend = "triton" if device.type == "cuda" else "auto"
+    att_backend = our_attention_backend(cfg, device, q, kp, vp)
+    vp_ours = vp
+    if is_fp8 and att_backend == "cutlass":  # Hopper's fp8 PV wgmma takes V K-major
+        vp_ours = vp.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+    def our_index():
+        return build_index_planned(q, kp, vp, plan, backend=idx_backend, descales=ds)
+
+    def our_attend(index, p=plan):
+        return attention_planned(q, kp, vp_ours, p, index, backend=att_backend, descales=ds)[0]
+
+    def metrics(index):
+        recall, pairs = fidelity.needle_recall(index, plan, case.needles)
+        return {"density": fidelity.index_density(index, plan), "needle_recall": recall,
+                "needle_pairs": pairs}
+
+    # ---- ours
+    row = {**base, "kernel": "ours", "index_of": "ours", "attention_backend": att_backend}
+    ours_idx = our_index()
+    out = our_attend(ours_idx)
+    row.update(errors(out, ids, ref))
+    row.update(metrics(ours_idx))
+    row["index_ms"] = bench_ms(our_index, device, cfg.budget_ms)
+    row["attention_ms"] = bench_ms(lambda: our_attend(ours_idx), device, cfg.budget_ms)
+    row["attention_nocorr_ms"] = bench_ms(lambda: our_attend(ours_idx, plan_nc), device, cfg.budget_ms)
+    row["total_ms"] = bench_ms(lambda: our_attend(our_index()), device, cfg.budget_ms)
+    rows.append(row)
+    del out
+
+    # ---- the peer
+    peer_idx = None
+    kvd = {} if cdesc is None else {"k_descale": cdesc[1], "v_descale": cdesc[2]}
+    if peer_cls is not None and device.type == "cuda":
+        fp = peer_cls(k_block_m=128, k_block_n=config.block_size, abs_threshold=cfg.alpha,
+                      attention_sink=config.sink_tokens // config.block_size,
+                      window_size=cfg.peer_window, last_n_blocks=cfg.peer_last_n,
+                      use_mean_correction=True, causal=True, softmax_scale=scale)
+        q_lens = list(case.seqlens)
+        max_k = max(case.seqlens)
+        idx_kw = {} if cdesc is None else {"q_descale": cdesc[0], "k_descale": cdesc[1]}
+        att_kw = {}
+        if cdesc is not None:
+            att_kw = {n: torch.full((len(q_lens), HKV), c, dtype=torch.float32, device=device)
+                      for n, c in zip(("q_descale", "k_descale", "v_descale"), cdesc)}
+
+        def peer_index():
+            return fp.index_select(q, kp, table, lens, cu, v_cache=vp, q_lens=q_lens,
+                                   max_cache_seqlen=max_k, **idx_kw)
+
+        def peer_attend(index):
+            return fp.block_sparse_attention(q, kp, vp, table, lens, cu, index,
+                                             max_seqlen_q=max_k, **att_kw)
+
+        row = {**base, "kernel": "peer", "index_of": "peer", "peer_window": cfg.peer_window,
+               "peer_last_n": cfg.peer_last_n}
+        try:
+            pidx = peer_index()
+            out = peer_attend(pidx)
+            row.update(errors(out, ids, ref))
+            # the peer's workspace is reused by the next index_select: keep a copy
+            peer_idx = convert.PeerIndex(pidx.block_sparse_cu.clone(), pidx.block_sparse_idx.clone(),
+                                         int(pidx.total_q_tiles), pidx.cu_q_tiles.clone(),
+                                         pidx.k_mean.clone(), pidx.v_mean.clone())
+            row.update(metrics(convert.peer_to_ours(peer_idx, plan, **kvd)))
+            nocorr = dataclasses.replace(convert.PeerIndex.from_peer(pidx), k_mean=None, v_mean=None).to_peer()
+            row["index_ms"] = bench_ms(peer_index, device, cfg.budget_ms)
+            row["attention_ms"] = bench_ms(lambda: peer_attend(pidx), device, cfg.budget_ms)
+            row["attention_nocorr_ms"] = bench_ms(lambda: peer_attend(nocorr), device, cfg.budget_ms)
+            row["total_ms"] = bench_ms(lambda: peer_attend(peer_index()), device, cfg.budget_ms)
+            del out
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = repr(e)[:400]
+        rows.append(row)
+    else:
+        why = peer_why or "needs CUDA"
+        rows.append({**base, "kernel": "peer", "skipped": why})
+        if device.type != "cuda":  # the CPU model of the peer's rule stands in for its index
+            peer_idx = convert.peer_rule_index(q, kp, vp, plan, alpha=cfg.alpha,
+                                               window_blocks=cfg.peer_window,
+                                               last_n_blocks=cfg.peer_last_n,
+                                               **({} if cdesc is None else
+                                                  {"q_descale": cdesc[0], "k_descale": cdesc[1]}))
+            rows.append({**base, "kernel": "peer_model", "index_of": "peer_model",
+                         **metrics(convert.peer_to_ours(peer_idx, plan, ours_idx.means))})
+
+    # ---- cross: each attention stage on the other's index
+    if peer_idx is not None:
+        theirs = convert.peer_to_ours(peer_idx, plan, **kvd) if peer_idx.k_mean is not None else None
+        if theirs is None or peer_idx.k_mean.dtype != q.dtype:
+            theirs = convert.peer_to_ours(peer_idx, plan, ours_idx.means)
+        agree = convert.overlap(ours_idx, theirs, plan)
+        row = {**base, "kernel": "ours@peer", "index_of": "peer", "attention_backend": att_backend,
+               "agree": agree["jaccard"], "overlap": agree}
+        try:
+            out = our_attend(theirs)
+            row.update(errors(out, ids, ref))
+            row.update(metrics(theirs))
+            row["attention_ms"] = bench_ms(lambda: our_attend(theirs), device, cfg.budget_ms)
+            row["attention_nocorr_ms"] = bench_ms(lambda: our_attend(theirs, plan_nc), device, cfg.budget_ms)
+            del out
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = repr(e)[:400]
+        rows.append(row)
+        if peer_cls is not None and device.type == "cuda":
+            mine = convert.ours_to_peer(ours_idx, plan, q.dtype, **kvd).to_peer()
+            row = {**base, "kernel": "peer@ours", "index_of": "ours", "agree": agree["jaccard"]}
+            try:
+                out = peer_attend(mine)
+                row.update(errors(out, ids, ref))
+                row.update(metrics(ours_idx))
+                mine_nc = dataclasses.replace(convert.PeerIndex.from_peer(mine), k_mean=None, v_mean=None).to_peer()
+                row["attention_ms"] = bench_ms(lambda: peer_attend(mine), device, cfg.budget_ms)
+                row["attention_nocorr_ms"] = bench_ms(lambda: peer_attend(mine_nc), device, cfg.budget_ms)
+                del out
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row["error"] = repr(e)[:400]
+            rows.append(row)
+
+    # ---- dense and block-sparse baselines (bf16, B=1, contiguous K/V; page size 64 pass only)
+    single = len(case.seqlens) == 1
+    n = case.seqlens[0]
+    if not is_fp8 and page_size == cfg.page_sizes[0]:
+        if cfg.sdpa and single and device.type == "cuda":
+            rows.append(sdpa_row(base, case, ids, ref, cfg, device))
+        elif cfg.sdpa:
+            rows.append({**base, "kernel": "sdpa_flash", "skipped": "B=1 on CUDA only"})
+        if cfg.fa4 and (fa4 is None or not single or n < cfg.fa4_min_len):
+            why = fa4_why or ("B=1 only" if not single else f"L < {cfg.fa4_min_len}")
+            rows.append({**base, "kernel": "fa4", "skipped": why})
+        elif cfg.fa4:
+            rows.extend(fa4_rows(base, case, plan, ours_idx, ids, ref, cfg, device, fa4))
+    for r in rows:
+        r["case_s"] = round(time.time() - t_case, 1)
+    del ours_idx, peer_idx, kp, vp
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sdpa_row(base, case, ids, ref, cfg, device) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = HQ // HKV
+    qt = case.q[None].transpose(1, 2)
+    kt = case.ks[0][None].transpose(1, 2).repeat_interleave(g, 1)
+    vt = case.vs[0][None].transpose(1, 2).repeat_interleave(g, 1)
+    row = {**base, "kernel": "sdpa_flash"}
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
+            out = fn()[0].transpose(0, 1)
+            row.update(errors(out, ids, ref))
+            row["total_ms"] = row["attention_ms"] = bench_ms(fn, device, cfg.budget_ms)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+    return row
+
+
+def fa4_rows(base, case, plan, index, ids, ref, cfg, device, fa4) -> list[dict]:
+    import bench_operator as bo
+
+    n = case.seqlens[0]
+    q, k, v = case.q[None], case.ks[0][None], case.vs[0][None]
+    out_rows = []
+    row = {**base, "kernel": "fa4_dense"}
+    try:
+        def dense():
+            o = fa4(q, k, v, causal=True)
+            return o[0] if isinstance(o, tuple) else o
+
+        row.update(errors(dense()[0], ids, ref))
+        row["total_ms"] = row["attention_ms"] = bench_ms(dense, device, cfg.budget_ms)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+    out_rows.append(row)
+    row = {**base, "kernel": "fa4_sparse", "index_of": "ours (128x128 union)"}
+    try:
+        sel = bo.selection_tensor(plan, index, 1, n)
+        bst, dens = bo.fa4_block_sparse(sel, 1, n, HQ // HKV)
+
+        def sparse():
+            o = fa4(q, k, v, causal=True, block_sparse_tensors=bst)
+            return o[0] if isinstance(o, tuple) else o
+
+        row.update(errors(sparse()[0], ids, ref))
+        row["density"] = dens
+        row["attention_ms"] = bench_ms(sparse, device, cfg.budget_ms)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+    out_rows.append(row)
+    return out_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# table, arguments, main
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = [
+    ("case", "case", "{}"), ("page", "page_size", "{}"), ("dtype", "dtype", "{}"),
+    ("kernel", "kernel", "{}"), ("index", "index_of", "{}"), ("dens", "density", "{:.4f}"),
+    ("recall", "needle_recall", "{:.3f}"), ("agree", "agree", "{:.3f}"),
+    ("idx_ms", "index_ms", "{:.2f}"), ("attn_ms", "attention_ms", "{:.2f}"),
+    ("nocorr", "attention_nocorr_ms", "{:.2f}"), ("total", "total_ms", "{:.2f}"),
+    ("rel_l2", "rel_l2", "{:.4f}"), ("max_abs", "max_abs", "{:.3g}"),
+    ("note", "note", "{}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        r = dict(r)
+        r["note"] = r.get("skipped") or r.get("error") or r.get("attention_backend")
+        if isinstance(r["note"], str):
+            r["note"] = r["note"][:60]
+        cells = []
+        for _, key, fmt in COLUMNS:
+            val = r.get(key)
+            cells.append("-" if val is None else (val if isinstance(val, str) else fmt.format(val)))
+        body.append(cells)
+    head = [c[0] for c in COLUMNS]
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default=None, help="B=1 lengths (default 8192,32768,65536,131072)")
+    ap.add_argument("--varlen", default=None, help="lengths of the varlen batch ('' for none)")
+    ap.add_argument("--page-sizes", default=None, help="default 64,1")
+    ap.add_argument("--page1", default=None,
+                    help="cases also run at the second page size: lengths and/or 'varlen' (default 131072,varlen)")
+    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--alpha", type=float, default=None)
+    ap.add_argument("--peer-window", type=int, default=None, help="peer window_size in blocks (default 5)")
+    ap.add_argument("--peer-last-n", type=int, default=None, help="peer last_n_blocks (default 0)")
+    ap.add_argument("--attention", choices=("auto", "cutlass", "triton"), default="auto")
+    ap.add_argument("--target-density", type=float, default=None,
+                    help="structured inputs' target density (default: the paper's per length)")
+    ap.add_argument("--rows", type=int, default=None, help="sampled query rows per sequence")
+    ap.add_argument("--skip-fa4", action="store_true")
+    ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--peer-path", default=None, help="folder holding flashprefill/ (default .peer/build)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke test (tiny sizes; set TRITON_INTERPRET=1): every CPU-runnable piece")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = Cfg()
+    if args.dry_run:
+        cfg = dataclasses.replace(cfg, lengths=(2048,), varlen=(512, 1024), page1=("varlen",),
+                                  rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3)
+    rep = {}
+    if args.lengths is not None:
+        rep["lengths"] = _ints(args.lengths)
+    if args.varlen is not None:
+        rep["varlen"] = _ints(args.varlen)
+    if args.page_sizes is not None:
+        rep["page_sizes"] = _ints(args.page_sizes)
+    if args.page1 is not None:
+        rep["page1"] = tuple(x for x in args.page1.split(",") if x)
+    for name in ("alpha", "peer_window", "peer_last_n", "rows", "peer_path", "target_density"):
+        if getattr(args, name) is not None:
+            rep[name] = getattr(args, name)
+    rep["attention"] = args.attention
+    if args.no_fp8:
+        rep["fp8"] = False
+    if args.skip_fa4:
+        rep["fa4"] = False
+    if args.skip_sdpa:
+        rep["sdpa"] = False
+    cfg = dataclasses.replace(cfg, **rep)
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks/results" / ("peer_cpu_dryrun.json" if args.dry_run else "peer_h200.json"))
+    return cfg, args
+
+
+def cases_of(cfg: Cfg) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, seqlens, page sizes)`` in run order."""
+    out = []
+    for n in cfg.lengths:
+        ps = cfg.page_sizes if str(n) in cfg.page1 else cfg.page_sizes[:1]
+        out.append((f"L{n}", (n,), ps))
+    if cfg.varlen:
+        ps = cfg.page_sizes if "varlen" in cfg.page1 else cfg.page_sizes[:1]
+        out.append(("varlen", cfg.varlen, ps))
+    return out
+
+
+def main(argv=None) -> dict:
+    cfg, args = parse_args(argv)
+    device = torch.device(cfg.device)
+    env = environment(cfg, device)
+    print(env, flush=True)
+    peer_cls, peer_why = import_peer(cfg.peer_path)
+    fa4, fa4_why = import_fa4() if cfg.fa4 else (None, "--skip-fa4")
+    print({"peer": peer_why or "ok", "fa4": fa4_why or "ok"}, flush=True)
+    rows: list[dict] = []
+    result = {"env": env, "config": dataclasses.asdict(cfg), "argv": sys.argv[1:] if argv is None else argv,
+              "rows": rows}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    dtypes = ("bfloat16", "fp8_e4m3") if cfg.fp8 else ("bfloat16",)
+    for name, seqlens, page_sizes in cases_of(cfg):
+        try:
+            case = make_case(name, seqlens, cfg, device)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"case": name, "seqlens": list(seqlens), "error": f"inputs: {e!r}"[:300]})
+            continue
+        for ps in page_sizes:
+            for dt in dtypes:
+                try:
+                    new = run_one(case, ps, dt, cfg, device, peer_cls, peer_why, fa4, fa4_why)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    new = [{"case": name, "page_size": ps, "dtype": dt, "error": repr(e)[:400]}]
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                for r in new:
+                    r["predicted_density"] = case.predicted_density
+                    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+                rows.extend(new)
+                result["wall_s"] = time.time() - t0
+                out_path.write_text(json.dumps(result, indent=1))  # keep what we have if killed
+        del case
+    result["wall_s"] = time.time() - t0
+    out_path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_path} ({result['wall_s']:.0f} s)")
+    print(table(rows))
+    return result
+
+
+if __name__ == "__main__":
+    main()
