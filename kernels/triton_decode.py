@@ -34,6 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_interpreter import apply_if_interpreting
+
+apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
+
 BLOCK_N = 64  # keys per tile; also the split granularity
 _LOG2E = 1.4426950408889634
 

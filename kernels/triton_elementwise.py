@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_interpreter import apply_if_interpreting
+
+apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
+
 # rows of RMSNorm per program: one row of the usual hidden sizes (4K-16K) fills a program;
 # narrow rows (the tiny test models) are packed so a program still moves a few KB
 _RMS_ROW_ELEMS = 4096

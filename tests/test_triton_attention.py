@@ -23,37 +23,6 @@ from tests.helpers import make_batch, poison_empty
 ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _round_bf16_to_nearest_even() -> None:
-    """triton 3.6's CPU interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even.
-    Round here too, so that the interpreter's rounding error (probabilities before the PV
-    product, the output) is the GPU's. (tests/conftest.py fixes the interpreter's other bugs;
-    this one belongs there as well.)"""
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original_cast = interpreter.InterpreterBuilder.cast_impl
-    if getattr(original_cast, "_rtne", False):
-        return
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded).astype(np.uint16)
-            return interpreter.TensorHandle(rounded, tl.bfloat16)
-        return original_cast(self, src, dst_type)
-
-    cast_impl._rtne = True
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-
-if INTERPRET:
-    _round_bf16_to_nearest_even()
-
 needs_triton = pytest.mark.skipif(
     not (ON_GPU or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
