@@ -581,7 +581,7 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     args = ap.parse_args(argv)
     cfg = Cfg()
     if args.dry_run:
-        cfg = dataclasses.replace(cfg, lengths=(2048,), varlen=(512, 1024), page1=("varlen",),
+        cfg = dataclasses.replace(cfg, lengths=(1024,), varlen=(384, 512), page1=("varlen",),
                                   rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3)
     rep = {}
     if args.lengths is not None:

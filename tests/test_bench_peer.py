@@ -1,0 +1,153 @@
+"""CPU tests of benchmarks/bench_peer.py's pieces: index conversion between our format and the
+peer's (qhfan/FlashPrefillv2), the CPU model of the peer's selection rule, the sampled exact
+reference, and a tiny end-to-end dry run writing JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import bench_peer  # noqa: E402
+from kernels import fidelity, reference  # noqa: E402
+from kernels.config import SparseConfig  # noqa: E402
+from kernels.ops import plan_prefill  # noqa: E402
+from kernels.synthetic import structured_inputs  # noqa: E402
+from peers import convert  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _setup(seqlens=(1024,), page_size=64, target=0.3, seed=0):
+    cfg = bench_peer.Cfg(device="cpu", target_density=target, seed=seed, rows=16)
+    case = bench_peer.make_case("t", tuple(seqlens), cfg, torch.device("cpu"))
+    kp, vp, table, cu, lens = bench_peer.paged(case, page_size)
+    plan = plan_prefill(case.q, kp, vp, table, cu, lens, SparseConfig())
+    return case, kp, vp, plan
+
+
+@pytest.fixture(scope="module")
+def varlen():
+    case, kp, vp, plan = _setup((640, 1024))
+    return case, kp, vp, plan, reference.build_index(case.q, kp, vp, plan)
+
+
+def _entries(index, plan):
+    seg, n, *_ = convert._entries(index.seg_offsets, index.kv_tiles, plan)
+    return set(zip(seg.tolist(), n.tolist()))
+
+
+def test_round_trip_is_identity(varlen):
+    case, kp, vp, plan, ours = varlen
+    peer = convert.ours_to_peer(ours, plan, torch.bfloat16)
+    back = convert.peer_to_ours(peer, plan)
+    assert torch.equal(back.seg_offsets, ours.seg_offsets)
+    assert torch.equal(back.kv_tiles[: ours.nnz], ours.kv_tiles[: ours.nnz])
+    # means go through bf16: within its rounding
+    assert torch.allclose(back.means.kbar, ours.means.kbar, rtol=1e-2, atol=1e-2)
+    assert peer.k_mean.shape == (plan.batch_size, plan.max_blocks, HKV, D)
+
+
+def test_peer_format_expands_whole_blocks(varlen):
+    _, _, _, plan, ours = varlen
+    peer = convert.ours_to_peer(ours, plan, torch.bfloat16, with_means=False)
+    off = peer.block_sparse_cu.tolist()
+    tiles_kv = [-(-n // 64) for n in plan.seqlens_kv]
+    for seg in range(plan.num_segments):
+        t = peer.block_sparse_idx[off[seg] : off[seg + 1]].tolist()
+        b = int(plan.tile_seq[seg % plan.total_tiles])
+        assert t == sorted(t) and len(set(t)) == len(t)
+        for j in {x // 2 for x in t}:  # every tile of a selected 128-token block below Lkv
+            assert {2 * j, 2 * j + 1} & set(range(tiles_kv[b])) <= set(t)
+    # our index drops tiles no row sees: the peer's has at least as many, same visible pairs
+    assert off[-1] >= ours.nnz
+    back = convert.peer_to_ours(peer, plan, ours.means)
+    assert fidelity.index_density(back, plan) == pytest.approx(fidelity.index_density(ours, plan))
+
+
+def test_peer_rule_window_five_blocks_is_our_512_tokens(varlen):
+    case, kp, vp, plan, ours = varlen
+    w5 = convert.peer_to_ours(convert.peer_rule_index(case.q, kp, vp, plan, alpha=0.1,
+                                                      window_blocks=5), plan)
+    assert _entries(w5, plan) == _entries(ours, plan)
+    w4 = convert.peer_to_ours(convert.peer_rule_index(case.q, kp, vp, plan, alpha=0.1,
+                                                      window_blocks=4), plan)
+    a, b = _entries(w4, plan), _entries(ours, plan)
+    assert a < b  # the nominal 4-block window keeps one block less per query tile
+    ov = convert.overlap(ours, w4, plan)
+    assert ov["only_b"] == 0 and ov["only_a"] == len(b - a) > 0 and ov["jaccard"] < 1.0
+
+
+def test_peer_rule_last_n_is_dense(varlen):
+    case, kp, vp, plan, _ = varlen
+    dense = convert.peer_to_ours(convert.peer_rule_index(case.q, kp, vp, plan, alpha=1.0,
+                                                         window_blocks=1, last_n_blocks=10**6), plan)
+    assert fidelity.index_density(dense, plan) == pytest.approx(1.0)
+
+
+def test_means_fp8_round_trip(varlen):
+    _, _, _, plan, ours = varlen
+    kd, vd = 0.02, 0.03
+    km, vm = convert.means_to_peer(ours.means, plan, convert.FP8, kd, vd)
+    assert km.dtype == convert.FP8
+    back = convert.means_from_peer(km, vm, plan, kd, vd)
+    rel = (back.kbar - ours.means.kbar).norm() / ours.means.kbar.norm()
+    assert rel < 0.07  # e4m3 has 3 mantissa bits
+
+
+def test_mismatched_tiling_is_rejected(varlen):
+    _, _, _, plan, ours = varlen
+    peer = convert.ours_to_peer(ours, plan, torch.bfloat16)
+    bad = convert.PeerIndex(peer.block_sparse_cu, peer.block_sparse_idx, peer.total_q_tiles + 1,
+                            peer.cu_q_tiles, peer.k_mean, peer.v_mean)
+    with pytest.raises(ValueError, match="query tiles"):
+        convert.peer_to_ours(bad, plan)
+
+
+def test_exact_rows_matches_reference_dense():
+    case, kp, vp, plan = _setup((256, 384), target=None)
+    pos = bench_peer.sample_rows(case.seqlens, 8)
+    assert all(p[-1] == n - 1 for p, n in zip(pos, case.seqlens))
+    ref = bench_peer.exact_rows(case.q, case.ks, case.vs, case.seqlens, pos, SparseConfig().softmax_scale(D))
+    full, _ = reference.dense_attention(case.q.float(), kp.float(), vp.float(), plan)
+    ids = bench_peer.row_ids(case.seqlens, pos)
+    err = bench_peer.errors(full, ids, ref)
+    assert err["finite"] and err["rel_l2"] < 1e-5 and err["max_abs"] < 1e-4
+    assert bench_peer.errors(full.to(torch.bfloat16), ids, ref)["rel_l2"] > 0  # sees rounding
+
+
+def test_cases_and_table():
+    cfg, _ = bench_peer.parse_args(["--lengths", "8192,131072", "--varlen", "4096,8192",
+                                    "--page1", "131072"])
+    assert bench_peer.cases_of(cfg) == [("L8192", (8192,), (64,)), ("L131072", (131072,), (64, 1)),
+                                        ("varlen", (4096, 8192), (64,))]
+    text = bench_peer.table([{"case": "L1", "kernel": "peer", "skipped": "why"},
+                             {"case": "L1", "kernel": "ours", "density": 0.5, "rel_l2": 1e-3}])
+    assert "why" in text and "0.5000" in text and text.count("\n") == 2
+
+
+def test_dry_run_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "peer.json"
+    res = bench_peer.main(["--dry-run", "--lengths", "", "--varlen", "384,512", "--page1", "",
+                           "--rows", "8", "--out", str(out)])
+    data = json.loads(out.read_text())
+    kinds = [(r["dtype"], r["kernel"]) for r in data["rows"]]
+    for dt in ("bfloat16", "fp8_e4m3"):
+        for k in ("ours", "peer", "peer_model", "ours@peer"):
+            assert (dt, k) in kinds
+    by = {(r["dtype"], r["kernel"]): r for r in data["rows"]}
+    assert "skipped" in by[("bfloat16", "peer")]
+    assert by[("bfloat16", "ours")]["rel_l2"] < 5e-3
+    assert by[("fp8_e4m3", "ours")]["rel_l2"] < 5e-2
+    # the model of the peer's rule (window 5) selects exactly our blocks
+    assert by[("bfloat16", "ours@peer")]["agree"] == 1.0
+    assert by[("bfloat16", "ours@peer")]["rel_l2"] == pytest.approx(by[("bfloat16", "ours")]["rel_l2"], rel=0.05)
+    assert data["env"]["gpu"] == "cpu" and data["env"]["commit"]
+    assert res["rows"] == data["rows"]
