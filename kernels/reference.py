@@ -7,6 +7,14 @@ Numerics fixed here and shared with the kernels:
 - Index scores use the block means rounded to the input dtype
   (``s_iJ = scale * q_i . kbar_J.to(q.dtype)`` accumulated in fp32), so that a kernel
   feeding ``tl.dot`` with 16-bit operands computes the same products exactly.
+- Block means are exact: sums in float64 (exact for 16-bit and FP8 tokens), one rounding to
+  fp32, so a block's mean does not depend on the order of its tokens.
+- Energies are computed in float64 from exact products of the rounded operands, so blocks with
+  equal scoring operands get equal energies and the threshold ``E_J >= alpha * max E`` keeps
+  ties. Non-finite scores (NaN/Inf in q or k) count as ``-inf``: such a row adds no energy, so
+  it cannot change another row's selection.
+- The block holding key ``pmin + P`` is always forced (``window_tokens = 0`` acts as 1), so no
+  row of a tile is left without a key.
 - Mean correction uses the fp32 means.
 - FP8 inputs (``descales`` given, see ``kernels/fp8.py``): everything runs on the dequantized
   values in fp32; the index scores with the means re-quantized by the sequence's K descale
@@ -68,11 +76,12 @@ def block_means(
                 continue
             x = _sequence_kv(pages, plan, b, lkv, descale)
             nb = plan.blocks[b]
+            x = x.double()  # exact sums: the mean does not depend on the order of the tokens
             pad = x.new_zeros(nb * bs - lkv, hkv, d)
             sums = torch.cat([x, pad]).reshape(nb, bs, hkv, d).sum(1)
-            counts = torch.full((nb,), float(bs), device=x.device)
+            counts = torch.full((nb,), float(bs), dtype=torch.float64, device=x.device)
             counts[-1] = lkv - (nb - 1) * bs
-            means[row : row + nb] = sums / counts[:, None, None]
+            means[row : row + nb] = (sums / counts[:, None, None]).float()
             row += nb
         out.append(means)
     return BlockMeans(kbar=out[0], vbar=out[1])
@@ -89,45 +98,69 @@ def _tile_geometry(plan: PrefillPlan, b: int, tile: int) -> tuple[int, int, int,
     return r0, rows, lo, hi, nvis, nfull
 
 
-def block_energy_ratios(
+def block_energies(
     q: torch.Tensor, means: BlockMeans, plan: PrefillPlan, descales: Fp8Descales | None = None
 ) -> list[torch.Tensor]:
-    """Per segment, ``E_J / max E`` over the tile's visible blocks (fp32, ``[nvis]``)."""
+    """Per segment, the energies ``E_J`` of the tile's visible blocks (float64, ``[nvis]``,
+    shifted by the tile's largest finite score). Scores are float64 products of the scoring
+    operands (exact for 16-bit ones), so equal operands give equal energies; a non-finite
+    score counts as ``-inf`` (adds nothing)."""
     cfg = plan.config
     scale = cfg.softmax_scale(q.shape[-1])
     if descales is None:
-        kbar_scored = means.kbar.to(q.dtype).float()
+        kbar_scored = means.kbar.to(q.dtype).double()
     else:
         c = fp8.block_descales(descales.k, plan.cu_blocks, plan.total_blocks)[:, :, None]
-        kbar_scored = fp8.requantize_means(means.kbar, descales.k, plan.cu_blocks).float() * c
+        kbar_scored = fp8.requantize_means(means.kbar, descales.k, plan.cu_blocks).double() * c
         q = _float_queries(q, plan, descales)
-    ratios: list[torch.Tensor] = [torch.empty(0)] * plan.num_segments
+    energies: list[torch.Tensor] = [torch.empty(0, dtype=torch.float64)] * plan.num_segments
     for h in range(plan.num_kv_heads):
         for b in range(plan.batch_size):
             if plan.qtiles[b] == 0:
                 continue
-            qp = _packed_queries(q, plan, b, h).float()
+            qp = _packed_queries(q, plan, b, h).double()
             blk0 = plan.cu_blocks_host[b]
             kb = kbar_scored[blk0 : blk0 + plan.blocks[b], h]
             for tile in range(plan.qtiles[b]):
                 r0, rows, _, _, nvis, _ = _tile_geometry(plan, b, tile)
                 s = scale * (qp[r0 : r0 + rows] @ kb[:nvis].T)  # [rows, nvis]
-                energy = torch.exp(s - s.max()).sum(0)
+                s = s.masked_fill(~torch.isfinite(s), float("-inf"))
+                top = s.max() if s.numel() else s.new_tensor(0.0)
+                shift = top if bool(torch.isfinite(top)) else s.new_tensor(0.0)
+                # each block's energy is reduced by the same code over a contiguous row
+                energy = torch.exp(s - shift).T.contiguous().sum(1)
                 seg = h * plan.total_tiles + plan.cu_qtiles_host[b] + tile
-                ratios[seg] = energy / energy.max()
-    return ratios
+                energies[seg] = energy
+    return energies
 
 
-def select_blocks(ratio: torch.Tensor, plan: PrefillPlan, b: int, tile: int) -> torch.Tensor:
-    """Bool ``[nvis]``: the selected logical blocks of one tile (threshold + forced)."""
+def block_energy_ratios(
+    q: torch.Tensor, means: BlockMeans, plan: PrefillPlan, descales: Fp8Descales | None = None
+) -> list[torch.Tensor]:
+    """Per segment, ``E_J / max E`` over the tile's visible blocks (fp32, ``[nvis]``; NaN
+    where no row has a finite score). For reporting: the selection compares the energies."""
+    return [(e / e.max()).float() if e.numel() else e.float()
+            for e in block_energies(q, means, plan, descales)]
+
+
+def select_blocks(energy: torch.Tensor, plan: PrefillPlan, b: int, tile: int) -> torch.Tensor:
+    """Bool ``[nvis]``: the selected logical blocks of one tile (threshold + forced).
+
+    ``energy``: the tile's block energies (``block_energies``; ratios work too). A block passes
+    if ``E_J >= alpha * max E`` (ties kept) and ``E_J > 0`` (a tile none of whose rows has a
+    finite score keeps only its forced blocks); ``alpha = 0`` passes every fully visible block."""
     cfg = plan.config
     bs = cfg.block_size
     _, _, lo, _, nvis, nfull = _tile_geometry(plan, b, tile)
-    j = torch.arange(nvis, device=ratio.device)
-    passes = (ratio >= cfg.alpha) & (j < nfull)
+    j = torch.arange(nvis, device=energy.device)
+    if cfg.alpha == 0:
+        passes = j < nfull
+    else:
+        passes = (energy >= cfg.alpha * energy.max()) & (energy > 0) & (j < nfull)
     sink = j * bs < cfg.sink_tokens
     block_last = torch.clamp((j + 1) * bs, max=plan.seqlens_kv[b]) - 1
-    window = block_last >= lo + 1 - cfg.window_tokens
+    # at least the block holding key pmin + P: every row of the tile sees it
+    window = block_last >= lo + 1 - max(cfg.window_tokens, 1)
     return passes | sink | window
 
 
@@ -143,14 +176,14 @@ def build_index(
     if means is None:
         means = block_means(k_pages, v_pages, plan, descales)
     tpb = plan.config.tiles_per_block
-    ratios = block_energy_ratios(q, means, plan, descales)
+    energies = block_energies(q, means, plan, descales)
     device = q.device
     lists: list[torch.Tensor] = [torch.empty(0, dtype=torch.int32, device=device)] * plan.num_segments
     for h in range(plan.num_kv_heads):
         for b in range(plan.batch_size):
             for tile in range(plan.qtiles[b]):
                 seg = h * plan.total_tiles + plan.cu_qtiles_host[b] + tile
-                sel = select_blocks(ratios[seg], plan, b, tile)
+                sel = select_blocks(energies[seg], plan, b, tile)
                 _, _, _, hi, _, _ = _tile_geometry(plan, b, tile)
                 blocks = sel.nonzero().flatten()
                 tiles = (blocks[:, None] * tpb + torch.arange(tpb, device=device)).flatten()
@@ -303,6 +336,7 @@ def dense_attention(
 
 __all__ = [
     "block_means",
+    "block_energies",
     "block_energy_ratios",
     "select_blocks",
     "build_index",

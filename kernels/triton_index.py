@@ -65,10 +65,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_interpreter import apply_if_interpreting
+
 from .config import KV_TILE, Q_TILE
 from .fp8 import Fp8Descales
 from .index import BlockMeans, SparseIndex
 from .plan import PrefillPlan
+
+apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
 
 _LOG2E = 1.4426950408889634
 _BITS = 32  # selection bits per bitmask word
@@ -203,8 +207,10 @@ def _block_means_kernel(
 
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    acc_k = tl.zeros([TOKENS, BLOCK_D], dtype=tl.float32)
-    acc_v = tl.zeros([TOKENS, BLOCK_D], dtype=tl.float32)
+    # float64 sums are exact for 16-bit and FP8 tokens: the mean does not depend on the order
+    # of the block's tokens (token-permuted copies tie exactly at the threshold)
+    acc_k = tl.zeros([TOKENS, BLOCK_D], dtype=tl.float64)
+    acc_v = tl.zeros([TOKENS, BLOCK_D], dtype=tl.float64)
     for c in tl.static_range(0, BLOCK_SIZE, TOKENS):
         j = start + c + tl.arange(0, TOKENS)
         ok = j < end
@@ -213,11 +219,11 @@ def _block_means_kernel(
         m = _row_mask(ok, dims, HEAD_DIM, BLOCK_D)
         k_off = page * stride_kp + slot * stride_ks + h * stride_kh
         v_off = page * stride_vp + slot * stride_vs + h * stride_vh
-        acc_k += tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_v += tl.load(v_ptr + v_off[:, None] + dims[None, :] * stride_vd, mask=m, other=0.0).to(tl.float32)
-    inv = 1.0 / (end - start).to(tl.float32)
-    kbar = tl.sum(acc_k, axis=0) * inv
-    vbar = tl.sum(acc_v, axis=0) * inv
+        acc_k += tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32).to(tl.float64)
+        acc_v += tl.load(v_ptr + v_off[:, None] + dims[None, :] * stride_vd, mask=m, other=0.0).to(tl.float32).to(tl.float64)
+    count = (end - start).to(tl.float64)
+    kbar = (tl.sum(acc_k, axis=0) / count).to(tl.float32)
+    vbar = (tl.sum(acc_v, axis=0) / count).to(tl.float32)
     if FP8:  # means of the descaled values; the scoring operand is re-quantized with c_k
         ck = tl.load(kd_ptr + b * stride_kd_b + h * stride_kd_h)
         cv = tl.load(vd_ptr + b * stride_vd_b + h * stride_vd_h)
@@ -318,13 +324,15 @@ def _score_select_kernel(
                 s = tl.dot(kb.to(tl.float32), q_t, input_precision="ieee")
             else:
                 s = tl.dot(kb, q_t, input_precision=DOT_PRECISION)
-            # padded query rows must not add energy; padded blocks (J >= nvis) read zero
-            # means, stay finite and are dropped below
-            s = tl.where(row_ok[None, :], s, float("-inf"))
+            # padded query rows must not add energy, nor may a non-finite score (NaN/Inf in q
+            # or k): such a row adds nothing, so it cannot change another row's selection.
+            # Padded blocks (J >= nvis) read zero means, stay finite and are dropped below.
+            s = tl.where(row_ok[None, :] & (tl.abs(s) < float("inf")), s, float("-inf"))
             c = tl.max(s, axis=1)
+            c = tl.where(c == float("-inf"), 0.0, c)  # no finite score: energy 0, le -inf
             # one FFMA per score: (s - c) * scale * log2(e)
             energy = tl.sum(tl.exp2(tl.fma(s, qk, -(c * qk)[:, None])), axis=1)
-            le = c * qk + tl.log2(energy)  # log2 E_J, energy >= 1
+            le = c * qk + tl.log2(energy)  # log2 E_J: energy >= 1, or 0 (le = -inf)
             tl.store(scratch + J, le, mask=col_ok)
             le_max_vec = tl.maximum(le_max_vec, tl.where(col_ok, le, float("-inf")))
         le_max = tl.max(le_max_vec, axis=0)
@@ -341,10 +349,12 @@ def _score_select_kernel(
                 passes = J < nfull
             else:
                 le = tl.load(scratch + J, mask=vis, other=float("-inf"))
-                passes = (le >= threshold) & (J < nfull)
+                # E_J >= alpha max E (ties kept: equal operands give equal le), E_J > 0
+                passes = (le >= threshold) & (le > float("-inf")) & (J < nfull)
             sink = J * BLOCK_SIZE < sink_tokens
             block_last = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - 1
-            window = block_last >= lo + 1 - window_tokens  # includes the diagonal blocks
+            # includes the diagonal blocks and at least the block holding key pmin + P
+            window = block_last >= lo + 1 - window_tokens
             sel = vis & (passes | sink | window)
             # bits are distinct, so the sum is the bitwise or (bit 31 wraps to the sign bit)
             words = tl.sum(sel.to(tl.int32) << bit[None, :], axis=1)
@@ -480,7 +490,7 @@ def select_and_compact(
         plan.max_blocks, words,
         cfg.softmax_scale(d) * _LOG2E,
         0.0 if keep_all else math.log2(cfg.alpha),
-        cfg.sink_tokens, cfg.window_tokens,
+        cfg.sink_tokens, max(cfg.window_tokens, 1),  # the block of key pmin + P: no empty row
         G=g,
         HEAD_DIM=d,
         BLOCK_D=triton.next_power_of_2(d),
