@@ -16,9 +16,9 @@ K-major operand Hopper's fp8 wgmma takes) with ``page_size % 16 == 0``; bfloat16
 Does not: fp32 (the Triton kernel's exact-math test path), other head dims, FP8 with row-major V
 or head_dim 64 (the Triton kernel takes those).
 
-Shared with the Triton kernel (one implementation each): the work order (``_work_order``), the
-automatic split count (``auto_num_splits``) and the selected-block bitmask prepass
-(``_selected_blocks``, a Triton kernel).
+Shared with the Triton kernel (one implementation each, ``kernels/schedule.py``): the work order
+(``work_order``), the automatic split count (``auto_num_splits``) and the selected-block bitmask
+prepass (``selected_blocks``, a Triton kernel).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from . import cutlass_build, fp8
 from .fp8 import Fp8Descales
-from .index import SparseIndex
+from .index import SparseIndex, split_means
 from .plan import PrefillPlan
 
 _LOG2E = 1.4426950408889634
@@ -147,7 +147,7 @@ def sparse_attention(
     if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
                                  or max_ctas < 1):
         raise ValueError(f"max_ctas: expected an int >= 1 or None, got {max_ctas!r}")
-    from . import triton_attention as ta  # scheduling helpers and the bitmask prepass
+    from . import schedule  # work order, split count and the bitmask prepass (Triton)
 
     cfg = plan.config
     tq, hq, d = q.shape
@@ -159,13 +159,13 @@ def sparse_attention(
     if not dense and index is None:
         raise ValueError("index: expected a SparseIndex (or pass dense=True), got None")
     if num_splits is None:
-        num_splits = ta.auto_num_splits(plan, ta._num_sms(q.device.index))
+        num_splits = schedule.auto_num_splits(plan, schedule.num_sms(q.device.index))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
     lib = cutlass_build.load_library()
 
     correction = bool(cfg.mean_correction) and not dense
-    order = ta._work_order(plan, index, dense)
+    order = schedule.work_order(plan, index, dense)
     seg_offsets = kv_tiles = kbar = vbar = corr_bits = None
     words = 0
     if not dense:
@@ -186,14 +186,15 @@ def sparse_attention(
         vt[:, :, column] = vq.permute(1, 2, 0)
         vbar = vt.permute(2, 0, 1)  # [columns, Hkv, d] view, strides (1, d * width, width)
     elif correction:
-        # the scoring operands of the correction, rounded once per call (as the Triton kernel)
-        kbar = index.means.kbar.to(q.dtype).contiguous()
-        vbar = index.means.vbar.to(q.dtype).contiguous()
+        # the fp32 means as hi + lo operands of q's dtype (as the Triton kernel): rows J and
+        # total_blocks + J of a [2 * total_blocks, Hkv, d] tensor (fp_attn_api.h)
+        kbar = split_means(index.means.kbar, q.dtype)[0]
+        vbar = split_means(index.means.vbar, q.dtype)[0]
     if correction:
         words = max(1, math.ceil(plan.max_blocks / _CORR_CHUNK)) * (_CORR_CHUNK // 32)
         corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
         if index.kv_tiles.numel():
-            ta._selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+            schedule.selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
                                                  TPB=cfg.tiles_per_block, BLOCK_E=128,
                                                  num_warps=4)
     o_part = lse_part = None

@@ -41,7 +41,7 @@ from pathlib import Path
 
 LIB_NAME = "libfp_cutlass.so"
 LIB_NAME_SHARED_RT = "libfp_cutlass_cudart_shared.so"
-ABI_VERSION = 7  # FP_ABI_VERSION in csrc/fp_attn_api.h
+ABI_VERSION = 8  # FP_ABI_VERSION in csrc/fp_attn_api.h
 SRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("fp_attn_api.h", "sparse_attn_traits.cuh", "sparse_attn_ws.cuh", "sparse_attn_fwd.cu")
 MAIN_SOURCE = "sparse_attn_fwd.cu"

@@ -42,3 +42,16 @@ class SparseIndex:
     def nnz(self) -> int:
         """Selected tiles in all segments (host sync; for reporting, not hot paths)."""
         return int(self.seg_offsets[-1])
+
+
+def split_means(means: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 means as two tensor-core operands of a 16-bit ``dtype``: ``[2, *means.shape]``,
+    ``hi = means.to(dtype)`` and ``lo = (means - hi).to(dtype)``, contiguous (``lo`` sits
+    ``means.numel()`` elements after ``hi``). ``hi + lo`` is within ``2^-17`` (bf16) or
+    ``2^-22`` (fp16, normal range) of the fp32 value, where ``hi`` alone is within ``2^-9``:
+    the attention kernels feed both to their dots so that the correction term uses the fp32
+    means (docs/SEMANTICS.md, choice 4)."""
+    out = torch.empty((2, *means.shape), dtype=dtype, device=means.device)
+    out[0] = means
+    out[1] = means - out[0].float()
+    return out

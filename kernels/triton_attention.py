@@ -21,10 +21,13 @@ Supports
   K/V rows come from two (non-adjacent) 64-token tiles, half the online-softmax steps.
 - Mean correction in the same online softmax: chunks of 64 block means whose logits are
   shifted by ``log |B_J|``; the selected blocks come from a per-segment bitmask built by a
-  small prepass (``_selected_blocks``) and the means are rounded to q's dtype once per call,
-  so the chunk loop is unmasked and cp.async-pipelined.
+  small prepass (``schedule.selected_blocks``). The term uses the fp32 means: for 16-bit inputs each
+  is split once per call into two operands of q's dtype (``index.split_means``: hi + lo, two
+  dots each for the scores and the PV product), so the chunk loop is unmasked and
+  cp.async-pipelined.
 - Split-KV by selected-tile count (eq. 18) with an exact LSE combine; programs ordered by
-  decreasing work (device-side argsort of the segment lengths).
+  decreasing work (device-side argsort of the segment lengths). Both come from
+  ``kernels/schedule.py``, shared with the CUTLASS kernel.
 - ``dense=True``: the same kernel over every visible tile (no index), no correction.
 - fp16 / bf16 (tensor cores, fp32 accumulation) and fp32 (exact fp32 dots, for tests);
   head_dim a multiple of 16 up to 256 (non powers of two are padded and masked).
@@ -39,8 +42,9 @@ Does not
   loads software-pipelined by ``tl.range``.
 - Validate its inputs: ``kernels.ops`` does that once per batch (``plan_prefill``).
 
-Numerics: block means enter the tensor-core dots rounded to the input dtype (fp32 for fp32
-inputs); probabilities are rounded to the input dtype before the PV product, as in FlashAttention.
+Numerics: block means enter the tensor-core dots as hi + lo pairs of the input dtype (fp32 for
+fp32 inputs, e4m3 re-quantized for FP8); probabilities are rounded to the input dtype before the
+PV product, as in FlashAttention.
 
 FLOPs (for TFLOP/s): each visible (query row, selected key) pair costs ``4 d`` (``2 d`` for
 ``q.k``, ``2 d`` for ``p.v``); each (query row, corrected block) pair also ``4 d``. Work done by
@@ -49,23 +53,22 @@ the tensor cores is larger: whole 128x64 tiles, diagonal tiles included, are mul
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from .triton_interpreter import apply_if_interpreting
+
 from . import fp8
 from .config import KV_TILE, Q_TILE
 from .fp8 import Fp8Descales
-from .index import SparseIndex
+from .index import SparseIndex, split_means
 from .plan import PrefillPlan
+from .schedule import auto_num_splits, num_sms, selected_blocks, work_order
+
+apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
 
 _LOG2E = 1.4426950408889634
-_NUM_SMS_DEFAULT = 132  # H200
-_MAX_SPLITS = 16
-_PARTIAL_BYTES_CAP = 1 << 30
 _empty = torch.empty  # outputs and split partials (tests swap in a NaN-filled allocator)
 
 
@@ -148,10 +151,11 @@ def _load_kv_pair(K, V, pt_row, n_a, n_b, offs_p, offs_d,
 
 @triton.jit
 def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                   FP8: tl.constexpr):
+                   FP8: tl.constexpr, v_lo=None, V_LO: tl.constexpr = False):
     """One online-softmax step on base-2 logits ``s`` ([M, N], -inf where masked). FP8: the
     PV operand is ``round_e4m3(256 p)`` (eq. 15); ``l`` sums the unrounded ``p``, so ``acc``
-    carries a factor 256 that the epilogue removes."""
+    carries a factor 256 that the epilogue removes. ``V_LO``: the values are ``v + v_lo`` (an
+    fp32 mean carried as two 16-bit parts), two PV products."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # rows that have seen nothing yet keep m = -inf; shift by 0 instead of NaN
@@ -166,6 +170,8 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
         acc = tl.dot((p * 256.0).to(v.dtype), v, acc)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        if V_LO:
+            acc = tl.dot(p.to(v.dtype), v_lo, acc, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -175,13 +181,13 @@ def _online_update(acc, m_i, l_i, s, v, MASKED: tl.constexpr, PRECISION: tl.cons
 
 
 # batch-dependent integers are not specialized (a new batch shape must not recompile)
-@triton.jit(do_not_specialize=["total_tiles", "total_q", "words_per_seg"])
+@triton.jit(do_not_specialize=["total_tiles", "total_q", "words_per_seg", "s_lo"])
 def _sparse_attn_fwd(
     Q, K, V, Kbar, Vbar, Out, Lse, OPart, LsePart, QD, KD, VD,
     seg_offsets, kv_tiles, order, corr_bits, words_per_seg,
     cu_seqlens_q, seqlens_kv, cu_qtiles, cu_blocks, tile_seq, page_table,
     sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, sv_d,
-    skb_t, skb_h, svb_t, svb_h, svb_d, s_pt,
+    skb_t, skb_h, svb_t, svb_h, svb_d, s_lo, s_pt,
     sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h,
     total_tiles, total_q, num_splits, qk_scale,
     G: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -189,7 +195,7 @@ def _sparse_attn_fwd(
     BLOCK_SIZE: tl.constexpr, TPB: tl.constexpr, MAX_DIAG: tl.constexpr,
     CORR_BLOCKS: tl.constexpr, CORRECTION: tl.constexpr, DENSE: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PAIR: tl.constexpr, FP8: tl.constexpr,
+    PAIR: tl.constexpr, FP8: tl.constexpr, MEANS_LO: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rank = pid // num_splits
@@ -317,9 +323,12 @@ def _sparse_attn_fwd(
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v, False, PRECISION, FP8)
 
     # 3) mean correction: fully visible blocks with no selected tile, owned by the last split.
-    # corr_bits holds one bit per (segment, selected logical block) (``_selected_blocks``);
-    # the means arrive already rounded to q's dtype, so each chunk is two unmasked,
-    # cp.async-pipelined [CORR_BLOCKS, d] loads and one tile of online softmax.
+    # corr_bits holds one bit per (segment, selected logical block) (``schedule.selected_blocks``);
+    # the means arrive as tensor-core operands prepared once per call, so each chunk is
+    # unmasked, cp.async-pipelined [CORR_BLOCKS, d] loads and one tile of online softmax.
+    # MEANS_LO (16-bit inputs): each fp32 mean is hi + lo, two operands of q's dtype at
+    # Kbar/Vbar and s_lo elements further (SEMANTICS choice 4: the term uses the fp32 means;
+    # hi alone, the mean rounded to bf16, put lse off by up to 3e-3).
     if CORRECTION:
         if u == num_splits - 1:
             if lo + 1 < lkv:
@@ -337,20 +346,33 @@ def _sparse_attn_fwd(
                 word = tl.load(bits_row + J // 32)
                 todo = (J < n_blocks_full) & (((word >> (J % 32)) & 1) == 0)
                 rowsJ = blk0 + tl.minimum(J, last_blk)  # in bounds: no load mask
+                kb_ptrs = kb_h + rowsJ[:, None] * skb_t + offs_d[None, :]
+                vb_ptrs = vb_h + rowsJ[:, None] * svb_t + offs_d[None, :] * svb_d
                 if HEAD_DIM == D_PAD:
-                    kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :])
-                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :] * svb_d)
+                    kb = tl.load(kb_ptrs)
+                    vb = tl.load(vb_ptrs)
+                    if MEANS_LO:
+                        kb_lo = tl.load(kb_ptrs + s_lo)
+                        vb_lo = tl.load(vb_ptrs + s_lo)
                 else:
-                    kb = tl.load(kb_h + rowsJ[:, None] * skb_t + offs_d[None, :],
-                                 mask=d_ok[None, :], other=0.0)
-                    vb = tl.load(vb_h + rowsJ[:, None] * svb_t + offs_d[None, :] * svb_d,
-                                 mask=d_ok[None, :], other=0.0)
+                    kb = tl.load(kb_ptrs, mask=d_ok[None, :], other=0.0)
+                    vb = tl.load(vb_ptrs, mask=d_ok[None, :], other=0.0)
+                    if MEANS_LO:
+                        kb_lo = tl.load(kb_ptrs + s_lo, mask=d_ok[None, :], other=0.0)
+                        vb_lo = tl.load(vb_ptrs + s_lo, mask=d_ok[None, :], other=0.0)
                 size = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - J * BLOCK_SIZE
                 # log |B_J| for the blocks to correct, -inf for the others: one column bias
                 bias = tl.where(todo, tl.math.log2(tl.maximum(size, 1).to(tl.float32)),
                                 float("-inf"))
-                s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * qk + bias[None, :]
-                acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION, FP8)
+                s = tl.dot(q, tl.trans(kb), input_precision=PRECISION)
+                if MEANS_LO:
+                    s = tl.dot(q, tl.trans(kb_lo), s, input_precision=PRECISION)
+                    s = s * qk + bias[None, :]
+                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION, FP8,
+                                                   vb_lo, True)
+                else:
+                    s = s * qk + bias[None, :]
+                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, True, PRECISION, FP8)
 
     # epilogue
     if FP8:  # acc = 256 sum P~ V8: restore c_v / 256 (l sums the unrounded p)
@@ -368,21 +390,6 @@ def _sparse_attn_fwd(
         tl.store(Out + out_rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + out_rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-
-
-@triton.jit
-def _selected_blocks(seg_offsets, kv_tiles, bits, words_per_seg,
-                     TPB: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One bit per (segment, logical block with a listed tile): ``bits`` (zeroed) |= ..."""
-    seg = tl.program_id(0)
-    lo = tl.load(seg_offsets + seg)
-    n = tl.load(seg_offsets + seg + 1) - lo
-    row = bits + seg.to(tl.int64) * words_per_seg
-    for e0 in range(0, n, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        ok = e < n
-        blk = tl.load(kv_tiles + lo + e, mask=ok, other=0) // TPB
-        tl.atomic_or(row + blk // 32, (1 << (blk % 32)).to(tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -417,13 +424,6 @@ def _combine_splits(OPart, LsePart, Out, Lse, n_rows, num_splits,
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    if device_index is None or not torch.cuda.is_available():
-        return _NUM_SMS_DEFAULT
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_config(head_dim: int) -> tuple[int, int]:
     """(num_warps, pipeline stages, pair) for BLOCK_M=128 on sm_90: two warpgroups of 64 rows.
     Compiled for sm_90 on a CPU (cuobjdump --dump-resource-usage), d=128, bf16, 3 stages: pair
@@ -434,55 +434,6 @@ def _launch_config(head_dim: int) -> tuple[int, int]:
     if head_dim <= 128:
         return 8, 3, True
     return 8, 2, False
-
-
-def auto_num_splits(plan: PrefillPlan, num_sms: int = _NUM_SMS_DEFAULT) -> int:
-    """Split-KV parts from the plan's host lists only (no device data, no sync).
-
-    The causal work of a segment (tiles up to its horizon) bounds its sparse work. With work
-    ordered longest first, the makespan is at least the longest segment; split when that exceeds
-    the average work per SM (underfilled grids, or one long sequence among short ones).
-    """
-    cfg = plan.config
-    if cfg.num_splits > 0:
-        return cfg.num_splits
-    total = 0.0
-    longest = 0
-    for lq, lkv, nt in zip(plan.seqlens_q, plan.seqlens_kv, plan.qtiles):
-        if nt == 0:
-            continue
-        prefix = lkv - lq
-        total += plan.num_kv_heads * nt * ((prefix + lq / 2) / KV_TILE + 1)
-        longest = max(longest, -(-lkv // KV_TILE))
-    if total == 0:
-        return 1
-    per_sm = total / num_sms
-    if longest <= per_sm:
-        return 1
-    splits = math.ceil(longest / per_sm)
-    # at least ~4 tiles per split, bounded partial buffers
-    splits = min(splits, _MAX_SPLITS, max(1, longest // 4))
-    row_bytes = plan.total_q * plan.num_qo_heads * triton.next_power_of_2(plan.head_dim) * 4
-    while splits > 1 and splits * row_bytes > _PARTIAL_BYTES_CAP:
-        splits -= 1
-    return max(splits, 1)
-
-
-def _work_order(plan: PrefillPlan, index: SparseIndex | None, dense: bool) -> torch.Tensor:
-    """Segments sorted by decreasing work (device-side argsort; no host sync)."""
-    if not dense:
-        counts = index.seg_offsets[1:] - index.seg_offsets[:-1]
-        return torch.argsort(counts, descending=True).to(torch.int32)
-    # dense: the causal horizon of each query tile, same for every KV head
-    g = plan.group_size
-    ts = plan.tile_seq.long()
-    cu_q = plan.cu_seqlens_q.long()
-    lq = (cu_q[1:] - cu_q[:-1])[ts]
-    tile = torch.arange(plan.total_tiles, device=ts.device) - plan.cu_qtiles.long()[ts]
-    last_row = torch.minimum(tile * Q_TILE + Q_TILE, g * lq) - 1
-    horizon = last_row // g + plan.seqlens_kv_t.long()[ts] - lq
-    key = horizon.repeat(plan.num_kv_heads)
-    return torch.argsort(key, descending=True).to(torch.int32)
 
 
 def sparse_attention(
@@ -525,7 +476,7 @@ def sparse_attention(
         raise ValueError("index: expected a SparseIndex (or pass dense=True), got None")
     if num_splits is None:
         dev_index = q.device.index if q.device.type == "cuda" else None
-        num_splits = auto_num_splits(plan, _num_sms(dev_index))
+        num_splits = auto_num_splits(plan, num_sms(dev_index))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
 
@@ -546,7 +497,7 @@ def sparse_attention(
     stages = _num_stages or stages
     pair = pair if _pair is None else bool(_pair)
 
-    order = _work_order(plan, index, dense)
+    order = work_order(plan, index, dense)
     if dense:
         seg_offsets = kv_tiles = order  # unused
         kbar = vbar = q  # unused
@@ -557,20 +508,22 @@ def sparse_attention(
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
     words = 1
     corr_bits = seg_offsets  # unused without correction
+    means_lo = False
     if correction and is_fp8:
         # e4m3 operands re-quantized with each block's (sequence, KV head) descale; V means
         # stored block-major ([Hkv, d, blocks]) so the PV operand is K-major like V's tiles
         kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks)
         vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks).permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    elif correction:
-        # the scoring operands of the correction, rounded once per call (not per tile)
-        kbar = kbar.to(q.dtype)
-        vbar = vbar.to(q.dtype)
+    elif correction and q.dtype != torch.float32:
+        # the fp32 means as hi + lo operands of q's dtype, split once per call (not per tile)
+        kbar = split_means(kbar, q.dtype)[0]
+        vbar = split_means(vbar, q.dtype)[0]
+        means_lo = True
     if correction:
         words = max(1, triton.cdiv(plan.max_blocks, corr_blocks)) * (corr_blocks // 32)
         corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
         if kv_tiles.numel():
-            _selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+            selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
                                               TPB=tpb, BLOCK_E=128, num_warps=4)
     split = num_splits > 1
     if split:
@@ -595,14 +548,14 @@ def sparse_attention(
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), v_pages.stride(3),
         kbar.stride(0), kbar.stride(1) if kbar.dim() > 1 else 0,
         vbar.stride(0), vbar.stride(1) if vbar.dim() > 1 else 0, vbar.stride(2) if vbar.dim() > 2 else 1,
-        pt.stride(0), *dstr,
+        kbar.numel() if means_lo else 0, pt.stride(0), *dstr,
         plan.total_tiles, tq, num_splits, scale * _LOG2E,
         G=g, HQ=hq, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_M=Q_TILE, BLOCK_N=KV_TILE, PAGE_SIZE=plan.page_size,
         BLOCK_SIZE=cfg.block_size, TPB=tpb, MAX_DIAG=max_diag,
         CORR_BLOCKS=corr_blocks, CORRECTION=correction, DENSE=dense,
         SPLIT=split, PRECISION=precision, LOOP_STAGES=stages, PAIR=pair, FP8=is_fp8,
-        num_warps=warps, num_stages=stages,
+        MEANS_LO=means_lo, num_warps=warps, num_stages=stages,
     )
     if split:
         n_rows = tq * hq

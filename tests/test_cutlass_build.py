@@ -288,13 +288,13 @@ def test_forced_cutlass_on_cpu_raises():
 
 def test_backend_selection(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(ca, "available", lambda: True)
-    assert ops.cutlass_available(cuda)
+    monkeypatch.setattr(cb, "unavailable_reason", lambda: None)  # buildable here
+    assert ops.cutlass_available(cuda) and ca.available()
     assert ops.resolve_backend("cutlass", cuda) == "cutlass"
     assert not ops.cutlass_available(torch.device("cpu"))
     assert ops.resolve_backend("auto", torch.device("cpu")) == "reference"
-    monkeypatch.setattr(ca, "available", lambda: False)
     monkeypatch.setattr(cb, "unavailable_reason", lambda: "nvcc not found (test)")
+    assert not ca.available()
     with pytest.raises(ValueError, match="its library: nvcc not found"):
         ops.resolve_backend("cutlass", cuda)
     with pytest.raises(ValueError, match="backend: expected one of"):
@@ -367,7 +367,7 @@ class _FakePrepass:
 def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
     from kernels import SparseConfig, plan_prefill
     from kernels import reference as ref
-    from kernels import triton_attention as ta
+    from kernels import schedule
     from tests.helpers import make_batch
 
     cfg = SparseConfig(alpha=0.1, block_size=128, sink_tokens=64, window_tokens=64,
@@ -379,7 +379,7 @@ def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
     fake, prepass = _FakeLib(), _FakePrepass()
     monkeypatch.setattr(ca, "check_inputs", lambda q, k, v: None)
     monkeypatch.setattr(cb, "load_library", lambda: fake)
-    monkeypatch.setattr(ta, "_selected_blocks", prepass)
+    monkeypatch.setattr(schedule, "selected_blocks", prepass)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan,
                                    None if dense else index, num_splits=splits, dense=dense)
@@ -406,6 +406,8 @@ def test_wrapper_parameter_block(monkeypatch, dense, splits, corr):
         assert p["words_per_seg"] == words
         assert prepass.grids == [((plan.num_segments,), words, dict(TPB=2, BLOCK_E=128, num_warps=4))]
         assert (p["skb_t"], p["skb_h"]) == (2 * 64, 64) and p["kbar"] and p["corr_bits"]
+        # 16-bit means as hi + lo: 2 * total_blocks rows at kbar (fp_attn_api.h)
+        assert p["total_blocks"] == plan.total_blocks
     else:
         assert p["kbar"] is None and p["corr_bits"] is None and not prepass.grids
     if dense:
@@ -420,7 +422,7 @@ def test_wrapper_parameter_block_fp8(monkeypatch):
     with each sequence's columns 64-aligned (whole TMA boxes), bf16 output."""
     from kernels import SparseConfig
     from kernels import reference as ref
-    from kernels import triton_attention as ta
+    from kernels import schedule
     from tests.test_fp8 import _plan, fp8_batch
 
     batch = fp8_batch([150, 1], [70, 300], hq=8, hkv=2, d=128, page_size=16, granularity="head",
@@ -431,7 +433,7 @@ def test_wrapper_parameter_block_fp8(monkeypatch):
     fake, prepass = _FakeLib(), _FakePrepass()
     monkeypatch.setattr(ca, "check_inputs", lambda q, k, v: None)
     monkeypatch.setattr(cb, "load_library", lambda: fake)
-    monkeypatch.setattr(ta, "_selected_blocks", prepass)
+    monkeypatch.setattr(schedule, "selected_blocks", prepass)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     out, lse = ca.sparse_attention(batch.q, batch.k_pages, batch.v_pages, plan, index,
                                    num_splits=1, descales=ds)

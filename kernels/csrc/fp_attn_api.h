@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FP_ABI_VERSION 7
+#define FP_ABI_VERSION 8
 
 // E4M3: q, k, v float8_e4m3fn with float32 descales (kernels/fp8.py); head_dim 128, V stored
 // token-major ([num_pages, Hkv, d, page_size]: sv_s == 1) with page_size % 16 == 0; bf16 output.
@@ -37,7 +37,9 @@ typedef struct FpAttnParams {
   const void* q;             // [total_q, Hq, d], q dtype
   const void* k;             // [num_pages, page_size, Hkv, d]
   const void* v;             // [num_pages, page_size, Hkv, d] (strides sv_*; e4m3: token-major)
-  const void* kbar;          // [total_blocks, Hkv, d] block means in q dtype (correction only)
+  const void* kbar;          // block means (correction only). 16-bit: [2 * total_blocks, Hkv, d]
+                             // in q dtype, rows J the fp32 means rounded (hi), rows total_blocks + J
+                             // the remainders (lo); e4m3: [total_blocks, Hkv, d] re-quantized
   const void* vbar;          // the same (strides svb_*; e4m3: block-major [Hkv, d, blocks])
   void* out;                 // [total_q, Hq, d] contiguous, q dtype (bf16 for e4m3)
   float* lse;                // [total_q, Hq] contiguous, natural log

@@ -7,6 +7,7 @@
 //  3. the swizzled shared-memory layouts are bijections whose 16-byte chunks are contiguous
 //     (one cp.async each), the V^T view addresses the same element as V (16-bit), and every
 //     TMA box lands as the hardware's swizzle pattern says (fp8 V^T: 64-byte swizzle);
+//     16-bit correction chunks pair S slot j with slot j + half (the lo part of its block);
 //  4. the warpgroup of a thread owns rows [64 w, 64 w + 64).
 #include <cstdio>
 #include <set>
@@ -115,6 +116,14 @@ void check_variant(const char* name) {
               "%s: t=%d S column slot %d holds key %d, outside tile %d of the step", name, t, j,
               int(get<1>(rcS(i, j))), j / per_tile);
         cols_s[t].back().insert(get<1>(rcS(i, j)));
+        // 16-bit correction chunks: slot j + half holds the lo part of slot j's block
+        if constexpr (!T::kFp8) {
+          const int half = int(size<1>(rcS)) / 2;
+          if (j < half)
+            CHECK(get<1>(rcS(i, j + half)) == get<1>(rcS(i, j)) + T::kCorrBlocks && get<0>(rcS(i, j + half)) == row,
+                  "%s: t=%d S slot %d (col %d) is not paired with slot %d (col %d)", name, t, j,
+                  int(get<1>(rcS(i, j))), j + half, int(get<1>(rcS(i, j + half))));
+        }
       }
       CHECK(row / 64 == t / 128, "%s: thread %d holds S row %d outside its warpgroup", name, t, row);
     }
@@ -226,11 +235,15 @@ void check_variant(const char* name) {
             }
         }
   }
-  // correction chunks: one TMA box of kBlockN rows x one 128-byte row per column block
+  // correction chunks: one TMA box of kBlockN rows x one 128-byte row per column block (16-bit:
+  // two boxes of kCorrBlocks rows, hi then lo; each must start 1024-aligned)
   {
     for (int s = 0; s < T::kStages; ++s)
       for (int cb = 0; cb < D / W; ++cb) {
         const char* base = reinterpret_cast<const char*>(&sK(0, cb * W, s));
+        const char* lo_base = reinterpret_cast<const char*>(&sK(T::kCorrBlocks % T::kBlockN, cb * W, s));
+        CHECK((lo_base - reinterpret_cast<const char*>(buf)) % 1024 == 0 && (base - reinterpret_cast<const char*>(buf)) % 1024 == 0,
+              "%s: means box not 1024-aligned", name);
         for (int r = 0; r < T::kBlockN; ++r)
           for (int c = 0; c < W; ++c) {
             const long got = reinterpret_cast<const char*>(&sK(r, cb * W + c, s)) - base;

@@ -10,8 +10,11 @@
 // - Paged K/V, any page_size: TMA per 64-key tile when page_size % 64 == 0 (one page-table
 //   lookup per tile), cp.async per key row otherwise; rows past Lkv are zero-filled.
 // - The CSR list walked backwards (diagonal tiles first, masked; fully visible tiles unmasked),
-//   then the mean-correction chunks (128 block means each, logit bias log2|B_J| or -inf from the
-//   selected-block bitmask) in the same online softmax and the same smem pipeline.
+//   then the mean-correction chunks (logit bias log2|B_J| or -inf from the selected-block
+//   bitmask) in the same online softmax and the same smem pipeline. The term uses the fp32
+//   means: 16-bit inputs pass each as hi + lo (2 * total_blocks rows of kbar/vbar), a chunk
+//   stages the hi and lo rows of kBlockN / 2 blocks and adds the two halves of S; e4m3 takes
+//   kBlockN re-quantized means per chunk.
 // - Split-KV by tile count (eq. 18) with an exact LSE combine (combine_splits_kernel); CTAs
 //   ordered by the caller's decreasing-work order. dense=1: every visible tile, no index.
 // Structure (v1, kernels/csrc/sparse_attn_ws.cuh): warp-specialized, 384 threads. A producer
@@ -228,13 +231,14 @@ int encode_pool_vt_map(CUtensorMap* map, const FpAttnParams& p) {
   return encode_map(map, p.v, 4, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_64B, "v (token-major)");
 }
 
-// [total_blocks, Hkv, d] block means as a 3-D map (d, head, block); box = `rows` means of one head
-// (rows past total_blocks read as zeros; the kernel gives them a -inf bias).
+// [n_rows, Hkv, d] block means as a 3-D map (d, head, row); box = `rows` means of one head
+// (rows past n_rows read as zeros; the kernel gives them a -inf bias). 16-bit: n_rows =
+// 2 * total_blocks, the hi parts then the lo parts (split_means); e4m3: total_blocks.
 int encode_means_map(CUtensorMap* map, const void* base, int64_t s_blk, int64_t s_head, int rows,
-                     const FpAttnParams& p, const char* what) {
+                     int64_t n_rows, const FpAttnParams& p, const char* what) {
   const int64_t es = element_bytes(p.dtype);
   const cuuint64_t dims[3] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
-                              cuuint64_t(p.total_blocks)};
+                              cuuint64_t(n_rows)};
   const cuuint64_t strides[2] = {cuuint64_t(s_head * es), cuuint64_t(s_blk * es)};
   const cuuint32_t box[3] = {cuuint32_t(128 / es), 1, cuuint32_t(rows)};
   return encode_map(map, base, 3, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_128B, what);
@@ -268,10 +272,13 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
   }
   // (fp8 kernels load correction chunks by TMA only)
   if (p.correction && !p.dense && p.total_blocks > 0) {
-    const int rows = p.kernel_variant == FP_KERNEL_WS64 ? 64 : 128;  // the variant's kBlockN
-    int st = encode_means_map(&maps.kbar, p.kbar, p.skb_t, p.skb_h, rows, p, "kbar");
+    // the variant's kCorrBlocks: kBlockN (e4m3) or kBlockN / 2 (16-bit hi + lo)
+    const int rows = (p.kernel_variant == FP_KERNEL_WS64 ? 64 : 128) / (fp8 ? 1 : 2);
+    const int64_t n_rows = fp8 ? int64_t(p.total_blocks) : 2 * int64_t(p.total_blocks);
+    int st = encode_means_map(&maps.kbar, p.kbar, p.skb_t, p.skb_h, rows, n_rows, p, "kbar");
     if (st == FP_OK)
-      st = fp8 ? encode_means_vt_map(&maps.vbar, p) : encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, p, "vbar");
+      st = fp8 ? encode_means_vt_map(&maps.vbar, p)
+               : encode_means_map(&maps.vbar, p.vbar, p.svb_t, p.svb_h, rows, n_rows, p, "vbar");
     if (st != FP_OK) return st;
     maps.means = 1;
   }

@@ -51,6 +51,11 @@ struct WsTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kTileN = 64;  // keys per CSR tile
   static constexpr int kTilesPerStage = kBlockN / kTileN;
+  // block means per correction chunk. 16-bit: the fp32 means arrive as hi + lo operands
+  // (kernels/index.py split_means), a stage holds kBlockN / 2 blocks' hi rows then their lo
+  // rows, and the consumers add the two halves of S (the correction term uses the fp32 means,
+  // docs/SEMANTICS.md choice 4). fp8: e4m3 means, kBlockN per chunk.
+  static constexpr int kCorrBlocks = kFp8 ? kBlockN : kBlockN / 2;
   static constexpr int kStages = kStages_;
   static constexpr bool kPingpong = kPingpong_;
   static constexpr bool kPersistent = kPersistent_;

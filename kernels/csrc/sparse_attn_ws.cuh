@@ -106,7 +106,7 @@ struct WsWork {
     if (p.correction && !p.dense && u == num_splits - 1) {
       n_blocks_full = (lo + 1 < lkv) ? (lo + 1) / p.block_size
                                      : (lkv + p.block_size - 1) / p.block_size;
-      n_corr = (n_blocks_full + kBlockN - 1) / kBlockN;
+      n_corr = (n_blocks_full + T::kCorrBlocks - 1) / T::kCorrBlocks;
     }
     n_items = n_main + n_corr;
   }
@@ -302,16 +302,27 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
             }
           }
         } else if (tma.means) {
-          // a chunk of kBlockN block means (rows past the last block read as zeros; -inf bias)
+          // a chunk of kCorrBlocks block means (rows past the last block read as zeros or as
+          // other blocks' means; -inf bias). 16-bit: boxes of the hi rows into stage rows
+          // [0, kCorrBlocks) and of the lo rows (total_blocks further) into the rest
           if (ptid == 0) {
             constexpr uint32_t kChunkBytes = 2 * kBlockN * kHeadDim * sizeof(Element);
             mbarrier_expect_tx(&ss.full[st], kChunkBytes);
-            const int row0 = int(blk0) + (k - n_main) * kBlockN;
+            const int row0 = int(blk0) + (k - n_main) * T::kCorrBlocks;
             CUTE_UNROLL
             for (int cb = 0; cb < kHeadDim / kBoxCols; ++cb) {
-              tma_load_3d(&sK(0, cb * kBoxCols, st), &tma.kbar, &ss.full[st], cb * kBoxCols, h, row0);
-              if constexpr (!kFp8)
-                tma_load_3d(&sV(0, cb * kBoxCols, st), &tma.vbar, &ss.full[st], cb * kBoxCols, h, row0);
+              if constexpr (kFp8) {
+                tma_load_3d(&sK(0, cb * kBoxCols, st), &tma.kbar, &ss.full[st], cb * kBoxCols, h, row0);
+              } else {
+                CUTE_UNROLL
+                for (int part = 0; part < 2; ++part) {
+                  const int row = row0 + part * p.total_blocks;
+                  tma_load_3d(&sK(part * T::kCorrBlocks, cb * kBoxCols, st), &tma.kbar, &ss.full[st],
+                              cb * kBoxCols, h, row);
+                  tma_load_3d(&sV(part * T::kCorrBlocks, cb * kBoxCols, st), &tma.vbar, &ss.full[st],
+                              cb * kBoxCols, h, row);
+                }
+              }
             }
             // fp8: V^T means from the block-major [Hkv, d, columns] vbar, 64 means x d per box.
             // A box's first column must be 16-byte aligned (a box at column 11 faults with an
@@ -329,8 +340,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
           for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
             const int c = ptid + i * kProducerThreads;
             const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-            // clamped rows stay in bounds; the consumers give their columns a -inf bias
-            const int64_t row = blk0 + min(chunk * kBlockN + r, last_blk);
+            // clamped rows stay in bounds; the consumers give their columns a -inf bias.
+            // Stage rows [0, kCorrBlocks): the hi parts; the rest: the lo parts
+            const int part = r / T::kCorrBlocks, rb = r % T::kCorrBlocks;
+            const int64_t row = blk0 + min(chunk * T::kCorrBlocks + rb, last_blk) + int64_t(part) * p.total_blocks;
             cp_async_16(&sK(r, col, st), kb_head + row * p.skb_t + col, true);
             cp_async_16(&sV(r, col, st), vb_head + row * p.svb_t + col, true);
           }
@@ -510,17 +523,24 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       }
       const int chunk = k - n_main;
       // one branch per item, not per column (the compiler does not unswitch the column loop)
+      // 16-bit correction: slot j + kHalf holds column col(j) + kCorrBlocks (layout_check.cu),
+      // the lo part of the same block's score
+      constexpr int kHalf = kFp8 ? 0 : int(size<1>(decltype(S.layout()){})) / 2;
       if (corr) {
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(S); ++j) {
-          const int J = chunk * kBlockN + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
+        for (int j = 0; j < (kFp8 ? int(size<1>(S)) : kHalf); ++j) {
+          const int J = chunk * T::kCorrBlocks + get<1>(cSrc(0, j));  // a column's coordinate is row-independent
           // one L1-resident word per column: hoisting the chunk's words into registers spills
           const uint32_t word =
               J < n_blocks_full ? __ldg(p.corr_bits + int64_t(wk.seg) * p.words_per_seg + (J >> 5)) : 0u;
           float bias = neg_inf();
           if (J < n_blocks_full && ((word >> (J & 31)) & 1) == 0) bias = J == last_J ? log2_last : log2_block;
           CUTE_UNROLL
-          for (int i = 0; i < kRows; ++i) S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
+          for (int i = 0; i < kRows; ++i) {
+            if constexpr (!kFp8) S(i, j) += S(i, j + kHalf);  // q . (hi + lo)
+            S(i, j) = fmaf(S(i, j), qk_scale, bias);  // base-2 logits
+            if constexpr (!kFp8) S(i, j + kHalf) = S(i, j);  // P duplicated: P V = p (hi + lo)
+          }
         }
       } else if (masked) {
         // column slot j lies in the step's tile j / kColsPerTile (checked by layout_check.cu):
@@ -554,11 +574,21 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
         row_max[i] = m_new;
         const float shift = kLog2POffset - m_use;
         float sum = 0.f;
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(S); ++j) {
-          const float e = fast_exp2(fmaf(S(i, j), sc, shift));
-          S(i, j) = e;
-          sum += e;
+        if (!kFp8 && corr) {  // each block once in the row sum; its duplicate gets the same p
+          CUTE_UNROLL
+          for (int j = 0; j < kHalf; ++j) {
+            const float e = fast_exp2(fmaf(S(i, j), sc, shift));
+            S(i, j) = e;
+            S(i, j + kHalf) = e;
+            sum += e;
+          }
+        } else {
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(S); ++j) {
+            const float e = fast_exp2(fmaf(S(i, j), sc, shift));
+            S(i, j) = e;
+            sum += e;
+          }
         }
         row_sum[i] = row_sum[i] * alpha[i] + sum;
       }
