@@ -118,3 +118,40 @@ def page_entry_error(page_table: torch.Tensor, b: int, c: int, num_pages: int) -
     return ValueError(
         f"page_table: entry [{b}, {c}] = {int(page_table[b, c])} is out of range [0, {num_pages})"
     )
+
+
+def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
+    bad = ~torch.isfinite(x.float() if x.element_size() == 1 else x)
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in bad.nonzero()[0].tolist())
+
+
+def check_finite_inputs(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+    seqlens_kv: tuple[int, ...], *, names: tuple[str, str, str] = ("q", "k_pages", "v_pages"),
+) -> None:
+    """ValueError naming ``q``, ``k_pages`` or ``v_pages`` if a value the batch reads is NaN or
+    infinite (only the first ``seqlens_kv[b]`` tokens of each sequence's pages: unused slots
+    may hold anything). Opt-in (``check_finite=True``): it reads every input back (host sync)."""
+    where = _first_non_finite(q)
+    if where is not None:
+        raise ValueError(
+            f"{names[0]}: expected finite values, got {float(q[where].float())} at [token {where[0]}, "
+            f"head {where[1]}, dim {where[2]}]"
+        )
+    page_size = k_pages.shape[1]
+    for name, pages in ((names[1], k_pages), (names[2], v_pages)):
+        for b, length in enumerate(seqlens_kv):
+            if length == 0:
+                continue
+            n_pages = -(-length // page_size)
+            rows = pages[page_table[b, :n_pages].long()]  # [n_pages, page_size, Hkv, d]
+            rows = rows.reshape(n_pages * page_size, *pages.shape[2:])[:length]
+            where = _first_non_finite(rows)
+            if where is not None:
+                raise ValueError(
+                    f"{name}: expected finite values in the tokens the batch reads, got "
+                    f"{float(rows[where].float())} at sequence {b}, token {where[0]}, KV head "
+                    f"{where[1]}, dim {where[2]}"
+                )

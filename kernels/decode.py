@@ -23,7 +23,7 @@ from . import fp8 as _fp8
 from ._checks import FLOAT_DTYPES, bad_page_entries, check_attention_inputs, check_tensor, page_entry_error
 from ._checks import check_int as _check_int
 from ._checks import softmax_scale as _softmax_scale
-from .ops import Backend, resolve_backend
+from .backend import Backend, resolve_backend
 from .paged import gather_kv
 
 _INT_DTYPES = (torch.int32, torch.int64)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from .ops import resolve_backend
+from .backend import resolve_backend
 
 _BACKENDS = ("auto", "triton", "reference")
 

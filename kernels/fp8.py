@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0, the largest finite e4m3fn
 P_OFFSET = 256.0  # probabilities are quantized as round_e4m3(P_OFFSET * exp(s - m))
 OUT_DTYPE = torch.bfloat16  # what the FP8 operator returns
 _TINY = torch.finfo(torch.float32).tiny
@@ -152,7 +152,7 @@ def quantize_per_tensor(
     the same bits), ``"auto"`` (Triton on CUDA)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or is_fp8(x):
         raise ValueError(f"x: expected a floating-point (non-FP8) tensor, got {_describe(x)}")
-    from .ops import resolve_backend
+    from .backend import resolve_backend
 
     fused = resolve_backend(backend, x.device) in ("triton", "cutlass")
     if not x.numel():

@@ -6,14 +6,13 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
-from typing import Literal
 
 import torch
 
 from . import fp8, reference
-from ._checks import check_attention_inputs, check_tensor, OPERATOR_DTYPES
+from .backend import Backend, cutlass_available, resolve_backend, triton_available  # noqa: F401 (re-exported)
+from ._checks import check_attention_inputs, check_finite_inputs, check_tensor, OPERATOR_DTYPES
 from .config import SparseConfig
 from .fp8 import Fp8Descales
 from .index import SparseIndex
@@ -21,8 +20,6 @@ from .plan import PrefillPlan, make_plan
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["auto", "reference", "triton", "cutlass"]
-_BACKENDS = ("auto", "reference", "triton", "cutlass")
 _ATTENTION_CALLS: collections.Counter[str] = collections.Counter()
 _ATTENTION_CALLS_LOCK = threading.Lock()
 
@@ -38,49 +35,6 @@ def attention_kernel_calls() -> dict[str, int]:
 def _count_attention(kernel: str) -> None:
     with _ATTENTION_CALLS_LOCK:
         _ATTENTION_CALLS[kernel] += 1
-
-
-def triton_available(device: torch.device) -> bool:
-    """Triton runs on CUDA devices, or on CPU tensors under ``TRITON_INTERPRET=1``."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    if device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def cutlass_available(device: torch.device) -> bool:
-    """The CUTLASS attention library is prebuilt (``FLASHPREFILL_CUTLASS_LIB``) or buildable
-    (nvcc and the CUTLASS headers), and the tensors are on a CUDA device."""
-    if device.type != "cuda":
-        return False
-    from . import cutlass_attention
-
-    return cutlass_attention.available()
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> triton on CUDA, else reference (the attention stage then prefers cutlass:
-    ``attention_planned``); ``cutlass`` runs the index stage with Triton."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    if backend == "cutlass":
-        if not cutlass_available(device):
-            from .cutlass_build import unavailable_reason
-
-            why = f"a CUDA tensor, got tensors on {device}" if device.type != "cuda" else (
-                f"its library: {unavailable_reason()}")
-            raise ValueError(f"backend: 'cutlass' needs {why}")
-        return backend
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
-    if backend == "triton" and not triton_available(device):
-        raise ValueError(
-            f"backend: 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got tensors on {device}"
-        )
-    return backend
 
 
 def plan_prefill(
@@ -113,6 +67,14 @@ def plan_prefill(
             f"got {plan.total_q}"
         )
     return plan
+
+
+def check_inputs_finite(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan) -> None:
+    """Opt-in input check: ValueError naming ``q``, ``k_pages`` or ``v_pages`` when a value the
+    batch reads is NaN or infinite. Reads the inputs back (a host sync), so it is off in the
+    entry points unless ``check_finite=True``; without it a NaN is contained as
+    docs/SEMANTICS.md "Non-finite inputs" says."""
+    check_finite_inputs(q, k_pages, v_pages, plan.page_table, plan.seqlens_kv)
 
 
 def plan_descales(
@@ -212,9 +174,13 @@ def build_index(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> SparseIndex:
-    """Index stage on the paged layout: block means and the CSR of selected K/V tiles."""
+    """Index stage on the paged layout: block means and the CSR of selected K/V tiles.
+    ``check_finite``: raise ValueError on NaN/Inf inputs (a host sync; see ``check_inputs_finite``)."""
     plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    if check_finite:
+        check_inputs_finite(q, k_pages, v_pages, plan)
     descales = plan_descales(q, plan, q_descale, k_descale, v_descale)
     return build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
 
@@ -232,6 +198,7 @@ def sparse_prefill(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashPrefill V2 on the paged varlen layout.
 
@@ -241,10 +208,15 @@ def sparse_prefill(
     (``>= Lq``: a cached prefix precedes the new tokens, causal alignment bottom-right).
     FP8: ``float8_e4m3fn`` q, k, v with float32 descales of shape ``()``/``[1]``, ``[Hkv]`` or
     ``[B, Hkv]`` (``kernels/fp8.py``).
+    ``check_finite``: raise ValueError naming the tensor if a value the batch reads is NaN or
+    infinite (reads the inputs back: a host sync). Off, a NaN is contained as
+    docs/SEMANTICS.md "Non-finite inputs" says.
     Returns ``out [Tq, Hq, d]`` (q's dtype; bfloat16 for FP8) and ``lse [Tq, Hq]`` (float32,
     natural log).
     """
     plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    if check_finite:
+        check_inputs_finite(q, k_pages, v_pages, plan)
     descales = plan_descales(q, plan, q_descale, k_descale, v_descale)
     index = build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
     return attention_planned(q, k_pages, v_pages, plan, index, backend=backend, descales=descales)
@@ -294,13 +266,16 @@ def sparse_attention(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal self-attention on contiguous ``[B, L, Hq, d]`` q and ``[B, L, Hkv, d]`` k, v
-    (FP8 with descales as in :func:`sparse_prefill`).
+    (FP8 with descales and ``check_finite`` as in :func:`sparse_prefill`).
 
     Returns ``out [B, L, Hq, d]`` and ``lse [B, L, Hq]``.
     """
     qf, k_pages, v_pages, plan = prepare_contiguous(q, k, v, config, page_size=page_size)
+    if check_finite:
+        check_finite_inputs(qf, k_pages, v_pages, plan.page_table, plan.seqlens_kv, names=("q", "k", "v"))
     descales = plan_descales(qf, plan, q_descale, k_descale, v_descale)
     index = build_index_planned(qf, k_pages, v_pages, plan, backend=backend, descales=descales)
     out, lse = attention_planned(qf, k_pages, v_pages, plan, index, backend=backend, descales=descales)

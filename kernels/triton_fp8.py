@@ -16,13 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_MAX
+from .triton_interpreter import apply_if_interpreting
+
+
+apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
 
 BLOCK = 1024  # elements per program of the quantize kernel
 BLOCK_T = 32  # tokens per program of the pool write
 
 
-FP8_MAX_C = tl.constexpr(FP8_MAX)
+# the e4m3 format's largest finite value (kernels.fp8.FP8_MAX), from the dtype itself: this
+# module is what kernels.fp8 dispatches to, so it imports nothing of it
+FP8_MAX_C = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)
 
 
 @triton.jit
