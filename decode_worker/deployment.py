@@ -44,6 +44,7 @@ from kv_transfer.transfer import (
     select_transport,
 )
 from serving.config import ServiceConfig
+from serving.messages import Adopted, DecodeCall, Tokens, TransferFailed
 from serving.metrics import Metrics
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from serving.costs import routing_hint
@@ -257,19 +258,19 @@ class DecodeServer:
         self._footprints[rid] = footprint
         return True
 
-    async def generate(self, request: dict, routing: dict | None = None):
-        rid = str(request["request_id"])
-        ticket = request["ticket"]
+    async def generate(self, call: DecodeCall, routing: dict | None = None):
+        """Streaming: :class:`Adopted` (or :class:`TransferFailed`), then :class:`Tokens`."""
+        rid = call.request_id
+        ticket = call.ticket
         t0 = time.monotonic()
-        footprint = self.pool.pages_for(int(request["kv_len"]) + request["params"].max_new_tokens)
+        footprint = self.pool.pages_for(call.kv_len + call.params.max_new_tokens)
         if not await self._admit(rid, footprint):
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
                              outcome=TransferFailure.POOL_EXHAUSTED.value)
-            yield {"type": "transfer_error", "reason": TransferFailure.POOL_EXHAUSTED.value,
-                   "retryable": footprint <= self.pool.num_pages,
-                   "message": f"no room for {footprint} pages within {self.config.adopt_wait_s}s",
-                   "replica_id": self.replica_id}
+            yield TransferFailed(reason=TransferFailure.POOL_EXHAUSTED.value, retryable=footprint <= self.pool.num_pages,
+                                 message=f"no room for {footprint} pages within {self.config.adopt_wait_s}s",
+                                 replica_id=self.replica_id)
             return
         submitted = False
         finished = False
@@ -287,17 +288,15 @@ class DecodeServer:
                 logger.warning("KV transfer for %s over %s failed: %s", rid, transport, exc.reason.value)
                 # a channel that failed (not a full pool) is avoided for this request's retry
                 fallback = "object_store" if transport != "object_store" and exc.reason is not TransferFailure.POOL_EXHAUSTED else None
-                yield {"type": "transfer_error", "reason": exc.reason.value, "retryable": exc.retryable,
-                       "message": str(exc), "replica_id": self.replica_id, "transport": transport,
-                       "fallback": fallback}
+                yield TransferFailed(reason=exc.reason.value, retryable=exc.retryable, message=str(exc),
+                                     replica_id=self.replica_id, transport=transport, fallback=fallback)
                 return
             self.transfers[transport] += 1
             self.metrics.inc("kv_transfers_total", transport=str(transport), outcome="adopted")
             self.metrics.observe("kv_transfer_seconds", time.monotonic() - t0)
-            yield {"type": "adopted", "replica_id": self.replica_id, "transfer_s": time.monotonic() - t0,
-                   "num_pages": len(self.pool.pages(rid))}
-            params = request["params"]
-            outbox = self.loop.submit(rid, int(request["kv_len"]), int(request["first_token"]), params)
+            yield Adopted(replica_id=self.replica_id, transfer_s=time.monotonic() - t0,
+                          num_pages=len(self.pool.pages(rid)))
+            outbox = self.loop.submit(rid, call.kv_len, call.first_token, call.params)
             submitted = True
             t_submit, first_step_s = time.monotonic(), None
             while not finished:
@@ -315,11 +314,11 @@ class DecodeServer:
                     if out.finished:
                         finished = True
                         reason = out.finish_reason.value if out.finish_reason is not None else None
-                event = {"type": "tokens", "tokens": tokens, "finished": finished, "finish_reason": reason}
+                step_s = None
                 if first_step_s is None:
                     # admission into the running batch + the step that decoded this request's first token
-                    first_step_s = event["first_step_s"] = time.monotonic() - t_submit
-                yield event
+                    first_step_s = step_s = time.monotonic() - t_submit
+                yield Tokens(tokens=tuple(tokens), finished=finished, finish_reason=reason, first_step_s=step_s)
         finally:
             if submitted and not finished:
                 self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages

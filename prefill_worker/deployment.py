@@ -41,6 +41,7 @@ from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
 from serving.errors import RequestError
+from serving.messages import PrefillCall, Prefilled
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from serving.costs import PrefillCostModel
 
@@ -231,22 +232,20 @@ class PrefillServer:
         return transport if isinstance(transport, ChannelTransport) else None
 
     # -- the request path ----------------------------------------------------------------
-    async def prefill(self, request: dict, routing: dict | None = None):
-        """Streaming: yields one ``prefilled`` event, then holds the pages until closed."""
-        rid = str(request["request_id"])
-        ids = [int(t) for t in request["prompt_token_ids"]]
-        params = request["params"]
+    async def prefill(self, call: PrefillCall, routing: dict | None = None):
+        """Streaming: yields one :class:`Prefilled`, then holds the pages until closed."""
+        rid = call.request_id
         self.active += 1
         try:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
-            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, ids, params))
+            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params))
         except BaseException:
             self.active -= 1
             self.completed += 1
             raise
         # a retry after a failed channel transfer asks for the object store
-        exporter = self.object_store if request.get("transport") == "object_store" else self.transport
+        exporter = self.object_store if call.transport == "object_store" else self.transport
         ticket = None
         try:
             fault = None
@@ -254,22 +253,13 @@ class PrefillServer:
                 self._faults_left -= 1
                 fault = self.config.fault_injection.mode
             t_export = time.monotonic()
-            if not request.get("skip_transfer"):
+            if not call.skip_transfer:
                 ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
             export_s = time.monotonic() - t_export
             self._leases[rid] = time.monotonic() + self.config.lease_timeout_s
-            yield {
-                "type": "prefilled",
-                "request_id": rid,
-                "first_token": int(result.first_token),
-                "kv_len": int(result.kv_len),
-                "cached_tokens": int(result.cached_tokens),
-                "ticket": ticket,
-                "replica_id": self.replica_id,
-                "queue_s": queue_s,
-                "prefill_s": prefill_s,
-                "export_s": export_s,
-            }
+            yield Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
+                            cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
+                            queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
             if ticket is not None:
                 # The lease: the caller closes this stream once the decode side has the pages.
                 await asyncio.sleep(self.config.lease_timeout_s)

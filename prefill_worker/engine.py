@@ -106,7 +106,8 @@ class PrefillEngine:
     than ``max_batch_tokens`` is split at the budget). policy / max_wait_s: the scheduler's
     (``fcfs`` or ``shortest_first`` with its aging bound). cost: ``(prompt_len, done_tokens)
     -> remaining causal work`` for ``shortest_first`` (the replica passes its routing cost
-    model's). prefix_cache: reuse the pool's cached prefix pages and cache finished prompts'
+    model's). interleave: False keeps the earlier batch-level discipline (the scheduler's doc),
+for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache finished prompts'
     pages (see the module doc). clock: the scheduler's time (``time.monotonic``).
 
     Thread safety: :meth:`add_request`, :meth:`abort_request` and the accounting may be called
@@ -126,11 +127,13 @@ class PrefillEngine:
         max_wait_s: float = 30.0,
         cost=None,
         clock=time.monotonic,
+        interleave: bool = True,
     ) -> None:
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
         self.scheduler = PrefillScheduler(max_batch_tokens=max_batch_tokens, chunk_size=chunk_size, policy=policy,
-                                          max_wait_s=max_wait_s, cost=cost, admit=self._admit)
+                                          max_wait_s=max_wait_s, cost=cost, admit=self._admit,
+                                          interleave=interleave)
         self.prefix_cache = prefix_cache
         self.reuse_granule = prefix_reuse_granule(runner.page_size, sparse=runner.sparse_config.alpha > 0)
         self.runner = runner

@@ -30,7 +30,8 @@ Admission reserves a prompt's pages for its whole length the first time the sche
 it (the ``admit`` callback: the engine reserves them, reusing cached prefix pages, and says
 how many tokens are already done); a prompt is never admitted before it can run. Without
 ``chunk_size`` a prompt runs whole (with others while the budget holds), except that a prompt
-longer than ``max_batch_tokens`` is split at the budget.
+longer than ``max_batch_tokens`` is split at the budget. ``interleave=False`` keeps the
+earlier batch-level discipline for comparison (:meth:`PrefillScheduler._admit_batch`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class PrefillScheduler:
         max_wait_s: float = 30.0,
         cost: Callable[[int, int], float] | None = None,
         admit: Callable[[PromptState], bool] | None = None,
+        interleave: bool = True,
     ) -> None:
         _check_int("max_batch_tokens", max_batch_tokens, 1)
         if chunk_size is not None:
@@ -112,6 +114,9 @@ class PrefillScheduler:
             raise ValueError(f"policy: expected one of {PREFILL_POLICIES}, got {policy!r}")
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
             raise ValueError(f"max_wait_s: expected a number >= 0, got {max_wait_s!r}")
+        if not isinstance(interleave, bool):
+            raise ValueError(f"interleave: expected a bool, got {interleave!r}")
+        self.interleave = interleave
         self.max_batch_tokens = max_batch_tokens
         self.chunk_size = chunk_size
         self.policy = policy
@@ -171,11 +176,30 @@ class PrefillScheduler:
         younger = [s for s in live if now - s.arrival < self.max_wait_s]
         return overdue + sorted(younger, key=lambda s: (self.remaining_cost(s), s.order))
 
+    def _admit_batch(self, now: float) -> None:
+        """``interleave=False``: the batch-level discipline of the engine before this scheduler
+        (kept to measure against, ``benchmarks/bench_scheduler.py``): when nothing runs, admit
+        whole prompts in the policy's order while their lengths fit the budget (the first one
+        always) or the pool has room; they then run, chunked, until all are done, and nothing
+        else is admitted meanwhile."""
+        budget = self.max_batch_tokens
+        first = True
+        for seq in self.ordered(now):
+            if not first and seq.prompt_len > budget:
+                break
+            if not self.admit(seq):
+                break
+            seq.admitted = True
+            budget -= seq.prompt_len
+            first = False
+
     def schedule(self, now: float) -> list[Chunk]:
         """The chunks of the next forward (empty: nothing can run, e.g. no room in the pool)."""
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
-        admitting = True
+        admitting = self.interleave
+        if not self.interleave and not any(s.admitted and not s.aborted for s in self._seqs.values()):
+            self._admit_batch(now)
         for seq in self.ordered(now):
             if budget == 0:
                 break

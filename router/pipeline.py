@@ -42,6 +42,7 @@ from serving.config import ServiceConfig
 from .detokenize import TextStream
 from serving.metrics import Metrics
 from serving.errors import RequestError
+from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, TransferFailed
 
 from .protocol import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
@@ -150,7 +151,7 @@ class DisaggregatedPipeline:
                             raise self._unavailable("prefill", exc) from exc
                         raise
                     if not generated:
-                        first_token = int(event["first_token"])
+                        first_token = event.first_token
                         generated.append(first_token)
                         life.mark_first_token()
                         delta = Delta(text.push([first_token]), [first_token], first=True)
@@ -175,17 +176,17 @@ class DisaggregatedPipeline:
                         if _is_replica_failure(exc):
                             raise self._unavailable("decode", exc) from exc
                         raise
-                    if event["type"] == "adopted":
+                    if isinstance(event, Adopted):
                         attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
                         attempt.prefill_stream = None
                         life.to(RequestPhase.DECODING)
                         break
                     self._close(attempt)
-                    if event.get("fallback") == "object_store":
+                    if event.fallback == "object_store":
                         transport = "object_store"
-                    if not (event.get("retryable") and n < self.config.transfer_retries):
+                    if not (event.retryable and n < self.config.transfer_retries):
                         raise self._transfer_error(event)
-                    logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.get("reason"))
+                    logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.reason)
                 else:
                     raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
                                        retry_after_s=self.config.retry_after_s or 1)
@@ -193,22 +194,22 @@ class DisaggregatedPipeline:
                 # -- decode: stream tokens until the request finishes or the replica dies.
                 try:
                     async for event in attempt.decode_stream:
-                        if "first_step_s" in event:
-                            attempt.timing["first_decode_s"] = event["first_step_s"]
-                        tokens = [int(t) for t in event["tokens"]]
+                        if event.first_step_s is not None:
+                            attempt.timing["first_decode_s"] = event.first_step_s
+                        tokens = list(event.tokens)
                         generated.extend(tokens)
                         delta = Delta(text.push(tokens), tokens)
                         if text.stopped:
                             reason = "stop"
-                        elif event["finished"]:
+                        elif event.finished:
                             # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
-                            reason = {"stop": "stop", "length": "length"}.get(event["finish_reason"], "abort")
+                            reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "abort")
                             delta.text += text.finish()
                         else:
                             reason = None
                         if reason is not None:
                             life.to(RequestPhase.FINISHED)
-                            if event["finished"]:
+                            if event.finished:
                                 attempt.decode_stream = None  # ended on its own: nothing to cancel
                             delta.finish_reason = outcome = reason
                             delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
@@ -262,24 +263,18 @@ class DisaggregatedPipeline:
         return RequestError(f"{role} replicas failed on every attempt ({type(exc).__name__}); retry later",
                             status=503, code=f"{role}_unavailable", retry_after_s=self.config.retry_after_s or 1)
 
-    def _transfer_error(self, event: dict) -> RequestError:
-        if event.get("reason") == "pool_exhausted":
+    def _transfer_error(self, event: TransferFailed) -> RequestError:
+        if event.reason == "pool_exhausted":
             # every decode replica stayed full for adopt_wait_s: overload, not a fault
             return RequestError("decode KV capacity exhausted; retry later", status=429, code="kv_capacity_exhausted",
                                 retry_after_s=self.config.retry_after_s or 1)
-        return RequestError(f"KV transfer failed: {event.get('message')}", status=502, code="kv_transfer_failed")
+        return RequestError(f"KV transfer failed: {event.message}", status=502, code="kv_transfer_failed")
 
     # -- steps -------------------------------------------------------------------------
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
-                             cost: float, *, skip_transfer: bool, transport: str | None = None) -> dict:
-        payload = {
-            "request_id": attempt.worker_request_id,
-            "prompt_token_ids": context,
-            "params": params,
-            "skip_transfer": skip_transfer,
-        }
-        if transport is not None:
-            payload["transport"] = transport
+                             cost: float, *, skip_transfer: bool, transport: str | None = None) -> Prefilled:
+        payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
+                              skip_transfer=skip_transfer, transport=transport)
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
                   if self.config.prefix_caching else None)
@@ -287,27 +282,22 @@ class DisaggregatedPipeline:
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
         event = await attempt.prefill_stream.__anext__()
-        attempt.timing.update(queue_s=event["queue_s"], prefill_s=event["prefill_s"], export_s=event.get("export_s"),
-                              cached_tokens=event.get("cached_tokens"))
-        attempt.routing["prefill_replica"] = event["replica_id"]
+        attempt.timing.update(queue_s=event.queue_s, prefill_s=event.prefill_s, export_s=event.export_s,
+                              cached_tokens=event.cached_tokens)
+        attempt.routing["prefill_replica"] = event.replica_id
         return event
 
     async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: SamplingParams,
-                            first_token: int, prefilled: dict) -> dict:
-        payload = {
-            "request_id": attempt.worker_request_id,
-            "ticket": prefilled["ticket"],
-            "kv_len": prefilled["kv_len"],
-            "first_token": first_token,
-            "params": params,
-        }
+                            first_token: int, prefilled: Prefilled) -> Adopted | TransferFailed:
+        payload = DecodeCall(request_id=attempt.worker_request_id, ticket=prefilled.ticket, kv_len=prefilled.kv_len,
+                             first_token=first_token, params=params)
         attempt.decode_stream = self._decode.generate.remote(
             payload, routing=routing_hint(pages=self._pages(req.prompt_len + req.max_tokens))
         )
         event = await attempt.decode_stream.__anext__()
-        attempt.routing["decode_replica"] = event.get("replica_id")
-        if event["type"] == "adopted":
-            attempt.timing["transfer_s"] = event["transfer_s"]
+        attempt.routing["decode_replica"] = event.replica_id
+        if isinstance(event, Adopted):
+            attempt.timing["transfer_s"] = event.transfer_s
         return event
 
     def _finish_after_first(self, req: GenerationRequest, first_token: int, text: TextStream) -> str | None:

@@ -193,3 +193,21 @@ def test_arguments_are_checked():
         s.add("y", 0, now=0.0)
     with pytest.raises(ValueError, match="done_tokens"):
         s.add("z", 4, now=0.0, done_tokens=4)
+
+
+def test_batch_level_discipline_runs_a_batch_to_completion_before_admitting():
+    """interleave=False: the engine's earlier discipline, kept for bench_scheduler."""
+    s = PrefillScheduler(max_batch_tokens=64, chunk_size=64, policy="shortest_first", max_wait_s=60.0,
+                         interleave=False)
+    s.add("long", 150, now=0.0)
+    assert run_step(s, 0.1) == ([("long", 0, 64)], [])
+    s.add("short", 10, now=0.2)
+    assert run_step(s, 0.3) == ([("long", 64, 64)], [])  # the arrival waits for the batch
+    assert run_step(s, 0.4) == ([("long", 128, 22)], ["long"])
+    assert run_step(s, 0.5) == ([("short", 0, 10)], ["short"])
+    # a batch is formed of whole prompts that fit the budget together
+    for rid, n in (("a", 30), ("b", 30), ("c", 30)):
+        s.add(rid, n, now=1.0)
+    assert run_step(s, 1.1) == ([("a", 0, 30), ("b", 0, 30)], ["a", "b"])
+    with pytest.raises(ValueError, match="interleave"):
+        PrefillScheduler(max_batch_tokens=8, interleave=1)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from serving.messages import Adopted, Prefilled, Tokens, TransferFailed
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -300,23 +302,22 @@ def _prefill(payload, n, die=lambda n: False):
 
     if die(n):
         return _Stream([], ActorDiedError())
-    ctx = list(payload["prompt_token_ids"])
-    return _Stream([{"type": "prefilled", "first_token": _nxt(ctx), "kv_len": len(ctx), "ticket": ctx,
-                     "replica_id": f"p{n}", "queue_s": 0.0, "prefill_s": 0.0}])
+    ctx = list(payload.prompt_token_ids)
+    return _Stream([Prefilled(request_id=payload.request_id, first_token=_nxt(ctx), kv_len=len(ctx), cached_tokens=0,
+                              ticket=ctx, replica_id=f"p{n}", queue_s=0.0, prefill_s=0.0, export_s=0.0)])
 
 
 def _decode(payload, n, die_after=None, full=False):
     from ray.exceptions import ActorDiedError
 
     if full:
-        return _Stream([{"type": "transfer_error", "reason": "pool_exhausted", "retryable": True, "message": "full",
-                         "replica_id": f"d{n}"}])
-    seq = list(payload["ticket"]) + [payload["first_token"]]
-    events = [{"type": "adopted", "replica_id": f"d{n}", "transfer_s": 0.0}]
-    for _ in range(payload["params"].max_new_tokens - 1):
+        return _Stream([TransferFailed(reason="pool_exhausted", retryable=True, message="full", replica_id=f"d{n}")])
+    seq = list(payload.ticket) + [payload.first_token]
+    events = [Adopted(replica_id=f"d{n}", transfer_s=0.0, num_pages=1)]
+    for _ in range(payload.params.max_new_tokens - 1):
         seq.append(_nxt(seq))
-        events.append({"type": "tokens", "tokens": [seq[-1]], "finished": False, "finish_reason": None})
-    events[-1] = {**events[-1], "finished": True, "finish_reason": "length"}
+        events.append(Tokens(tokens=(seq[-1],), finished=False))
+    events[-1] = Tokens(tokens=events[-1].tokens, finished=True, finish_reason="length")
     if die_after is not None and die_after(n) is not None:
         return _Stream(events[: 1 + die_after(n)], ActorDiedError())
     return _Stream(events)
@@ -360,8 +361,8 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     assert out[-1].finish_reason == "length" and out[-1].timing["decode_resumes"] == 1
     prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
     sent = tokens[:5]  # first token + 4 decoded before the death
-    assert prefills[1]["prompt_token_ids"] == list(REQ.prompt_token_ids) + sent[:-1]
-    assert decodes[1]["first_token"] == sent[-1] and decodes[1]["params"].max_new_tokens == 12 - 5 + 1
+    assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
+    assert decodes[1].first_token == sent[-1] and decodes[1].params.max_new_tokens == 12 - 5 + 1
     assert all(s.cancelled for s in pipe._prefill.prefill.streams)  # every lease released
 
 
@@ -389,20 +390,20 @@ def test_replica_failures_before_adoption_are_retried_then_503():
 def test_failed_channel_transfer_is_retried_over_the_object_store():
     def decode(payload, n):
         if n == 1:  # the first attempt's channel broke
-            return _Stream([{"type": "transfer_error", "reason": "lost", "retryable": True, "message": "channel down",
-                             "replica_id": "d1", "transport": "nccl", "fallback": "object_store"}])
+            return _Stream([TransferFailed(reason="lost", retryable=True, message="channel down", replica_id="d1",
+                                           transport="nccl", fallback="object_store")])
         return _decode(payload, n)
 
     pipe = _pipeline(_prefill, decode)
     out, error = _run(pipe, REQ)
     assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
     prefills = pipe._prefill.prefill.calls
-    assert "transport" not in prefills[0] and prefills[1]["transport"] == "object_store"
+    assert prefills[0].transport is None and prefills[1].transport == "object_store"
     assert out[-1].timing["prefill_attempts"] == 2
     # a full decode pool is no reason to leave the channel: no fallback asked
     pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=n == 1))
     out, error = _run(pipe, REQ)
-    assert error is None and all("transport" not in c for c in pipe._prefill.prefill.calls)
+    assert error is None and all(c.transport is None for c in pipe._prefill.prefill.calls)
 
 
 def test_decode_pool_full_everywhere_is_429_with_retry_hint():
@@ -413,17 +414,19 @@ def test_decode_pool_full_everywhere_is_429_with_retry_hint():
 
 
 def test_timing_breakdown_comes_from_where_each_step_runs():
-    """queue/prefill/export from the prefill replica's event, transfer from ``adopted``, the
-    first decode step from the first ``tokens`` event; workers that do not report a step give None."""
+    """queue/prefill/export from the prefill replica's ``Prefilled``, transfer from ``Adopted``,
+    the first decode step from the first ``Tokens``; a decode that reports no first step gives None."""
+    from dataclasses import replace
+
     def prefill(payload, n):
         stream = _prefill(payload, n)
-        stream._events[0].update(queue_s=0.25, prefill_s=0.5, export_s=0.125)
+        stream._events[0] = replace(stream._events[0], queue_s=0.25, prefill_s=0.5, export_s=0.125)
         return stream
 
     def decode(payload, n):
         stream = _decode(payload, n)
-        stream._events[0]["transfer_s"] = 0.0625
-        stream._events[1]["first_step_s"] = 0.03125
+        stream._events[0] = replace(stream._events[0], transfer_s=0.0625)
+        stream._events[1] = replace(stream._events[1], first_step_s=0.03125)
         return stream
 
     out, error = _run(_pipeline(prefill, decode), REQ)
@@ -433,7 +436,7 @@ def test_timing_breakdown_comes_from_where_each_step_runs():
         (0.25, 0.5, 0.125, 0.0625, 0.03125)
     assert t["total_s"] >= t["ttft_s"] >= 0 and t["prefill_attempts"] == 1
     out, error = _run(_pipeline(_prefill, _decode), REQ)
-    assert error is None and out[-1].timing["export_s"] is None and out[-1].timing["first_decode_s"] is None
+    assert error is None and out[-1].timing["export_s"] == 0.0 and out[-1].timing["first_decode_s"] is None
 
 
 def test_pipeline_records_each_request_once_with_its_outcome():

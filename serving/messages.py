@@ -1,0 +1,98 @@
+"""The messages that cross Ray calls between the ingress and the worker replicas.
+
+Frozen dataclasses: Ray pickles them as they are, and their fields are checked where the data
+came from outside (the ingress's HTTP / gRPC parsing, ``router/protocol.py``; frames off the
+network, ``kv_transfer``), not again on every internal hop. ``ticket`` is the KV transport's
+own (``kv_transfer.transfer``): opaque here.
+
+A request's trip (``docs/ARCHITECTURE.md``): the ingress calls ``PrefillServer.prefill`` with a
+:class:`PrefillCall`; that stream yields one :class:`Prefilled` (first token + ticket). The
+ingress calls ``DecodeServer.generate`` with a :class:`DecodeCall`; that stream yields
+:class:`Adopted` (the pages are in the decode pool) or :class:`TransferFailed`, then
+:class:`Tokens` until one says ``finished``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from model_executor.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    """Prefill a prompt and export its KV pages. ``skip_transfer``: the request ends with its
+    first token (no decode, nothing to export). ``transport``: ``"object_store"`` asks for a
+    retry over the object store after a channel transfer failed; None: the replica's own."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    skip_transfer: bool = False
+    transport: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """The prompt is prefilled: its first token, and the ticket of its exported pages (None
+    with ``skip_transfer``). Seconds: queued, first forward to first token, export."""
+
+    request_id: str
+    first_token: int
+    kv_len: int
+    cached_tokens: int
+    ticket: Any
+    replica_id: str
+    queue_s: float
+    prefill_s: float
+    export_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``."""
+
+    request_id: str
+    ticket: Any
+    kv_len: int
+    first_token: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """The decode replica holds the request's pages (the prefill side may free its copy)."""
+
+    replica_id: str
+    transfer_s: float
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFailed:
+    """The pages did not arrive. ``reason``: a ``kv_transfer.transfer.TransferFailure`` value;
+    ``fallback``: the transport a retry should ask for (``"object_store"`` after a failed
+    channel), or None."""
+
+    reason: str
+    retryable: bool
+    message: str
+    replica_id: str
+    transport: str | None = None
+    fallback: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Tokens decoded since the last event. ``first_step_s`` (first event only): submitted to
+    the decode loop -> the step that decoded its first token."""
+
+    tokens: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    first_step_s: float | None = None
+
+
+__all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]
