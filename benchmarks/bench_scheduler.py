@@ -9,8 +9,11 @@ and ``--shorts`` short prompts at uniform random times over that span. Four cell
   all its chunks before anything else is admitted), under ``fcfs`` and ``shortest_first``;
 - ``step``: the step-level scheduler (``prefill_worker/scheduler.py``), both policies.
 
-The arrival times are scaled by a forward's measured time (a calibration forward of
-``--chunk`` tokens first), so the load is the same relative to the machine whatever its speed.
+Time is virtual and load-independent: torch runs on one thread and each forward advances the
+clock by the CPU time that thread spent in it (``time.thread_time``), so other processes on the
+machine change nothing; an idle engine jumps to the next arrival. The arrival times are scaled
+by a forward's measured time (a calibration prompt first), so the load is the same relative to
+the machine whatever its speed.
 Prints a table last; writes ``benchmarks/results/scheduler_cpu.json``. Every cell's first
 tokens are checked equal to the batch-fcfs cell's (dense prefill: scheduling moves no result).
 
@@ -51,12 +54,28 @@ def workload(args, long_prefill_s: float) -> list[tuple[float, str, list[int]]]:
     return sorted(out, key=lambda x: x[0])
 
 
-def make_engine(model, args, *, interleave: bool, policy: str) -> PrefillEngine:
+class VirtualClock:
+    """Seconds of CPU time spent in forwards (plus idle jumps to arrivals)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, fn):
+        t = time.thread_time()
+        out = fn()
+        self.now += time.thread_time() - t
+        return out
+
+
+def make_engine(model, args, *, interleave: bool, policy: str, clock=time.monotonic) -> PrefillEngine:
     pages = (args.longs * args.long_tokens + args.shorts * args.short_tokens) // args.page_size + 64
     pool = make_pool(model, num_pages=pages, page_size=args.page_size)
     runner = ModelRunner(model.model, pool, SparseConfig(alpha=0.0), dense_below=0)
     return PrefillEngine(runner, max_batch_tokens=args.chunk, chunk_size=args.chunk, policy=policy,
-                         max_wait_s=args.max_wait_s, interleave=interleave)
+                         max_wait_s=args.max_wait_s, interleave=interleave, clock=clock)
 
 
 def calibrate(model, args) -> float:
@@ -68,36 +87,34 @@ def calibrate(model, args) -> float:
         e.add_request(PrefillRequest(rid, [256] + [1] * (args.long_tokens - 1), GREEDY))
         times = []
         while e.has_unfinished():
-            t = time.perf_counter()
+            t = time.thread_time()
             e.step()
-            times.append(time.perf_counter() - t)
+            times.append(time.thread_time() - t)
         e.release(rid)
     return statistics.median(times)
 
 
 def run_cell(model, args, arrivals, *, interleave: bool, policy: str) -> dict:
-    e = make_engine(model, args, interleave=interleave, policy=policy)
+    clock = VirtualClock()
+    e = make_engine(model, args, interleave=interleave, policy=policy, clock=clock)
     pending = list(arrivals)
     arrived: dict[str, float] = {}
     first: dict[str, tuple[float, int]] = {}
     forwards = 0
-    t0 = time.perf_counter()
     while pending or e.has_unfinished():
-        now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
+        while pending and pending[0][0] <= clock.now:
             at, rid, prompt = pending.pop(0)
             e.add_request(PrefillRequest(rid, prompt, GREEDY))
             arrived[rid] = at
         if not e.has_unfinished():
-            time.sleep(max(0.0, pending[0][0] - now))
+            clock.now = max(clock.now, pending[0][0])  # idle: on to the next arrival
             continue
-        out = e.step()
+        out = clock.forward(e.step)
         forwards += 1
-        done = time.perf_counter() - t0
         for res in out.finished:
-            first[res.request_id] = (done, res.first_token)
+            first[res.request_id] = (clock.now, res.first_token)
             e.release(res.request_id)
-    makespan = time.perf_counter() - t0
+    makespan = clock.now
     ttft = {rid: first[rid][0] - arrived[rid] for rid in arrived}
     short = [v for k, v in ttft.items() if k.startswith("short")]
     long_ = [v for k, v in ttft.items() if k.startswith("long")]
@@ -129,7 +146,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)  # the virtual clock counts this thread's CPU time
     model = build_tiny_model(seed=0)
     t_fwd = calibrate(model, args)
     long_prefill_s = t_fwd * -(-args.long_tokens // args.chunk)
@@ -143,7 +160,7 @@ def main(argv=None) -> int:
                "calibration_forward_s": t_fwd, "long_prefill_s": long_prefill_s, "cells": rows}
     path = write_json(args.out, payload)
     base = {r["policy"]: r for r in rows if r["discipline"] == "batch"}
-    print(f"# bench_scheduler: tiny model, CPU, {args.longs} x {args.long_tokens}-token and {args.shorts} x "
+    print(f"# bench_scheduler: tiny model, CPU (one thread, virtual time), {args.longs} x {args.long_tokens}-token and {args.shorts} x "
           f"{args.short_tokens}-token prompts, chunk = budget = {args.chunk}; forward {t_fwd * 1e3:.1f} ms")
     print("| discipline | policy | short TTFT P50 s | short mean s | short max s | long TTFT mean s | "
           "all mean s | prompt tok/s | forwards | short P50 vs batch | same first tokens |")
