@@ -125,7 +125,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     for s in value:
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
             raise bad("stop", f"expected non-empty strings of at most {MAX_STOP_LEN} characters, got {s!r}")
+        _check_text("stop", s)
     return tuple(value)
+
+
+def _check_text(name: str, value: str) -> str:
+    """A string field must be valid Unicode that UTF-8 can encode (JSON lets a client send a
+    lone surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(name, f"invalid Unicode: a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
+                        f"{exc.start}") from None
+    return value
 
 
 def _check_fields(body: Any, allowed: set[str]) -> dict:
@@ -176,7 +188,7 @@ class RequestParser:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("prompt", "expected a non-empty string")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(_check_text("prompt", prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return self._token_ids("prompt", prompt)
         if isinstance(prompt, list) and len(prompt) > 1:
@@ -199,10 +211,13 @@ class RequestParser:
                 for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                         raise bad(f"messages[{i}].content[{j}]", "only {'type': 'text', 'text': str} parts are supported")
-                    parts.append(part["text"])
+                    parts.append(_check_text(f"messages[{i}].content[{j}].text", part["text"]))
                 content = "".join(parts)
             if not isinstance(content, str):
                 raise bad(f"messages[{i}].content", f"expected a string, got {type(content).__name__}")
+            _check_text(f"messages[{i}].content", content)
+            if isinstance(m.get("name"), str):
+                _check_text(f"messages[{i}].name", m["name"])
             extra = sorted(set(m) - {"role", "content", "name"})
             if extra:
                 raise bad(f"messages[{i}].{extra[0]}", "unrecognized message field")
@@ -217,6 +232,7 @@ class RequestParser:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("model", "expected the model id (see /v1/models)")
+        _check_text("model", model)
         if model != self.model_id:
             raise RequestError(
                 f"model: {model!r} does not exist; this service serves {self.model_id!r}",

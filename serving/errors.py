@@ -6,6 +6,12 @@ from __future__ import annotations
 MAX_ERROR_MESSAGE = 512
 
 
+def _utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates, e.g. from a JSON ``"\\ud800"``)
+    written as a backslash escape, so an error that quotes bad input can always be rendered."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestError(Exception):
     """A request the service refuses; rendered as an OpenAI error object.
 
@@ -22,6 +28,8 @@ class RequestError(Exception):
         error_type: str | None = None,
         retry_after_s: int | None = None,
     ) -> None:
+        message = _utf8_safe(str(message))
+        param = None if param is None else _utf8_safe(str(param))
         if len(message) > MAX_ERROR_MESSAGE:  # messages quote bad values: keep them short
             message = message[: MAX_ERROR_MESSAGE - 3] + "..."
         super().__init__(message)

@@ -412,3 +412,21 @@ def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
     failures = [o for o in outcomes if not o[0]]
     assert len(outcomes) >= 10 and not failures, failures[:3]
     wait_pools_idle("sparse")
+
+
+@pytest.mark.parametrize("raw, param", [
+    ('{"model": "builtin:tiny", "prompt": "\\ud800"}', "prompt"),
+    ('{"model": "builtin:tiny", "prompt": "hi", "\\ud800x": 1}', "\\ud800x"),
+    ('{"model": "builtin:tiny", "prompt": "hi", "stop": ["a\\udfff"]}', "stop"),
+])
+def test_lone_surrogates_answer_400_naming_the_field(service, raw, param):
+    """JSON lets a client send a lone surrogate; the answer is a 400 naming the field (its name
+    escaped when the name itself holds one), never a 500."""
+    r = service["http"].post("/dense/v1/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param)
+    raw = '{"model": "builtin:tiny", "messages": [{"role": "user", "content": "x\\ud83d"}]}'
+    r = service["http"].post("/dense/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    assert "lone surrogate (U+D83D)" in r.json()["error"]["message"] and "codec" not in r.json()["error"]["message"]

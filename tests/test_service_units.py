@@ -4,6 +4,7 @@ routers' ranking (fake replicas), the request state machine, the config."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -575,3 +576,33 @@ def test_usage_reports_cached_prompt_tokens_within_the_prompt():
     assert usage(10, 3, 8)["prompt_tokens_details"] == {"cached_tokens": 8}
     # after a decode resume the re-prefilled context (prompt + tokens so far) may be cached beyond the prompt
     assert usage(10, 3, 12)["prompt_tokens_details"] == {"cached_tokens": 10}
+
+
+@pytest.mark.parametrize("body, kind, param", [
+    ({"model": "m", "prompt": "a\ud800b"}, "completion", "prompt"),
+    ({"model": "m", "prompt": ["\udfff"]}, "completion", "prompt"),
+    ({"model": "m", "prompt": "hi", "stop": ["ok", "\ud801"]}, "completion", "stop"),
+    ({"model": "m\ud800", "prompt": "hi"}, "completion", "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}, "chat", "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]}, "chat",
+     "messages[0].content[0].text"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "chat", "messages[0].name"),
+])
+def test_lone_surrogates_are_400s_naming_the_field(body, kind, param):
+    with pytest.raises(RequestError) as err:
+        parser().parse(body, kind)
+    e = err.value
+    assert e.status == 400 and e.param == param and e.message.startswith(f"{param}: invalid Unicode")
+    assert "codec" not in e.message and e.message.encode("utf-8")  # renderable: no surrogate left
+
+
+def test_an_error_quoting_a_surrogate_renders():
+    """An unknown field whose name holds a lone surrogate: the error names it, escaped."""
+    with pytest.raises(RequestError) as err:
+        parser().parse({"model": "m", "prompt": "hi", "\ud800k": 1}, "completion")
+    e = err.value
+    assert e.param == "\\ud800k" and e.message == "\\ud800k: unrecognized request argument"
+    from router.app import error_response
+
+    body = json.loads(error_response(e).body)
+    assert body["error"]["param"] == "\\ud800k"
