@@ -13,7 +13,10 @@ check that.
 
 FP8 KV pools (``float8_e4m3fn``): K/V are written quantized with the pool's per-layer, per-KV-head
 descales; prefill quantizes q per tensor (amax on the device, no sync) and runs the FP8 operator
-(``kernels/fp8.py``); decode keeps q in the model dtype and reads the e4m3 pages with the
+(``kernels/fp8.py``). A caller that already knows q's max ``|q|`` passes it as ``query_amax=`` (a
+float32 ``[1]`` device tensor: ``model_executor/fp8_linear.py``'s attention forward gets it from
+its RoPE pass, ``kernels.fp8_gemm.rotary_amax``), and the quantization is then one pass with
+the same bits (no separate amax pass); decode keeps q in the model dtype and reads the e4m3 pages with the
 descales. ``ForwardBatch.calibrate_kv`` (set by ``ModelRunner.calibrate_kv_scales``) makes each
 layer set its scales from the batch's K/V amax, rounded up to a power of two, before writing.
 
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kernels import fp8, ops, reference
+from kernels import fp8, fp8_gemm, ops, reference
 from kernels.config import SparseConfig
 from kernels.plan import PrefillPlan
 
@@ -94,14 +97,19 @@ def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def _prefill(
-    batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | None
+    batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | None,
+    query_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     pool = batch.pool
     k_pages, v_pages = pool.k[layer], pool.v[layer]
     backend = ops.resolve_backend(batch.backend, q.device)
     q_descale = None
     if pool.k_scale is not None:  # FP8 pool: per-tensor q scale, computed on the device
-        q, q_descale = fp8.quantize_per_tensor(q, backend="reference" if backend == "reference" else "triton")
+        quant_backend = "reference" if backend == "reference" else "triton"
+        if query_amax is not None:  # from the QKV path's RoPE pass: the same bits, one pass fewer
+            q, q_descale = fp8_gemm.quantize_with_amax(q, query_amax, backend=quant_backend)
+        else:
+            q, q_descale = fp8.quantize_per_tensor(q, backend=quant_backend)
     config = batch.sparse_config
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
@@ -156,10 +164,12 @@ def paged_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    query_amax: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``
-    (not repeated for GQA) -> ``([1, T, Hq, d], None)``."""
+    (not repeated for GQA) -> ``([1, T, Hq, d], None)``. ``query_amax``: ``max |query|`` (float32
+    ``[1]``, on query's device) when the caller computed it (FP8 pools' prefill uses it)."""
     batch = kwargs.get(BATCH_KWARG)
     if not isinstance(batch, ForwardBatch):
         raise ValueError(
@@ -197,7 +207,11 @@ def paged_attention_forward(
     if batch.mode is ForwardMode.DECODE:
         out = _decode(batch, layer, q, scaling)
     else:
-        out = _prefill(batch, layer, q, scaling)
+        if query_amax is not None and (not isinstance(query_amax, torch.Tensor) or query_amax.dtype != torch.float32
+                                       or query_amax.numel() != 1 or query_amax.device != q.device):
+            raise ValueError(f"query_amax: expected a float32 tensor of one element on {q.device}, got "
+                             f"{(query_amax.dtype, tuple(query_amax.shape), str(query_amax.device)) if isinstance(query_amax, torch.Tensor) else type(query_amax).__name__}")
+        out = _prefill(batch, layer, q, scaling, query_amax)
     return out.to(query.dtype).unsqueeze(0), None
 
 

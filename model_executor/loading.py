@@ -7,6 +7,15 @@ or ``ValueError`` naming the file (and the tensor or field) at fault.
 
 Supported architectures: Llama (3.x included), Qwen2, Qwen3 (full-attention layers).
 
+FP8 weights (``model_executor/fp8_linear.py``): a directory whose config.json has a
+``quantization_config`` (Hugging Face ``quant_method: "fp8"``, per tensor or 128x128 blocks;
+compressed-tensors FP8, per channel, per tensor or 128x128 blocks) loads its projections as
+``Fp8Linear`` from the stored e4m3 weights and scales (every tensor checked first: a missing or
+misshapen scale, an FP8 tensor outside the projections or an unknown ``quant_method`` is a
+``ValueError`` naming it). ``weight_dtype`` (``fp8_tensor``, ``fp8_channel``, ``fp8_block``;
+``fp8_e4m3`` = ``fp8_channel``) quantizes a model stored in a float dtype (a directory or a built-in
+model) on load; ``auto`` (default) keeps what is stored.
+
 The built-in model (``BUILTIN_TINY``) needs no files at all: a Llama-shaped model,
 randomly initialised from a fixed seed, with our byte-level tokenizer:
 4 layers, hidden 256, MLP 512, 8 query heads and 2 KV heads of head_dim 64 (GQA 4),
@@ -33,6 +42,7 @@ from typing import Any
 
 import torch
 
+from . import fp8_linear
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 BUILTIN_TINY = "builtin:tiny"
@@ -277,6 +287,117 @@ def _check_tokenizer(model_dir: Path) -> None:
             _read_json(model_dir / name)
 
 
+def check_weight_dtype(weight_dtype: object) -> str | None:
+    """The ``fp8_gemm`` scheme ``weight_dtype`` quantizes to (``None``: as stored)."""
+    if weight_dtype not in fp8_linear.WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype: expected one of {tuple(fp8_linear.WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    return fp8_linear.WEIGHT_DTYPES[weight_dtype]
+
+
+def _quantize_loaded(model: Any, weight_dtype: str) -> None:
+    scheme = check_weight_dtype(weight_dtype)
+    if scheme is not None:
+        fp8_linear.quantize_model(model, scheme)
+
+
+_SAFETENSORS_FP8 = "F8_E4M3"
+
+
+def _fp8_headers(files: list[Path], fmt: "fp8_linear.CheckpointFormat", skeleton: Any) -> dict[str, tuple[int, int]]:
+    """Check an FP8 checkpoint's tensors from the safetensors headers (no data read): every e4m3
+    tensor is a projection's weight, each has its scale, of the shape ``fmt`` gives. Returns the
+    FP8 projections ``{module: (out, in)}``."""
+    from safetensors import safe_open
+
+    projections = {name: skeleton.get_submodule(name) for name in fp8_linear.projection_names(skeleton)}
+    headers: dict[str, tuple[str, list[int], str]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                headers[name] = (sl.get_dtype(), list(sl.get_shape()), f.name)
+    found: dict[str, tuple[int, int]] = {}
+    for name, (dt, shape, fname) in headers.items():
+        if dt.startswith("F8_") and dt != _SAFETENSORS_FP8 and not name.endswith("_scale") \
+                and not name.endswith("_scale_inv"):
+            raise ValueError(f"{fname}: tensor {name}: expected float8_e4m3fn FP8 weights, got {dt}")
+        if dt != _SAFETENSORS_FP8:
+            continue
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module not in projections:
+            raise ValueError(
+                f"{fname}: tensor {name}: FP8 (float8_e4m3fn) weights are supported in the projections "
+                f"{fp8_linear.PROJECTIONS} of {sorted(fp8_linear.ATTENTION_CLASSES)} layers only; embeddings, "
+                "norms and lm_head must be stored in a float dtype")
+        found[module] = tuple(shape)
+    if not found:
+        raise ValueError(f"config.json: quantization_config: quant_method {fmt.quant_method!r} says FP8, but no "
+                         f"tensor of {[f.name for f in files]} is float8_e4m3fn")
+    for module, (n, k) in found.items():
+        scale = fmt.scale_name(module)
+        if scale not in headers:
+            raise ValueError(f"{headers[module + '.weight'][2]}: tensor {scale}: missing; the FP8 weight "
+                             f"{module}.weight needs its {fmt.quant_method} {fmt.scheme} scale")
+        dt, shape, fname = headers[scale]
+        if tuple(shape) not in fmt.scale_shapes(n, k):
+            raise ValueError(f"{fname}: tensor {scale}: expected shape "
+                             f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(n, k))} ({fmt.quant_method} "
+                             f"{fmt.scheme} scale of a [{n}, {k}] weight), got {shape}")
+        if fmt.scheme == "block" and k % 128:
+            raise ValueError(f"{fname}: tensor {module}.weight: the block scheme needs in_features divisible by "
+                             f"128, got {k}")
+    return found
+
+
+def _load_fp8_dir(path: Path, config: Any, files: list[Path], fmt: "fp8_linear.CheckpointFormat",
+                  dtype: torch.dtype, device: str | torch.device, attn_implementation: str) -> Any:
+    """Build the model from ``config`` (random init, then overwritten), put the FP8 projections
+    in as ``Fp8Linear`` and load every other tensor into its parameter."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    fp8_modules = _fp8_headers(files, fmt, skeleton)
+    del skeleton
+    device = torch.device(device)
+    forked = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    expected = model.state_dict()
+    weights, scales, biases, dense = {}, {}, {}, {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                module, _, leaf = name.rpartition(".")
+                if module in fp8_modules:
+                    if leaf == "weight":
+                        weights[module] = handle.get_tensor(name)
+                    elif leaf == fmt.scale_suffix:
+                        scales[module] = handle.get_tensor(name)
+                    elif leaf == "bias":
+                        biases[module] = handle.get_tensor(name)
+                    # activation_scale / input_scale: static activation scales, not used
+                elif name in expected:
+                    dense[name] = handle.get_tensor(name)
+    for module, (n, k) in fp8_modules.items():
+        scale = fp8_linear.convert_scale(fmt.scale_name(module), scales.pop(module), fmt, n, k).to(device)
+        bias = biases.pop(module, None)
+        layer = fp8_linear.Fp8Linear(
+            weights.pop(module).to(device), scale, fmt.scheme,
+            bias=None if bias is None else bias.to(device=device, dtype=dtype), name=f"{module}.weight",
+        )
+        model.set_submodule(module, layer)
+    missing, _ = model.load_state_dict(dense, strict=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [m for m in missing if m.rpartition(".")[0] not in fp8_modules and not (tied and m == "lm_head.weight")]
+    if missing:  # _check_weights saw every name; a key the model has under another name
+        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
 def load_model_dir(
     model_dir: str | Path,
     *,
@@ -284,33 +405,50 @@ def load_model_dir(
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
     attn_implementation: str = "sdpa",
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     """Load a local Hugging Face model directory (config.json, *.safetensors, tokenizer).
 
-    ``dtype`` defaults to the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent).
+    ``dtype`` defaults to the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent); for
+    FP8 checkpoints it is the dtype of everything but the FP8 weights (bfloat16 if absent).
+    ``weight_dtype``: see the module doc (an FP8 checkpoint loads as stored; naming another
+    scheme than the stored one is a ValueError).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    scheme = check_weight_dtype(weight_dtype)
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model_dir: expected a directory, got {str(path)!r} (not found)")
-    _check_config(path)
+    raw = _check_config(path)
+    fmt = fp8_linear.checkpoint_format(raw["quantization_config"]) if raw.get("quantization_config") else None
+    if fmt is not None and weight_dtype not in ("auto", "fp8_e4m3") and scheme != fmt.scheme:
+        raise ValueError(f"weight_dtype: {weight_dtype!r} asks for the {scheme} scheme, but {path} stores FP8 "
+                         f"weights with {fmt.scheme} scales ({fmt.quant_method}); use 'auto'")
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"config.json: transformers cannot build a config from {path}: {e}") from None
+    if hasattr(config, "quantization_config"):  # we load the FP8 tensors; transformers' quantizers must not
+        delattr(config, "quantization_config")
     files = _weight_files(path)
     _check_weights(path, files, config)
     if load_tokenizer:
         _check_tokenizer(path)
     if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
-    )
-    model = model.to(device).eval()
+        if dtype is None or dtype == torch.float8_e4m3fn:
+            dtype = torch.bfloat16 if fmt is not None else torch.float32
+    if fmt is not None:
+        model = _load_fp8_dir(path, config, files, fmt, dtype, device, attn_implementation).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+        )
+        model = model.to(device).eval()
+        _quantize_loaded(model, weight_dtype)
     tokenizer = None
     if load_tokenizer:
         try:
@@ -326,16 +464,22 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     """``None`` or ``"builtin:tiny"``: the built-in tiny model; ``"builtin:structured-8b"`` /
     ``"builtin:structured-tiny"``: a structured benchmark model (default dtype bfloat16);
-    otherwise a local directory."""
+    otherwise a local directory. ``weight_dtype``: ``"auto"`` (as stored), or an FP8 scheme the
+    projections are quantized to on load (see the module doc)."""
+    check_weight_dtype(weight_dtype)
     if source is None or str(source) == BUILTIN_TINY:
-        return build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
-    check_model_name(str(source))
-    if str(source) in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
-        return build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
-    return load_model_dir(source, dtype=dtype, device=device)
+        loaded = build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
+    else:
+        check_model_name(str(source))
+        if str(source) not in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
+            return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype)
+        loaded = build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
+    _quantize_loaded(loaded.model, weight_dtype)
+    return loaded
 
 
 def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype=None, device=None):

@@ -19,7 +19,7 @@ from kernels import ops
 from kernels._checks import canonical_device
 from kernels.config import SparseConfig
 
-from . import fused
+from . import fp8_linear, fused
 from .cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from .attention import (
     ATTENTION_NAME,
@@ -102,11 +102,51 @@ class ModelRunner:
         else:
             fused.uninstall(model)
         self.fused_counts = fused.installed(model)
+        # FP8 layers (model_executor/fp8_linear.py): their GEMM backend, the norms that quantize
+        # for them, and with an FP8 pool the attention forward whose RoPE pass gives q's amax
+        # (after fused's: both replace the same modules' forwards)
+        if kernel_backend == "reference":
+            linear_backend = "reference"
+        else:  # on CUDA _scaled_mm / Triton; on CPU "triton" (the interpreter) when asked
+            linear_backend = "auto" if self.device.type == "cuda" or backend != "triton" else "triton"
+        self.fp8_counts = fp8_linear.install_forwards(model, kernels=bool(fused_ops), fp8_pool=pool.k_scale is not None,
+                                                      linear_backend=linear_backend)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)
         self.last_state: ForwardState | None = None  # of the latest eager forward (a graph step keeps none), for tests
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
+        self.memory = self.memory_report()
+        logger.info(
+            "weights %.2f GiB (%s, %d FP8 layers, %.2f GiB saved vs the model dtype: room for %d more KV pages); "
+            "KV pool %d pages of %d bytes (%.2f GiB); free device memory holds %s more pages",
+            self.memory["weight_bytes"] / 2**30, self.memory["weight_dtype"], self.memory["fp8_layers"],
+            self.memory["fp8_saved_bytes"] / 2**30, self.memory["pages_freed_by_fp8"], self.memory["pool_pages"],
+            self.memory["page_bytes"], self.memory["pool_bytes"] / 2**30,
+            "?" if self.memory["free_pages"] is None else self.memory["free_pages"],
+        )
+
+    def memory_report(self) -> dict:
+        """Weight and KV pool memory (logged at start-up): ``weight_bytes`` (parameters and
+        buffers), ``fp8_saved_bytes`` (what the FP8 layers save against the same layers in the
+        model dtype, scales counted) and the KV pages that fit in it (``pages_freed_by_fp8``), the
+        pool's ``pool_pages`` x ``page_bytes``, and ``free_pages``: pages the device's free memory
+        holds now (CUDA; ``None`` elsewhere)."""
+        wb = fp8_linear.weight_bytes(self.model)
+        dense = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.bfloat16)
+        elem = torch.empty((), dtype=dense).element_size()
+        saved = 0
+        for m in fp8_linear.fp8_layers(self.model).values():
+            saved += m.weight.numel() * (elem - 1) - m.weight_scale.numel() * m.weight_scale.element_size()
+        page_bytes = int(self.pool.page_bytes)
+        free = None
+        if self.device.type == "cuda":
+            free = int(torch.cuda.mem_get_info(self.device)[0]) // page_bytes
+        return {"weight_bytes": wb["total"], "fp8_weight_bytes": wb["fp8"], "fp8_layers": wb["fp8_layers"],
+                "weight_dtype": fp8_linear.weight_dtype_of(self.model), "fp8_saved_bytes": max(saved, 0),
+                "pages_freed_by_fp8": max(saved, 0) // page_bytes, "page_bytes": page_bytes,
+                "pool_pages": int(self.pool.num_pages), "pool_bytes": int(self.pool.num_pages) * page_bytes,
+                "free_pages": free}
 
     def enable_decode_graphs(
         self, *, max_seqlen: int, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, capture: bool = True
