@@ -40,6 +40,14 @@ specialised on a size compile there: a single run at 128K once measured 0.8 s ov
 then the median of up to ``max_runs`` runs when the first took under ``multi_run_below_ms`` (3 s),
 else one more run.
 
+Weight dtype (``--weight-dtype``, a column): ``bf16`` (the model dtype: bf16 on the GPU, float32 in
+the CPU smoke run) and ``fp8_tensor`` / ``fp8_channel`` / ``fp8_block``: the same model (rebuilt
+from its seed) with its projections quantized to e4m3 (``model_executor.fp8_linear.quantize_model``;
+lm_head and embeddings stay bf16). With ``bf16`` in the same run, each FP8 row states the error of its
+logits against the bf16 row's (same prompts): ``logits_vs_bf16`` (max abs, relative to max |logit|,
+argmax agreement) and ``first_tokens_match_bf16``. ``memory`` holds the runner's start-up report
+(weight bytes, KV pages the FP8 weights leave room for).
+
 Memory: the KV pool is sized to the case (pages for B x (L + decode steps) tokens per layer,
 ``KVPoolConfig.memory_budget_bytes``). Before each case the KV + activation peak is estimated
 against free memory; a case that cannot fit is skipped with the estimate in ``note``; an
@@ -83,11 +91,12 @@ from evals.structured_model import (  # noqa: E402
 from kernels import ops as kernel_ops  # noqa: E402
 from kernels.config import KV_TILE, Q_TILE, SparseConfig  # noqa: E402
 from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
-from model_executor import fused  # noqa: E402
+from model_executor import fp8_linear, fused  # noqa: E402
 from model_executor.runner import ModelRunner, PrefillItem  # noqa: E402
 from model_executor.sampling import Sampler, SamplingParams  # noqa: E402
 
 GIB = 2**30
+WEIGHT_DTYPES = {"bf16": None, "fp8_tensor": "tensor", "fp8_channel": "channel", "fp8_block": "block"}
 RESULTS = ROOT / "benchmarks" / "results" / "ttft_h200.json"
 
 NOTES = {
@@ -141,6 +150,7 @@ class TTFTBenchConfig:
     backend: str = "auto"  # ModelRunner backend: "auto" (CUTLASS attention when it loads), "triton"
     kv_dtype: str = "model"  # KV pool: the model's dtype, or "fp8_e4m3" (calibrated per-layer scales)
     fused_ops: str = "auto"  # our runner's fused RMSNorm / SiLU MLP: "auto" (on CUDA), "on", "off"
+    weight_dtypes: tuple[str, ...] = ("bf16",)  # WEIGHT_DTYPES: the model dtype, or FP8 projections
 
     @property
     def sparse_config(self) -> SparseConfig:
@@ -337,7 +347,17 @@ def model_spec(cfg: TTFTBenchConfig):
     return tiny_spec() if cfg.tiny else llama31_8b_spec()
 
 
-def build_model(kind: str, cfg: TTFTBenchConfig, device: torch.device):
+def build_model(kind: str, cfg: TTFTBenchConfig, device: torch.device, weight_dtype: str = "bf16"):
+    """The ``kind`` model (from its seed: the same weights every call), its projections quantized
+    to FP8 for an ``fp8_*`` ``weight_dtype``."""
+    model = _build_model(kind, cfg, device)
+    scheme = WEIGHT_DTYPES[weight_dtype]
+    if scheme is not None:
+        fp8_linear.quantize_model(model, scheme)
+    return model
+
+
+def _build_model(kind: str, cfg: TTFTBenchConfig, device: torch.device):
     dtype = getattr(torch, cfg.dtype)
     spec = model_spec(cfg)
     if kind == "structured":
@@ -447,6 +467,7 @@ def _out_cache(out):
 class Sdpa:
     def __init__(self, model, device):
         fused.uninstall(model)  # stock transformers: eager norms and MLPs, whatever our runner installed
+        fp8_linear.uninstall_forwards(model)  # (an FP8 model keeps its Fp8Linear layers: its weights)
         model.set_attn_implementation("sdpa")
         self.model, self.device = model, device
         self.cache_kw = _cache_kwarg(model)
@@ -530,12 +551,17 @@ def warmup(kind, model, cfg, device, counter: IndexCounter) -> dict:
             "max_abs_diff": diff, "ok": diff is not None and diff < 1e-9}
 
 
-def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) -> dict:
+def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env, weight_dtype="bf16",
+             bf16_logits=None) -> dict:
+    """One (model, weight dtype, B, L) row. ``bf16_logits``: ``{(kind, B, L): (logits, first
+    tokens)}`` of this run's bf16 rows; bf16 rows add theirs, FP8 rows compare with them."""
+    bf16_logits = {} if bf16_logits is None else bf16_logits
     c = model.config
     dtype = getattr(torch, cfg.dtype)
     want_decode = length in cfg.decode_lengths and kind in cfg.decode_models and cfg.decode_steps > 0
     dsteps = cfg.decode_warmup_steps + cfg.decode_steps if want_decode else 0
-    row: dict = {"model": kind, "backend": cfg.backend, "kv_dtype": cfg.kv_dtype, "fused_ops": cfg.fused_ops,
+    row: dict = {"model": kind, "weight_dtype": weight_dtype, "backend": cfg.backend, "kv_dtype": cfg.kv_dtype,
+                 "fused_ops": cfg.fused_ops,
                  "batch": batch, "seqlen": length, "tokens": batch * length,
                  "status": "ok", "note": NOTES[kind], "errors": {}, "gpu": env["gpu"],
                  "commit": env["commit"], "date": env["date"]}
@@ -560,6 +586,8 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
         row["pool_gib"] = ours.pool_gib
         row["pool_pages"] = ours.pool.num_pages
         row["fused_counts"] = ours.runner.fused_counts
+        row["fp8_counts"] = ours.runner.fp8_counts
+        row["memory"] = ours.runner.memory
         t0 = time.perf_counter()
         ours.runner._check_tokens("token_ids", ids[0])
         row["host_token_check_ms"] = (time.perf_counter() - t0) * 1e3 * batch  # part of ttft_ms
@@ -574,6 +602,14 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
         row.update(ttft_ms=ms, ttft_runs_ms=runs, timing=timing, ours_mode=OURS_MODE)
         row["peak_mem_gib"] = _peak_gib(device)
         ours_logits, row["first_tokens"] = out[0].cpu(), out[1]
+        if WEIGHT_DTYPES[weight_dtype] is None:
+            bf16_logits[(kind, batch, length)] = (ours_logits, list(out[1]))
+        elif (kind, batch, length) in bf16_logits:
+            ref_logits, ref_tokens = bf16_logits[(kind, batch, length)]
+            err = fp8_linear.logits_error(ours_logits, ref_logits)
+            row["logits_vs_bf16"] = err
+            row["logits_rel_vs_bf16"] = err["rel"]
+            row["first_tokens_match_bf16"] = sum(a == b for a, b in zip(out[1], ref_tokens)) / batch
         nnz = counter.nnz()
         dens = density_from_nnz(counter.plan, nnz) if counter.plan is not None else None
         if dens is None and counter.plan is not None:
@@ -606,7 +642,7 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
     # ---- sdpa
     if not cfg.sdpa:
         return _finish(row, t_case)
-    reuse = sdpa_cache.get((batch, length)) if (kind != "random" and batch > 1 and not cfg.sdpa_all) else None
+    reuse = sdpa_cache.get((weight_dtype, batch, length)) if (kind != "random" and batch > 1 and not cfg.sdpa_all) else None
     if reuse is not None:
         row.update({k: v for k, v in reuse.items() if want_decode or "decode" not in k})
         row["sdpa_source"] = ("random model, same shape, this run (dense sdpa does not depend on the "
@@ -632,7 +668,7 @@ def run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env) 
         row.update(sdpa_row)
         row["sdpa_source"] = "measured (same model, same run)"
         if kind == "random":
-            sdpa_cache[(batch, length)] = sdpa_row
+            sdpa_cache[(weight_dtype, batch, length)] = sdpa_row
     except torch.cuda.OutOfMemoryError as e:
         row["status"] = "oom (sdpa)" if row["status"] == "ok" else row["status"] + ", oom (sdpa)"
         row["errors"]["sdpa"] = repr(e)[:400]
@@ -662,11 +698,12 @@ def _finish(row: dict, t_case: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = [
-    ("model", "model", "{}"), ("kv", "kv_dtype", "{}"), ("fused", "fused_ops", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
+    ("model", "model", "{}"), ("weights", "weight_dtype", "{}"), ("kv", "kv_dtype", "{}"), ("fused", "fused_ops", "{}"), ("B", "batch", "{}"), ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"),
     ("ours ms", "ttft_ms", "{:.1f}"), ("sdpa ms", "sdpa_ttft_ms", "{:.1f}"), ("x sdpa", "speedup_vs_sdpa", "{:.2f}"),
     ("dec ms", "decode_ms_per_step", "{:.2f}"), ("sdpa dec", "sdpa_decode_ms_per_step", "{:.2f}"),
     ("x dec", "decode_speedup_vs_sdpa", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
-    ("tok=", "first_tokens_match", "{:.2f}"), ("runs", "ttft_runs_ms", "{}"), ("status", "status", "{}"),
+    ("tok=", "first_tokens_match", "{:.2f}"), ("err bf16", "logits_rel_vs_bf16", "{:.3f}"),
+    ("tok=bf16", "first_tokens_match_bf16", "{:.2f}"), ("runs", "ttft_runs_ms", "{}"), ("status", "status", "{}"),
 ]
 
 
@@ -717,11 +754,24 @@ def parse_args(argv=None) -> tuple[TTFTBenchConfig, argparse.Namespace]:
                     help="KV pool dtype of our runner (fp8_e4m3: scales calibrated as the service does)")
     ap.add_argument("--fused-ops", choices=("auto", "on", "off"), default="auto",
                     help="our runner's fused RMSNorm and SiLU MLP kernels (auto: on CUDA; model_executor/fused.py)")
+    ap.add_argument("--weight-dtype", type=str, default="bf16",
+                    help=f"comma-separated weight dtypes of our runner's model, from {list(WEIGHT_DTYPES)} "
+                         "(bf16: the model dtype; fp8_*: projections quantized per tensor / channel / 128x128 "
+                         "block; with bf16 in the list FP8 rows report their logits' error against it)")
     ap.add_argument("--device", type=str, default="cuda", help="'cpu' smoke-tests the script (implies --tiny)")
     ap.add_argument("--out", type=str, default=None,
                     help=f"JSON path (default {RESULTS.relative_to(ROOT)}; on CPU a temp file)")
     args = ap.parse_args(argv)
-    cfg = TTFTBenchConfig(device=args.device, backend=args.backend, kv_dtype=args.kv_dtype, fused_ops=args.fused_ops)
+    weight_dtypes = _names(args.weight_dtype)
+    for w in weight_dtypes:
+        if w not in WEIGHT_DTYPES:
+            ap.error(f"--weight-dtype: expected names from {list(WEIGHT_DTYPES)}, got {w!r}")
+    if not weight_dtypes:
+        ap.error("--weight-dtype: expected at least one weight dtype")
+    # bf16 first: the FP8 rows compare with its logits
+    weight_dtypes = tuple(sorted(dict.fromkeys(weight_dtypes), key=lambda w: WEIGHT_DTYPES[w] is not None))
+    cfg = TTFTBenchConfig(device=args.device, backend=args.backend, kv_dtype=args.kv_dtype, fused_ops=args.fused_ops,
+                          weight_dtypes=weight_dtypes)
     if args.tiny or torch.device(args.device).type == "cpu":
         cfg = dataclasses.replace(cfg, **TINY_OVERRIDES)
     if args.quick:
@@ -777,35 +827,39 @@ def main(argv=None) -> dict:
               "env": env, "config": config, "ours_mode": OURS_MODE, "sdpa_mode": SDPA_MODE,
               "notes": NOTES, "warmup": [], "rows": rows}
     sdpa_cache: dict = {}
+    bf16_logits: dict = {}
     for kind in cfg.models:
-        t0 = time.time()
-        model = build_model(kind, cfg, device)
-        build_s = time.time() - t0
-        print(f"[{kind}] model built in {build_s:.1f} s "
-              f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)", flush=True)
-        with IndexCounter() as counter:
-            try:
-                w = warmup(kind, model, cfg, device, counter)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                w = {"model": kind, "error": repr(e)[:400]}
-                _cleanup(device)
-            w["build_s"] = build_s
-            result["warmup"].append(w)
-            print({k: v for k, v in w.items() if "per_layer" not in k}, flush=True)
-            for batch in cfg.batches:
-                for length in cfg.lengths:
-                    row = run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env)
-                    rows.append(row)
-                    brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                             if k not in ("note", "density_per_layer", "nnz_per_layer", "first_tokens",
-                                          "decode_step_ms", "sdpa_decode_step_ms", "gpu", "commit", "date",
-                                          "ours_mode", "sdpa_mode", "decode_mode", "sdpa_decode_mode")}
-                    print(brief, flush=True)
-                    result["wall_s"] = time.time() - t_start
-                    out_path.write_text(json.dumps(result, indent=1))  # keep what we have if killed
-        del model
-        _cleanup(device)
+        for weight_dtype in cfg.weight_dtypes:
+            t0 = time.time()
+            model = build_model(kind, cfg, device, weight_dtype)
+            build_s = time.time() - t0
+            print(f"[{kind}, {weight_dtype}] model built in {build_s:.1f} s "
+                  f"({fp8_linear.weight_bytes(model)['total'] / GIB:.2f} GiB of weights)", flush=True)
+            with IndexCounter() as counter:
+                try:
+                    w = warmup(kind, model, cfg, device, counter)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    w = {"model": kind, "error": repr(e)[:400]}
+                    _cleanup(device)
+                w["build_s"] = build_s
+                w["weight_dtype"] = weight_dtype
+                result["warmup"].append(w)
+                print({k: v for k, v in w.items() if "per_layer" not in k}, flush=True)
+                for batch in cfg.batches:
+                    for length in cfg.lengths:
+                        row = run_case(kind, model, cfg, device, batch, length, counter, sdpa_cache, env,
+                                       weight_dtype, bf16_logits)
+                        rows.append(row)
+                        brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                                 if k not in ("note", "density_per_layer", "nnz_per_layer", "first_tokens",
+                                              "decode_step_ms", "sdpa_decode_step_ms", "gpu", "commit", "date",
+                                              "ours_mode", "sdpa_mode", "decode_mode", "sdpa_decode_mode", "memory")}
+                        print(brief, flush=True)
+                        result["wall_s"] = time.time() - t_start
+                        out_path.write_text(json.dumps(result, indent=1))  # keep what we have if killed
+            del model
+            _cleanup(device)
     result["wall_s"] = time.time() - t_start
     out_path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out_path} ({result['wall_s']:.0f} s)")

@@ -9,6 +9,8 @@ The one place model execution lives; the prefill and decode workers both import 
 - ``tokenizer``: the byte-level tokenizer, the id tokenizer and the HF adapter.
 - ``structured_model``: the structured benchmark models (built-in ``builtin:structured-*``).
 - ``loading.make_pool``: a KV pool shaped for a loaded model.
+- ``fp8_linear``: FP8 (e4m3) weights in the projections (``Fp8Linear``, ``quantize_model``, FP8
+  checkpoints through ``load_model``/``load_model_dir``, ``weight_dtype=``).
 Prefill and decode in one process (the oracle) is ``router.offline.generate``, above the workers.
 This package never imports Ray.
 """
@@ -26,6 +28,7 @@ from .loading import (
     load_model_dir,
     load_tokenizer,
 )
+from .fp8_linear import WEIGHT_DTYPES, Fp8Linear, quantize_model
 from .runner import ModelRunner, PrefillItem
 from .sampling import Sampler, SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
@@ -46,6 +49,9 @@ __all__ = [
     "load_model",
     "load_model_dir",
     "load_tokenizer",
+    "WEIGHT_DTYPES",
+    "Fp8Linear",
+    "quantize_model",
     "ModelRunner",
     "PrefillItem",
     "Sampler",

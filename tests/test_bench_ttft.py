@@ -83,3 +83,31 @@ def test_sdpa_baseline_runs_stock_transformers(bench):
     assert fused.installed(model)["rms_norm"] > 0
     bench.Sdpa(model, torch.device("cpu"))
     assert fused.installed(model) == {"rms_norm": 0, "silu_mul": 0, "rotary": 0}
+
+
+def test_cpu_smoke_run_weight_dtypes(bench, tmp_path):
+    """--weight-dtype: a row per weight dtype (bf16 first, whatever the order asked), FP8 rows
+    with their logits' error against the bf16 row and the runner's memory report."""
+    out = tmp_path / "ttft.json"
+    result = bench.main(["--device", "cpu", "--quick", "--models", "random", "--skip-decode",
+                         "--weight-dtype", "fp8_block,bf16,fp8_channel", "--out", str(out)])
+    rows = result["rows"]
+    assert [r["weight_dtype"] for r in rows] == ["bf16", "fp8_block", "fp8_channel"]
+    assert [w["weight_dtype"] for w in result["warmup"]] == ["bf16", "fp8_block", "fp8_channel"]
+    assert all(r["status"] == "ok" for r in rows), [r["errors"] for r in rows]
+    assert "logits_vs_bf16" not in rows[0] and rows[0]["memory"]["fp8_layers"] == 0
+    for r in rows[1:]:
+        err = r["logits_vs_bf16"]
+        assert 0 < err["max_abs"] and 0 < r["logits_rel_vs_bf16"] < 1 and 0 <= r["first_tokens_match_bf16"] <= 1
+        assert r["memory"]["fp8_layers"] == 2 * 7 and r["memory"]["pages_freed_by_fp8"] > 0
+        assert r["fp8_counts"]["fp8_linear"] == 14
+        assert r["sdpa_ttft_ms"] > 0 and r["first_tokens_match"] == 1.0  # sdpa on the same FP8 weights
+    assert "weights" in bench.table(rows).splitlines()[0]
+    assert json.loads(out.read_text())["config"]["weight_dtypes"] == ["bf16", "fp8_block", "fp8_channel"]
+
+
+def test_weight_dtype_option_errors(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--weight-dtype", "int8"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--weight-dtype", ","])
