@@ -361,6 +361,9 @@ def _build_model(kind: str, cfg: TTFTBenchConfig, device: torch.device):
     dtype = getattr(torch, cfg.dtype)
     spec = model_spec(cfg)
     if kind == "structured":
+        # the constructed weights come from the spec's seed, the rest of transformers' init from the
+        # global RNG: seeded, so that every build (one per weight dtype) holds the same weights
+        torch.manual_seed(cfg.seed)
         return build_structured_llama(spec, device=device, dtype=dtype)
     if kind != "random":
         raise ValueError(f"models: expected 'random' or 'structured', got {kind!r}")

@@ -111,3 +111,13 @@ def test_weight_dtype_option_errors(bench):
         bench.parse_args(["--device", "cpu", "--weight-dtype", "int8"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--weight-dtype", ","])
+
+
+def test_rebuilt_models_hold_the_same_weights(bench):
+    """FP8 rows rebuild the model from its seed: the bf16 comparison needs the same weights."""
+    cfg, _ = bench.parse_args(["--device", "cpu"])
+    for kind in ("structured", "random"):
+        a = bench.build_model(kind, cfg, torch.device("cpu")).state_dict()
+        torch.manual_seed(123)  # whatever the global RNG holds in between
+        b = bench.build_model(kind, cfg, torch.device("cpu")).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -89,6 +89,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == E4M3 else t
 
 
+def assert_act_matches(got, x: torch.Tensor, group) -> None:
+    """A kernel's quantized activation against the reference: the descales within one float32 ulp
+    (torch on CUDA divides by a scalar as a multiply by its reciprocal, the kernel divides), and
+    the values exactly ``x / descale`` rounded, with the kernel's own descales."""
+    want = fp8_gemm.quantize_activation_reference(x, group)
+    torch.testing.assert_close(got.scale, want.scale, rtol=2.0**-23, atol=0)
+    m, k = x.shape
+    own = (x.float().reshape(m, got.scale.shape[1], -1) / got.scale[:, :, None]).clamp(-448, 448).to(E4M3)
+    assert torch.equal(bits(got.x8), bits(own.reshape(m, k)))
+
+
 # ---------------------------------------------------------------------------------------------
 # weights: bounds and layouts
 # ---------------------------------------------------------------------------------------------
@@ -148,9 +159,7 @@ def test_activation_reference_matches_loops(group, dtype):
 @pytest.mark.parametrize("shape", [(1, 128), (9, 384), (33, 640)])
 def test_quantize_rows_kernel_bits(device, group, shape):
     x = spread(shape, seed=shape[0]).to(torch.bfloat16).to(device)
-    got = fp8_gemm.quantize_activation(x, group, backend="triton")
-    want = fp8_gemm.quantize_activation_reference(x, group)
-    assert torch.equal(bits(got.x8), bits(want.x8)) and torch.equal(got.scale, want.scale)
+    assert_act_matches(fp8_gemm.quantize_activation(x, group, backend="triton"), x, group)
 
 
 @needs_triton
@@ -166,9 +175,7 @@ def test_rms_norm_quant_kernel(device, group, n):
     y, act = fp8_gemm.rms_norm_quant(x[None], w, 1e-5, group, backend="triton")
     assert y.shape == (1, 7, n)
     assert max_ulps(y[0], rms_norm_reference(x, w, 1e-5)) <= 2
-    # the quantization is of the stored y, bit for bit
-    want = fp8_gemm.quantize_activation_reference(y[0], group)
-    assert torch.equal(bits(act.x8), bits(want.x8)) and torch.equal(act.scale, want.scale)
+    assert_act_matches(act, y[0], group)  # the quantization is of the stored y
 
 
 def test_rms_norm_quant_reference_is_norm_then_quant():
@@ -556,7 +563,8 @@ def test_runner_fp8_cuda_graphs_and_logits(scheme):
     graphed = run_prompts(runner, PROMPTS[:2])
     assert runner.decode_graphs.stats["graph_steps"] == 4
     assert float((graphed - eager).abs().max()) <= 2e-2 * float(eager.abs().max())
-    assert float((eager.cpu() - want.cpu()).abs().max()) <= LOGIT_TOL[scheme] * float(want.abs().max())
+    # the prefill logits (the decode steps feed each runner's own greedy tokens, which may part)
+    assert float((eager[:, 0].cpu() - want[:, 0].cpu()).abs().max()) <= LOGIT_TOL[scheme] * float(want[:, 0].abs().max())
 
 
 # ---------------------------------------------------------------------------------------------
