@@ -79,7 +79,9 @@ def test_padded_static_step_matches_the_eager_step(tiny):
     assert graphs.stats == {"graph_steps": 6, "eager_steps": 0}
     for x, y in zip(a, b):
         assert x.shape == y.shape
-        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+        # fp32 GEMMs over a padded batch of 4 and an exact batch of 3 round differently (CPU BLAS
+        # blocks by row count): a few 1e-5 on logits of order 1 (1.2e-5 seen), far below any bug
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=5e-5)
     for rid in ("r1", "r2"):
         assert static.pool.seq_len(rid) == eager.pool.seq_len(rid)
     # the padded rows wrote nothing but row 0's own slot: the pools hold the same K/V everywhere
