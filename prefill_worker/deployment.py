@@ -158,7 +158,9 @@ class PrefillLoop:
             for c in out.chunks:
                 item = self._pending.get(c.request_id)
                 if item is not None and item.started_at is None:
-                    item.started_at = t0
+                    # t0 can precede the arrival: a prompt added while the step's thread was
+                    # starting still makes that step's schedule
+                    item.started_at = max(t0, item.enqueued_at)
             for rid, exc in out.failed:
                 logger.error("prefill of %s failed: %r", rid, exc)
                 item = self._pending.get(rid)
