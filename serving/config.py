@@ -68,6 +68,11 @@ class ServiceConfig:
     device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
         bfloat16 when the replica sees a GPU, else CPU and float32).
     page_size, prefill_kv_pages, decode_kv_pages: KV pool geometry per replica.
+    weight_dtype: the linear layers' weights (``model_executor/fp8_linear.py``): "auto" (as the
+        checkpoint stores them: bf16, or FP8 for an FP8 checkpoint), or quantize a bf16 checkpoint
+        on load to e4m3 with one scale per tensor ("fp8_tensor"), per output channel
+        ("fp8_channel", also "fp8_e4m3") or per 128x128 block ("fp8_block"); activations are
+        quantized per call to match.
     kv_cache_dtype: "auto" (the model dtype) or "fp8_e4m3": FP8 KV pools on both sides and the
         FP8 prefill operator (q quantized per tensor); every replica calibrates identical
         power-of-two K/V scales from one fixed prompt at start (``kv_scale_margin`` x amax).
@@ -130,6 +135,7 @@ class ServiceConfig:
     seed: int = 0
     page_size: int = 64
     kv_cache_dtype: str = "auto"
+    weight_dtype: str = "auto"
     kv_scale_margin: float = 2.0
     prefill_kv_pages: int = 1024
     decode_kv_pages: int = 1024
@@ -176,6 +182,10 @@ class ServiceConfig:
             raise ValueError(f"device: expected one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        from model_executor import WEIGHT_DTYPES
+
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype: expected one of {tuple(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _float("kv_scale_margin", self.kv_scale_margin, 1.0, 1e6)

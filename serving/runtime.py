@@ -68,7 +68,7 @@ class WorkerRuntime:
             torch.set_num_threads(config.torch_threads)
         device = resolve_device(config)
         dtype = resolve_dtype(config, device)
-        loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, weight_dtype=getattr(config, "weight_dtype", "auto"))
+        loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, weight_dtype=config.weight_dtype)
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
         pool = KVPool(
             KVPoolConfig(

@@ -606,3 +606,20 @@ def test_an_error_quoting_a_surrogate_renders():
 
     body = json.loads(error_response(e).body)
     assert body["error"]["param"] == "\\ud800k"
+
+
+def test_weight_dtype_option_reaches_the_worker_model():
+    """ServiceConfig.weight_dtype quantizes the replica's linear layers on load (the FP8 path of
+    model_executor/fp8_linear.py, emulated on CPU); the default keeps the checkpoint's weights."""
+    from model_executor import Fp8Linear
+    from serving.runtime import WorkerRuntime
+
+    def fp8_layers(cfg):
+        rt = WorkerRuntime.build(cfg, num_pages=4)
+        return [m for m in rt.runner.model.modules() if isinstance(m, Fp8Linear)]
+
+    assert fp8_layers(ServiceConfig()) == []
+    layers = fp8_layers(ServiceConfig(weight_dtype="fp8_channel"))
+    assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        ServiceConfig(weight_dtype="int4")
