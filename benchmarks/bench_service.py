@@ -121,7 +121,7 @@ from benchmarks.open_loop import CellSpec, records_to_json, run_cell, summarize 
 
 RESULTS = ROOT / "benchmarks" / "results" / "service_h200.json"
 CONFIG_ORDER = ("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k", "sparse_bf16_sjf",
-                "dense_sjf", "sparse_bf16_nocache", "dense_nocache")
+                "dense_sjf", "sparse_bf16_nocache", "dense_nocache", "sparse_fp8w_sjf")
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "dense": {"alpha": 0.0},
     "sparse_bf16": {"alpha": 0.1},
@@ -134,6 +134,9 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
     # the prefix cache off (on by default): the baseline of a --shared-prefix-tokens workload
     "sparse_bf16_nocache": {"alpha": 0.1, "prefix_caching": False},
     "dense_nocache": {"alpha": 0.0, "prefix_caching": False},
+    # FP8 (e4m3, per-channel) weights in every linear layer, the step-level shortest_first policy
+    "sparse_fp8w_sjf": {"alpha": 0.1, "weight_dtype": "fp8_channel", "prefill_schedule": "shortest_first",
+                        "prefill_max_wait_s": 60.0},
 }
 SMOKE_CHUNK_DIVISOR = 64  # --cpu-smoke: 8K / 16K chunks become 128 / 256 tokens (its prompts are 256..512)
 POOL_PAGES = {1: (2560, 5120), 2: (4096, 10240)}  # (prefill, decode) pages of 64 tokens per replica
