@@ -24,7 +24,7 @@ sequence in every cell; ``--max-tokens`` (64) output tokens, which the structure
 always produces in full (no stop token). Arrival times: one seeded unit-rate sequence scaled by
 1/rate, so every cell replays the same workload, faster or slower.
 
-``--fused-ops off`` runs every configuration with ``ServiceConfig.fused_ops=False`` (transformers'
+``--fused-ops off`` runs every configuration with ``runtime.fused_ops: false`` (transformers'
 eager norms, MLP and RoPE), as cells measured before the fused kernels existed did; default on.
 Every cell starts with empty prefix caches (``PrefillServer.clear_prefix_cache`` on each prefill
 replica; the cell records how many pages that dropped): the cells replay the same prompts, which
@@ -32,7 +32,7 @@ would otherwise hit pages an earlier cell cached. ``--shared-prefix-tokens N`` m
 own tokens (what the prefix cache serves; a cell's summary counts ``cached_prompt_tokens``); run it
 with ``sparse_bf16`` (prefix cache on, the default) and ``sparse_bf16_nocache`` (or ``dense`` /
 ``dense_nocache``) into their own ``--out``: ``--merge`` refuses a file of another workload.
-``--cuda-graphs off`` likewise runs eager decode steps (``ServiceConfig.cuda_graphs=False``), as
+``--cuda-graphs off`` likewise runs eager decode steps (``decode.cuda_graphs: false``), as
 cells measured before the decode CUDA graphs did; each configuration records
 ``decode_graphs``, its decode replicas' graph status and step counts.
 
@@ -122,6 +122,8 @@ from benchmarks.open_loop import CellSpec, records_to_json, run_cell, summarize 
 RESULTS = ROOT / "benchmarks" / "results" / "service_h200.json"
 CONFIG_ORDER = ("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k", "sparse_bf16_sjf",
                 "dense_sjf", "sparse_bf16_nocache", "dense_nocache", "sparse_fp8w_sjf")
+# Service options by their flat names (serving/config.py OPTION_ALIASES: ``alpha`` is ``sparse.alpha``,
+# ``prefill_chunk_tokens`` is ``prefill.chunk_tokens``, ...): the names the recorded results use
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "dense": {"alpha": 0.0},
     "sparse_bf16": {"alpha": 0.1},
@@ -177,8 +179,8 @@ class BenchConfig:
     http_port: int = 8000
     grpc_port: int = 9000
     transport: str = "auto"  # KV transport of every configuration (auto: CUDA IPC on a shared GPU, else NCCL)
-    fused_ops: bool = True  # ServiceConfig.fused_ops of every configuration (fused norms, MLP, RoPE on CUDA)
-    cuda_graphs: bool = True  # ServiceConfig.cuda_graphs of every configuration (decode steps from CUDA graphs)
+    fused_ops: bool = True  # runtime.fused_ops of every configuration (fused norms, MLP, RoPE on CUDA)
+    cuda_graphs: bool = True  # decode.cuda_graphs of every configuration (decode steps from CUDA graphs)
     shared_prefix_tokens: int = 0  # every prompt starts with the same this many tokens (a shared document)
 
     def __post_init__(self) -> None:
@@ -225,7 +227,7 @@ SMOKE = dict(model="builtin:structured-tiny", gpus=0, configs=("sparse_bf16_chun
 
 
 def base_options(cfg: BenchConfig) -> dict[str, Any]:
-    """ServiceConfig options shared by every configuration (see the module docstring)."""
+    """ServiceConfig options (flat names) shared by every configuration (see the module docstring)."""
     longest = max(cfg.lengths)
     common = {
         "model": cfg.model, "seed": cfg.seed, "max_model_len": longest + cfg.max_tokens,
@@ -261,7 +263,7 @@ def resolve_service_config(options: dict[str, Any]):
 
     try:
         return ServiceConfig.from_dict(options), None
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:  # serving.config.ConfigError
         return None, f"ServiceConfig refused the options: {exc}"
 
 
@@ -773,7 +775,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     ap.add_argument("--configs", default=None,
                     help=f"comma-separated, from {list(CONFIGURATIONS)} (default: all but sparse_fp8)")
     ap.add_argument("--fp8", action="store_true",
-                    help="also run sparse_fp8 (ServiceConfig kv_cache_dtype='fp8_e4m3'); naming it in --configs does too")
+                    help="also run sparse_fp8 (kv.cache_dtype='fp8_e4m3'); naming it in --configs does too")
     ap.add_argument("--rates", default=None, help="requests/s, comma-separated (default 1,4,16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per cell at most (default 100)")
     ap.add_argument("--cell-seconds", type=float, default=None, help="no request sent after this (default 120)")
@@ -794,10 +796,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
                     help="KV transport of every configuration (default auto: CUDA IPC on a shared GPU, "
                          "NCCL channels between GPUs)")
     ap.add_argument("--fused-ops", choices=("on", "off"), default=None,
-                    help="ServiceConfig.fused_ops of every configuration (default on: fused RMSNorm, SiLU MLP and "
+                    help="runtime.fused_ops of every configuration (default on: fused RMSNorm, SiLU MLP and "
                          "RoPE on CUDA; off: transformers' eager modules, as runs before these kernels)")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
-                    help="ServiceConfig.cuda_graphs of every configuration (default on: decode steps replayed "
+                    help="decode.cuda_graphs of every configuration (default on: decode steps replayed "
                          "from CUDA graphs on CUDA; off: eager decode steps, as runs before them)")
     ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--grpc-port", type=int, default=None)

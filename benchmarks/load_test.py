@@ -119,7 +119,7 @@ class Oracle:
         from model_executor.tokenizer import ByteTokenizer
         from serving.config import ServiceConfig
 
-        self.config = config or ServiceConfig.from_dict({"alpha": 0.0})
+        self.config = config or ServiceConfig(sparse={"alpha": 0.0})
         self.model = load_model(None)
         self.tokenizer = ByteTokenizer()
         self._cache: dict[tuple, list[int]] = {}
@@ -133,7 +133,7 @@ class Oracle:
             params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens,
                                     stop_token_ids=self.tokenizer.stop_token_ids)
             res = generate([list(prompt)], params, model=self.model, sparse_config=self.config.sparse_config,
-                           dense_below=self.config.dense_below, page_size=self.config.page_size)
+                           dense_below=self.config.sparse.dense_below, page_size=self.config.kv.page_size)
             self._cache[key] = list(res[0].output_token_ids)
         return self._cache[key]
 
@@ -383,8 +383,8 @@ def _start_local(args: argparse.Namespace) -> tuple[str, str]:
     ray.init(num_cpus=8, logging_level="WARNING", log_to_driver=False, **ray_init_kwargs())
     serve.start(http_options={"host": "127.0.0.1", "port": args.http_port},
                 grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    config = ServiceConfig.from_dict({"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 256,
-                                      "decode_kv_pages": 512, "max_model_len": 2048})
+    config = ServiceConfig(sparse={"alpha": 0.0}, runtime={"torch_threads": 1},
+                           kv={"prefill_pages": 256, "decode_pages": 512}, ingress={"max_model_len": 2048})
     small = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
     serve.run(build_application(config, prefill={**small, "num_replicas": args.prefill_replicas},
                                 decode={**small, "num_replicas": args.decode_replicas}),

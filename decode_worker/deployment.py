@@ -212,10 +212,10 @@ class DecodeServer:
 
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
-        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.decode_kv_pages)
+        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.decode_pages)
         self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
         self.pool = self.runtime.pool
-        self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.max_running)
+        self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running)
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
@@ -231,17 +231,23 @@ class DecodeServer:
         self._footprints: dict[str, int] = {}
 
     def _make_receivers(self) -> dict[str, KVTransport]:
-        receivers: dict[str, KVTransport] = {"object_store": ObjectStoreTransport()}
-        kind = select_transport(self.config.transport, device=self.pool.device)
+        transfer = self.config.transfer
+        receivers: dict[str, KVTransport] = {
+            "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
+        kind = select_transport(transfer.transport, device=self.pool.device)
         channels = None
         if kind not in ("object_store", "cuda_ipc"):
             channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                        call_sender=PrefillCaller())
+                                        call_sender=PrefillCaller(), config=transfer.channel.channel_config(),
+                                        max_workers=transfer.channel.max_workers)
             receivers[channels.name] = channels
         if kind in ("cuda_ipc", IPC_OR_NCCL):
             # the channel is also the IPC transport's way to pages on another GPU
+            ipc = transfer.ipc
             receivers["cuda_ipc"] = CudaIpcTransport(identity=replica_identity(), fallback=channels,
-                                                     call_sender=PrefillCaller("stage_pages") if channels else None)
+                                                     call_sender=PrefillCaller("stage_pages") if channels else None,
+                                                     copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
+                                                     stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
         return receivers
 
     @property
@@ -249,8 +255,8 @@ class DecodeServer:
         return sum(self._footprints.values())
 
     async def _admit(self, rid: str, footprint: int) -> bool:
-        """Wait (bounded by ``adopt_wait_s``) until ``footprint`` pages fit; reserve them."""
-        deadline = time.monotonic() + self.config.adopt_wait_s
+        """Wait (bounded by ``decode.adopt_wait_s``) until ``footprint`` pages fit; reserve them."""
+        deadline = time.monotonic() + self.config.decode.adopt_wait_s
         while footprint > self.pool.num_pages - self.committed_pages:
             if footprint > self.pool.num_pages or time.monotonic() >= deadline:
                 return False
@@ -269,7 +275,7 @@ class DecodeServer:
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
                              outcome=TransferFailure.POOL_EXHAUSTED.value)
             yield TransferFailed(reason=TransferFailure.POOL_EXHAUSTED.value, retryable=footprint <= self.pool.num_pages,
-                                 message=f"no room for {footprint} pages within {self.config.adopt_wait_s}s",
+                                 message=f"no room for {footprint} pages within {self.config.decode.adopt_wait_s}s",
                                  replica_id=self.replica_id)
             return
         submitted = False
@@ -385,7 +391,7 @@ def make_decode_deployment(config: ServiceConfig, **options: Any):
     adds its request router: ``router.app.build_application``)."""
     defaults: dict[str, Any] = {
         "name": "DecodeServer",
-        "max_ongoing_requests": config.max_running * 2,
+        "max_ongoing_requests": config.decode.max_running * 2,
         "graceful_shutdown_timeout_s": 120.0,
         "health_check_period_s": 5.0,
     }

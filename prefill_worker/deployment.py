@@ -9,7 +9,7 @@ at the next chunk boundary).
 1. it queues the prompt, and once prefilled (first token sampled) exports the pages through
    the KV transport and yields one ``prefilled`` event (first token + transfer ticket);
 2. it then keeps the pages until the caller closes the stream, which the ingress does once
-   the decode replica has acknowledged (adopted) them, or until ``lease_timeout_s``;
+   the decode replica has acknowledged (adopted) them, or until ``transfer.lease_timeout_s``;
 3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
    ingress crash).
 With channel transports (``nccl``/``gloo``) the export copies nothing: the decode replica that
@@ -105,7 +105,7 @@ class PrefillLoop:
         if need > self.pool.num_pages:
             raise RequestError(
                 f"prompt: {n} tokens need {need} KV pages; a prefill replica holds {self.pool.num_pages} "
-                "(raise prefill_kv_pages or shorten the prompt)", param="prompt", status=400, code="prompt_too_long",
+                "(raise kv.prefill_pages or shorten the prompt)", param="prompt", status=400, code="prompt_too_long",
             )
         queued = self.queued_tokens
         if queued and queued + n > self.max_queued_tokens:
@@ -193,21 +193,21 @@ class PrefillServer:
 
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
-        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.prefill_kv_pages)
+        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.prefill_pages)
         self.pool = self.runtime.pool
-        self.cost_model = PrefillCostModel(dense_below=self.config.dense_below,
-                                           expected_density=self.config.expected_density)
-        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.max_batch_tokens,
-                                    chunk_size=self.config.prefill_chunk_size,
-                                    prefix_cache=self.config.prefix_caching,
-                                    policy=self.config.prefill_schedule, max_wait_s=self.config.prefill_max_wait_s,
+        self.cost_model = PrefillCostModel(dense_below=self.config.sparse.dense_below,
+                                           expected_density=self.config.sparse.expected_density)
+        self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.prefill.max_batch_tokens,
+                                    chunk_size=self.config.prefill.chunk_size,
+                                    prefix_cache=self.config.prefill.prefix_caching,
+                                    policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
                                     cost=self.cost_model.cost)
         self.loop = PrefillLoop(
-            self.engine, max_batch_tokens=self.config.max_batch_tokens,
-            batch_wait_s=self.config.batch_wait_ms / 1000.0,
-            max_queued_tokens=self.config.max_queued_prefill_tokens, retry_after_s=self.config.retry_after_s,
+            self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
+            batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
+            max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
-        self.object_store = ObjectStoreTransport()
+        self.object_store = ObjectStoreTransport(fetch_timeout_s=self.config.transfer.object_store.fetch_timeout_s)
         self.transport = self._make_transport()
         self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
@@ -216,15 +216,22 @@ class PrefillServer:
         self.completed = 0
 
     def _make_transport(self) -> KVTransport:
-        kind = select_transport(self.config.transport, device=self.pool.device)
+        transfer = self.config.transfer
+        kind = select_transport(transfer.transport, device=self.pool.device)
         if kind == "object_store":
             return self.object_store
+        channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):
-            fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity()) \
+            fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
+                                        config=channel.channel_config(), max_workers=channel.max_workers) \
                 if kind == IPC_OR_NCCL else None
+            ipc = transfer.ipc
             return CudaIpcTransport(identity=replica_identity(), fallback=fallback,
-                                    lease_timeout_s=self.config.lease_timeout_s)
-        return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity())
+                                    lease_timeout_s=transfer.lease_timeout_s, copy_chunk_bytes=ipc.copy_chunk_bytes,
+                                    idle_close_s=ipc.idle_close_s, stage_timeout_s=ipc.stage_timeout_s,
+                                    max_workers=ipc.max_workers)
+        return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
+                                config=channel.channel_config(), max_workers=channel.max_workers)
 
     def _channel(self) -> ChannelTransport | None:
         """The channel this replica sends over: its transport, or the fallback of cuda_ipc."""
@@ -258,14 +265,14 @@ class PrefillServer:
             if not call.skip_transfer:
                 ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
             export_s = time.monotonic() - t_export
-            self._leases[rid] = time.monotonic() + self.config.lease_timeout_s
+            self._leases[rid] = time.monotonic() + self.config.transfer.lease_timeout_s
             yield Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
                             cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
                             queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
             if ticket is not None:
                 # The lease: the caller closes this stream once the decode side has the pages.
-                await asyncio.sleep(self.config.lease_timeout_s)
-                logger.warning("prefill lease of %s expired after %.0fs; releasing its pages", rid, self.config.lease_timeout_s)
+                await asyncio.sleep(self.config.transfer.lease_timeout_s)
+                logger.warning("prefill lease of %s expired after %.0fs; releasing its pages", rid, self.config.transfer.lease_timeout_s)
         finally:
             self._leases.pop(rid, None)
             if ticket is not None:
@@ -345,7 +352,7 @@ def make_prefill_deployment(config: ServiceConfig, **options: Any):
     defaults: dict[str, Any] = {
         "name": "PrefillServer",
         "max_ongoing_requests": 256,  # includes page leases, which are cheap
-        "graceful_shutdown_timeout_s": max(30.0, config.lease_timeout_s / 2),
+        "graceful_shutdown_timeout_s": max(30.0, config.transfer.lease_timeout_s / 2),
         "health_check_period_s": 5.0,
     }
     defaults.update(options)

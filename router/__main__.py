@@ -1,4 +1,4 @@
-"""Command line: ``python -m router serve | client | gen-proto``."""
+"""Command line: ``python -m router serve | client | options | gen-proto``."""
 
 from __future__ import annotations
 
@@ -7,25 +7,27 @@ import json
 import sys
 
 
-# flags that set a ServiceConfig option of the same name (None: not given)
-_FLAG_OPTIONS = ("model", "served_model_name", "device", "alpha", "prefill_kv_pages", "decode_kv_pages")
+# flags that set a service option (None: not given) -> its dotted path (serving/config.py)
+_FLAG_OPTIONS = {"model": "model.model", "served_model_name": "model.served_model_name", "device": "model.device",
+                 "alpha": "sparse.alpha", "prefill_kv_pages": "kv.prefill_pages", "decode_kv_pages": "kv.decode_pages"}
 
 
 def parse_option(pair: str) -> tuple[str, object]:
-    """``KEY=VALUE`` -> (key, value): VALUE as JSON when it parses (numbers, true/false, null,
-    lists, objects), else the string itself (``model=/models/llama``)."""
+    """``PATH=VALUE`` -> (PATH, value): PATH a dotted option path (``prefill.chunk_tokens``) or a
+    flat name (``prefill_chunk_tokens``), VALUE parsed by the option's type (``null``: None where
+    the option allows it; a section takes a JSON object)."""
+    from serving.config import parse_option_value
+
     key, sep, text = pair.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"--option: expected KEY=VALUE, got {pair!r}")
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = text
-    return key.strip(), value
+        raise ValueError(f"--option: expected PATH=VALUE, got {pair!r}")
+    key = key.strip()
+    return key, parse_option_value(key, text)
 
 
 def load_config_file(path: str) -> dict:
-    """A JSON or YAML (``.yaml``/``.yml``) file holding one mapping of ServiceConfig options."""
+    """A JSON or YAML (``.yaml``/``.yml``) file holding one mapping of service options (nested
+    sections, dotted paths or flat names)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -49,16 +51,34 @@ def load_config_file(path: str) -> dict:
 
 
 def service_options(args: argparse.Namespace) -> dict:
-    """ServiceConfig options from the command line: the ``--config`` file, then the flags given,
-    then each ``--option KEY=VALUE`` (later wins); unset options keep ServiceConfig's defaults."""
-    options = load_config_file(args.config) if args.config else {}
-    options.update({name: getattr(args, name) for name in _FLAG_OPTIONS if getattr(args, name) is not None})
+    """The nested service options from the command line: the ``--config`` file, then the flags
+    given, then each ``--option PATH=VALUE`` in order (later wins); unset options keep
+    ServiceConfig's defaults. Within the file an option given twice (a flat name and its dotted
+    path) with different values is an error."""
+    from serving.config import merge, nest
+
+    layers = [load_config_file(args.config) if args.config else {}]
+    flags = {path: getattr(args, name) for name, path in _FLAG_OPTIONS.items() if getattr(args, name) is not None}
     if args.debug_routing:
-        options["debug_routing"] = True
-    for pair in args.option or ():
-        key, value = parse_option(pair)
-        options[key] = value
+        flags["ingress.debug_routing"] = True
+    layers.append(flags)
+    layers += [dict([parse_option(pair)]) for pair in args.option or ()]
+    options: dict = {}
+    for layer in layers:
+        options = merge(options, nest(layer))
     return options
+
+
+def _options(args: argparse.Namespace) -> int:
+    from serving.config import options_listing, options_markdown
+
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(options_markdown())
+        print(f"wrote {args.write}")
+    else:
+        sys.stdout.write(options_markdown() if args.markdown else options_listing())
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -99,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--decode-kv-pages", type=int, default=None, help="default 1024")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray")
     s.add_argument("--debug-routing", action="store_true", help="add replica ids to responses")
-    s.add_argument("--config", default=None, metavar="PATH",
-                   help="JSON or YAML file of service options (serving/config.py ServiceConfig; the flags override it)")
-    s.add_argument("--option", action="append", metavar="KEY=VALUE",
-                   help="any ServiceConfig option, VALUE as JSON or a string, e.g. --option prefill_chunk_tokens=8192 "
-                        "(repeatable; overrides --config and the flags)")
+    s.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON or YAML file of service options in nested sections (docs/OPTIONS.md; the flags override it)")
+    s.add_argument("--option", action="append", metavar="PATH=VALUE",
+                   help="any service option by its dotted path, VALUE parsed by its type, e.g. --option "
+                        "prefill.chunk_tokens=8192 (repeatable, later wins; overrides --config and the flags; "
+                        "`python -m router options` lists them)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("client", help="send one prompt and print the reply")
@@ -120,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--application", default=None, help="Serve application name (gRPC metadata)")
     c.set_defaults(func=lambda a: __import__("router.client", fromlist=["run_client"]).run_client(a))
 
+    o = sub.add_parser("options", help="list every service option (PATH=DEFAULT), or the docs/OPTIONS.md table")
+    o.add_argument("--markdown", action="store_true", help="print the Markdown table of docs/OPTIONS.md")
+    o.add_argument("--write", default=None, metavar="FILE", help="write the Markdown table to FILE (docs/OPTIONS.md)")
+    o.set_defaults(func=_options)
+
     g = sub.add_parser("gen-proto", help="regenerate router/proto stubs (needs grpcio-tools)")
     g.set_defaults(func=_gen_proto)
 
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:  # bad options fail here, before Ray starts
             args.service_config = ServiceConfig.from_dict(service_options(args))
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:  # serving.config.ConfigError is one
             parser.error(str(exc))
     return int(args.func(args) or 0)
 

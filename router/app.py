@@ -97,8 +97,8 @@ class OpenAIIngress:
         self.config = ServiceConfig.from_dict(config)
         self.tokenizer = load_tokenizer(self.config)
         self.parser = RequestParser(
-            self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.max_model_len,
-            default_max_tokens=self.config.default_max_tokens,
+            self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.ingress.max_model_len,
+            default_max_tokens=self.config.ingress.default_max_tokens,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer)
         self.auth = BearerAuth.from_config(self.config)
@@ -106,23 +106,23 @@ class OpenAIIngress:
 
     def _check_capacity(self, req: GenerationRequest) -> None:
         """Requests no replica could ever hold are bad input (400), not overload (429)."""
-        ps = self.config.page_size
+        ps = self.config.kv.page_size
         prompt_pages = -(-req.prompt_len // ps)
-        if prompt_pages > self.config.prefill_kv_pages:
+        if prompt_pages > self.config.kv.prefill_pages:
             raise RequestError(
                 f"prompt: {req.prompt_len} tokens need {prompt_pages} KV pages; a prefill replica holds "
-                f"{self.config.prefill_kv_pages}", param="prompt", status=400, code="prompt_too_long")
+                f"{self.config.kv.prefill_pages}", param="prompt", status=400, code="prompt_too_long")
         final_pages = -(-(req.prompt_len + req.max_tokens) // ps)
-        if final_pages > self.config.decode_kv_pages:
+        if final_pages > self.config.kv.decode_pages:
             raise RequestError(
                 f"max_tokens: prompt ({req.prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
-                f"a decode replica holds {self.config.decode_kv_pages}: lower max_tokens",
+                f"a decode replica holds {self.config.kv.decode_pages}: lower max_tokens",
                 param="max_tokens", status=400, code="invalid_value")
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
+        limit = self.config.ingress.max_request_bytes
         declared = request.headers.get("content-length")
-        too_large = RequestError(f"body: larger than {limit} bytes (max_request_bytes)", param="body",
+        too_large = RequestError(f"body: larger than {limit} bytes (ingress.max_request_bytes)", param="body",
                                  status=413, code="request_too_large")
         if declared is not None:
             if not declared.isdigit():
@@ -225,8 +225,8 @@ class OpenAIIngress:
             raise RequestError(f"request: {message.size} bytes are not a flashprefill.v1.GenerateRequest ({message.reason})",
                                param="request", status=400, code="invalid_message")
         size = message.ByteSize()
-        if size > self.config.max_request_bytes:
-            raise RequestError(f"request: {size} bytes, larger than max_request_bytes {self.config.max_request_bytes}",
+        if size > self.config.ingress.max_request_bytes:
+            raise RequestError(f"request: {size} bytes, larger than ingress.max_request_bytes {self.config.ingress.max_request_bytes}",
                                param="request", status=413, code="request_too_large")
         req = self._grpc_parse(message)
         self._check_capacity(req)
@@ -339,9 +339,9 @@ def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = 
 
         cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
     gpus = 0.0
-    if config.device != "cpu":
+    if config.model.device != "cpu":
         gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
-    if config.device == "cuda" and gpus == 0.0:
+    if config.model.device == "cuda" and gpus == 0.0:
         gpus = 1.0
     return {"ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
 
@@ -379,7 +379,7 @@ def build_application(
         "name": "OpenAIIngress",
         "max_ongoing_requests": 256,
         "max_queued_requests": 1024,
-        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=config.retry_after_s or 1),
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=config.ingress.retry_after_s or 1),
         "ray_actor_options": {"num_cpus": 0.5},
         "graceful_shutdown_timeout_s": 60.0,
     }

@@ -40,7 +40,7 @@ def prepare_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # the gRPC proxy's own message limit (Ray's default is 2 GiB); the ingress then applies
-    # max_request_bytes. Proxies inherit this from the process that starts the local Ray.
+    # ingress.max_request_bytes. Proxies inherit this from the process that starts the local Ray.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(GRPC_MAX_MESSAGE_BYTES))
 
 

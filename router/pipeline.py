@@ -12,7 +12,7 @@ Every exit path (success, error, cancellation) closes whatever stream is still o
 
 Retries: a retryable transfer failure (checksum, truncation, lost object, failed channel, no
 room on the decode replica) or a prefill or decode replica dying before the pages were adopted
-re-runs the prefill, up to ``transfer_retries`` times; after a failed channel transfer the
+re-runs the prefill, up to ``transfer.retries`` times; after a failed channel transfer the
 retries of that request ship their pages through the object store. Tokens already sent to the client are kept: the
 decode side continues from the first token that was emitted.
 
@@ -96,11 +96,11 @@ class DisaggregatedPipeline:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer = tokenizer
-        self.page_size = page_size or config.page_size
+        self.page_size = page_size or config.kv.page_size
         self._prefill = prefill_handle.options(stream=True)
         self._decode = decode_handle.options(stream=True)
-        self.cost_model = PrefillCostModel(dense_below=config.dense_below, expected_density=config.expected_density)
-        self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.alpha > 0)
+        self.cost_model = PrefillCostModel(dense_below=config.sparse.dense_below, expected_density=config.sparse.expected_density)
+        self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -133,7 +133,7 @@ class DisaggregatedPipeline:
                 left = req.max_tokens - max(len(generated) - 1, 0)
                 step_params = dataclasses.replace(params, max_new_tokens=left)
                 cost = self.cost_model.cost(len(context))
-                for n in range(self.config.transfer_retries + 1):
+                for n in range(self.config.transfer.retries + 1):
                     attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
                     attempts += 1
                     life.to(RequestPhase.PREFILLING)
@@ -143,7 +143,7 @@ class DisaggregatedPipeline:
                                                           transport=transport)
                     except Exception as exc:
                         self._close(attempt)
-                        if _is_replica_failure(exc) and n < self.config.transfer_retries:
+                        if _is_replica_failure(exc) and n < self.config.transfer.retries:
                             logger.warning("prefill replica failed for %s (%s); prefilling again",
                                            req.request_id, type(exc).__name__)
                             continue
@@ -169,7 +169,7 @@ class DisaggregatedPipeline:
                         event = await self._start_decode(attempt, req, step_params, generated[-1], event)
                     except Exception as exc:
                         self._close(attempt)
-                        if _is_replica_failure(exc) and n < self.config.transfer_retries:
+                        if _is_replica_failure(exc) and n < self.config.transfer.retries:
                             logger.warning("decode replica failed before adopting %s (%s); prefilling again",
                                            req.request_id, type(exc).__name__)
                             continue
@@ -184,12 +184,12 @@ class DisaggregatedPipeline:
                     self._close(attempt)
                     if event.fallback == "object_store":
                         transport = "object_store"
-                    if not (event.retryable and n < self.config.transfer_retries):
+                    if not (event.retryable and n < self.config.transfer.retries):
                         raise self._transfer_error(event)
                     logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.reason)
                 else:
                     raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
-                                       retry_after_s=self.config.retry_after_s or 1)
+                                       retry_after_s=self.config.ingress.retry_after_s or 1)
 
                 # -- decode: stream tokens until the request finishes or the replica dies.
                 try:
@@ -221,7 +221,7 @@ class DisaggregatedPipeline:
                     raise
                 except Exception as exc:
                     self._close(attempt)
-                    if not (_is_replica_failure(exc) and resumes < self.config.decode_resumes):
+                    if not (_is_replica_failure(exc) and resumes < self.config.ingress.decode_resumes):
                         raise RequestError(
                             f"decode replica failed mid-stream ({type(exc).__name__}) after {len(generated)} tokens",
                             status=502, code="decode_failed",
@@ -261,13 +261,13 @@ class DisaggregatedPipeline:
 
     def _unavailable(self, role: str, exc: BaseException) -> RequestError:
         return RequestError(f"{role} replicas failed on every attempt ({type(exc).__name__}); retry later",
-                            status=503, code=f"{role}_unavailable", retry_after_s=self.config.retry_after_s or 1)
+                            status=503, code=f"{role}_unavailable", retry_after_s=self.config.ingress.retry_after_s or 1)
 
     def _transfer_error(self, event: TransferFailed) -> RequestError:
         if event.reason == "pool_exhausted":
-            # every decode replica stayed full for adopt_wait_s: overload, not a fault
+            # every decode replica stayed full for decode.adopt_wait_s: overload, not a fault
             return RequestError("decode KV capacity exhausted; retry later", status=429, code="kv_capacity_exhausted",
-                                retry_after_s=self.config.retry_after_s or 1)
+                                retry_after_s=self.config.ingress.retry_after_s or 1)
         return RequestError(f"KV transfer failed: {event.message}", status=502, code="kv_transfer_failed")
 
     # -- steps -------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class DisaggregatedPipeline:
                               skip_transfer=skip_transfer, transport=transport)
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
-                  if self.config.prefix_caching else None)
+                  if self.config.prefill.prefix_caching else None)
         attempt.prefill_stream = self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
@@ -337,4 +337,4 @@ class DisaggregatedPipeline:
         }
 
     def _routing(self, attempt: _Attempt) -> dict | None:
-        return dict(attempt.routing) if self.config.debug_routing else None
+        return dict(attempt.routing) if self.config.ingress.debug_routing else None

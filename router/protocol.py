@@ -412,7 +412,7 @@ def openapi_extra(kind: str) -> dict:
             "400": {"description": "invalid request (the error's param names the field)", **error},
             "401": {"description": "missing or wrong bearer token", **error},
             "404": {"description": "unknown model", **error},
-            "413": {"description": "body larger than max_request_bytes", **error},
+            "413": {"description": "body larger than ingress.max_request_bytes", **error},
             "429": {"description": "overloaded; see Retry-After", **error},
             "502": {"description": "a worker failed and retries were exhausted", **error},
             "503": {"description": "no worker replica available", **error},

@@ -1,8 +1,8 @@
 """Who may call the service, and where it listens.
 
 - Bearer-token auth (HTTP ``Authorization: Bearer <token>``, gRPC metadata ``authorization``
-  with the same value). Off unless a token is configured: ``ServiceConfig.auth_token`` or the
-  environment variable named by ``auth_token_env`` (default ``FLASHPREFILL_API_TOKEN``) in the
+  with the same value). Off unless a token is configured: ``ingress.auth_token`` or the
+  environment variable named by ``ingress.auth_token_env`` (default ``FLASHPREFILL_API_TOKEN``) in the
   ingress replica's environment. Compared in constant time (``hmac.compare_digest``); the
   token is never logged, never echoed, and never sent to the worker replicas.
 - Loopback gRPC. Ray Serve 2.60's gRPC proxy listens on ``[::]`` (every interface) whatever
@@ -34,9 +34,9 @@ class BearerAuth:
 
     @classmethod
     def from_config(cls, config: Any) -> "BearerAuth":
-        token = config.auth_token
-        if token is None and config.auth_token_env:
-            token = os.environ.get(config.auth_token_env) or None
+        token = config.ingress.auth_token
+        if token is None and config.ingress.auth_token_env:
+            token = os.environ.get(config.ingress.auth_token_env) or None
         return cls(token)
 
     @property

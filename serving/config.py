@@ -1,18 +1,37 @@
-"""ServiceConfig: every option of the disaggregated service in one frozen dataclass.
+"""ServiceConfig: every option of the disaggregated service, one nested, typed, frozen config.
 
-The same dict travels as the application builder's ``args`` (``serve_config.yaml``), as the
-constructor argument of every deployment, and from the ``python -m router serve`` flags.
-Unknown keys are rejected so that a typo in a config file fails at deploy time.
+Sections (``config.prefill.chunk_tokens``): ``model``, ``kv``, ``sparse``, ``prefill``, ``decode``,
+``transfer`` (with ``channel``, ``ipc`` and ``object_store``), ``ingress``, ``runtime`` and
+``fault_injection``. Each is a pydantic model: the field's type and constraints are the
+validation, its description is the documentation (``docs/OPTIONS.md`` is generated from them:
+``python -m router options --markdown``). An error is a :class:`ConfigError` (a ``ValueError``)
+naming every bad option by its dotted path (``prefill.chunk_tokens: ...``).
+
+The same nested dict (:meth:`ServiceConfig.to_dict`) travels as the application builder's
+``args`` (``serve_config.yaml``), as the constructor argument of every deployment
+(:meth:`ServiceConfig.worker_dict`: without the auth secret), and from the ``python -m router
+serve`` command line (``--config FILE``, ``--option PATH=VALUE``). Unknown options and sections
+are rejected so that a typo in a config file fails at deploy time.
+
+Flat names from before the sections (``prefill_chunk_tokens``, ``alpha``, ...) are accepted
+wherever options enter (:data:`OPTION_ALIASES`): a mapping may mix them with sections and
+dotted paths; one option given twice with different values is an error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Any
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, Union
 
-from kernels.config import SparseConfig
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticUndefined
+
+from kernels.config import KV_TILE, SparseConfig
+from kv_transfer.channel import ChannelConfig
+from model_executor.fp8_linear import WEIGHT_DTYPES
 
 TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -20,264 +39,636 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
+SECRET_OPTIONS = frozenset({"ingress.auth_token"})  # never shown: not in errors, not in worker_dict
+
+_CHANNEL = ChannelConfig()  # the channel section's defaults are ChannelConfig's own
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
+class ConfigError(ValueError):
+    """Bad options: one line per problem, each starting with the option's dotted path."""
 
 
-def _float(name: str, value: Any, minimum: float, maximum: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (minimum <= value <= maximum):
-        raise ValueError(f"{name}: expected a number in [{minimum}, {maximum}], got {value!r}")
-    return float(value)
+class _Section(BaseModel):
+    # strict: no silent coercion ("8192" is not an int, true is not 1); the command line parses
+    # its text by the field's type first (parse_option_value)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    section: typing.ClassVar[str] = ""  # the dotted path of this section (errors of a section built alone)
+
+    def __init__(self, **data: Any) -> None:
+        # pydantic calls this for nested sections too (a custom __init__): each names its options
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error(exc, prefix=self.section) from None
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """Drills and tests only (all off by default): damage the first ``corrupt_transfers`` KV
-    transfers a prefill replica ships (``mode``: "flip" a byte, "truncate" the frame (object
-    store only) or "break" the channel instead of sending (channels) or the ticket's GPU
-    (cuda_ipc: the receiver finds no usable route); transfers the mode
-    does not apply to are shipped intact and not counted); hold
-    every prefill call ``prefill_delay_ms`` before it queues, and every decode step
-    ``decode_step_delay_ms``, so that a drill can kill a replica mid-request."""
+# ------------------------------------------------------------------------------------ sections
+class ModelOptions(_Section):
+    """The model every worker replica loads, and how."""
 
-    corrupt_transfers: int = 0
-    mode: str = "flip"
-    prefill_delay_ms: float = 0.0
-    decode_step_delay_ms: float = 0.0
+    section: typing.ClassVar[str] = "model"
 
-    def __post_init__(self) -> None:
-        _int("fault_injection.corrupt_transfers", self.corrupt_transfers, 0)
-        _float("fault_injection.prefill_delay_ms", self.prefill_delay_ms, 0.0, 60_000.0)
-        _float("fault_injection.decode_step_delay_ms", self.decode_step_delay_ms, 0.0, 60_000.0)
-        if self.mode not in FAULT_MODES:
-            raise ValueError(f"fault_injection.mode: expected one of {FAULT_MODES}, got {self.mode!r}")
+    model: str = Field("builtin:tiny", min_length=1, description=(
+        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` (the structured '
+        "benchmark models: token-id prompts, built from `model.seed` on each replica's device; "
+        "`model_executor/loading.py`) or a local Hugging Face directory (read offline)."))
+    served_model_name: str | None = Field(None, min_length=1, description=(
+        "The OpenAI `model` id clients must send (default: `model.model`)."))
+    device: Literal[DEVICES] = Field("auto", description=(
+        'Where the workers run the model ("auto": CUDA when the replica sees a GPU, else CPU).'))
+    dtype: Literal[DTYPES] = Field("auto", description=(
+        'The model dtype ("auto": bfloat16 on CUDA, float32 on CPU).'))
+    weight_dtype: Literal[tuple(WEIGHT_DTYPES)] = Field("auto", description=(
+        "The linear layers' weights (`model_executor/fp8_linear.py`): \"auto\" (as the checkpoint "
+        "stores them: bf16, or FP8 for an FP8 checkpoint), or quantize a bf16 checkpoint on load to "
+        'e4m3 with one scale per tensor ("fp8_tensor"), per output channel ("fp8_channel", also '
+        '"fp8_e4m3") or per 128x128 block ("fp8_block"); activations are quantized per call to match.'))
+    seed: int = Field(0, ge=0, description="Seed of the built-in models' weights.")
 
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Options of the service (see docs/ARCHITECTURE.md for where each one acts).
-
-    model: ``"builtin:tiny"``, ``"builtin:structured-8b"`` / ``"builtin:structured-tiny"`` (the
-        structured benchmark models: token-id prompts, built from ``seed`` on each replica's
-        device; see ``model_executor/loading.py``) or a local Hugging Face directory (read offline).
-    served_model_name: the OpenAI ``model`` id clients must send (default: ``model``).
-    device / dtype: where and in which dtype the workers run the model ("auto": CUDA and
-        bfloat16 when the replica sees a GPU, else CPU and float32).
-    page_size, prefill_kv_pages, decode_kv_pages: KV pool geometry per replica.
-    weight_dtype: the linear layers' weights (``model_executor/fp8_linear.py``): "auto" (as the
-        checkpoint stores them: bf16, or FP8 for an FP8 checkpoint), or quantize a bf16 checkpoint
-        on load to e4m3 with one scale per tensor ("fp8_tensor"), per output channel
-        ("fp8_channel", also "fp8_e4m3") or per 128x128 block ("fp8_block"); activations are
-        quantized per call to match.
-    kv_cache_dtype: "auto" (the model dtype) or "fp8_e4m3": FP8 KV pools on both sides and the
-        FP8 prefill operator (q quantized per tensor); every replica calibrates identical
-        power-of-two K/V scales from one fixed prompt at start (``kv_scale_margin`` x amax).
-    alpha, block_size, sink_tokens, window_tokens, dense_below: the prefill operator.
-    max_batch_tokens: prompt tokens per prefill forward (a longer prompt is split at this
-        budget); batch_wait_ms: how long a prefill replica waits to grow a batch once the first
-        request is in.
-    prefill_chunk_tokens: chunked prefill: every prompt is prefilled in chunks of at most this
-        many tokens, each chunk attending to the earlier ones through the pool (``None`` or 0:
-        off, whole prompts per forward). At most ``max_batch_tokens``.
-    max_queued_prefill_tokens: prompt tokens a prefill replica accepts into its queue before
-        it answers "overloaded" (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After).
-    prefill_schedule: the order in which a prefill replica takes its waiting prompts: "fcfs"
-        (arrival order) or "shortest_first" (least causal work first: a lower median TTFT under
-        overload, longer waits for long prompts), where a prompt waiting ``prefill_max_wait_s``
-        or more goes ahead of all younger ones.
-    max_running: requests one decode replica decodes per step.
-    max_model_len: prompt + generated tokens per request.
-    transport: how KV pages travel from prefill to decode. "object_store": framed CPU bytes
-        through Ray's object store (any devices, any nodes). "nccl": pairwise channels between
-        CUDA pools (GPU to GPU, no host copy); "gloo": the same channels between CPU pools.
-        "cuda_ipc": the decode replica copies the pages out of the prefill replica's pool on
-        the same GPU (CUDA IPC; pools on different GPUs fail over to the object store).
-        "auto": for CUDA pools CUDA IPC where prefill and decode share a GPU and "nccl"
-        between GPUs, else the object store. A failed channel or IPC transfer is retried over
-        the object store. transfer_retries: new attempts after a retryable transfer failure.
-    lease_timeout_s: how long a prefill replica keeps pages for a decode side that never
-        acknowledges (a crashed ingress), then frees them.
-    expected_density: the routing cost model's expected fraction of causal pairs computed
-        by sparse prefill above ``dense_below``.
-    fused_ops: on CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels
-        (``model_executor/fused.py``, the eager modules' math); ``False``: transformers' eager modules.
-    prefix_caching: prefill replicas keep the full KV pages of prompts they prefilled and let a
-        later prompt that starts with the same tokens reuse them, computing only the rest
-        (``KVPool`` prefix cache, least recently used pages evicted first when the pool needs
-        room). ``usage.prompt_tokens_details.cached_tokens`` and ``timing.cached_tokens`` say how
-        many prompt tokens a request reused. With sparse prefill the reused prefix is treated as
-        a chunk boundary (as with ``prefill_chunk_tokens``).
-    cuda_graphs: decode replicas on CUDA replay their decode steps from CUDA graphs, one per batch
-        size up to ``max_running``, for sequences up to ``max_model_len`` tokens
-        (``model_executor/cuda_graphs.py``); other steps run eagerly. A capture that fails or does
-        not reproduce the eager step leaves the replica eager, with a warning (its stats say why).
-    debug_routing: add replica ids to responses (the ``routing`` field).
-    torch_threads: intra-op threads per worker replica (0: leave torch's default).
-    decode_resumes: how many times a stream whose decode replica died is resumed (prompt +
-        tokens so far prefilled again, decoding continues on a healthy replica).
-    adopt_wait_s: how long a decode replica waits for free pages (running requests finishing)
-        before it refuses a transfer as "pool exhausted" (bounded queueing, then 429).
-    max_request_bytes: largest HTTP body / gRPC request message the ingress accepts (413 /
-        INVALID_ARGUMENT beyond).
-    auth_token: bearer token clients must send (``Authorization: Bearer ...``); prefer
-        ``auth_token_env``, the name of an environment variable holding it (read by the
-        ingress replica). Neither set: no auth. The token never reaches the workers or logs.
-    """
-
-    model: str = "builtin:tiny"
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    page_size: int = 64
-    kv_cache_dtype: str = "auto"
-    weight_dtype: str = "auto"
-    kv_scale_margin: float = 2.0
-    prefill_kv_pages: int = 1024
-    decode_kv_pages: int = 1024
-    alpha: float = 0.1
-    block_size: int = 128
-    sink_tokens: int = 256
-    window_tokens: int = 512
-    dense_below: int = 1024
-    max_batch_tokens: int = 8192
-    prefill_chunk_tokens: int | None = None
-    batch_wait_ms: float = 2.0
-    max_queued_prefill_tokens: int = 262144
-    prefill_schedule: str = "fcfs"
-    prefill_max_wait_s: float = 30.0
-    max_running: int = 64
-    max_model_len: int = 32768
-    default_max_tokens: int = 16
-    transport: str = "auto"
-    transfer_retries: int = 2
-    lease_timeout_s: float = 120.0
-    expected_density: float = 0.3
-    fused_ops: bool = True
-    cuda_graphs: bool = True
-    prefix_caching: bool = True
-    debug_routing: bool = False
-    torch_threads: int = 0
-    retry_after_s: int = 1
-    decode_resumes: int = 2
-    adopt_wait_s: float = 5.0
-    max_request_bytes: int = 1 << 20
-    auth_token: str | None = field(default=None, repr=False)
-    auth_token_env: str | None = "FLASHPREFILL_API_TOKEN"
-    fault_injection: FaultInjection = field(default_factory=FaultInjection)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model: expected 'builtin:tiny' or a model directory, got {self.model!r}")
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
         from model_executor.loading import check_model_name
 
-        check_model_name(self.model)
-        if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
-            raise ValueError(f"served_model_name: expected a non-empty str, got {self.served_model_name!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device: expected one of {DEVICES}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
-        from model_executor import WEIGHT_DTYPES
+        check_model_name(value)
+        return value
 
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype: expected one of {tuple(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _float("kv_scale_margin", self.kv_scale_margin, 1.0, 1e6)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
-        _int("seed", self.seed, 0)
-        _int("page_size", self.page_size, 1)
-        _int("prefill_kv_pages", self.prefill_kv_pages, 1)
-        _int("decode_kv_pages", self.decode_kv_pages, 1)
-        _int("dense_below", self.dense_below, 0)
-        _int("max_batch_tokens", self.max_batch_tokens, 1)
-        if self.prefill_chunk_tokens is not None:
-            _int("prefill_chunk_tokens", self.prefill_chunk_tokens, 0)
-            if self.prefill_chunk_tokens > self.max_batch_tokens:
-                raise ValueError(
-                    f"prefill_chunk_tokens: expected at most max_batch_tokens ({self.max_batch_tokens}), got "
-                    f"{self.prefill_chunk_tokens}: raise max_batch_tokens or use smaller chunks")
-        _float("batch_wait_ms", self.batch_wait_ms, 0.0, 10_000.0)
-        _int("max_queued_prefill_tokens", self.max_queued_prefill_tokens, 1)
-        if self.prefill_schedule not in PREFILL_SCHEDULES:
-            raise ValueError(f"prefill_schedule: expected one of {PREFILL_SCHEDULES}, got {self.prefill_schedule!r}")
-        _float("prefill_max_wait_s", self.prefill_max_wait_s, 0.0, 86400.0)
-        _int("max_running", self.max_running, 1)
-        _int("max_model_len", self.max_model_len, 2)
-        _int("default_max_tokens", self.default_max_tokens, 1)
-        _int("transfer_retries", self.transfer_retries, 0)
-        _float("lease_timeout_s", self.lease_timeout_s, 0.1)
-        _float("expected_density", self.expected_density, 0.0, 1.0)
-        _int("torch_threads", self.torch_threads, 0)
-        _int("retry_after_s", self.retry_after_s, 0)
-        _int("decode_resumes", self.decode_resumes, 0)
-        _float("adopt_wait_s", self.adopt_wait_s, 0.0, 3600.0)
-        _int("max_request_bytes", self.max_request_bytes, 1024)
-        if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token.strip()):
-            raise ValueError("auth_token: expected a non-empty string or None (the value is not shown)")
-        if self.auth_token_env is not None and (not isinstance(self.auth_token_env, str) or not self.auth_token_env):
-            raise ValueError(f"auth_token_env: expected an environment variable name or None, got {self.auth_token_env!r}")
-        if not isinstance(self.fused_ops, bool):
-            raise ValueError(f"fused_ops: expected a bool, got {self.fused_ops!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"prefix_caching: expected a bool, got {self.prefix_caching!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
-        if not isinstance(self.debug_routing, bool):
-            raise ValueError(f"debug_routing: expected a bool, got {self.debug_routing!r}")
-        self.sparse_config  # validates alpha, block_size, sink/window via SparseConfig
+
+class KVOptions(_Section):
+    """KV pool geometry and dtype per replica."""
+
+    section: typing.ClassVar[str] = "kv"
+
+    page_size: int = Field(64, ge=1, description="Tokens per KV page.")
+    cache_dtype: Literal[KV_CACHE_DTYPES] = Field("auto", description=(
+        '"auto" (the model dtype) or "fp8_e4m3": FP8 KV pools on both sides and the FP8 prefill '
+        "operator (q quantized per tensor); every replica calibrates identical power-of-two K/V "
+        "scales from one fixed prompt at start (`kv.scale_margin` x amax)."))
+    scale_margin: float = Field(2.0, ge=1.0, le=1e6, description="FP8 KV scales: headroom over the calibrated amax.")
+    prefill_pages: int = Field(1024, ge=1, description="KV pages of one prefill replica's pool.")
+    decode_pages: int = Field(1024, ge=1, description="KV pages of one decode replica's pool.")
+
+
+class SparseOptions(_Section):
+    """The FlashPrefill sparse prefill operator (`kernels.config.SparseConfig`) and its routing cost."""
+
+    section: typing.ClassVar[str] = "sparse"
+
+    alpha: float = Field(0.1, ge=0.0, le=1.0, description=(
+        "Energy threshold relative to a tile's strongest block (0: every visible block, dense)."))
+    block_size: int = Field(128, ge=KV_TILE, multiple_of=KV_TILE, description=(
+        f"Logical key block in tokens, a multiple of {KV_TILE}."))
+    sink_tokens: int = Field(256, ge=0, description="Blocks starting before this key position are always kept.")
+    window_tokens: int = Field(512, ge=0, description=(
+        "Blocks overlapping the last this many keys before each query tile (and the diagonal) are always kept."))
+    dense_below: int = Field(1024, ge=0, description="Prompts shorter than this are prefilled dense.")
+    expected_density: float = Field(0.3, ge=0.0, le=1.0, description=(
+        "The routing cost model's expected fraction of causal pairs computed by sparse prefill above `dense_below`."))
+
+    def operator_config(self) -> SparseConfig:
+        return SparseConfig(alpha=self.alpha, block_size=self.block_size,
+                            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens)
+
+
+class PrefillOptions(_Section):
+    """Prefill replicas: batching, chunking, queueing, ordering, prefix cache."""
+
+    section: typing.ClassVar[str] = "prefill"
+
+    max_batch_tokens: int = Field(8192, ge=1, description=(
+        "Prompt tokens per prefill forward (a longer prompt is split at this budget)."))
+    chunk_tokens: int | None = Field(None, ge=0, description=(
+        "Chunked prefill: every prompt is prefilled in chunks of at most this many tokens, each chunk "
+        "attending to the earlier ones through the pool (null or 0: off, whole prompts per forward). "
+        "At most `prefill.max_batch_tokens`."))
+    batch_wait_ms: float = Field(2.0, ge=0.0, le=10_000.0, description=(
+        "How long a prefill replica waits to grow a batch once the first request is in."))
+    max_queued_tokens: int = Field(262144, ge=1, description=(
+        'Prompt tokens a prefill replica accepts into its queue before it answers "overloaded" '
+        "(HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After)."))
+    schedule: Literal[PREFILL_SCHEDULES] = Field("fcfs", description=(
+        'The order in which a prefill replica takes its waiting prompts: "fcfs" (arrival order) or '
+        '"shortest_first" (least causal work first: a lower median TTFT under overload, longer waits '
+        "for long prompts), where a prompt waiting `prefill.max_wait_s` or more goes ahead of all younger ones."))
+    max_wait_s: float = Field(30.0, ge=0.0, le=86400.0, description=(
+        '"shortest_first": a prompt waiting this long goes ahead of all younger ones.'))
+    prefix_caching: bool = Field(True, description=(
+        "Prefill replicas keep the full KV pages of prompts they prefilled and let a later prompt that "
+        "starts with the same tokens reuse them (least recently used pages evicted first); "
+        "`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens a request reused. "
+        "With sparse prefill the reused prefix is treated as a chunk boundary."))
+
+    @field_validator("chunk_tokens")
+    @classmethod
+    def _chunk_within_batch(cls, value: int | None, info: ValidationInfo) -> int | None:
+        budget = info.data.get("max_batch_tokens")  # absent when it failed its own check
+        if value is not None and budget is not None and value > budget:
+            raise ValueError(f"expected at most prefill.max_batch_tokens ({budget}), got {value}: "
+                             "raise prefill.max_batch_tokens or use smaller chunks")
+        return value
+
+    @property
+    def chunk_size(self) -> int | None:
+        """``PrefillEngine``'s ``chunk_size``: None when chunked prefill is off."""
+        return self.chunk_tokens or None
+
+
+class DecodeOptions(_Section):
+    """Decode replicas: batch, CUDA graphs, admission."""
+
+    section: typing.ClassVar[str] = "decode"
+
+    max_running: int = Field(64, ge=1, description="Requests one decode replica decodes per step.")
+    cuda_graphs: bool = Field(True, description=(
+        "Decode replicas on CUDA replay their decode steps from CUDA graphs, one per batch size up to "
+        "`decode.max_running`, for sequences up to `ingress.max_model_len` tokens "
+        "(`model_executor/cuda_graphs.py`); a capture that fails or does not reproduce the eager step "
+        "leaves the replica eager, with a warning."))
+    adopt_wait_s: float = Field(5.0, ge=0.0, le=3600.0, description=(
+        'How long a decode replica waits for free pages before it refuses a transfer as "pool exhausted" '
+        "(bounded queueing, then 429)."))
+
+
+class ChannelOptions(_Section):
+    """Pairwise channels (nccl, gloo): `kv_transfer.channel.ChannelConfig`, plus the thread pool."""
+
+    section: typing.ClassVar[str] = "transfer.channel"
+
+    connect_timeout_s: float = Field(_CHANNEL.connect_timeout_s, gt=0.0, description=(
+        "Opening a channel (store connection, rendezvous, NCCL unique-id exchange), and waiting "
+        "behind other transfers of the same pair."))
+    transfer_timeout_s: float = Field(_CHANNEL.transfer_timeout_s, gt=0.0, description=(
+        "A transfer not done within `transfer_timeout_s + bytes / min_bytes_per_s` counts as hung."))
+    min_bytes_per_s: float = Field(_CHANNEL.min_bytes_per_s, gt=0.0, description="See `transfer_timeout_s`.")
+    idle_reopen_s: float = Field(_CHANNEL.idle_reopen_s, gt=0.0, description=(
+        "A receiver opens a new generation instead of reusing a channel idle longer than this; "
+        "senders drop channels idle for twice as long."))
+    chunk_bytes: int = Field(_CHANNEL.chunk_bytes, ge=1, le=1 << 50, description=(
+        "Target size of one chunk (K and V of whole layers, at least one); the receiver's value decides."))
+    ring_depth: int = Field(_CHANNEL.ring_depth, ge=1, le=8, description=(
+        "Chunk buffers at each end (2: one on the wire while the next is gathered; 3 absorbs jitter)."))
+    max_workers: int = Field(8, ge=1, description="Threads of a replica's channel transport.")
+
+    def channel_config(self) -> ChannelConfig:
+        return ChannelConfig(**self.model_dump(exclude={"max_workers"}))
+
+
+class IpcOptions(_Section):
+    """CUDA IPC between pools on one GPU (`kv_transfer.ipc.CudaIpcTransport`)."""
+
+    section: typing.ClassVar[str] = "transfer.ipc"
+
+    copy_chunk_bytes: int = Field(256 << 20, ge=1, description=(
+        "Receiver side: the most temporary device memory one copy step takes."))
+    idle_close_s: float = Field(60.0, gt=0.0, description="Receiver side: mappings unused this long are closed.")
+    stage_timeout_s: float = Field(30.0, gt=0.0, description=(
+        "Receiver side: how long the sender may take to stage pages over the fallback channel."))
+    max_workers: int = Field(4, ge=1, description="Threads of a replica's IPC transport.")
+
+
+class ObjectStoreOptions(_Section):
+    """Frames through Ray's object store (`kv_transfer.transfer.ObjectStoreTransport`)."""
+
+    section: typing.ClassVar[str] = "transfer.object_store"
+
+    fetch_timeout_s: float = Field(60.0, gt=0.0, description="Receiver side: how long fetching a frame may take.")
+
+
+class TransferOptions(_Section):
+    """How KV pages travel from prefill to decode."""
+
+    section: typing.ClassVar[str] = "transfer"
+
+    transport: Literal[TRANSPORTS] = Field("auto", description=(
+        '"object_store": framed CPU bytes through Ray\'s object store (any devices, any nodes). '
+        '"nccl": pairwise channels between CUDA pools; "gloo": the same channels between CPU pools. '
+        '"cuda_ipc": the decode replica copies the pages out of the prefill replica\'s pool on the same '
+        'GPU (pools on different GPUs fail over to the object store). "auto": for CUDA pools CUDA IPC '
+        'where prefill and decode share a GPU and "nccl" between GPUs, else the object store. A failed '
+        "channel or IPC transfer is retried over the object store."))
+    retries: int = Field(2, ge=0, description="New attempts after a retryable transfer failure.")
+    lease_timeout_s: float = Field(120.0, ge=0.1, description=(
+        "How long a prefill replica keeps pages for a decode side that never acknowledges, then frees them."))
+    channel: ChannelOptions = Field(default_factory=ChannelOptions)
+    ipc: IpcOptions = Field(default_factory=IpcOptions)
+    object_store: ObjectStoreOptions = Field(default_factory=ObjectStoreOptions)
+
+
+class IngressOptions(_Section):
+    """The OpenAI / gRPC ingress: request limits, retries, auth."""
+
+    section: typing.ClassVar[str] = "ingress"
+
+    max_model_len: int = Field(32768, ge=2, description="Prompt + generated tokens per request.")
+    default_max_tokens: int = Field(16, ge=1, description="`max_tokens` of a request that sends none.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description=(
+        "Largest HTTP body / gRPC request message accepted (413 / INVALID_ARGUMENT beyond)."))
+    retry_after_s: int = Field(1, ge=0, description="The Retry-After of overload answers (429 / 503).")
+    decode_resumes: int = Field(2, ge=0, description=(
+        "How many times a stream whose decode replica died is resumed (prompt + tokens so far "
+        "prefilled again, decoding continues on a healthy replica)."))
+    debug_routing: bool = Field(False, description="Add replica ids to responses (the `routing` field).")
+    auth_token: str | None = Field(None, repr=False, description=(
+        "Bearer token clients must send (`Authorization: Bearer ...`); prefer `ingress.auth_token_env`. "
+        "Neither set: no auth. The token never reaches the workers or logs."))
+    auth_token_env: str | None = Field("FLASHPREFILL_API_TOKEN", min_length=1, description=(
+        "Name of an environment variable holding the token (read by the ingress replica)."))
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("expected a non-empty string or null (the value is not shown)")
+        return value
+
+
+class RuntimeOptions(_Section):
+    """Worker processes."""
+
+    section: typing.ClassVar[str] = "runtime"
+
+    fused_ops: bool = Field(True, description=(
+        "On CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels "
+        "(`model_executor/fused.py`); false: transformers' eager modules."))
+    torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker replica (0: torch's default).")
+
+
+class FaultInjection(_Section):
+    """Drills and tests only (all off by default)."""
+
+    section: typing.ClassVar[str] = "fault_injection"
+
+    corrupt_transfers: int = Field(0, ge=0, description=(
+        "Damage the first this many KV transfers a prefill replica ships (transfers the mode does not "
+        "apply to are shipped intact and not counted)."))
+    mode: Literal[FAULT_MODES] = Field("flip", description=(
+        '"flip" a byte, "truncate" the frame (object store only) or "break" the channel instead of '
+        "sending (channels) or the ticket's GPU (cuda_ipc: the receiver finds no usable route)."))
+    prefill_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description=(
+        "Hold every prefill call this long before it queues (a window to kill a replica mid-request)."))
+    decode_step_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description="Hold every decode step this long.")
+
+
+class ServiceConfig(_Section):
+    """Every option of the service (docs/OPTIONS.md; docs/ARCHITECTURE.md says where each acts).
+
+    ``ServiceConfig(prefill={"chunk_tokens": 8192})``, ``ServiceConfig.from_dict({...})`` and the
+    flat names of :data:`OPTION_ALIASES` (``ServiceConfig(prefill_chunk_tokens=8192)``) build it.
+    """
+
+    model: ModelOptions = Field(default_factory=ModelOptions)
+    kv: KVOptions = Field(default_factory=KVOptions)
+    sparse: SparseOptions = Field(default_factory=SparseOptions)
+    prefill: PrefillOptions = Field(default_factory=PrefillOptions)
+    decode: DecodeOptions = Field(default_factory=DecodeOptions)
+    transfer: TransferOptions = Field(default_factory=TransferOptions)
+    ingress: IngressOptions = Field(default_factory=IngressOptions)
+    runtime: RuntimeOptions = Field(default_factory=RuntimeOptions)
+    fault_injection: FaultInjection = Field(default_factory=FaultInjection)
+
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**nest(data))
 
     @property
     def model_id(self) -> str:
-        return self.served_model_name or self.model
-
-    @property
-    def prefill_chunk_size(self) -> int | None:
-        """``PrefillEngine``'s ``chunk_size``: None when chunked prefill is off."""
-        return self.prefill_chunk_tokens or None
+        return self.model.served_model_name or self.model.model
 
     @property
     def sparse_config(self) -> SparseConfig:
-        return SparseConfig(
-            alpha=self.alpha, block_size=self.block_size,
-            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens,
-        )
+        return self.sparse.operator_config()
 
     @classmethod
-    def from_dict(cls, raw: dict | "ServiceConfig" | None) -> "ServiceConfig":
+    def from_dict(cls, raw: Mapping | "ServiceConfig" | None) -> "ServiceConfig":
+        """A config from a mapping of sections, dotted paths and flat names (None: the defaults)."""
         if raw is None:
             return cls()
         if isinstance(raw, ServiceConfig):
             return raw
-        if not isinstance(raw, dict):
-            raise ValueError(f"config: expected a mapping of options, got {type(raw).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"config: unknown option(s) {unknown}; known: {sorted(names)}")
-        values = dict(raw)
-        fi = values.get("fault_injection")
-        if isinstance(fi, dict):
-            values["fault_injection"] = FaultInjection(**fi)
-        elif fi is not None and not isinstance(fi, FaultInjection):
-            raise ValueError(f"fault_injection: expected a mapping, got {fi!r}")
-        return cls(**values)
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"config: expected a mapping of options, got {type(raw).__name__}")
+        return cls(**nest(raw))
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        return out
+        """The nested plain dict (``from_dict(to_dict())`` gives this config back)."""
+        return self.model_dump()
 
     def worker_dict(self) -> dict:
         """What the worker deployments get: everything but the auth secret."""
         out = self.to_dict()
-        out["auth_token"] = None
+        out["ingress"]["auth_token"] = None
         return out
 
-    def replace(self, **changes: Any) -> "ServiceConfig":
-        return dataclasses.replace(self, **changes)
+    def replace(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> "ServiceConfig":
+        """A copy with ``changes`` (dotted paths, sections or flat names) applied, validated again."""
+        return type(self)(**merge(self.to_dict(), nest({**(changes or {}), **more})))
+
+
+# ------------------------------------------------------------------------- flat names (aliases)
+OPTION_ALIASES: dict[str, str] = {
+    # the flat ServiceConfig field names before the sections -> their dotted paths
+    "model": "model.model",  # a string; a mapping under "model" is the section
+    "served_model_name": "model.served_model_name",
+    "device": "model.device",
+    "dtype": "model.dtype",
+    "weight_dtype": "model.weight_dtype",
+    "seed": "model.seed",
+    "page_size": "kv.page_size",
+    "kv_cache_dtype": "kv.cache_dtype",
+    "kv_scale_margin": "kv.scale_margin",
+    "prefill_kv_pages": "kv.prefill_pages",
+    "decode_kv_pages": "kv.decode_pages",
+    "alpha": "sparse.alpha",
+    "block_size": "sparse.block_size",
+    "sink_tokens": "sparse.sink_tokens",
+    "window_tokens": "sparse.window_tokens",
+    "dense_below": "sparse.dense_below",
+    "expected_density": "sparse.expected_density",
+    "max_batch_tokens": "prefill.max_batch_tokens",
+    "prefill_chunk_tokens": "prefill.chunk_tokens",
+    "batch_wait_ms": "prefill.batch_wait_ms",
+    "max_queued_prefill_tokens": "prefill.max_queued_tokens",
+    "prefill_schedule": "prefill.schedule",
+    "prefill_max_wait_s": "prefill.max_wait_s",
+    "prefix_caching": "prefill.prefix_caching",
+    "max_running": "decode.max_running",
+    "cuda_graphs": "decode.cuda_graphs",
+    "adopt_wait_s": "decode.adopt_wait_s",
+    "transport": "transfer.transport",
+    "transfer_retries": "transfer.retries",
+    "lease_timeout_s": "transfer.lease_timeout_s",
+    "max_model_len": "ingress.max_model_len",
+    "default_max_tokens": "ingress.default_max_tokens",
+    "max_request_bytes": "ingress.max_request_bytes",
+    "retry_after_s": "ingress.retry_after_s",
+    "decode_resumes": "ingress.decode_resumes",
+    "debug_routing": "ingress.debug_routing",
+    "auth_token": "ingress.auth_token",
+    "auth_token_env": "ingress.auth_token_env",
+    "fused_ops": "runtime.fused_ops",
+    "torch_threads": "runtime.torch_threads",
+}
+
+
+# ------------------------------------------------------------------------- the option tree
+def _section_type(annotation: Any) -> type[_Section] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
+
+
+def _fields(model: type[_Section] = ServiceConfig, prefix: str = "") -> dict[str, Any]:
+    """Dotted path -> FieldInfo of every option and section under ``model``, depth first."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        out[path] = info
+        sub = _section_type(info.annotation)
+        if sub is not None:
+            out.update(_fields(sub, f"{path}."))
+    return out
+
+
+FIELDS = _fields()
+SECTIONS = tuple(p for p, info in FIELDS.items() if _section_type(info.annotation) is not None)
+OPTIONS = tuple(p for p in FIELDS if p not in SECTIONS)
+
+
+def _unknown(path: str) -> ConfigError:
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):  # name the first part that is not there
+        if ".".join(parts[:i]) not in FIELDS:
+            path = ".".join(parts[:i])
+            break
+    parent, _, leaf = path.rpartition(".")
+    if parent:
+        known = [p.rpartition(".")[2] for p in FIELDS if p.rpartition(".")[0] == parent]
+        hint = f"{parent} has: {', '.join(known)}"
+        close = difflib.get_close_matches(leaf, known, n=1)
+    else:
+        top = [p for p in FIELDS if "." not in p]
+        hint = f"sections: {', '.join(top)}; or a flat name (docs/OPTIONS.md)"
+        close = difflib.get_close_matches(leaf, [*top, *OPTION_ALIASES, *OPTIONS], n=1)
+    did = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"{path or '<empty>'}: unknown {'option' if parent else 'section or option'}; {did}({hint})")
+
+
+def resolve(key: str, value: Any = None) -> str:
+    """The dotted path that ``key`` (a dotted path, a section or a flat name) sets."""
+    if key == "model" and not isinstance(value, (Mapping, BaseModel)):
+        return OPTION_ALIASES["model"]  # the flat string option, not the section
+    if key in FIELDS:
+        return key
+    if key in OPTION_ALIASES:
+        return OPTION_ALIASES[key]
+    raise _unknown(key)
+
+
+def _shown(path: str, value: Any) -> str:
+    return "<hidden>" if path in SECRET_OPTIONS else repr(value)
+
+
+def _put(tree: dict, path: str, value: Any, origin: dict[str, str], key: str) -> None:
+    """Set ``path`` in ``tree``; a section's mapping is flattened into its options (so that an
+    alias and the nested form meet at the same leaf)."""
+    section = _section_type(FIELDS[path].annotation)
+    if section is not None:
+        if not isinstance(value, (Mapping, section)):
+            raise ConfigError(f"{path}: expected a mapping of options, got {type(value).__name__} {value!r}")
+        items = value.model_dump() if isinstance(value, BaseModel) else value
+        for sub, sub_value in items.items():
+            if not isinstance(sub, str) or f"{path}.{sub}" not in FIELDS:
+                raise _unknown(f"{path}.{sub}")
+            _put(tree, f"{path}.{sub}", sub_value, origin, f"{key}.{sub}" if key else sub)
+        if not items:
+            _walk(tree, path)
+        return
+    node = _walk(tree, path.rpartition(".")[0])
+    leaf = path.rpartition(".")[2]
+    if leaf in node and path in origin and node[leaf] != value:
+        first = origin[path]
+        raise ConfigError(
+            f"{path}: given twice with different values, as {first} ({_shown(path, node[leaf])}) and as "
+            f"{key} ({_shown(path, value)}); keep one"
+            + ("" if {first, key} == {path} else f" ({', '.join(sorted({first, key} - {path}))} is the old name of {path})"))
+    node[leaf] = value
+    origin[path] = key
+
+
+def _walk(tree: dict, path: str) -> dict:
+    node = tree
+    for part in path.split(".") if path else ():
+        if part not in node:
+            node[part] = {}
+        node = node[part]
+    return node
+
+
+def nest(raw: Mapping[str, Any]) -> dict:
+    """A mapping of sections, dotted paths and flat names (mixed) -> the nested dict of sections.
+    An option set twice with different values, an unknown name or an unknown section is a
+    :class:`ConfigError`; values are checked later, by the sections."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config: expected a mapping of options, got {type(raw).__name__}")
+    tree: dict = {}
+    origin: dict[str, str] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config: option names are strings, got {key!r}")
+        _put(tree, resolve(key, value), value, origin, key)
+    return tree
+
+
+def merge(base: Mapping, override: Mapping) -> dict:
+    """Nested dicts: ``override``'s leaves win (layers of options: file, flags, --option)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_error(exc: ValidationError, prefix: str = "") -> ConfigError:
+    """pydantic's errors as one line per option: ``dotted.path: what is wrong, got value``."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        path = ".".join([prefix, *map(str, err["loc"])] if prefix else map(str, err["loc"]))
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, ConfigError):  # a nested section's own __init__ named its options already
+            lines.append(str(cause))
+            continue
+        if err["type"] == "extra_forbidden":
+            lines.append(str(_unknown(path)))
+            continue
+        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        if not path:  # a whole-config problem: the message names what it is about
+            lines.append(msg)
+            continue
+        leaf = path.rpartition(".")[2]
+        msg = msg.removeprefix(f"{leaf}: ")
+        shown = "" if err["type"] == "value_error" else f", got {_shown(path, err.get('input'))}"
+        lines.append(f"{path}: {msg}{shown}")
+    return ConfigError("\n".join(lines))
+
+
+# ------------------------------------------------------------------------- the command line's values
+def _allows_none(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+def _is_text(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return all(_is_text(a) for a in typing.get_args(annotation) if a is not type(None))
+    return False
+
+
+def parse_option_value(path: str, text: str) -> Any:
+    """``--option PATH=TEXT``: TEXT parsed by the option's type (``null``: None where allowed;
+    a section takes a JSON object). ``path`` is a dotted path or a flat name."""
+    resolved = resolve(path)  # "model" alone is the option model.model
+    annotation = FIELDS[resolved].annotation
+    if _allows_none(annotation) and text.strip().lower() in ("null", "none"):
+        return None
+    if _is_text(annotation):
+        return text
+    try:
+        if _section_type(annotation) is not None:
+            import json
+
+            return json.loads(text)
+        return TypeAdapter(annotation).validate_strings(text.strip())
+    except ValueError as exc:
+        detail = exc.errors(include_url=False)[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise ConfigError(f"{resolved}: cannot read {text!r} as {type_name(annotation)}: {detail}") from None
+
+
+# ------------------------------------------------------------------------- documentation
+def type_name(annotation: Any, sep: str = " | ") -> str:
+    if typing.get_origin(annotation) is Literal:
+        return sep.join(f'"{a}"' for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return sep.join("null" if a is type(None) else type_name(a, sep) for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _constraints(info: Any) -> str:
+    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "multiple_of": "multiple of", "min_length": "length >="}
+    out = []
+    for meta in info.metadata:
+        for attr, word in words.items():
+            bound = getattr(meta, attr, None)
+            if bound is not None:
+                out.append(f"{word} {bound!r}")
+    return ", ".join(out)
+
+
+def _default(info: Any) -> str:
+    value = info.default if info.default is not PydanticUndefined else info.default_factory()
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def options_markdown() -> str:
+    """docs/OPTIONS.md: every option (path, type, default, description), then the flat names."""
+    lines = [
+        "# Service options",
+        "",
+        "Generated from `serving/config.py` by `python -m router options --markdown` (a test keeps this",
+        "file equal to the output). Set them in a YAML/JSON file of nested sections (`--config FILE`,",
+        "`serve_config.yaml`'s `args`) or one at a time (`--option prefill.chunk_tokens=8192`, the value",
+        "parsed by the option's type; `null` for none). Later wins: `--config`, then the flags, then",
+        "each `--option`.",
+        "",
+    ]
+    for section in SECTIONS:
+        sub = _section_type(FIELDS[section].annotation)
+        lines += [f"## `{section}`", "", (sub.__doc__ or "").strip().splitlines()[0], "",
+                  "| Option | Type | Default | Description |", "|---|---|---|---|"]
+        for path, info in FIELDS.items():
+            if path.rpartition(".")[0] != section or path in SECTIONS:
+                continue
+            kind = type_name(info.annotation, " \\| ")  # a table cell: escaped pipes
+            bounds = _constraints(info)
+            kind = f"{kind} ({bounds})" if bounds else kind
+            lines.append(f"| `{path}` | {kind} | {_default(info)} | {info.description or ''} |")
+        lines.append("")
+    lines += [
+        "## Flat names",
+        "",
+        "The option names from before the sections are still accepted (in files, `args`, `--option` and",
+        "`ServiceConfig(...)`), as the option they name. Giving a flat name and its dotted path with",
+        "different values is an error. `model` with a string value is `model.model`; with a mapping it is",
+        "the section.",
+        "",
+        "| Flat name | Option |",
+        "|---|---|",
+        *(f"| `{flat}` | `{path}` |" for flat, path in OPTION_ALIASES.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+QUOTE = '"'
+
+
+def options_listing() -> str:
+    """One ``path=default`` line per option (what ``--option`` takes)."""
+    return "".join(f"{path}={_default(FIELDS[path]).strip(QUOTE)}\n" for path in OPTIONS)
+
+
+__all__ = [
+    "ServiceConfig", "ConfigError", "ModelOptions", "KVOptions", "SparseOptions", "PrefillOptions",
+    "DecodeOptions", "TransferOptions", "ChannelOptions", "IpcOptions", "ObjectStoreOptions",
+    "IngressOptions", "RuntimeOptions", "FaultInjection", "OPTION_ALIASES", "OPTIONS", "SECTIONS",
+    "nest", "merge", "resolve", "parse_option_value", "options_markdown", "options_listing",
+    "TRANSPORTS", "DTYPES", "KV_CACHE_DTYPES", "PREFILL_SCHEDULES", "DEVICES", "FAULT_MODES",
+]

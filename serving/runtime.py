@@ -24,27 +24,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device(config: ServiceConfig) -> torch.device:
     """The replica's device, with its index (``cuda:0``, not ``cuda``: as tensors report it)."""
-    if config.device == "auto":
+    if config.model.device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
-    elif config.device == "cuda" and not torch.cuda.is_available():
+    elif config.model.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but this replica sees no GPU (num_gpus in ray_actor_options?)")
-    elif config.device == "cpu":
+    elif config.model.device == "cpu":
         return torch.device("cpu")
     return canonical_device("cuda")
 
 
 def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
+    if config.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
+    return _DTYPES[config.model.dtype]
 
 
 def load_tokenizer(config: ServiceConfig) -> Any:
     """The tokenizer alone (the ingress never loads weights)."""
     from model_executor.loading import load_tokenizer as load
 
-    return load(config.model)
+    return load(config.model.model)
 
 
 @dataclass
@@ -64,42 +64,42 @@ class WorkerRuntime:
         from model_executor.loading import load_model
         from model_executor.runner import ModelRunner
 
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        if config.runtime.torch_threads:
+            torch.set_num_threads(config.runtime.torch_threads)
         device = resolve_device(config)
         dtype = resolve_dtype(config, device)
-        loaded = load_model(config.model, dtype=dtype, device=device, seed=config.seed, weight_dtype=config.weight_dtype)
-        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
+        loaded = load_model(config.model.model, dtype=dtype, device=device, seed=config.model.seed, weight_dtype=config.model.weight_dtype)
+        kv_dtype = torch.float8_e4m3fn if config.kv.cache_dtype == "fp8_e4m3" else dtype
         pool = KVPool(
             KVPoolConfig(
                 num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
-                page_size=config.page_size, dtype=kv_dtype, device=str(device), num_pages=num_pages,
+                page_size=config.kv.page_size, dtype=kv_dtype, device=str(device), num_pages=num_pages,
             )
         )
         runner = ModelRunner(
-            loaded.model, pool, config.sparse_config, dense_below=config.dense_below, device=device,
-            fused_ops=None if config.fused_ops else False,  # None: fused where the runner runs kernels (CUDA)
+            loaded.model, pool, config.sparse_config, dense_below=config.sparse.dense_below, device=device,
+            fused_ops=None if config.runtime.fused_ops else False,  # None: fused where the runner runs kernels (CUDA)
         )
         if pool.k_scale is not None:  # same prompt, same model: every replica gets the same scales
-            runner.calibrate_kv_scales(margin=config.kv_scale_margin)
+            runner.calibrate_kv_scales(margin=config.kv.scale_margin)
         return cls(config, loaded, pool, runner, device)
 
     def enable_decode_graphs(self) -> str:
-        """Decode replicas: capture the decode step as CUDA graphs (``ServiceConfig.cuda_graphs``)
+        """Decode replicas: capture the decode step as CUDA graphs (``decode.cuda_graphs``)
         for batch sizes up to ``max_running`` and sequences up to ``max_model_len``. Never raises:
         where graphs are off, impossible or fail their check the runner stays eager; returns (and
         keeps in ``decode_graphs``) what happened, for the replica's stats."""
         from model_executor.cuda_graphs import graph_batch_sizes
 
-        if not self.config.cuda_graphs:
+        if not self.config.decode.cuda_graphs:
             self.decode_graphs = "off: cuda_graphs is False"
         elif self.device.type != "cuda":
             self.decode_graphs = f"off: runs on {self.device}"
         else:
-            sizes = graph_batch_sizes(self.config.max_running)
+            sizes = graph_batch_sizes(self.config.decode.max_running)
             try:
-                self.runner.enable_decode_graphs(max_seqlen=self.config.max_model_len, batch_sizes=sizes)
-                self.decode_graphs = f"on: batch sizes {list(sizes)}, up to {self.config.max_model_len} tokens"
+                self.runner.enable_decode_graphs(max_seqlen=self.config.ingress.max_model_len, batch_sizes=sizes)
+                self.decode_graphs = f"on: batch sizes {list(sizes)}, up to {self.config.ingress.max_model_len} tokens"
             except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the replica eager
                 self.runner.disable_decode_graphs()
                 self.decode_graphs = f"eager: capture failed: {type(exc).__name__}: {exc}"[:500]

@@ -91,7 +91,7 @@ def oracle_tokens(config: ServiceConfig, prompt_ids: list[int], max_tokens: int)
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, stop_token_ids=ByteTokenizer().stop_token_ids)
     res = generate([prompt_ids], params, model=_oracle_model(), sparse_config=config.sparse_config,
-                   dense_below=config.dense_below, page_size=config.page_size)
+                   dense_below=config.sparse.dense_below, page_size=config.kv.page_size)
     return list(res[0].output_token_ids)
 
 

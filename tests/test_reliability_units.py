@@ -75,17 +75,24 @@ def test_bearer_auth_off_and_from_env(monkeypatch):
 
 
 def test_config_hides_the_token_and_keeps_it_from_workers():
-    cfg = ServiceConfig.from_dict({"auth_token": "hunter2-secret"})
+    cfg = ServiceConfig.from_dict({"ingress": {"auth_token": "hunter2-secret"}})
     assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
-    assert cfg.worker_dict()["auth_token"] is None and cfg.to_dict()["auth_token"] == "hunter2-secret"
-    with pytest.raises(ValueError) as info:
-        ServiceConfig.from_dict({"auth_token": ""})
-    assert "auth_token" in str(info.value)
-    for name, value in (("max_request_bytes", 10), ("decode_resumes", -1), ("adopt_wait_s", -1.0)):
-        with pytest.raises(ValueError, match=name):
-            ServiceConfig.from_dict({name: value})
-    with pytest.raises(ValueError, match="prefill_delay_ms"):
-        ServiceConfig.from_dict({"fault_injection": {"prefill_delay_ms": -1}})
+    assert cfg.worker_dict()["ingress"]["auth_token"] is None and cfg.to_dict()["ingress"]["auth_token"] == "hunter2-secret"
+    assert ServiceConfig.from_dict(cfg.worker_dict()).ingress.auth_token is None
+    for bad in ("", "  "):
+        with pytest.raises(ValueError) as info:
+            ServiceConfig.from_dict({"auth_token": bad})
+        assert str(info.value).startswith("ingress.auth_token: expected a non-empty string")
+    with pytest.raises(ValueError) as info:  # a wrong type: the value is not shown either
+        ServiceConfig.from_dict({"ingress": {"auth_token": 12345678}})
+    assert "ingress.auth_token" in str(info.value) and "12345678" not in str(info.value)
+    with pytest.raises(ValueError) as info:  # nor when it conflicts with the flat name
+        ServiceConfig.from_dict({"auth_token": "hunter2-a", "ingress": {"auth_token": "hunter2-b"}})
+    assert "ingress.auth_token: given twice" in str(info.value) and "hunter2" not in str(info.value)
+    for path, value in (("ingress.max_request_bytes", 10), ("ingress.decode_resumes", -1), ("decode.adopt_wait_s", -1.0),
+                        ("fault_injection.prefill_delay_ms", -1.0)):
+        with pytest.raises(ValueError, match=rf"^{path}: Input should be greater than or equal to"):
+            ServiceConfig.from_dict({path: value})
 
 
 def test_proc_net_address_decoding():

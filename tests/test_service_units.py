@@ -241,23 +241,121 @@ def test_request_lifecycle():
 
 
 def test_service_config():
-    cfg = ServiceConfig.from_dict({"alpha": 0.0, "fault_injection": {"corrupt_transfers": 2}})
+    cfg = ServiceConfig.from_dict({"sparse": {"alpha": 0.0}, "fault_injection": {"corrupt_transfers": 2}})
     assert cfg.sparse_config.alpha == 0.0 and cfg.fault_injection.corrupt_transfers == 2
     assert ServiceConfig.from_dict(cfg.to_dict()) == cfg and cfg.model_id == "builtin:tiny"
     for transport in ("auto", "object_store", "nccl", "cuda_ipc", "gloo"):
-        assert ServiceConfig.from_dict({"transport": transport}).transport == transport
+        assert ServiceConfig.from_dict({"transfer": {"transport": transport}}).transfer.transport == transport
     assert ServiceConfig.from_dict({"fault_injection": {"mode": "break"}}).fault_injection.mode == "break"
-    for bad in ({"alpha": 2}, {"transport": "carrier-pigeon"}, {"page_size": 0}, {"bogus": 1},
-                {"block_size": 100}, {"fault_injection": {"mode": "melt"}}, {"debug_routing": "yes"}):
-        with pytest.raises((ValueError, TypeError)):
+    for bad, path in (({"alpha": 2}, "sparse.alpha"), ({"transport": "carrier-pigeon"}, "transfer.transport"),
+                      ({"kv": {"page_size": 0}}, "kv.page_size"), ({"bogus": 1}, "bogus"),
+                      ({"sparse": {"block_size": 100}}, "sparse.block_size"),
+                      ({"fault_injection": {"mode": "melt"}}, "fault_injection.mode"),
+                      ({"debug_routing": "yes"}, "ingress.debug_routing"),
+                      ({"runtime": {"fused_ops": "yes"}}, "runtime.fused_ops"),
+                      ({"decode": {"cuda_graphs": 1}}, "decode.cuda_graphs"),
+                      ({"prefill": {"prefix_caching": "on"}}, "prefill.prefix_caching")):
+        with pytest.raises(ValueError, match=rf"^{path}: "):
             ServiceConfig.from_dict(bad)
-    with pytest.raises(ValueError, match="fused_ops"):
-        ServiceConfig.from_dict({"fused_ops": "yes"})
-    with pytest.raises(ValueError, match="cuda_graphs: expected a bool"):
-        ServiceConfig.from_dict({"cuda_graphs": 1})
-    with pytest.raises(ValueError, match="prefix_caching: expected a bool"):
-        ServiceConfig.from_dict({"prefix_caching": "on"})
-    assert ServiceConfig().prefix_caching and not ServiceConfig(prefix_caching=False).prefix_caching
+    assert ServiceConfig().prefill.prefix_caching and not ServiceConfig(prefill={"prefix_caching": False}).prefill.prefix_caching
+
+
+def test_service_config_is_frozen_picklable_and_a_plain_dict():
+    import pickle
+
+    cfg = ServiceConfig(prefill={"chunk_tokens": 512}, transfer={"channel": {"ring_depth": 2}},
+                        ingress={"auth_token": "s3cret-token"})
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.prefill.chunk_tokens = 8
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.prefill = cfg.prefill
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(pickle.loads(pickle.dumps(cfg)))
+    raw = cfg.to_dict()
+    assert json.loads(json.dumps(raw)) == raw  # plain types only: travels as Serve args and constructor args
+    assert raw["prefill"]["chunk_tokens"] == 512 and raw["transfer"]["channel"]["ring_depth"] == 2
+    assert ServiceConfig.from_dict(raw) == cfg
+    worker = ServiceConfig.from_dict(cfg.worker_dict())
+    assert worker.ingress.auth_token is None and worker.replace(auth_token="s3cret-token") == cfg
+    assert cfg.replace({"prefill.chunk_tokens": 256}).prefill.chunk_tokens == 256 and cfg.prefill.chunk_tokens == 512
+    with pytest.raises(ValueError, match=r"^prefill.chunk_tokens: Input should be greater than or equal to 0"):
+        cfg.replace(prefill_chunk_tokens=-1)
+    assert ServiceConfig.from_dict(None) == ServiceConfig() and ServiceConfig.from_dict(cfg) is cfg
+    with pytest.raises(ValueError, match="config: expected a mapping of options, got list"):
+        ServiceConfig.from_dict([1])
+
+
+def test_flat_names_are_aliases_of_the_nested_options():
+    from serving.config import OPTION_ALIASES, OPTIONS
+
+    assert set(OPTION_ALIASES.values()) <= set(OPTIONS) and len(set(OPTION_ALIASES.values())) == len(OPTION_ALIASES)
+    flat = ServiceConfig.from_dict({"prefill_chunk_tokens": 4096, "alpha": 0.25, "max_batch_tokens": 8192,
+                                    "prefill_kv_pages": 32, "model": "builtin:structured-tiny", "transport": "gloo"})
+    nested = ServiceConfig.from_dict({"prefill": {"chunk_tokens": 4096, "max_batch_tokens": 8192},
+                                      "sparse": {"alpha": 0.25}, "kv": {"prefill_pages": 32},
+                                      "model": {"model": "builtin:structured-tiny"}, "transfer.transport": "gloo"})
+    assert flat == nested and flat.prefill.chunk_tokens == 4096 and flat.model.model == "builtin:structured-tiny"
+    assert ServiceConfig(prefill_chunk_tokens=4096, max_batch_tokens=8192) == ServiceConfig(
+        prefill={"chunk_tokens": 4096, "max_batch_tokens": 8192})
+    # the same value both ways is one option given twice, consistently
+    assert ServiceConfig.from_dict({"alpha": 0.25, "sparse": {"alpha": 0.25}}).sparse.alpha == 0.25
+    with pytest.raises(ValueError) as info:
+        ServiceConfig.from_dict({"prefill_chunk_tokens": 4096, "prefill": {"chunk_tokens": 2048}})
+    assert str(info.value) == ("prefill.chunk_tokens: given twice with different values, as prefill_chunk_tokens (4096) "
+                               "and as prefill.chunk_tokens (2048); keep one (prefill_chunk_tokens is the old name of "
+                               "prefill.chunk_tokens)")
+    with pytest.raises(ValueError, match="kv.page_size: given twice with different values, as kv.page_size"):
+        ServiceConfig.from_dict({"kv.page_size": 16, "page_size": 32})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"nope": 1}, "nope: unknown section or option; (sections: model, kv,"),
+    ({"prefil": {"chunk_tokens": 8}}, "prefil: unknown section or option; did you mean 'prefill'?"),
+    ({"prefill": {"chunk_tokns": 8}}, "prefill.chunk_tokns: unknown option; did you mean 'chunk_tokens'? (prefill has: "),
+    ({"transfer.channel.ring_dpth": 2}, "transfer.channel.ring_dpth: unknown option; did you mean 'ring_depth'?"),
+    ({"prefill": 5}, "prefill: expected a mapping of options, got int 5"),
+    ({"prefill": {"chunk_tokens": "8192"}}, "prefill.chunk_tokens: Input should be a valid integer, got '8192'"),
+    ({"prefill": {"chunk_tokens": 1.5}}, "prefill.chunk_tokens: Input should be a valid integer, got 1.5"),
+    ({"prefill": {"chunk_tokens": True}}, "prefill.chunk_tokens: Input should be a valid integer, got True"),
+    ({"kv": {"scale_margin": float("nan")}}, "kv.scale_margin: Input should be less than or equal to"),
+    ({"sparse": {"alpha": True}}, "sparse.alpha: Input should be a valid number, got True"),
+    ({"model": {"weight_dtype": "int4"}}, "model.weight_dtype: Input should be 'auto', 'fp8_e4m3',"),
+    ({"model": "builtin:nope"}, "model.model: expected one of"),
+    ({"served_model_name": ""}, "model.served_model_name: String should have at least 1 character"),
+    ({"transfer": {"channel": {"ring_depth": 9}}}, "transfer.channel.ring_depth: Input should be less than or equal to 8"),
+    ({"transfer": {"ipc": {"idle_close_s": 0}}}, "transfer.ipc.idle_close_s: Input should be greater than 0"),
+    ({"transfer": {"object_store": {"fetch_timeout_s": -1.0}}}, "transfer.object_store.fetch_timeout_s: Input should be"),
+    ({3: 1}, "config: option names are strings, got 3"),
+])
+def test_config_errors_name_the_option_by_its_dotted_path(raw, message):
+    with pytest.raises(ValueError) as info:
+        ServiceConfig.from_dict(raw)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_every_bad_option_is_reported_and_a_section_alone_names_its_path():
+    from serving.config import ConfigError, PrefillOptions
+
+    with pytest.raises(ConfigError) as info:
+        ServiceConfig.from_dict({"kv": {"page_size": 0}, "sparse": {"alpha": 2.0}})
+    assert str(info.value).splitlines() == ["kv.page_size: Input should be greater than or equal to 1, got 0",
+                                            "sparse.alpha: Input should be less than or equal to 1, got 2.0"]
+    with pytest.raises(ConfigError, match=r"^prefill.chunk_tokens: Input should be greater than or equal to 0, got -1"):
+        PrefillOptions(chunk_tokens=-1)
+
+
+def test_channel_section_mirrors_channel_config():
+    """transfer.channel holds every ChannelConfig field with ChannelConfig's defaults (plus the
+    transport's thread count) and builds an equal ChannelConfig."""
+    import dataclasses
+
+    from kv_transfer.channel import ChannelConfig
+    from serving.config import ChannelOptions
+
+    names = [f.name for f in dataclasses.fields(ChannelConfig)]
+    assert list(ChannelOptions.model_fields) == [*names, "max_workers"]
+    assert ChannelOptions().channel_config() == ChannelConfig()
+    custom = ServiceConfig.from_dict({"transfer.channel": {"chunk_bytes": 4096, "ring_depth": 1, "connect_timeout_s": 3.0}})
+    assert custom.transfer.channel.channel_config() == ChannelConfig(chunk_bytes=4096, ring_depth=1, connect_timeout_s=3.0)
 
 
 def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eager():
@@ -267,7 +365,7 @@ def test_decode_graphs_are_off_on_cpu_and_a_failed_capture_leaves_the_runner_eag
 
     rt = WorkerRuntime.build(ServiceConfig(), num_pages=4)
     assert rt.enable_decode_graphs() == "off: runs on cpu" and rt.runner.decode_graphs is None
-    off = WorkerRuntime.build(ServiceConfig(cuda_graphs=False), num_pages=4)
+    off = WorkerRuntime.build(ServiceConfig(decode={"cuda_graphs": False}), num_pages=4)
     assert off.enable_decode_graphs() == "off: cuda_graphs is False"
     rt.device = torch.device("cuda")  # as if on a GPU: the runner (on the CPU) refuses to capture
     status = rt.enable_decode_graphs()
@@ -290,7 +388,7 @@ def test_fused_ops_option_reaches_the_runner(monkeypatch, fused_ops, expect):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner_mod, "ModelRunner", spy)
-    rt = WorkerRuntime.build(ServiceConfig(fused_ops=fused_ops), num_pages=4)
+    rt = WorkerRuntime.build(ServiceConfig(runtime={"fused_ops": fused_ops}), num_pages=4)
     assert seen == [expect] and rt.runner.fused_counts == {"rms_norm": 0, "silu_mul": 0, "rotary": 0}  # CPU: eager either way
 
 
@@ -364,27 +462,27 @@ def test_parser_with_the_id_tokenizer():
 
 # ----------------------------------------------------------------------------- chunked prefill option
 def test_prefill_chunk_tokens_option():
-    assert ServiceConfig().prefill_chunk_tokens is None and ServiceConfig().prefill_chunk_size is None
-    assert ServiceConfig.from_dict({"prefill_chunk_tokens": 0}).prefill_chunk_size is None  # 0: off
-    cfg = ServiceConfig.from_dict({"prefill_chunk_tokens": 4096, "max_batch_tokens": 8192})
-    assert cfg.prefill_chunk_size == 4096 and ServiceConfig.from_dict(cfg.to_dict()) == cfg
+    assert ServiceConfig().prefill.chunk_tokens is None and ServiceConfig().prefill.chunk_size is None
+    assert ServiceConfig.from_dict({"prefill": {"chunk_tokens": 0}}).prefill.chunk_size is None  # 0: off
+    cfg = ServiceConfig.from_dict({"prefill": {"chunk_tokens": 4096, "max_batch_tokens": 8192}})
+    assert cfg.prefill.chunk_size == 4096 and ServiceConfig.from_dict(cfg.to_dict()) == cfg
     for bad in (-1, True, "8192", 1.5):
-        with pytest.raises(ValueError, match="prefill_chunk_tokens: expected an int >= 0"):
-            ServiceConfig.from_dict({"prefill_chunk_tokens": bad})
-    with pytest.raises(ValueError, match=r"prefill_chunk_tokens: expected at most max_batch_tokens \(8192\), got 16384"):
-        ServiceConfig.from_dict({"prefill_chunk_tokens": 16384})
+        with pytest.raises(ValueError, match=r"^prefill.chunk_tokens: Input should be"):
+            ServiceConfig.from_dict({"prefill": {"chunk_tokens": bad}})
+    with pytest.raises(ValueError, match=r"^prefill.chunk_tokens: expected at most prefill.max_batch_tokens \(8192\), got 16384"):
+        ServiceConfig.from_dict({"prefill": {"chunk_tokens": 16384}})
 
 
 def test_kv_cache_dtype_option():
-    assert ServiceConfig().kv_cache_dtype == "auto"
-    cfg = ServiceConfig.from_dict({"kv_cache_dtype": "fp8_e4m3", "kv_scale_margin": 4.0})
+    assert ServiceConfig().kv.cache_dtype == "auto"
+    cfg = ServiceConfig.from_dict({"kv": {"cache_dtype": "fp8_e4m3", "scale_margin": 4.0}})
     assert ServiceConfig.from_dict(cfg.to_dict()) == cfg
     for bad in ("fp8", "float8_e4m3fn", None, 8):
-        with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
-            ServiceConfig.from_dict({"kv_cache_dtype": bad})
+        with pytest.raises(ValueError, match=r"^kv.cache_dtype: Input should be 'auto' or 'fp8_e4m3'"):
+            ServiceConfig.from_dict({"kv": {"cache_dtype": bad}})
     for bad in (0.5, -1.0, float("nan"), True):
-        with pytest.raises(ValueError, match="kv_scale_margin: expected a number in"):
-            ServiceConfig.from_dict({"kv_scale_margin": bad})
+        with pytest.raises(ValueError, match=r"^kv.scale_margin: Input should be"):
+            ServiceConfig.from_dict({"kv": {"scale_margin": bad}})
 
 
 def test_fp8_replicas_calibrate_identical_scales_and_prefill():
@@ -442,13 +540,14 @@ def test_default_worker_gpus_and_transport_on_a_shared_gpu():
     assert one["ray_actor_options"]["num_gpus"] == 0.5
     assert two["ray_actor_options"]["num_gpus"] == 1.0
     assert none["ray_actor_options"]["num_gpus"] == 0.0
-    assert _default_worker_options(ServiceConfig(device="cpu"), cluster_gpus=4)["ray_actor_options"]["num_gpus"] == 0.0
-    assert _default_worker_options(ServiceConfig(device="cuda"), cluster_gpus=0)["ray_actor_options"]["num_gpus"] == 1.0
+    cpu, cuda = ServiceConfig(model={"device": "cpu"}), ServiceConfig(model={"device": "cuda"})
+    assert _default_worker_options(cpu, cluster_gpus=4)["ray_actor_options"]["num_gpus"] == 0.0
+    assert _default_worker_options(cuda, cluster_gpus=0)["ray_actor_options"]["num_gpus"] == 1.0
     app = build_application(cfg, prefill=one, decode=one)
     prefill_app, decode_app, raw = app._bound_deployment.init_args
-    assert raw["transport"] == "auto"
-    assert prefill_app._bound_deployment.init_args[0]["transport"] == "auto"
-    assert decode_app._bound_deployment.init_args[0]["transport"] == "auto"
+    assert raw["transfer"]["transport"] == "auto"
+    assert prefill_app._bound_deployment.init_args[0]["transfer"]["transport"] == "auto"
+    assert decode_app._bound_deployment.init_args[0]["transfer"]["transport"] == "auto"
 
 
 def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
@@ -460,7 +559,10 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     from kv_transfer.ipc import CudaIpcTransport
     from kv_transfer.transfer import IPC_OR_NCCL
 
-    opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "lease_timeout_s": 42.0}
+    opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "lease_timeout_s": 42.0,
+            "transfer": {"channel": {"chunk_bytes": 4096, "ring_depth": 2, "connect_timeout_s": 7.0},
+                         "ipc": {"copy_chunk_bytes": 8192, "idle_close_s": 9.0, "stage_timeout_s": 11.0},
+                         "object_store": {"fetch_timeout_s": 13.0}}}
     for kind in (IPC_OR_NCCL, "cuda_ipc"):
         monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
         monkeypatch.setattr(dd, "select_transport", lambda requested, device, kind=kind: kind)
@@ -470,6 +572,9 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             assert isinstance(ipc, CudaIpcTransport) and ipc.lease_timeout_s == 42.0
             receiver = dec.receivers["cuda_ipc"]
             assert isinstance(receiver, CudaIpcTransport)
+            for t in (ipc, receiver):  # the transfer.ipc knobs reach both ends
+                assert (t.copy_chunk_bytes, t.idle_close_s, t.stage_timeout_s) == (8192, 9.0, 11.0)
+            assert pre.object_store.fetch_timeout_s == 13.0 and dec.receivers["object_store"].fetch_timeout_s == 13.0
             stats = pre.record_routing_stats()
             assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
             assert isinstance(stats["attention_kernels"], dict)  # kernels.ops' counts, by kernel
@@ -477,6 +582,9 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
                 assert isinstance(ipc.fallback, ChannelTransport) and pre._channel() is ipc.fallback
+                for channel in (ipc.fallback, dec.receivers["gloo"]):  # the transfer.channel knobs
+                    assert (channel.config.chunk_bytes, channel.config.ring_depth, channel.config.connect_timeout_s) \
+                        == (4096, 2, 7.0)
                 assert set(dec.receivers) == {"object_store", "cuda_ipc", "gloo"}
                 assert receiver.fallback is dec.receivers["gloo"]
                 assert isinstance(receiver.call_sender, dd.PrefillCaller) and receiver.call_sender.method == "stage_pages"
