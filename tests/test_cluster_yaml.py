@@ -62,6 +62,9 @@ def test_serve_config_schema_and_pinning():
     assert "prefill_gpu" in cluster["prefill_gpu_worker"]["resources"]
     assert "decode_gpu" in cluster["decode_gpu_worker"]["resources"]
     # the builder accepts the args (ServiceConfig options) of the file
-    from serving.config import ServiceConfig
+    from serving.config import SECTIONS, ServiceConfig
 
-    ServiceConfig.from_dict(app.get("args", {}))
+    args = app.get("args", {})
+    assert set(args) <= set(SECTIONS)  # the nested sections, not the flat names of before
+    cfg = ServiceConfig.from_dict(args)
+    assert (cfg.kv.decode_pages, cfg.decode.max_running, cfg.transfer.channel.ring_depth) == (32768, 256, 3)
