@@ -1,13 +1,8 @@
-"""Causal-workload scheduling: the prefill cost model and the two Serve request routers.
+"""Causal-workload scheduling: the two Serve request routers.
 
-Prefill cost of a prompt of ``L`` tokens of which ``c`` are already cached:
-
-    cost = token_weight * (L - c)  +  (L - c) * (c + L) / 2 * density(L)
-
-The first term is the per-token work (projections, MLP); the second counts the causal
-query-key pairs the new tokens attend to (exactly ``(L-c)(L+c+1)/2``, rounded), scaled by
-the expected fraction FlashPrefill V2 computes (``1`` below ``dense_below``, where the
-service runs dense attention). The unit is "token-equivalents": only ratios matter.
+They rank replicas by the prefill cost model of ``serving/costs.py`` (per-token work plus the
+causal query-key pairs the new tokens attend to, scaled by the expected density; only ratios
+matter), which the ingress and the prefill replicas use too.
 
 Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
 - outstanding work per replica = max(what the replica reports in its routing stats
