@@ -10,8 +10,9 @@ One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`
    ``kv_transfer.ipc``), verifies them (checksum or device, shape) and adopts them into this
    replica's pool; on failure yields one ``transfer_error`` event (nothing stays allocated;
    after a channel or IPC failure it says ``fallback: "object_store"``) and ends;
-2. yields ``adopted`` (the acknowledgement: the ingress now lets the prefill replica free
-   its copy);
+2. yields ``adopted``. The prefill replica's lease on its copy has ended by then: with the
+   send (channels), or by this replica's ``release_pages`` call to it, fire and forget, once
+   its IPC copy is done or it gives up on the ticket (full pool, failure, client gone);
 3. hands the request to the DecodeLoop and yields ``tokens`` events (one or more token ids
    each) until the request finishes;
 4. if the stream is closed early (client gone, stop string matched at the ingress), its
@@ -51,6 +52,8 @@ from serving.costs import routing_hint
 
 logger = logging.getLogger("ray.serve")
 
+RELEASE_TIMEOUT_S = 30.0  # a release_pages call to a prefill replica that does not answer
+
 
 @dataclass(frozen=True)
 class _Add:
@@ -70,14 +73,18 @@ class _LoopFailed(RuntimeError):
     pass
 
 
+PREFILL_METHODS = ("send_pages", "stage_pages", "release_pages")
+
+
 class PrefillCaller:
-    """Channel and IPC-fallback transfers: deliver a request to the one prefill replica holding
-    the pages (a Serve call to its ``method``, ``send_pages`` or ``stage_pages``, pinned to it
-    by ``PrefillRequestRouter``)."""
+    """Channel and IPC transfers: deliver a request to the one prefill replica holding the
+    pages (a Serve call to its ``method``: ``send_pages``, ``stage_pages`` or ``release_pages``,
+    pinned to it by ``PrefillRequestRouter``). Its handle is its own (its own router), used only
+    for pinned calls."""
 
     def __init__(self, method: str = "send_pages") -> None:
-        if method not in ("send_pages", "stage_pages"):
-            raise ValueError(f"method: expected 'send_pages' or 'stage_pages', got {method!r}")
+        if method not in PREFILL_METHODS:
+            raise ValueError(f"method: expected one of {PREFILL_METHODS}, got {method!r}")
         self.method = method
         self._handles: dict[tuple[str, str], Any] = {}
 
@@ -229,6 +236,8 @@ class DecodeServer:
         # A request is adopted only when its final footprint fits next to everyone else's, so
         # a running request never runs out of pages mid-stream (no "abort" under load).
         self._footprints: dict[str, int] = {}
+        self._release_caller: PrefillCaller | None = None  # ends prefill leases (release_pages)
+        self._background: set[asyncio.Task] = set()
 
     def _make_receivers(self) -> dict[str, KVTransport]:
         transfer = self.config.transfer
@@ -264,6 +273,27 @@ class DecodeServer:
         self._footprints[rid] = footprint
         return True
 
+    def _release_sender(self, ticket: Any) -> None:
+        """Tell the prefill replica holding ``ticket``'s pages under a lease that this replica
+        is done with them (its IPC copy finished or failed, or it gave up before fetching).
+        Fire and forget, off the request's path: a lost message only leaves the lease to its
+        deadline."""
+        handle = getattr(ticket, "handle", None)
+        sender = handle.get("sender") if isinstance(handle, dict) else None
+        if getattr(ticket, "transport", None) == "object_store" or not isinstance(sender, dict):
+            return  # a frame: nothing held
+        if self._release_caller is None:
+            self._release_caller = PrefillCaller("release_pages")
+        task = asyncio.get_running_loop().create_task(self._release(sender, ticket.request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, sender: dict, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self._release_caller(sender, {"request_id": request_id}), RELEASE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the sender's deadline ends the lease anyway
+            logger.info("releasing the lease of %s on %s failed: %r", request_id, sender.get("replica_id"), exc)
+
     async def generate(self, call: DecodeCall, routing: dict | None = None):
         """Streaming: :class:`Adopted` (or :class:`TransferFailed`), then :class:`Tokens`."""
         rid = call.request_id
@@ -274,20 +304,23 @@ class DecodeServer:
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
                              outcome=TransferFailure.POOL_EXHAUSTED.value)
+            self._release_sender(ticket)
             yield TransferFailed(reason=TransferFailure.POOL_EXHAUSTED.value, retryable=footprint <= self.pool.num_pages,
                                  message=f"no room for {footprint} pages within {self.config.decode.adopt_wait_s}s",
                                  replica_id=self.replica_id)
             return
         submitted = False
         finished = False
+        transport = getattr(ticket, "transport", None)
+        sent = False  # a channel send of the pages ran: it ended the sender's lease itself
         try:
-            transport = getattr(ticket, "transport", None)
             try:
                 receiver = self.receivers.get(transport)
                 if receiver is None:
                     raise TransferError(TransferFailure.UNAVAILABLE,
                                         f"this replica receives {sorted(self.receivers)}, not {transport!r}", rid)
                 await receiver.receive(ticket, self.pool)
+                sent = transport != "cuda_ipc"
             except TransferError as exc:
                 self.transfer_failures += 1
                 self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
@@ -326,6 +359,8 @@ class DecodeServer:
                     first_step_s = step_s = time.monotonic() - t_submit
                 yield Tokens(tokens=tuple(tokens), finished=finished, finish_reason=reason, first_step_s=step_s)
         finally:
+            if not sent:
+                self._release_sender(ticket)
             if submitted and not finished:
                 self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages
             elif not submitted and self.pool.has(rid):

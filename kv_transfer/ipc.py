@@ -402,6 +402,7 @@ class CudaIpcTransport(KVTransport):
 
     name = IPC_NAME
     fault_modes = ("break",)  # the ticket names a GPU nobody has and offers no fallback
+    reads_pages_after_export = True  # the receiver copies them out of this pool
 
     def __init__(self, *, identity: dict | None = None, fallback: KVTransport | None = None,
                  call_sender: StageCall | None = None, lease_timeout_s: float | None = None,

@@ -457,6 +457,10 @@ class KVTransport(abc.ABC):
 
     name: str = "abstract"
     fault_modes: tuple[str, ...] = ()  # what ``export(fault=...)`` can inject
+    # True when the receiver reads the pages out of the sender's pool after ``export`` (a
+    # channel send, a CUDA IPC copy): the sender keeps them under a lease until then. False
+    # when ``export`` copied them (a frame): the sender may free them at once.
+    reads_pages_after_export: bool = False
 
     @abc.abstractmethod
     def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:

@@ -5,22 +5,22 @@ One replica = one :class:`PrefillServer` = one model copy, one KV pool, one
 asyncio task that runs the engine a forward at a time off the event loop, so an arrival joins
 at the next chunk boundary).
 
-``prefill(request)`` is a *streaming* method and doubles as the page lease:
-1. it queues the prompt, and once prefilled (first token sampled) exports the pages through
-   the KV transport and yields one ``prefilled`` event (first token + transfer ticket);
-2. it then keeps the pages until the caller closes the stream, which the ingress does once
-   the decode replica has acknowledged (adopted) them, or until ``transfer.lease_timeout_s``;
-3. its ``finally`` releases the pages, whatever happened (client gone, decode failure,
-   ingress crash).
-With channel transports (``nccl``/``gloo``) the export copies nothing: the decode replica that
-adopts the pages calls ``send_pages`` on this very replica (a call pinned by the router) while
-the lease is open, and the pages are read from the pool as they are sent. A send still under
-way when the lease ends is answered as failed (the pages may be reused by then).
-With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on the same GPU copies the pages straight
-out of this replica's pool during the lease; one on another GPU first calls ``stage_pages``
-(pinned too) to have them exported over the NCCL channel, then ``send_pages``.
-Because the lease is an ongoing request, a replica being scaled down drains it before it
-stops: pages a decode replica is still fetching are never pulled away.
+``prefill(call)`` is a plain (unary) call: it queues the prompt, and once prefilled (first
+token sampled) exports the pages through the KV transport and returns one :class:`Prefilled`
+(first token + transfer ticket). What happens to the pages then depends on the transport:
+- the object store copies them into a frame at export: they are freed before ``prefill``
+  returns;
+- a channel (``nccl``/``gloo``) or CUDA IPC reads them out of this pool later, so they stay
+  under a *lease* (``prefill_worker/leases.py``): state with a deadline
+  (``transfer.lease_timeout_s``), swept by a timer, not a call held open. It ends when the
+  channel send of the pages finishes (``send_pages``: the decode replica asked for them), when
+  the decode replica (after its IPC copy, or giving up) or the ingress (abandoning the attempt)
+  calls ``release_pages``, or at the deadline. A send still under way when a lease ends is
+  answered as failed (the pages may be reused by then).
+With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
+``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
+``send_pages``. Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
+its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
+from prefill_worker.leases import Lease, LeaseTable
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
 from serving.errors import RequestError
@@ -46,6 +47,10 @@ from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity
 from serving.costs import PrefillCostModel
 
 logger = logging.getLogger("ray.serve")
+
+# How long a stopping replica waits for its open leases to be fetched before freeing them: a
+# transfer under way takes well under this; one that never comes ends at its deadline anyway.
+LEASE_DRAIN_S = 20.0
 
 
 @dataclass
@@ -211,8 +216,8 @@ class PrefillServer:
         self.transport = self._make_transport()
         self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
-        self._leases: dict[str, float] = {}  # request id -> lease deadline (monotonic)
-        self.active = 0  # prefill() calls in progress (queued, prefilling or holding a lease)
+        self.leases = LeaseTable(self.config.transfer.lease_timeout_s, self._end_lease)
+        self.active = 0  # prefill() calls in progress (queued or prefilling)
         self.completed = 0
 
     def _make_transport(self) -> KVTransport:
@@ -241,56 +246,75 @@ class PrefillServer:
         return transport if isinstance(transport, ChannelTransport) else None
 
     # -- the request path ----------------------------------------------------------------
-    async def prefill(self, call: PrefillCall, routing: dict | None = None):
-        """Streaming: yields one :class:`Prefilled`, then holds the pages until closed."""
+    async def prefill(self, call: PrefillCall, routing: dict | None = None) -> Prefilled:
+        """Prefill ``call``'s prompt; returns its first token and transfer ticket (see the
+        module docstring for what becomes of the pages)."""
         rid = call.request_id
         self.active += 1
         try:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
             result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params))
-        except BaseException:
-            self.active -= 1
-            self.completed += 1
-            raise
-        # a retry after a failed channel transfer asks for the object store
-        exporter = self.object_store if call.transport == "object_store" else self.transport
-        ticket = None
-        try:
-            fault = None
-            if self._faults_left > 0 and self.config.fault_injection.mode in exporter.fault_modes:
-                self._faults_left -= 1
-                fault = self.config.fault_injection.mode
-            t_export = time.monotonic()
-            if not call.skip_transfer:
-                ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
-            export_s = time.monotonic() - t_export
-            self._leases[rid] = time.monotonic() + self.config.transfer.lease_timeout_s
-            yield Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
-                            cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
-                            queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
-            if ticket is not None:
-                # The lease: the caller closes this stream once the decode side has the pages.
-                await asyncio.sleep(self.config.transfer.lease_timeout_s)
-                logger.warning("prefill lease of %s expired after %.0fs; releasing its pages", rid, self.config.transfer.lease_timeout_s)
+            # a retry after a failed channel transfer asks for the object store
+            exporter = self.object_store if call.transport == "object_store" else self.transport
+            ticket, leased = None, False
+            try:
+                fault = None
+                if self._faults_left > 0 and self.config.fault_injection.mode in exporter.fault_modes:
+                    self._faults_left -= 1
+                    fault = self.config.fault_injection.mode
+                t_export = time.monotonic()
+                if not call.skip_transfer:
+                    ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
+                export_s = time.monotonic() - t_export
+                if ticket is not None and exporter.reads_pages_after_export:
+                    self.leases.grant(rid, ticket, exporter)
+                    self.leases.start()
+                    leased = True
+                return Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
+                                 cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
+                                 queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
+            finally:
+                if not leased:  # a frame (or nothing) was shipped, or the export failed / was cancelled
+                    if ticket is not None and exporter.reads_pages_after_export:
+                        exporter.discard(ticket)
+                    self._free(rid)
         finally:
-            self._leases.pop(rid, None)
-            if ticket is not None:
-                exporter.discard(ticket)  # a channel's export record; a send under way then fails
-            if self.pool.has(rid):
-                self.engine.release(rid)
-                self.loop.pages_freed()
             self.active -= 1
             self.completed += 1
 
+    def _free(self, rid: str) -> None:
+        if self.pool.has(rid):
+            self.engine.release(rid)
+            self.loop.pages_freed()
+
+    def _end_lease(self, lease: Lease, reason: str) -> None:
+        lease.exporter.discard(lease.ticket)  # a channel's export record; a send under way then fails
+        self._free(lease.request_id)
+
+    async def release_pages(self, request: dict, routing: dict | None = None) -> dict:
+        """End a lease: the decode replica is done with the pages (its IPC copy finished or
+        failed, or it gave up before fetching), or the ingress abandoned the attempt. Idempotent;
+        called pinned to this replica. ``{"ended": bool}``: False when no lease was held."""
+        rid = request.get("request_id") if isinstance(request, dict) else None
+        if not isinstance(rid, str):
+            return {"ended": False, "message": f"request: expected {{'request_id': str}}, got {request!r}"}
+        return {"ended": self.leases.end(rid, "released")}
+
     async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
         """Channel transports: a decode replica that reserved room for a request's pages asks
-        this replica (which holds them, under a lease) to send them over their channel."""
+        this replica (which holds them, under a lease) to send them over their channel. The
+        lease ends with the send, whatever its outcome: a failed transfer is retried with a new
+        prefill, never by sending these pages again."""
         channel = self._channel()
         if channel is None:
             return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
                     "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
-        return await channel.serve_send(request)
+        reply = await channel.serve_send(request)
+        rid = request.get("request_id") if isinstance(request, dict) else None
+        if isinstance(rid, str):
+            self.leases.end(rid, "sent")
+        return reply
 
     async def stage_pages(self, request: dict, routing: dict | None = None) -> dict:
         """cuda_ipc with a fallback: a decode replica on another GPU asks this replica to export
@@ -315,7 +339,8 @@ class PrefillServer:
             "queued_tokens": self.loop.queued_tokens,
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
-            "leased": len(self._leases),
+            "leased": len(self.leases),
+            "leases_ended": dict(self.leases.ended),
             "active": self.active,
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
@@ -339,11 +364,38 @@ class PrefillServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
 
-    def __del__(self) -> None:  # Serve calls it when the replica stops: close channels
+    def __del__(self):
+        """Serve calls it when the replica stops, after its ongoing calls have drained, and
+        awaits what it returns: with leases still open (their decode replicas may be mid-fetch)
+        that is :meth:`_drain`. Called by the garbage collector outside an event loop, it just
+        closes."""
+        leases = getattr(self, "leases", None)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            leases = None
+        if leases is not None and len(leases):
+            return self._drain()
+        self.close()
+        return None
+
+    async def _drain(self) -> None:
+        """Let the open leases be fetched for up to ``LEASE_DRAIN_S``, then end them and close."""
+        deadline = time.monotonic() + LEASE_DRAIN_S
+        while len(self.leases) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            self.leases.sweep()
+        self.close()
+
+    def close(self) -> None:
+        """End every lease and close the transport (idempotent)."""
+        leases = getattr(self, "leases", None)
+        if leases is not None:
+            leases.stop()
+            leases.end_all("stopped")
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
-
 
 
 def make_prefill_deployment(config: ServiceConfig, **options: Any):
@@ -351,8 +403,8 @@ def make_prefill_deployment(config: ServiceConfig, **options: Any):
     adds its request router: ``router.app.build_application``)."""
     defaults: dict[str, Any] = {
         "name": "PrefillServer",
-        "max_ongoing_requests": 256,  # includes page leases, which are cheap
-        "graceful_shutdown_timeout_s": max(30.0, config.transfer.lease_timeout_s / 2),
+        "max_ongoing_requests": 256,  # prefill calls only: leases are state, not calls
+        "graceful_shutdown_timeout_s": max(30.0, LEASE_DRAIN_S + 10.0),
         "health_check_period_s": 5.0,
     }
     defaults.update(options)

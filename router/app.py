@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.config import ServiceConfig
-from .pipeline import Delta, DisaggregatedPipeline
+from .pipeline import Delta, DisaggregatedPipeline, LeaseReleaser
 from .protocol import (
     GenerationRequest,
     RequestError,
@@ -100,7 +100,8 @@ class OpenAIIngress:
             self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.ingress.max_model_len,
             default_max_tokens=self.config.ingress.default_max_tokens,
         )
-        self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer)
+        self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
+                                              release_lease=LeaseReleaser(prefill))
         self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
 

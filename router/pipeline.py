@@ -2,13 +2,19 @@
 ingress. Protocol-free: the HTTP and gRPC front ends both consume :meth:`stream`.
 
 Page ownership along the way (see docs/ARCHITECTURE.md):
-- prefill replica: reserves pages, prefills, keeps them while its ``prefill`` stream (the
-  lease) is open;
-- decode replica: adopts a verified copy, answers ``adopted``; only then does the pipeline
-  close the prefill stream, and the prefill replica frees its pages;
+- prefill replica: reserves pages, prefills, returns the first token and a ticket. Where the
+  transport reads the pages later (a channel, CUDA IPC) it keeps them under a lease (state
+  with a deadline, not a call held open); the object store's frame is a copy, so its pages are
+  free at once;
+- decode replica: fetches once (a channel send it asks the holder for, an IPC copy, or the
+  frame), verifies, adopts, answers ``adopted``; the lease ends with the send, or by the decode
+  replica's ``release_pages`` to the holder after its IPC copy. Nothing comes back through here;
+- the ingress releases a lease only for an attempt it abandons before a decode replica took
+  the ticket (decode replica died, client gone, error): fire and forget, on a handle of its own;
+  a lease nobody releases ends at its deadline;
 - the decode stream stays open until the last token; closing it early (client gone, stop
   string) makes the decode replica cancel the request and free its pages.
-Every exit path (success, error, cancellation) closes whatever stream is still open.
+Every exit path (success, error, cancellation) closes the decode stream if it is still open.
 
 Retries: a retryable transfer failure (checksum, truncation, lost object, failed channel, no
 room on the decode replica) or a prefill or decode replica dying before the pages were adopted
@@ -31,7 +37,7 @@ import logging
 import time
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +83,7 @@ class _Attempt:
     """The streams and timings of the current prefill/transfer attempt."""
 
     worker_request_id: str
-    prefill_stream: Any = None
+    lease: Prefilled | None = None  # prefilled, its ticket not yet taken by a decode replica
     decode_stream: Any = None
     timing: dict = field(default_factory=dict)
     routing: dict = field(default_factory=dict)
@@ -92,12 +98,15 @@ def _is_replica_failure(exc: BaseException) -> bool:
 
 class DisaggregatedPipeline:
     def __init__(self, prefill_handle: Any, decode_handle: Any, config: ServiceConfig, tokenizer: Any,
-                 page_size: int | None = None, metrics: Metrics | None = None) -> None:
+                 page_size: int | None = None, metrics: Metrics | None = None,
+                 release_lease: Callable[[Prefilled], None] | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
         self.tokenizer = tokenizer
         self.page_size = page_size or config.kv.page_size
-        self._prefill = prefill_handle.options(stream=True)
+        self._prefill = prefill_handle
+        # ends the lease of an attempt abandoned before a decode replica took its ticket
+        self._release_lease = release_lease
         self._decode = decode_handle.options(stream=True)
         self.cost_model = PrefillCostModel(dense_below=config.sparse.dense_below, expected_density=config.sparse.expected_density)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
@@ -177,8 +186,7 @@ class DisaggregatedPipeline:
                             raise self._unavailable("decode", exc) from exc
                         raise
                     if isinstance(event, Adopted):
-                        attempt.prefill_stream.cancel()  # the acknowledgement: prefill frees its copy
-                        attempt.prefill_stream = None
+                        attempt.lease = None  # the decode replica has the pages; the lease has ended there
                         life.to(RequestPhase.DECODING)
                         break
                     self._close(attempt)
@@ -278,10 +286,11 @@ class DisaggregatedPipeline:
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
                   if self.config.prefill.prefix_caching else None)
-        attempt.prefill_stream = self._prefill.prefill.remote(
+        event = await self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
-        event = await attempt.prefill_stream.__anext__()
+        if event.ticket is not None:
+            attempt.lease = event
         attempt.timing.update(queue_s=event.queue_s, prefill_s=event.prefill_s, export_s=event.export_s,
                               cached_tokens=event.cached_tokens)
         attempt.routing["prefill_replica"] = event.replica_id
@@ -295,6 +304,8 @@ class DisaggregatedPipeline:
             payload, routing=routing_hint(pages=self._pages(req.prompt_len + req.max_tokens))
         )
         event = await attempt.decode_stream.__anext__()
+        # the decode replica took the ticket: it ends the lease (adopted or not)
+        attempt.lease = None
         attempt.routing["decode_replica"] = event.replica_id
         if isinstance(event, Adopted):
             attempt.timing["transfer_s"] = event.transfer_s
@@ -307,13 +318,17 @@ class DisaggregatedPipeline:
             return "length"
         return None
 
-    @staticmethod
-    def _close(attempt: _Attempt) -> None:
-        for name in ("decode_stream", "prefill_stream"):
-            stream = getattr(attempt, name)
-            if stream is not None:
-                stream.cancel()
-                setattr(attempt, name, None)
+    def _close(self, attempt: _Attempt) -> None:
+        if attempt.decode_stream is not None:
+            attempt.decode_stream.cancel()
+            attempt.decode_stream = None
+        if attempt.lease is not None:
+            lease, attempt.lease = attempt.lease, None
+            if self._release_lease is not None:
+                try:
+                    self._release_lease(lease)
+                except Exception:  # noqa: BLE001 - the lease's deadline ends it anyway
+                    logger.info("releasing the lease of %s failed", lease.request_id, exc_info=True)
 
     def _timing(self, life: RequestLifecycle, attempt: _Attempt, resumes: int = 0) -> dict:
         """The ``timing`` of the last chunk. Before the first token (TTFT): ``queue_s`` and
@@ -338,3 +353,37 @@ class DisaggregatedPipeline:
 
     def _routing(self, attempt: _Attempt) -> dict | None:
         return dict(attempt.routing) if self.config.ingress.debug_routing else None
+
+
+class LeaseReleaser:
+    """Ends the prefill lease of an abandoned attempt: a ``release_pages`` call pinned to the
+    replica holding the pages, fire and forget. It uses a deployment handle of its own, so its
+    router sees only pinned calls (sharing the prefill calls' router delayed pinned calls behind
+    the queued unpinned ones). Needs a running event loop and a Serve handle."""
+
+    def __init__(self, prefill_handle: Any) -> None:
+        self._name = getattr(prefill_handle, "deployment_name", None)
+        self._app = getattr(prefill_handle, "app_name", None)
+        self._handle: Any = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def __call__(self, lease: Prefilled) -> None:
+        if not (isinstance(self._name, str) and isinstance(self._app, str)):
+            return
+        task = asyncio.get_running_loop().create_task(self._release(lease.replica_id, lease.request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, replica: str, request_id: str) -> None:
+        try:
+            if self._handle is None:  # asks the controller once: off the event loop
+                from ray import serve
+
+                self._handle = await asyncio.to_thread(serve.get_deployment_handle, self._name, self._app)
+            await asyncio.wait_for(self._handle.release_pages.remote(
+                {"request_id": request_id}, routing=routing_hint(replica=replica)), RELEASE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the lease's deadline ends it anyway
+            logger.info("releasing the lease of %s on %s failed: %r", request_id, replica, exc)
+
+
+RELEASE_TIMEOUT_S = 30.0

@@ -5,6 +5,7 @@ request and transfer paths, the config's secret handling, the resume state machi
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hmac
 import json
 import math
@@ -272,6 +273,9 @@ class _Stream:
     def cancel(self):
         self.cancelled = True
 
+    def __await__(self):  # a unary call (prefill): its one event, or the exception
+        return self.__anext__().__await__()
+
 
 class _Method:
     def __init__(self, fn):
@@ -351,8 +355,11 @@ def _pipeline(prefill, decode, metrics=None, **config):
     from router.pipeline import DisaggregatedPipeline
 
     cfg = ServiceConfig.from_dict({"transfer_retries": 2, "decode_resumes": 2, **config})
-    return DisaggregatedPipeline(_Handle(prefill=prefill), _Handle(generate=decode), cfg, ByteTokenizer(),
-                                 metrics=metrics)
+    released = []
+    pipe = DisaggregatedPipeline(_Handle(prefill=prefill), _Handle(generate=decode), cfg, ByteTokenizer(),
+                                 metrics=metrics, release_lease=released.append)
+    pipe.released = released  # the leases the ingress ended (attempts it abandoned before decode took them)
+    return pipe
 
 
 REQ = PARSER.parse({"model": "m", "prompt": [256, 72, 105], "max_tokens": 12, "temperature": 0}, "completion")
@@ -370,7 +377,8 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     sent = tokens[:5]  # first token + 4 decoded before the death
     assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
     assert decodes[1].first_token == sent[-1] and decodes[1].params.max_new_tokens == 12 - 5 + 1
-    assert all(s.cancelled for s in pipe._prefill.prefill.streams)  # every lease released
+    # both decode replicas took their tickets: the ingress ends no lease (the decode side does)
+    assert len(prefills) == 2 and pipe.released == []
 
 
 def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent():
@@ -380,7 +388,7 @@ def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent()
     tokens = [t for d in out for t in d.token_ids]
     assert tokens == _reference(REQ.prompt_token_ids, 12)[: len(tokens)] and len(tokens) == 1 + 3 * 2
     assert len(pipe._decode.generate.calls) == 3  # first try + decode_resumes
-    assert all(s.cancelled for s in pipe._prefill.prefill.streams + pipe._decode.generate.streams[:-1])
+    assert all(s.cancelled for s in pipe._decode.generate.streams[:-1]) and pipe.released == []
 
 
 def test_replica_failures_before_adoption_are_retried_then_503():
@@ -389,6 +397,18 @@ def test_replica_failures_before_adoption_are_retried_then_503():
     out, error = _run(pipe, REQ)
     assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
     assert out[-1].timing["prefill_attempts"] == 3  # prefill died, then decode died before adopting
+    assert pipe.released == []  # the decode replica that died had taken (adopted) the pages
+
+    def decode_dead_first(payload, n):
+        from ray.exceptions import ActorDiedError
+
+        return _Stream([], ActorDiedError()) if n == 1 else _decode(payload, n)
+
+    pipe = _pipeline(_prefill, decode_dead_first)
+    out, error = _run(pipe, REQ)
+    assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
+    # the decode replica died before answering for the ticket: the ingress ends that lease
+    assert [lease.request_id for lease in pipe.released] == [pipe._prefill.prefill.calls[0].request_id]
     pipe = _pipeline(lambda p, n: _prefill(p, n, die=lambda n: True), _decode)
     out, error = _run(pipe, REQ)
     assert out == [] and error.status == 503 and error.code == "prefill_unavailable" and error.retry_after_s == 1
@@ -417,7 +437,34 @@ def test_decode_pool_full_everywhere_is_429_with_retry_hint():
     pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=True), retry_after_s=3)
     out, error = _run(pipe, REQ)
     assert error.status == 429 and error.code == "kv_capacity_exhausted" and error.retry_after_s == 3
-    assert len(pipe._prefill.prefill.calls) == 3 and all(s.cancelled for s in pipe._prefill.prefill.streams)
+    assert len(pipe._prefill.prefill.calls) == 3 and pipe.released == []  # the decode replicas release them
+
+
+def test_an_attempt_abandoned_between_prefill_and_decode_releases_its_lease():
+    """The client leaves after the first token, before any decode replica took the ticket: the
+    ingress ends that lease itself; a prefill that shipped no ticket (max_tokens 1) has none."""
+    import asyncio
+
+    pipe = _pipeline(_prefill, _decode)
+
+    async def first_then_leave():
+        stream = pipe.stream(REQ)
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(first_then_leave())
+    assert [lease.request_id for lease in pipe.released] == [pipe._prefill.prefill.calls[0].request_id]
+    assert pipe._decode.generate.calls == []
+
+    def no_ticket(payload, n):
+        stream = _prefill(payload, n)
+        stream._events[0] = dataclasses.replace(stream._events[0], ticket=None)
+        return stream
+
+    one = PARSER.parse({"model": "m", "prompt": [256, 72], "max_tokens": 1, "temperature": 0}, "completion")
+    pipe = _pipeline(no_ticket, _decode)
+    out, error = _run(pipe, one)
+    assert error is None and out[-1].finish_reason == "length" and pipe.released == []
 
 
 def test_timing_breakdown_comes_from_where_each_step_runs():

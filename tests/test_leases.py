@@ -1,0 +1,257 @@
+"""Prefill page leases: state with a deadline, swept by a timer, ended by the transfer.
+
+Units of ``prefill_worker/leases.py``, then a prefill and a decode replica in this process
+(no Ray: their Serve calls to each other are made directly) over a gloo channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from model_executor.sampling import SamplingParams
+from prefill_worker.leases import END_REASONS, LeaseTable
+from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, Tokens, TransferFailed
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _table(timeout_s=10.0):
+    ended, clock = [], _Clock()
+    return LeaseTable(timeout_s, lambda lease, why: ended.append((lease.request_id, why)), clock=clock), ended, clock
+
+
+def test_leases_end_once_each_at_the_first_of_their_endings():
+    table, ended, clock = _table()
+    for rid in ("a", "b", "c"):
+        table.grant(rid, ticket=object(), exporter=None)
+        clock.now += 1.0
+    assert len(table) == 3 and "b" in table
+    with pytest.raises(ValueError, match="request_id"):
+        table.grant("a", ticket=None, exporter=None)
+    assert table.end("b", "sent") is True and table.end("b", "released") is False  # idempotent
+    clock.now += 8.5  # a expired (granted at 1000, deadline 1010); c not (1012)
+    assert table.sweep() == ["a"] and table.sweep() == []
+    assert ended == [("b", "sent"), ("a", "expired")] and list(table._leases) == ["c"]
+    assert table.ended == {"sent": 1, "released": 0, "expired": 1, "stopped": 0}
+    assert table.end_all() == 1 and ended[-1] == ("c", "stopped") and len(table) == 0
+    with pytest.raises(ValueError, match="reason"):
+        table.end("c", "adopted")
+    assert set(END_REASONS) == set(table.ended)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "10", None])
+def test_lease_timeout_must_be_positive_seconds(bad):
+    with pytest.raises(ValueError, match="timeout_s"):
+        LeaseTable(bad, lambda lease, why: None)
+
+
+def test_a_failing_cleanup_does_not_stop_the_sweep():
+    ended = []
+
+    def on_end(lease, why):
+        ended.append(lease.request_id)
+        if lease.request_id == "a":
+            raise RuntimeError("boom")
+
+    clock = _Clock()
+    table = LeaseTable(1.0, on_end, clock=clock)
+    table.grant("a", None, None)
+    table.grant("b", None, None)
+    clock.now += 2.0
+    assert table.sweep() == ["a", "b"] and ended == ["a", "b"] and len(table) == 0
+
+
+def test_the_timer_ends_an_expired_lease_with_no_call_open():
+    ended = []
+    table = LeaseTable(0.2, lambda lease, why: ended.append((lease.request_id, why)))
+
+    async def go():
+        table.grant("r", None, None)
+        table.start()
+        table.start()  # idempotent: one timer
+        for _ in range(200):  # bounded wait for the outcome; nothing here asserts a duration
+            if ended:
+                break
+            await asyncio.sleep(0.05)
+        table.stop()
+
+    asyncio.run(go())
+    assert ended == [("r", "expired")] and len(table) == 0
+
+
+# ------------------------------------------------------------------ replicas in this process
+OPTS = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "transport": "gloo",
+        "lease_timeout_s": 30.0}
+
+
+def _prompt(seed, n=40):
+    rng = random.Random(seed)
+    return [256] + [rng.randrange(256) for _ in range(n - 1)]
+
+
+def _call(rid, prompt, **kw):
+    return PrefillCall(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=4),
+                       **kw)
+
+
+@pytest.fixture
+def prefill_server():
+    from prefill_worker.deployment import PrefillServer
+
+    server = PrefillServer(OPTS)
+    yield server
+    server.close()
+
+
+def test_prefill_returns_and_the_pages_stay_under_a_lease_until_its_deadline(prefill_server):
+    pre = prefill_server
+    event = asyncio.run(pre.prefill(_call("r", _prompt(1))))
+    assert isinstance(event, Prefilled) and event.ticket is not None and event.ticket.transport == "gloo"
+    # the call is over (no slot of max_ongoing_requests taken), the pages are leased
+    assert pre.active == 0 and len(pre.leases) == 1 and pre.pool.has("r")
+    stats = pre.record_routing_stats()
+    assert stats["leased"] == 1 and stats["active"] == 0
+    # the deadline passes: the sweep frees the pages and forgets the export
+    pre.leases._clock = lambda: float("inf")
+    assert pre.leases.sweep() == ["r"]
+    assert not pre.pool.has("r") and pre.pool.free_pages == pre.pool.num_pages
+    assert pre.record_routing_stats()["leases_ended"]["expired"] == 1
+    reply = asyncio.run(pre.send_pages({"request_id": "r"}))  # too late: nothing left to send
+    assert reply["ok"] is False
+
+
+def test_release_pages_ends_a_lease_and_is_idempotent(prefill_server):
+    pre = prefill_server
+    asyncio.run(pre.prefill(_call("r", _prompt(2))))
+    assert asyncio.run(pre.release_pages({"request_id": "r"})) == {"ended": True}
+    assert asyncio.run(pre.release_pages({"request_id": "r"})) == {"ended": False}
+    assert pre.pool.free_pages == pre.pool.num_pages and pre.leases.ended["released"] == 1
+    bad = asyncio.run(pre.release_pages({"request_id": 7}))
+    assert bad["ended"] is False and "request_id" in bad["message"]
+
+
+def test_no_lease_without_a_ticket_or_when_the_export_fails(prefill_server, monkeypatch):
+    pre = prefill_server
+    event = asyncio.run(pre.prefill(_call("one", _prompt(3), skip_transfer=True)))
+    assert event.ticket is None and len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages
+
+    def broken(pool, rid, fault=None):
+        raise RuntimeError("export failed")
+
+    monkeypatch.setattr(pre.transport, "export", broken)
+    with pytest.raises(RuntimeError, match="export failed"):
+        asyncio.run(pre.prefill(_call("x", _prompt(4))))
+    assert len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages and pre.active == 0
+
+
+def test_transports_that_copy_at_export_need_no_lease():
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.transfer import LocalTransport, ObjectStoreTransport
+
+    assert not ObjectStoreTransport.reads_pages_after_export and not LocalTransport.reads_pages_after_export
+    assert ChannelTransport.reads_pages_after_export and CudaIpcTransport.reads_pages_after_export
+
+
+def _wire(monkeypatch, pre):
+    """The decode replica's Serve calls to the prefill replica, made directly."""
+    import decode_worker.deployment as dd
+
+    calls = []
+
+    async def call(self, sender, request):
+        calls.append((self.method, sender["replica_id"], request["request_id"]))
+        return await getattr(pre, self.method)(request)
+
+    monkeypatch.setattr(dd.PrefillCaller, "__call__", call)
+    return calls
+
+
+def _drive(dec, call):
+    async def go():
+        events = [e async for e in dec.generate(call)]
+        await asyncio.gather(*dec._background)  # the fire-and-forget release, if any
+        return events
+
+    return asyncio.run(go())
+
+
+def test_decode_fetches_once_over_the_channel_and_the_send_ends_the_lease(prefill_server, monkeypatch):
+    from decode_worker.deployment import DecodeServer
+
+    pre = prefill_server
+    dec = DecodeServer(OPTS)
+    calls = _wire(monkeypatch, pre)
+    try:
+        prompt = _prompt(5)
+        event = asyncio.run(pre.prefill(_call("r", prompt)))
+        events = _drive(dec, DecodeCall(request_id="r", ticket=event.ticket, kv_len=event.kv_len,
+                                        first_token=event.first_token,
+                                        params=SamplingParams(temperature=0.0, max_new_tokens=4)))
+        assert isinstance(events[0], Adopted) and all(isinstance(e, Tokens) for e in events[1:])
+        assert events[-1].finished
+        # one call back to the holder, the send itself; it ended the lease: no release message
+        assert calls == [("send_pages", pre.replica_id, "r")]
+        assert pre.leases.ended == {"sent": 1, "released": 0, "expired": 0, "stopped": 0}
+        assert pre.pool.free_pages == pre.pool.num_pages and dec.pool.free_pages == dec.pool.num_pages
+    finally:
+        for r in dec.receivers.values():
+            r.close()
+
+
+def test_a_decode_replica_with_no_room_releases_the_lease(prefill_server, monkeypatch):
+    from decode_worker.deployment import DecodeServer
+
+    pre = prefill_server
+    dec = DecodeServer({**OPTS, "decode_kv_pages": 1, "adopt_wait_s": 0.0})
+    calls = _wire(monkeypatch, pre)
+    try:
+        event = asyncio.run(pre.prefill(_call("r", _prompt(6, n=100))))
+        events = _drive(dec, DecodeCall(request_id="r", ticket=event.ticket, kv_len=event.kv_len,
+                                        first_token=event.first_token,
+                                        params=SamplingParams(temperature=0.0, max_new_tokens=4)))
+        assert len(events) == 1 and isinstance(events[0], TransferFailed) and events[0].reason == "pool_exhausted"
+        assert calls == [("release_pages", pre.replica_id, "r")]
+        assert pre.leases.ended["released"] == 1 and pre.pool.free_pages == pre.pool.num_pages
+    finally:
+        for r in dec.receivers.values():
+            r.close()
+
+
+def test_a_stopping_replica_lets_open_leases_be_fetched_then_frees_them(monkeypatch):
+    """Serve awaits what ``__del__`` returns: with a lease open it waits for the lease to end
+    (here: released while it waits), then closes; with none it closes at once."""
+    import prefill_worker.deployment as pd
+
+    pre = pd.PrefillServer(OPTS)
+    asyncio.run(pre.prefill(_call("r", _prompt(7))))
+
+    async def stop():
+        drain = pre.__del__()
+        assert asyncio.iscoroutine(drain)
+        task = asyncio.ensure_future(drain)
+        await asyncio.sleep(0.2)
+        assert not task.done() and len(pre.leases) == 1  # still waiting for the fetch
+        await pre.release_pages({"request_id": "r"})
+        await task
+
+    asyncio.run(stop())
+    assert pre.leases.ended["released"] == 1 and pre.pool.free_pages == pre.pool.num_pages
+    monkeypatch.setattr(pd, "LEASE_DRAIN_S", 0.0)  # a lease nobody fetches: freed when the drain ends
+    asyncio.run(pre.prefill(_call("s", _prompt(8))))
+
+    async def stop_now():
+        await pre.__del__()
+
+    asyncio.run(stop_now())
+    assert pre.leases.ended["stopped"] == 1 and pre.pool.free_pages == pre.pool.num_pages
+    assert pre.__del__() is None  # outside an event loop: closes at once
