@@ -236,6 +236,7 @@ class DecodeServer:
         # A request is adopted only when its final footprint fits next to everyone else's, so
         # a running request never runs out of pages mid-stream (no "abort" under load).
         self._footprints: dict[str, int] = {}
+        self._room: asyncio.Condition | None = None  # made on the replica's event loop
         self._release_caller: PrefillCaller | None = None  # ends prefill leases (release_pages)
         self._background: set[asyncio.Task] = set()
 
@@ -264,14 +265,32 @@ class DecodeServer:
         return sum(self._footprints.values())
 
     async def _admit(self, rid: str, footprint: int) -> bool:
-        """Wait (bounded by ``decode.adopt_wait_s``) until ``footprint`` pages fit; reserve them."""
-        deadline = time.monotonic() + self.config.decode.adopt_wait_s
-        while footprint > self.pool.num_pages - self.committed_pages:
-            if footprint > self.pool.num_pages or time.monotonic() >= deadline:
+        """Wait (bounded by ``decode.adopt_wait_s``) until ``footprint`` pages fit; reserve them.
+        The ledger (``_footprints``) is the one place decode admission is decided; a waiter
+        wakes when a request leaves it (``_leave``), not by polling."""
+        if footprint > self.pool.num_pages:
+            return False
+        if footprint <= self.pool.num_pages - self.committed_pages:  # room now: no wait, no lock
+            self._footprints[rid] = footprint
+            return True
+        if self._room is None:
+            self._room = asyncio.Condition()
+        async with self._room:
+            try:
+                await asyncio.wait_for(
+                    self._room.wait_for(lambda: footprint <= self.pool.num_pages - self.committed_pages),
+                    timeout=self.config.decode.adopt_wait_s)
+            except asyncio.TimeoutError:
                 return False
-            await asyncio.sleep(0.02)
-        self._footprints[rid] = footprint
+            self._footprints[rid] = footprint
         return True
+
+    async def _leave(self, rid: str) -> None:
+        """``rid`` no longer needs room: take it off the ledger and wake the waiters."""
+        self._footprints.pop(rid, None)
+        if self._room is not None:
+            async with self._room:
+                self._room.notify_all()
 
     def _release_sender(self, ticket: Any) -> None:
         """Tell the prefill replica holding ``ticket``'s pages under a lease that this replica
@@ -365,8 +384,8 @@ class DecodeServer:
                 self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages
             elif not submitted and self.pool.has(rid):
                 self.pool.release(rid)
-            self._footprints.pop(rid, None)
             self.completed += 1
+            await self._leave(rid)
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:

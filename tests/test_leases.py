@@ -255,3 +255,36 @@ def test_a_stopping_replica_lets_open_leases_be_fetched_then_frees_them(monkeypa
     asyncio.run(stop_now())
     assert pre.leases.ended["stopped"] == 1 and pre.pool.free_pages == pre.pool.num_pages
     assert pre.__del__() is None  # outside an event loop: closes at once
+
+
+def test_decode_admission_waits_on_its_ledger_and_wakes_when_a_request_leaves():
+    """One ledger of page footprints; a request that does not fit waits (bounded by
+    ``decode.adopt_wait_s``) and is admitted when another leaves it, with no polling."""
+    from decode_worker.deployment import DecodeServer
+
+    dec = DecodeServer({**OPTS, "decode_kv_pages": 8, "adopt_wait_s": 30.0})
+    try:
+        async def go():
+            assert await dec._admit("a", 6) is True and dec.committed_pages == 6
+            waiter = asyncio.ensure_future(dec._admit("b", 4))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # 6 + 4 > 8: waits
+            await dec._leave("a")
+            assert await asyncio.wait_for(waiter, 10) is True
+            assert dec._footprints == {"b": 4}
+            assert await dec._admit("huge", 9) is False  # larger than the pool: refused at once
+
+        asyncio.run(go())
+        quick = DecodeServer({**OPTS, "decode_kv_pages": 8, "adopt_wait_s": 0.0})
+        try:
+            async def no_wait():
+                assert await quick._admit("a", 8) is True  # room now: admitted with no wait
+                assert await quick._admit("b", 1) is False  # none, and no time to wait
+
+            asyncio.run(no_wait())
+        finally:
+            for r in quick.receivers.values():
+                r.close()
+    finally:
+        for r in dec.receivers.values():
+            r.close()
