@@ -249,7 +249,8 @@ class TransferOptions(_Section):
         "channel or IPC transfer is retried over the object store."))
     retries: int = Field(2, ge=0, description="New attempts after a retryable transfer failure.")
     lease_timeout_s: float = Field(120.0, ge=0.1, description=(
-        "How long a prefill replica keeps pages for a decode side that never acknowledges, then frees them."))
+        "How long a prefill replica keeps a request's pages under a lease (channel and CUDA IPC transfers) "
+        "for a decode side that neither fetches nor releases them, then frees them."))
     channel: ChannelOptions = Field(default_factory=ChannelOptions)
     ipc: IpcOptions = Field(default_factory=IpcOptions)
     object_store: ObjectStoreOptions = Field(default_factory=ObjectStoreOptions)
