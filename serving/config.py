@@ -269,6 +269,9 @@ class IngressOptions(_Section):
         "How many times a stream whose decode replica died is resumed (prompt + tokens so far "
         "prefilled again, decoding continues on a healthy replica)."))
     debug_routing: bool = Field(False, description="Add replica ids to responses (the `routing` field).")
+    health_refresh_s: float = Field(1.0, ge=0.0, le=60.0, description=(
+        "How long the readiness answer (`/health`, `/health/ready`, gRPC `grpc.health.v1.Health`) is "
+        "reused before Serve's controller is asked again which replicas run."))
     auth_token: str | None = Field(None, repr=False, description=(
         "Bearer token clients must send (`Authorization: Bearer ...`); prefer `ingress.auth_token_env`. "
         "Neither set: no auth. The token never reaches the workers or logs."))
