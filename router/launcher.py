@@ -119,8 +119,9 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
 
     from .app import build_application
 
-    prefill_opts = {"num_replicas": options.prefill_replicas, **(prefill or {})}
-    decode_opts = {"num_replicas": options.decode_replicas, **(decode or {})}
+    # a role with max_replicas in its config section autoscales (serving/autoscaling.py)
+    prefill_opts = {**({} if config.prefill.max_replicas else {"num_replicas": options.prefill_replicas}), **(prefill or {})}
+    decode_opts = {**({} if config.decode.max_replicas else {"num_replicas": options.decode_replicas}), **(decode or {})}
     app = build_application(config, prefill=prefill_opts, decode=decode_opts, ingress=ingress)
     return serve.run(app, name=options.app_name, route_prefix=f"/{options.app_name}" if options.app_name != APP_NAME else "/",
                      blocking=blocking)

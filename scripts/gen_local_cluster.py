@@ -33,6 +33,8 @@ LOCAL_HEAD_CPUS = 4  # controller, proxy, ingress replicas
 LOCAL_MAX_WORKERS = 2  # per worker node type
 LOCAL_MAX_REPLICAS = LOCAL_GPUS * LOCAL_MAX_WORKERS
 LOCAL_DELAYS = {"upscale_delay_s": 2, "downscale_delay_s": 15, "look_back_period_s": 12}
+LOCAL_POLICY_KWARGS = {"target_queued_tokens": 1024, "target_queued_requests": 4, "target_running": 8,
+                       "target_kv_fraction": 0.7}
 LOCAL_ARGS = {
     "model": {"model": "builtin:tiny", "device": "cpu", "dtype": "float32"},
     "kv": {"page_size": 16, "prefill_pages": 512, "decode_pages": 1024},
@@ -125,6 +127,9 @@ def local_serve_config(serve_config: dict) -> dict:
             else:
                 actor["num_cpus"] = min(actor.get("num_cpus", 1), 1)
             auto = dep.get("autoscaling_config")
+            kwargs = (auto or {}).get("policy", {}).get("policy_kwargs")
+            if kwargs:  # targets for the local pools and batches
+                kwargs.update({k: v for k, v in LOCAL_POLICY_KWARGS.items() if k in kwargs})
             if auto:
                 auto["max_replicas"] = min(auto["max_replicas"], LOCAL_MAX_REPLICAS)
                 auto.update({k: min(auto.get(k, v), v) for k, v in LOCAL_DELAYS.items()})

@@ -130,7 +130,8 @@ def test_local_serve_config_places_roles_like_the_cluster_one():
         assert ldeps[name]["ray_actor_options"]["resources"] == cdeps[name]["ray_actor_options"]["resources"]
         assert ldeps[name]["ray_actor_options"]["num_gpus"] == cdeps[name]["ray_actor_options"]["num_gpus"]
         lauto, cauto = ldeps[name]["autoscaling_config"], cdeps[name]["autoscaling_config"]
-        assert lauto.get("policy") == cauto.get("policy")
+        assert lauto["policy"]["policy_function"] == cauto["policy"]["policy_function"]
+        assert set(lauto["policy"]["policy_kwargs"]) == set(cauto["policy"]["policy_kwargs"])
         assert lauto["min_replicas"] <= lauto["max_replicas"] <= cauto["max_replicas"]
     from serving.config import ServiceConfig
 
