@@ -56,13 +56,15 @@ class ScenarioConfig:
     max_requests: int = 2000  # per phase
     sample_s: float = 2.0
     idle_extra_s: float = 120.0  # the idle phase may run this much longer, until both roles are at min
+    wait_for_nodes: bool = True  # ... and the worker node types at their min_workers
     seed: int = 0
 
 
-FULL = ScenarioConfig(phases=(Phase("prefill-heavy", 120, 12, 1500, 1), Phase("decode-heavy", 120, 32, 24, 160),
-                              Phase("idle", 60, 0, 0, 0)))
+FULL = ScenarioConfig(phases=(Phase("prefill-heavy", 100, 12, 1500, 1), Phase("decode-heavy", 100, 32, 24, 160),
+                              Phase("idle", 45, 0, 0, 0)), idle_extra_s=150.0)
 SHORT = ScenarioConfig(phases=(Phase("prefill-heavy", 60, 10, 1200, 1), Phase("decode-heavy", 60, 24, 16, 96),
-                               Phase("idle", 30, 0, 0, 0)), max_requests=600, idle_extra_s=120.0)
+                               Phase("idle", 30, 0, 0, 0)), max_requests=600, idle_extra_s=120.0,
+                      wait_for_nodes=False)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Result:
     phases: list = field(default_factory=list)  # {name, start, end}
     min_replicas: dict = field(default_factory=dict)
     max_replicas: dict = field(default_factory=dict)
+    min_nodes: dict = field(default_factory=dict)
     cluster: str = "fake_multinode (cluster.local.yaml), one machine"
 
 
@@ -169,12 +172,13 @@ async def run_phases(base_url: str, dashboard: str, cfg: ScenarioConfig, result:
             stats = {"sent": 0, "completed": 0, "lost": 0, "lost_reasons": {}}
             if phase.concurrency:
                 await _load(client, phase, cfg, stats)
-            else:  # idle: until both roles are back at their minimum, within idle_extra_s more
+            else:  # idle: until both roles and node types are back at their minimum (within idle_extra_s more)
                 end = time.monotonic() + phase.seconds + cfg.idle_extra_s
                 await asyncio.sleep(phase.seconds)
                 while time.monotonic() < end:
-                    last = result.samples[-1]["replicas"] if result.samples else {}
-                    if last and all(last[r] <= result.min_replicas[r] for r in ROLES):
+                    last = result.samples[-1] if result.samples else None
+                    if last and all(last["replicas"][r] <= result.min_replicas[r] for r in ROLES) and (
+                            not cfg.wait_for_nodes or all(last["nodes"][t] <= result.min_nodes[t] for t in NODE_TYPES)):
                         break
                     await asyncio.sleep(cfg.sample_s)
             result.requests[phase.name] = stats
@@ -223,7 +227,9 @@ def run(cfg: ScenarioConfig, *, out: Path | None, temp_dir: str | None = None, p
     result = Result(config={"phases": [asdict(p) for p in cfg.phases], "max_requests": cfg.max_requests,
                             "seed": cfg.seed, "autoscaling": {r: deps[n]["autoscaling_config"] for r, n in ROLES.items()}},
                     min_replicas={r: deps[n]["autoscaling_config"]["min_replicas"] for r, n in ROLES.items()},
-                    max_replicas={r: deps[n]["autoscaling_config"]["max_replicas"] for r, n in ROLES.items()})
+                    max_replicas={r: deps[n]["autoscaling_config"]["max_replicas"] for r, n in ROLES.items()},
+                    min_nodes={t: yaml.safe_load((ROOT / "cluster.local.yaml").read_text())["available_node_types"][t]
+                               .get("min_workers", 0) for t in NODE_TYPES})
     serve_file = Path(temp_dir + "_serve.yaml")
     serve_file.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
     info = lc.up(temp_dir, ports["gcs"], ports["dashboard"], ports["metrics"])

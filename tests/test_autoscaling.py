@@ -134,3 +134,45 @@ def test_deployments_autoscale_unless_given_a_replica_count():
     fixed = make_prefill_deployment(cfg, num_replicas=2)
     assert fixed._deployment_config.autoscaling_config is None and fixed.num_replicas == 2
     assert make_prefill_deployment(ServiceConfig.from_dict({}))._deployment_config.autoscaling_config is None
+
+
+@pytest.mark.slow
+def test_short_scenario_scales_each_role_and_loses_nothing():
+    """benchmarks/autoscale_scenario.py --short on the local fake multi-node cluster: prefill
+    scales up under long prompts, decode under long outputs, both come back down when idle,
+    and every request sent completes (through every scale-up and drain). Starts several
+    raylets and runs minutes of load on 2 cores: slow-marked."""
+    pytest.importorskip("ray.serve")
+    pytest.importorskip("psutil")
+    from benchmarks.autoscale_scenario import ROLES, SHORT, run
+
+    result = run(SHORT, out=None)
+    sent = sum(r["sent"] for r in result.requests.values())
+    assert sent > 0 and all(r["lost"] == 0 and r["completed"] == r["sent"] for r in result.requests.values()), \
+        result.requests
+    seen = {ph: {role: {s["replicas"][role] for s in result.samples if s["phase"] == ph} for role in ROLES}
+            for ph in ("prefill-heavy", "decode-heavy", "idle")}
+    assert max(seen["prefill-heavy"]["prefill"]) > result.min_replicas["prefill"], seen
+    assert max(seen["decode-heavy"]["decode"] | seen["idle"]["decode"]) > result.min_replicas["decode"], seen
+    last = result.samples[-1]["replicas"]
+    assert all(last[r] == result.min_replicas[r] for r in ROLES), result.samples[-5:]
+
+
+def test_scenario_summary_and_plot_from_recorded_samples(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.autoscale_scenario import NODE_TYPES, Result, plot, summary
+
+    rng = random.Random(3)
+    res = Result(config={}, min_replicas={"prefill": 1, "decode": 1}, max_replicas={"prefill": 4, "decode": 4})
+    res.phases = [{"name": "prefill-heavy", "start": 0, "end": 10}, {"name": "idle", "start": 10, "end": 20}]
+    peak = rng.randint(2, 4)
+    for t in range(20):
+        res.samples.append({"t": t, "phase": "prefill-heavy" if t < 10 else "idle",
+                            "replicas": {"prefill": peak if 3 <= t < 10 else 1, "decode": 1},
+                            "nodes": {NODE_TYPES[0]: 2 if 4 <= t < 12 else 1, NODE_TYPES[1]: 1}})
+    res.requests = {"prefill-heavy": {"sent": 7, "completed": 7, "lost": 0, "lost_reasons": {}},
+                    "idle": {"sent": 0, "completed": 0, "lost": 0, "lost_reasons": {}}}
+    text = summary(res).splitlines()
+    assert text[1].split()[:4] == ["prefill-heavy", "7", "7", "0"] and f"{peak}," in text[1]
+    plot(res, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
