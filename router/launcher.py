@@ -64,7 +64,10 @@ def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = Non
     os.environ.setdefault(GRPC_HOST_ENV, host)
     if host in LOOPBACK:
         os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
-    kwargs: dict[str, Any] = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "_node_ip_address": "127.0.0.1",
+    # address "local": a new Ray even where `ray start` left its address behind (ray.init()
+    # would connect to that cluster instead, and refuse num_cpus)
+    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                              "_node_ip_address": "127.0.0.1",
                               "runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
     if dashboard_port is not None:
         kwargs["dashboard_port"] = dashboard_port

@@ -123,6 +123,7 @@ def down(temp_dir: str = DEFAULT_TEMP_DIR, timeout_s: float = 20.0) -> int:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+    Path(temp_dir, "ray_current_cluster").unlink(missing_ok=True)  # as `ray stop` does
     return len(procs)
 
 

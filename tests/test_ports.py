@@ -28,6 +28,7 @@ def test_init_kwargs_keep_ray_on_loopback(monkeypatch):
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     kw = ray_init_kwargs("127.0.0.1", dashboard_port=8311, metrics_port=8312)
     assert (kw["dashboard_host"], kw["_node_ip_address"], kw["include_dashboard"]) == ("127.0.0.1", "127.0.0.1", True)
+    assert kw["address"] == "local"  # never a cluster `ray start` left behind
     assert (kw["dashboard_port"], kw["_metrics_export_port"]) == (8311, 8312)
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert "dashboard_port" not in ray_init_kwargs("127.0.0.1")
