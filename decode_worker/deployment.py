@@ -44,6 +44,7 @@ from kv_transfer.transfer import (
     TransferFailure,
     select_transport,
 )
+from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.messages import Adopted, DecodeCall, Tokens, TransferFailed
 from serving.metrics import Metrics
@@ -415,6 +416,13 @@ class DecodeServer:
         graphs = self.runtime.runner.decode_graphs
         return {f"decode_{k}": v for k, v in graphs.stats.items()} if graphs is not None else {}
 
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metrics: what ``serving.autoscaling.DecodePolicy`` scales on
+        (pages busy: in use, or reserved for the admitted requests' growth, whichever is more)."""
+        in_use = self.pool.num_pages - self.pool.free_pages
+        return {"running_streams": float(self.loop.num_streams),
+                "kv_pages_busy": float(max(in_use, self.committed_pages)), "kv_pages": float(self.pool.num_pages)}
+
     def record_replica_metadata(self) -> dict:
         return {"role": "decode", "device": str(self.pool.device), "page_size": self.pool.page_size}
 
@@ -449,5 +457,8 @@ def make_decode_deployment(config: ServiceConfig, **options: Any):
         "graceful_shutdown_timeout_s": 120.0,
         "health_check_period_s": 5.0,
     }
+    autoscaling = autoscaling_config("decode", config.decode)
+    if autoscaling is not None and "num_replicas" not in options:
+        defaults["autoscaling_config"] = autoscaling
     defaults.update(options)
     return serve.deployment(DecodeServer).options(**defaults)

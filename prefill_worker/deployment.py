@@ -39,6 +39,7 @@ from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from prefill_worker.leases import Lease, LeaseTable
+from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
 from serving.errors import RequestError
@@ -352,6 +353,10 @@ class PrefillServer:
             **self.transport.counters(),
         }
 
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metrics: what ``serving.autoscaling.PrefillPolicy`` scales on."""
+        return {"queued_tokens": float(self.loop.queued_tokens), "queued_requests": float(self.loop.num_queued)}
+
     def record_replica_metadata(self) -> dict:
         return {"role": "prefill", "device": str(self.pool.device), "page_size": self.pool.page_size}
 
@@ -407,5 +412,8 @@ def make_prefill_deployment(config: ServiceConfig, **options: Any):
         "graceful_shutdown_timeout_s": max(30.0, LEASE_DRAIN_S + 10.0),
         "health_check_period_s": 5.0,
     }
+    autoscaling = autoscaling_config("prefill", config.prefill)
+    if autoscaling is not None and "num_replicas" not in options:
+        defaults["autoscaling_config"] = autoscaling
     defaults.update(options)
     return serve.deployment(PrefillServer).options(**defaults)

@@ -38,6 +38,7 @@ from .protocol import (
     usage_chunk,
 )
 from serving.runtime import load_tokenizer
+from .health import ReadinessProbe
 from .security import BearerAuth, grpc_authorization
 
 logger = logging.getLogger("ray.serve")
@@ -104,6 +105,8 @@ class OpenAIIngress:
                                               release_lease=LeaseReleaser(prefill))
         self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
+        self.readiness = ReadinessProbe(prefill.app_name, {"prefill": prefill.deployment_name, "decode": decode.deployment_name},
+                                        refresh_s=self.config.ingress.health_refresh_s)
 
     def _check_capacity(self, req: GenerationRequest) -> None:
         """Requests no replica could ever hold are bad input (400), not overload (429)."""
@@ -139,9 +142,25 @@ class OpenAIIngress:
         return b"".join(chunks)
 
     # -- HTTP ----------------------------------------------------------------------------
+    # liveness: this replica answers; readiness: every role has a running replica (router/health.py)
+    @api.get("/health/live")
+    async def health_live(self) -> dict:
+        return {"status": "alive"}
+
+    @api.get("/health/ready")
+    async def health_ready(self):
+        state = await self.readiness.check()
+        return JSONResponse(state.to_dict(), status_code=200 if state.ready else 503,
+                            headers=None if state.ready else {"Retry-After": str(self.config.ingress.retry_after_s or 1)})
+
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """Readiness under the name load balancers poll by default (503 while a role is down)."""
+        state = await self.readiness.check()
+        if state.ready:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": state.reason}, status_code=503,
+                            headers={"Retry-After": str(self.config.ingress.retry_after_s or 1)})
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -299,6 +318,51 @@ class OpenAIIngress:
                                   token_ids=result.token_ids, finish_reason=result.finish_reason)
         self._grpc_extras(pb, out, req, result.timing, result.routing, len(result.token_ids))
         return out
+
+    # -- gRPC health (grpc.health.v1.Health, registered by router/grpc_service.py) --------------
+    async def _grpc_health(self, request: Any) -> Any:
+        """The serving status for ``request.service``; None for a service we do not know."""
+        from grpc_health.v1 import health_pb2
+
+        from router.grpc_service import HEALTH_SERVICES
+
+        if getattr(request, "service", None) not in HEALTH_SERVICES:
+            return None
+        state = await self.readiness.check()
+        return health_pb2.HealthCheckResponse.SERVING if state.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request: Any, grpc_context: Any = None):
+        from grpc_health.v1 import health_pb2
+
+        from router.grpc_service import MalformedMessage
+
+        if isinstance(request, MalformedMessage):
+            self._grpc_fail(grpc_context, RequestError(
+                f"request: {request.size} bytes are not a grpc.health.v1.HealthCheckRequest ({request.reason})",
+                param="request", status=400, code="invalid_message"))
+            return health_pb2.HealthCheckResponse()
+        status = await self._grpc_health(request)
+        if status is None:
+            self._grpc_fail(grpc_context, RequestError(f"service: unknown health service {getattr(request, 'service', None)!r}",
+                                                       param="service", status=404))
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, grpc_context: Any = None):
+        """The current status, then each change (polled every ``ingress.health_refresh_s``)."""
+        import asyncio
+
+        from grpc_health.v1 import health_pb2
+
+        last = None
+        while True:
+            status = await self._grpc_health(request)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(max(self.config.ingress.health_refresh_s, 0.1))
 
     async def GenerateStream(self, request: Any, grpc_context: Any = None):
         from router.proto import flashprefill_pb2 as pb

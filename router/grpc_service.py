@@ -7,6 +7,11 @@ registers the same methods with a tolerant parser: bytes that do not parse becom
 :class:`MalformedMessage`, which the ingress answers with ``INVALID_ARGUMENT`` naming the
 problem. Use ``router.grpc_service.add_FlashPrefillServicer_to_server`` in
 ``grpc_servicer_functions`` (``router.app.GRPC_SERVICER``).
+
+The same call registers the standard health service, ``grpc.health.v1.Health`` (``Check``,
+``Watch``), answered by the ingress: SERVING while every role has a running replica,
+NOT_SERVING otherwise (``router/health.py``), for the service names ``""`` and
+``flashprefill.v1.FlashPrefill``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import grpc
 from router.proto import flashprefill_pb2 as pb
 
 SERVICE = "flashprefill.v1.FlashPrefill"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_SERVICES = ("", SERVICE)  # names a health check may ask about: the server, this service
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,35 @@ def parse_generate_request(raw: bytes) -> pb.GenerateRequest | MalformedMessage:
         return MalformedMessage(len(raw), type(exc).__name__)
 
 
+def parse_health_request(raw: bytes):
+    from grpc_health.v1 import health_pb2
+
+    try:
+        return health_pb2.HealthCheckRequest.FromString(raw)
+    except Exception as exc:
+        return MalformedMessage(len(raw), type(exc).__name__)
+
+
+def _register(server, service: str, handlers: dict) -> None:
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    register = getattr(server, "add_registered_method_handlers", None)
+    if register is not None:
+        register(service, handlers)
+
+
+def add_HealthServicer_to_server(servicer, server) -> None:  # noqa: N802 - gRPC's naming
+    """``grpc.health.v1.Health`` with the tolerant parser (registered with the service below)."""
+    from grpc_health.v1 import health_pb2
+
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    _register(server, HEALTH_SERVICE, {
+        "Check": grpc.unary_unary_rpc_method_handler(servicer.Check, request_deserializer=parse_health_request,
+                                                     response_serializer=serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(servicer.Watch, request_deserializer=parse_health_request,
+                                                      response_serializer=serialize),
+    })
+
+
 def add_FlashPrefillServicer_to_server(servicer, server) -> None:  # noqa: N802 - gRPC's naming
     handlers = {
         "Generate": grpc.unary_unary_rpc_method_handler(
@@ -49,7 +85,5 @@ def add_FlashPrefillServicer_to_server(servicer, server) -> None:  # noqa: N802 
             response_serializer=pb.GenerateStreamResponse.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    register = getattr(server, "add_registered_method_handlers", None)
-    if register is not None:
-        register(SERVICE, handlers)
+    _register(server, SERVICE, handlers)
+    add_HealthServicer_to_server(servicer, server)

@@ -30,6 +30,8 @@ class LocalServeOptions:
     decode_replicas: int = 1
     num_cpus: int | None = None
     app_name: str = APP_NAME
+    dashboard_port: int | None = None  # None: Ray's 8265, or the next free port
+    metrics_port: int | None = None  # None: a free port (printed at start)
 
 
 def prepare_environment() -> None:
@@ -44,26 +46,62 @@ def prepare_environment() -> None:
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(GRPC_MAX_MESSAGE_BYTES))
 
 
-def ray_init_kwargs(host: str = "127.0.0.1") -> dict[str, Any]:
-    """``ray.init`` options for a local service: loopback node, and the worker setup hook that
-    makes Serve's gRPC proxy listen on ``host`` instead of every interface."""
+# Ray reads this to decide between the machine's address and loopback for the node IP (it
+# treats an explicit 127.0.0.1 as "this machine" and resolves it to a routable address):
+# "0" keeps the whole local run, Ray's own gRPC servers and agents included, on loopback.
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
+
+
+def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = None,
+                    metrics_port: int | None = None) -> dict[str, Any]:
+    """``ray.init`` options for a local service: a loopback node (every Ray process listens on
+    127.0.0.1 only, see LOOPBACK_ONLY_ENV), the dashboard on loopback (so ``serve status`` and
+    ``ray list actors`` work), Prometheus metrics on ``metrics_port`` (None: a free port), and
+    the worker setup hook that makes Serve's gRPC proxy listen on ``host``."""
     from .security import GRPC_HOST_ENV, SETUP_HOOK
 
     os.environ.setdefault(GRPC_HOST_ENV, host)
-    return {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
-            "runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
+    if host in LOOPBACK:
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+    # address "local": a new Ray even where `ray start` left its address behind (ray.init()
+    # would connect to that cluster instead, and refuse num_cpus)
+    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                              "_node_ip_address": "127.0.0.1",
+                              "runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
+    if dashboard_port is not None:
+        kwargs["dashboard_port"] = dashboard_port
+    if metrics_port is not None:
+        kwargs["_metrics_export_port"] = metrics_port
+    return kwargs
 
 
-def start_local_ray(options: LocalServeOptions) -> None:
+def start_local_ray(options: LocalServeOptions) -> str | None:
+    """Starts the local Ray unless one runs; the dashboard's URL (None: Ray was running)."""
     import ray
 
     prepare_environment()
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = {**ray_init_kwargs(options.host), "configure_logging": True, "logging_level": "WARNING"}
-        # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
-        # each) plus the ingress (0.5) must fit even on a 2-core machine.
-        kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)
-        ray.init(**kwargs)
+    if ray.is_initialized():
+        return None
+    kwargs: dict[str, Any] = {**ray_init_kwargs(options.host, dashboard_port=options.dashboard_port,
+                                                metrics_port=options.metrics_port),
+                              "configure_logging": True, "logging_level": "WARNING"}
+    # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
+    # each) plus the ingress (0.5) must fit even on a 2-core machine.
+    kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)
+    context = ray.init(**kwargs)
+    url = getattr(context, "dashboard_url", None)
+    return f"http://{url}" if url and "://" not in url else url
+
+
+def metrics_url() -> str | None:
+    """The Prometheus endpoint of this (local) node's metrics agent, from Ray's node table."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
 
 
 def start_serve(options: LocalServeOptions) -> None:
@@ -84,8 +122,9 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
 
     from .app import build_application
 
-    prefill_opts = {"num_replicas": options.prefill_replicas, **(prefill or {})}
-    decode_opts = {"num_replicas": options.decode_replicas, **(decode or {})}
+    # a role with max_replicas in its config section autoscales (serving/autoscaling.py)
+    prefill_opts = {**({} if config.prefill.max_replicas else {"num_replicas": options.prefill_replicas}), **(prefill or {})}
+    decode_opts = {**({} if config.decode.max_replicas else {"num_replicas": options.decode_replicas}), **(decode or {})}
     app = build_application(config, prefill=prefill_opts, decode=decode_opts, ingress=ingress)
     return serve.run(app, name=options.app_name, route_prefix=f"/{options.app_name}" if options.app_name != APP_NAME else "/",
                      blocking=blocking)
@@ -113,14 +152,19 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
     import ray
     from ray import serve
 
-    start_local_ray(options)
+    dashboard = start_local_ray(options)
     start_serve(options)
     deploy(config, options)
+    metrics = metrics_url()
     base = f"http://{options.host}:{options.http_port}"
     print(f"FlashPrefill Serve is up: model {config.model_id!r} "
           f"({options.prefill_replicas} prefill, {options.decode_replicas} decode replica(s))")
     print(f"  HTTP (OpenAI): {base}/v1/completions  {base}/v1/chat/completions  {base}/v1/models  {base}/health")
     print(f"  gRPC:          {options.host}:{options.grpc_port}  flashprefill.v1.FlashPrefill/Generate, GenerateStream")
+    print(f"  metrics:       {metrics or 'n/a'}   (Prometheus text: ray_serve_* and ray_flashprefill_*)")
+    if dashboard:
+        print(f"  dashboard:     {dashboard}   (serve status -a {dashboard}; ray list actors)")
+    print(f"  health:        {base}/health/live (liveness)  {base}/health/ready (readiness)  grpc.health.v1.Health")
     print("  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
     stop = threading.Event()

@@ -94,6 +94,33 @@ def bind_grpc_to_host() -> None:
 
     add_grpc_address._flashprefill = True  # type: ignore[attr-defined]
     impl.add_grpc_address = add_grpc_address
+    _bind_replica_grpc_to_host(host)
+
+
+def _bind_replica_grpc_to_host(host: str) -> None:
+    """Each Serve replica also starts an inter-deployment gRPC server on ``[::]:0``. A local
+    run (loopback host: every replica on this machine) keeps it on loopback too; the setup
+    hook runs before the replica module is imported, which then picks up the wrapper."""
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        return
+    import sys
+
+    import ray._common.tls_utils as tls
+
+    if getattr(tls.add_port_to_grpc_server, "_flashprefill", False):
+        return
+    original = tls.add_port_to_grpc_server
+
+    def add_port_to_grpc_server(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{'[::1]' if host == '::1' else '127.0.0.1'}:{address.rsplit(':', 1)[1]}"
+        return original(server, address)
+
+    add_port_to_grpc_server._flashprefill = True  # type: ignore[attr-defined]
+    tls.add_port_to_grpc_server = add_port_to_grpc_server
+    replica = sys.modules.get("ray.serve._private.replica")
+    if replica is not None:
+        replica.add_port_to_grpc_server = add_port_to_grpc_server
 
 
 def listening_addresses(port: int) -> list[str]:

@@ -168,6 +168,24 @@ class PrefillOptions(_Section):
                              "raise prefill.max_batch_tokens or use smaller chunks")
         return value
 
+    min_replicas: int = Field(1, ge=0, description=(
+        "Autoscaling: fewest prefill replicas (used when `prefill.max_replicas` is set)."))
+    max_replicas: int | None = Field(None, ge=1, description=(
+        "Autoscaling: most prefill replicas; null: a fixed replica count (the launcher's --prefill-replicas). "
+        "Set: Serve scales prefill on queued work (`serving/autoscaling.py`)."))
+    target_queued_tokens: int = Field(8192, ge=1, description=(
+        "Autoscaling: prompt tokens waiting (queued or mid-prefill) per prefill replica that the autoscaler aims for."))
+    target_queued_requests: int = Field(8, ge=1, description=(
+        "Autoscaling: prompts waiting per prefill replica that the autoscaler aims for (many short prompts)."))
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_over_min(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low = info.data.get("min_replicas")
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"expected at least prefill.min_replicas ({low}), got {value}")
+        return value
+
     @property
     def chunk_size(self) -> int | None:
         """``PrefillEngine``'s ``chunk_size``: None when chunked prefill is off."""
@@ -188,6 +206,24 @@ class DecodeOptions(_Section):
     adopt_wait_s: float = Field(5.0, ge=0.0, le=3600.0, description=(
         'How long a decode replica waits for free pages before it refuses a transfer as "pool exhausted" '
         "(bounded queueing, then 429)."))
+    min_replicas: int = Field(1, ge=0, description=(
+        "Autoscaling: fewest decode replicas (used when `decode.max_replicas` is set)."))
+    max_replicas: int | None = Field(None, ge=1, description=(
+        "Autoscaling: most decode replicas; null: a fixed replica count (the launcher's --decode-replicas). "
+        "Set: Serve scales decode on running streams and KV pages in use (`serving/autoscaling.py`)."))
+    target_running: int | None = Field(None, ge=1, description=(
+        "Autoscaling: streams per decode replica the autoscaler aims for (null: half of `decode.max_running`)."))
+    target_kv_fraction: float = Field(0.7, gt=0.0, le=1.0, description=(
+        "Autoscaling: fraction of a decode replica's KV pages in use (or reserved for admitted requests) "
+        "the autoscaler aims for."))
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_over_min(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low = info.data.get("min_replicas")
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"expected at least decode.min_replicas ({low}), got {value}")
+        return value
 
 
 class ChannelOptions(_Section):
@@ -270,6 +306,9 @@ class IngressOptions(_Section):
         "How many times a stream whose decode replica died is resumed (prompt + tokens so far "
         "prefilled again, decoding continues on a healthy replica)."))
     debug_routing: bool = Field(False, description="Add replica ids to responses (the `routing` field).")
+    health_refresh_s: float = Field(1.0, ge=0.0, le=60.0, description=(
+        "How long the readiness answer (`/health`, `/health/ready`, gRPC `grpc.health.v1.Health`) is "
+        "reused before Serve's controller is asked again which replicas run."))
     auth_token: str | None = Field(None, repr=False, description=(
         "Bearer token clients must send (`Authorization: Bearer ...`); prefer `ingress.auth_token_env`. "
         "Neither set: no auth. The token never reaches the workers or logs."))

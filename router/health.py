@@ -1,0 +1,85 @@
+"""Liveness and readiness of the service, as the ingress reports them.
+
+- liveness (``GET /health/live``): the ingress replica answers; nothing else is asked;
+- readiness (``GET /health/ready``, ``GET /health``, gRPC ``grpc.health.v1.Health/Check``):
+  every role (prefill, decode) has at least one running replica, as Serve's controller sees
+  it (``serve.status()``: a killed or crashed replica leaves RUNNING at once, its replacement
+  enters it once its constructor returned and its first health check passed).
+
+The controller is asked at most once per ``ingress.health_refresh_s``; concurrent probes share
+the answer. A controller that does not answer makes the service not ready (the ingress could
+not route to a replacement either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# replica states (ray.serve's ReplicaState values) of a replica that takes requests; a replica
+# on a draining node (PENDING_MIGRATION) still serves until its replacement runs
+SERVING_STATES = ("RUNNING", "PENDING_MIGRATION")
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    replicas: dict[str, int] = field(default_factory=dict)  # role -> serving replicas
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        out: dict = {"status": "ready" if self.ready else "unavailable", "replicas": dict(self.replicas)}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def readiness_from_status(status, app: str, deployments: dict[str, str]) -> Readiness:
+    """``status``: a ``ray.serve.schema.ServeStatus``; ``deployments``: role -> deployment name."""
+    application = status.applications.get(app)
+    if application is None:
+        return Readiness(False, {role: 0 for role in deployments}, f"application {app!r} is not deployed")
+    counts = {}
+    for role, name in deployments.items():
+        dep = application.deployments.get(name)
+        states = dep.replica_states if dep is not None else {}
+        counts[role] = sum(int(states.get(s, 0)) for s in SERVING_STATES)
+    missing = [role for role, n in counts.items() if n == 0]
+    reason = f"no running {' or '.join(missing)} replica" if missing else ""
+    return Readiness(not missing, counts, reason)
+
+
+class ReadinessProbe:
+    """Cached readiness of one application's worker roles (one per ingress replica)."""
+
+    def __init__(self, app: str, deployments: dict[str, str], *, refresh_s: float,
+                 fetch_status: Callable[[], object] | None = None) -> None:
+        if refresh_s < 0:
+            raise ValueError(f"refresh_s: expected >= 0, got {refresh_s}")
+        self.app = app
+        self.deployments = dict(deployments)
+        self.refresh_s = refresh_s
+        self._fetch = fetch_status or _serve_status
+        self._last: Readiness | None = None
+        self._at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def check(self) -> Readiness:
+        async with self._lock:
+            if self._last is not None and time.monotonic() - self._at < self.refresh_s:
+                return self._last
+            try:
+                status = await asyncio.to_thread(self._fetch)  # a blocking controller call
+                result = readiness_from_status(status, self.app, self.deployments)
+            except Exception as exc:
+                result = Readiness(False, {}, f"Serve controller unreachable ({type(exc).__name__})")
+            self._last, self._at = result, time.monotonic()
+            return result
+
+
+def _serve_status():
+    from ray import serve
+
+    return serve.status()

@@ -1,0 +1,192 @@
+"""Liveness and readiness (router/health.py): the readiness rule on Serve's own status objects,
+the probe's cache and failure path, and a live service whose only prefill replica is killed:
+``/health``, ``/health/ready`` and ``grpc.health.v1.Health/Check`` go unavailable, then back
+once Serve replaced the replica; ``/health/live`` stays up throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+grpc = pytest.importorskip("grpc")
+health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
+from grpc_health.v1 import health_pb2_grpc  # noqa: E402
+
+from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus  # noqa: E402
+
+from router.health import ReadinessProbe, readiness_from_status  # noqa: E402
+from serving.config import ServiceConfig  # noqa: E402
+from tests.service_helpers import free_port, prompt_of, replica_actors  # noqa: E402
+
+ROLES = {"prefill": "PrefillServer", "decode": "DecodeServer"}
+
+
+def status_of(app: str, replicas: dict[str, dict[str, int]]) -> ServeStatus:
+    deps = {name: DeploymentStatusOverview(status="HEALTHY", status_trigger="CONFIG_UPDATE_COMPLETED",
+                                           replica_states=states, message="") for name, states in replicas.items()}
+    overview = ApplicationStatusOverview(status="RUNNING", message="", last_deployed_time_s=0.0, deployments=deps)
+    return ServeStatus(applications={app: overview})
+
+
+def test_ready_when_every_role_has_a_running_replica():
+    rng = random.Random(0)
+    p, d = rng.randint(1, 5), rng.randint(1, 5)
+    st = status_of("a", {"PrefillServer": {"RUNNING": p, "STARTING": 1}, "DecodeServer": {"RUNNING": d}})
+    r = readiness_from_status(st, "a", ROLES)
+    assert r.ready and r.replicas == {"prefill": p, "decode": d} and r.reason == ""
+    assert r.to_dict() == {"status": "ready", "replicas": {"prefill": p, "decode": d}}
+
+
+@pytest.mark.parametrize("down", ["prefill", "decode"])
+def test_not_ready_while_a_role_has_none_running(down):
+    states = {"PrefillServer": {"RUNNING": 2}, "DecodeServer": {"RUNNING": 1}}
+    states[ROLES[down]] = {"STARTING": 1, "STOPPING": 1}  # a replacement on its way, the old one going
+    r = readiness_from_status(status_of("a", states), "a", ROLES)
+    assert not r.ready and r.replicas[down] == 0 and down in r.reason
+    assert r.to_dict()["status"] == "unavailable"
+
+
+def test_draining_node_replica_still_counts():
+    st = status_of("a", {"PrefillServer": {"PENDING_MIGRATION": 1}, "DecodeServer": {"RUNNING": 1}})
+    assert readiness_from_status(st, "a", ROLES).ready
+
+
+def test_missing_application_or_deployment_is_not_ready():
+    r = readiness_from_status(ServeStatus(), "a", ROLES)
+    assert not r.ready and "not deployed" in r.reason
+    r = readiness_from_status(status_of("a", {"PrefillServer": {"RUNNING": 1}}), "a", ROLES)
+    assert not r.ready and r.replicas == {"prefill": 1, "decode": 0}
+
+
+def test_probe_caches_and_reports_an_unreachable_controller():
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionError("controller gone")
+        return status_of("a", {"PrefillServer": {"RUNNING": 1}, "DecodeServer": {"RUNNING": 1}})
+
+    async def run():
+        cached = ReadinessProbe("a", ROLES, refresh_s=3600.0, fetch_status=fetch)
+        assert (await cached.check()).ready and (await cached.check()).ready
+        assert len(calls) == 1  # the second answer came from the cache
+        fresh = ReadinessProbe("a", ROLES, refresh_s=0.0, fetch_status=fetch)
+        down = await fresh.check()
+        assert not down.ready and "ConnectionError" in down.reason
+        assert (await fresh.check()).ready  # and back
+    asyncio.run(run())
+
+
+def test_probe_rejects_negative_refresh():
+    with pytest.raises(ValueError, match="refresh_s"):
+        ReadinessProbe("a", ROLES, refresh_s=-1.0)
+
+
+def test_health_refresh_option_is_validated():
+    assert ServiceConfig.from_dict({"ingress": {"health_refresh_s": 0.25}}).ingress.health_refresh_s == 0.25
+    with pytest.raises(ValueError, match="health_refresh_s"):
+        ServiceConfig.from_dict({"ingress": {"health_refresh_s": -1}})
+
+
+# ----------------------------------------------------------------------------- live service
+APP = "healthapp"
+CONFIG = ServiceConfig.from_dict({"torch_threads": 1, "batch_wait_ms": 1.0, "prefill_kv_pages": 64,
+                                  "decode_kv_pages": 64, "max_model_len": 256, "ingress": {"health_refresh_s": 0.2}})
+SMALL = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}, "health_check_period_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def service():
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from router.app import GRPC_SERVICER, build_application
+    from router.launcher import prepare_environment, ray_init_kwargs
+
+    prepare_environment()
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    ray.init(num_cpus=4, logging_level="WARNING", log_to_driver=False, **ray_init_kwargs("127.0.0.1"))
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+    serve.run(build_application(CONFIG, prefill=SMALL, decode=SMALL, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+              name=APP, route_prefix=f"/{APP}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}/{APP}", timeout=60.0)
+    yield client, channel
+    client.close()
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def grpc_check(channel, service: str = "", timeout: float = 10.0):
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=(("application", APP),),
+                      timeout=timeout).status
+
+
+def test_health_endpoints_when_all_roles_run(service):
+    client, channel = service
+    assert client.get("/health").json() == {"status": "ok"}
+    ready = client.get("/health/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready", "replicas": {"prefill": 1, "decode": 1}}
+    assert client.get("/health/live").json() == {"status": "alive"}
+    for name in ("", "flashprefill.v1.FlashPrefill"):
+        assert grpc_check(channel, name) == health_pb2.HealthCheckResponse.SERVING
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                      metadata=(("application", APP),), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+
+
+def test_grpc_health_unknown_service_and_bad_bytes(service):
+    _, channel = service
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_check(channel, "no.such.Service")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no.such.Service" in info.value.details()
+    raw = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff", metadata=(("application", APP),), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "HealthCheckRequest" in info.value.details()
+
+
+def test_killing_the_only_prefill_replica_makes_the_service_unready_until_replaced(service):
+    client, channel = service
+    (actor,) = replica_actors(APP, "PrefillServer")
+    ray.kill(actor, no_restart=True)
+    up, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    seen_http, seen_ready, seen_grpc, live = [], [], [], set()
+    deadline = time.monotonic() + 180.0
+    while time.monotonic() < deadline:
+        for seen, code in ((seen_http, client.get("/health").status_code),
+                           (seen_ready, client.get("/health/ready").status_code),
+                           (seen_grpc, grpc_check(channel))):
+            if not seen or seen[-1] != code:
+                seen.append(code)
+        live.add(client.get("/health/live").status_code)
+        if all(bad in s and s[-1] == good for s, good, bad in ((seen_http, 200, 503), (seen_ready, 200, 503),
+                                                               (seen_grpc, up, down))):
+            break
+        time.sleep(0.1)
+    # the first probe may already see the kill; what must show is down, then up again
+    assert seen_http[-2:] == [503, 200], seen_http
+    assert seen_ready[-2:] == [503, 200], seen_ready
+    assert seen_grpc[-2:] == [down, up], seen_grpc
+    assert live == {200}
+    body = client.get("/health/ready").json()
+    assert body == {"status": "ready", "replicas": {"prefill": 1, "decode": 1}}
+    r = client.post("/v1/completions", json={"model": "builtin:tiny", "prompt": prompt_of(20, seed=5),
+                                             "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
