@@ -14,8 +14,10 @@ Serve then applies ``min_replicas`` / ``max_replicas``, ``upscale_delay_s`` /
 A role with no report yet (replicas starting) keeps its current count.
 
 Scaling down drains: Serve stops routing to the replica it picks and waits for its ongoing
-requests (``graceful_shutdown_timeout_s``) before stopping it. A prefill replica's page leases
-and a decode replica's streams are ongoing requests, so no request, lease or page is dropped.
+requests (``graceful_shutdown_timeout_s``) before stopping it: a decode replica's streams are
+ongoing requests, and a stopping prefill replica lets its open page leases (state, not calls)
+be fetched before it frees them (``PrefillServer.__del__``), so no request, lease or page is
+dropped.
 
 In a Serve config file::
 
