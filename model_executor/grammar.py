@@ -53,7 +53,8 @@ _FIELDS = {
     "choice": {"type", "choices"},
     "lark": {"type", "grammar"},
 }
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# how JSON is laid out (llguidance JSON options; a schema's "x-guidance" overrides them)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # response_format.json_schema.name: OpenAI's rule (letters, digits, _ and -, at most 64)
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
@@ -88,11 +89,11 @@ def _grammar_of(guided: dict, prefix: str) -> str:
     """The llguidance grammar text of a spec whose fields were checked (not yet compiled)."""
     kind = guided["type"]
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
     if kind == "json_schema":
         overrides = {"lenient": True} if not guided.get("strict", False) else None
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _dump_json(f"{prefix}schema", guided["schema"]), defaults=_JSON_DEFAULTS, overrides=overrides
+            _dump_json(f"{prefix}schema", guided["schema"]), defaults=JSON_STYLE, overrides=overrides
         )
     if kind == "regex":  # \d, \w, \s: ASCII, as under Python's re.ASCII and in JSON Schema
         return llguidance.LLMatcher.grammar_from_lark("start: /" + llguidance.regex_to_lark(guided["pattern"], "dws") + "/")
