@@ -152,11 +152,13 @@ def apply_chat_template_with_tools(
     naming ``messages``."""
     if not chat_template_supports_tools(tokenizer):
         raise ValueError("tools: this model's chat template does not take tools")
+    from jinja2 import TemplateError
+
     try:
         ids = tokenizer.hf_tokenizer.apply_chat_template(
             list(messages), tools=list(tools), add_generation_prompt=add_generation_prompt, tokenize=True
         )
-    except Exception as e:  # jinja2's TemplateError, or a template's raise_exception
+    except (TemplateError, TypeError, KeyError, ValueError) as e:  # a template's raise_exception is a TemplateError
         raise ValueError(f"messages: the chat template rejected them: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]

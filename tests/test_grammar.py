@@ -20,6 +20,7 @@ from model_executor.grammar import (
     compile_guide,
     response_format_to_guided,
     validate_guided,
+    warm_tokenizer,
 )
 from model_executor.loading import load_model, make_pool
 from model_executor.runner import ModelRunner, PrefillItem
@@ -312,6 +313,9 @@ def test_tokenizers_without_a_stop_token_or_unknown_are_refused():
         compile_guide({"type": "json_object"}, IdTokenizer(512), cache=GrammarCache())
     with pytest.raises(ValueError, match="^tokenizer: expected a ByteTokenizer or HFTokenizer"):
         compile_guide({"type": "json_object"}, object(), cache=GrammarCache())
+    with pytest.raises(ValueError, match="^tokenizer: .*end-of-sequence"):
+        warm_tokenizer(IdTokenizer(512))
+    warm_tokenizer(ByteTokenizer())
 
 
 # -- a Hugging Face tokenizer: byte-level BPE trained in memory ---------------------------------
