@@ -44,6 +44,7 @@ GUIDED_TYPES = ("json_object", "json_schema", "regex", "choice", "lark")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice")
 MAX_SPEC_CHARS = 256 * 1024  # a serialized spec (schema, pattern, choices) larger than this is refused
 MAX_CHOICES = 4096
+_MAX_MESSAGE = 600  # llguidance's error text, cut (verbose errors quote the grammar)
 CACHE_SIZE = 128  # compiled grammars kept per tokenizer (least recently used dropped)
 
 _FIELDS = {
@@ -60,6 +61,18 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 
 # -- validation -----------------------------------------------------------------------------------
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut for an error message (a request can send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def field_name(key: object) -> str:
+    """A request's key as it can appear in an error's field path: itself when it is a short
+    identifier, else its cut repr (no lone surrogate reaches a message)."""
+    return key if isinstance(key, str) and key.isidentifier() and key.isascii() and len(key) <= 64 else short_repr(key)
+
+
 def _check_text(name: str, value: object, *, allow_empty: bool = True) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
@@ -78,7 +91,7 @@ def _dump_json(name: str, value: object) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{name}: not valid Unicode (a lone surrogate in a string)") from e
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"{name}: expected plain JSON (objects, arrays, strings, finite numbers), {e}") from None
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"{name}: {len(text)} characters serialized, the limit is {MAX_SPEC_CHARS}")
@@ -111,10 +124,10 @@ def _check_guided(guided: object, prefix: str) -> str:
         raise ValueError(f"{prefix.rstrip('.') or 'guided'}: expected an object, got {type(guided).__name__}")
     kind = guided.get("type")
     if kind not in GUIDED_TYPES:
-        raise ValueError(f"{prefix}type: expected one of {GUIDED_TYPES}, got {kind!r}")
+        raise ValueError(f"{prefix}type: expected one of {GUIDED_TYPES}, got {short_repr(kind)}")
     for key in guided:
         if key not in _FIELDS[kind]:
-            raise ValueError(f"{prefix}{key}: not a field of a {kind!r} spec (fields: {sorted(_FIELDS[kind])})")
+            raise ValueError(f"{prefix}{field_name(key)}: not a field of a {kind!r} spec (fields: {sorted(_FIELDS[kind])})")
     if kind == "json_schema":
         if "schema" not in guided:
             raise ValueError(f"{prefix}schema: required for type 'json_schema'")
@@ -122,7 +135,7 @@ def _check_guided(guided: object, prefix: str) -> str:
             raise ValueError(f"{prefix}schema: expected a JSON Schema object, got {type(guided['schema']).__name__}")
         _dump_json(f"{prefix}schema", guided["schema"])
         if not isinstance(guided.get("strict", False), bool):
-            raise ValueError(f"{prefix}strict: expected a bool, got {guided['strict']!r}")
+            raise ValueError(f"{prefix}strict: expected a bool, got {short_repr(guided['strict'])}")
     elif kind == "regex":
         if "pattern" not in guided:
             raise ValueError(f"{prefix}pattern: required for type 'regex'")
@@ -132,7 +145,7 @@ def _check_guided(guided: object, prefix: str) -> str:
     elif kind == "choice":
         choices = guided.get("choices")
         if not isinstance(choices, (list, tuple)) or not choices:
-            raise ValueError(f"{prefix}choices: expected a non-empty list of strings, got {choices!r}")
+            raise ValueError(f"{prefix}choices: expected a non-empty list of strings, got {short_repr(choices)}")
         if len(choices) > MAX_CHOICES:
             raise ValueError(f"{prefix}choices: {len(choices)} choices, the limit is {MAX_CHOICES}")
         for i, c in enumerate(choices):
@@ -146,11 +159,14 @@ def _check_guided(guided: object, prefix: str) -> str:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             llguidance.LLMatcher.grammar_from_regex(guided["pattern"]))
         if is_error:
-            raise ValueError(f"{prefix}pattern: {messages[0].strip()}")
-    grammar = _grammar_of(guided, prefix)
+            raise ValueError(f"{prefix}pattern: {messages[0].strip()[:_MAX_MESSAGE]}")
+    try:
+        grammar = _grammar_of(guided, prefix)
+    except ValueError as e:  # llguidance's own parse of the schema (e.g. its nesting limit)
+        raise ValueError(f"{prefix}{_SPEC_FIELD[kind]}: {str(e)[:_MAX_MESSAGE]}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise ValueError(f"{prefix}{_SPEC_FIELD[kind]}: {messages[0].strip()}")
+        raise ValueError(f"{prefix}{_SPEC_FIELD[kind]}: {messages[0].strip()[:_MAX_MESSAGE]}")
     return grammar
 
 
@@ -172,31 +188,31 @@ def response_format_to_guided(response_format: dict) -> dict | None:
         raise ValueError(f"{name}: expected an object, got {type(response_format).__name__}")
     kind = response_format.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise ValueError(f"{name}.type: expected one of {RESPONSE_FORMAT_TYPES}, got {kind!r}")
+        raise ValueError(f"{name}.type: expected one of {RESPONSE_FORMAT_TYPES}, got {short_repr(kind)}")
     allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(
         kind, _FIELDS.get(kind, set())
     )
     for key in response_format:
         if key not in allowed:
-            raise ValueError(f"{name}.{key}: not a field of response_format type {kind!r} (fields: {sorted(allowed)})")
+            raise ValueError(f"{name}.{field_name(key)}: not a field of response_format type {kind!r} (fields: {sorted(allowed)})")
     if kind == "text":
         return None
     if kind == "json_schema":
         body = response_format.get("json_schema")
         if not isinstance(body, dict):
-            raise ValueError(f"{name}.json_schema: expected an object with name and schema, got {body!r}")
+            raise ValueError(f"{name}.json_schema: expected an object with name and schema, got {short_repr(body)}")
         for key in body:
             if key not in ("name", "description", "schema", "strict"):
-                raise ValueError(f"{name}.json_schema.{key}: not a field (fields: description, name, schema, strict)")
+                raise ValueError(f"{name}.json_schema.{field_name(key)}: not a field (fields: description, name, schema, strict)")
         schema_name = body.get("name")
         _check_text(f"{name}.json_schema.name", schema_name, allow_empty=False)
         if len(schema_name) > 64 or not set(schema_name) <= _NAME_CHARS:
-            raise ValueError(f"{name}.json_schema.name: expected at most 64 of a-z, A-Z, 0-9, _ and -, got {schema_name!r}")
+            raise ValueError(f"{name}.json_schema.name: expected at most 64 of a-z, A-Z, 0-9, _ and -, got {short_repr(schema_name)}")
         if "description" in body:
             _check_text(f"{name}.json_schema.description", body["description"])
         strict = body.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise ValueError(f"{name}.json_schema.strict: expected a bool or null, got {strict!r}")
+            raise ValueError(f"{name}.json_schema.strict: expected a bool or null, got {short_repr(strict)}")
         guided = {"type": "json_schema", "schema": body.get("schema", {"type": "object"}), "strict": bool(strict)}
         _check_guided(guided, f"{name}.json_schema.")
         return guided
@@ -306,7 +322,7 @@ class GrammarCache:
             grammar = _check_guided(guided, "")
             template = llguidance.LLMatcher(entry.ll_tokenizer, grammar, log_level=0)
             if template.is_error():
-                raise ValueError(f"{_SPEC_FIELD[guided['type']]}: {template.get_error().strip()}")
+                raise ValueError(f"{_SPEC_FIELD[guided['type']]}: {template.get_error().strip()[:_MAX_MESSAGE]}")
             with self._lock:
                 self.misses += 1
                 entry.matchers[key] = template

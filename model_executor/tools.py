@@ -26,7 +26,7 @@ import re
 import uuid
 from typing import Any
 
-from .grammar import JSON_STYLE, validate_guided
+from .grammar import JSON_STYLE, field_name, short_repr, validate_guided
 from .tokenizer import HFTokenizer
 
 TOOL_FORMATS = {"llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes"}
@@ -41,7 +41,7 @@ _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fa
 
 def _format_of(model_type: object) -> str:
     if model_type not in TOOL_FORMATS:
-        raise ValueError(f"model_type: no tool-call format for {model_type!r}; expected one of {sorted(TOOL_FORMATS)}")
+        raise ValueError(f"model_type: no tool-call format for {short_repr(model_type)}; expected one of {sorted(TOOL_FORMATS)}")
     return TOOL_FORMATS[model_type]
 
 
@@ -52,7 +52,7 @@ def validate_tools(tools: object, tool_choice: object = None, parallel_tool_call
     ``parallel_tool_calls``. Each function's ``parameters`` must compile as a JSON schema
     (under its ``strict``)."""
     if not isinstance(tools, list) or not tools:
-        raise ValueError(f"tools: expected a non-empty list of tools, got {tools!r}"[:200])
+        raise ValueError(f"tools: expected a non-empty list of tools, got {short_repr(tools)}")
     if len(tools) > MAX_TOOLS:
         raise ValueError(f"tools: {len(tools)} tools, the limit is {MAX_TOOLS}")
     names: set[str] = set()
@@ -61,21 +61,21 @@ def validate_tools(tools: object, tool_choice: object = None, parallel_tool_call
         if not isinstance(tool, dict):
             raise ValueError(f"{at}: expected an object, got {type(tool).__name__}")
         if tool.get("type") != "function":
-            raise ValueError(f"{at}.type: expected 'function', got {tool.get('type')!r}")
+            raise ValueError(f"{at}.type: expected 'function', got {short_repr(tool.get('type'))}")
         for key in tool:
             if key not in ("type", "function"):
-                raise ValueError(f"{at}.{key}: not a field of a tool (fields: function, type)")
+                raise ValueError(f"{at}.{field_name(key)}: not a field of a tool (fields: function, type)")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise ValueError(f"{at}.function: expected an object with a name, got {fn!r}"[:200])
+            raise ValueError(f"{at}.function: expected an object with a name, got {short_repr(fn)}")
         for key in fn:
             if key not in ("name", "description", "parameters", "strict"):
-                raise ValueError(f"{at}.function.{key}: not a field (fields: description, name, parameters, strict)")
+                raise ValueError(f"{at}.function.{field_name(key)}: not a field (fields: description, name, parameters, strict)")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"{at}.function.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}")
+            raise ValueError(f"{at}.function.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -, got {short_repr(name)}")
         if name in names:
-            raise ValueError(f"{at}.function.name: {name!r} names two tools")
+            raise ValueError(f"{at}.function.name: {short_repr(name)} names two tools")
         names.add(name)
         if "description" in fn and not isinstance(fn["description"], str):
             raise ValueError(f"{at}.function.description: expected a string, got {type(fn['description']).__name__}")
@@ -86,7 +86,7 @@ def validate_tools(tools: object, tool_choice: object = None, parallel_tool_call
                 raise ValueError(f"{at}.function.description: not valid Unicode (a lone surrogate)") from None
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise ValueError(f"{at}.function.strict: expected a bool or null, got {strict!r}")
+            raise ValueError(f"{at}.function.strict: expected a bool or null, got {short_repr(strict)}")
         params = fn.get("parameters", _NO_PARAMETERS)
         if not isinstance(params, dict):
             raise ValueError(f"{at}.function.parameters: expected a JSON Schema object, got {type(params).__name__}")
@@ -96,7 +96,7 @@ def validate_tools(tools: object, tool_choice: object = None, parallel_tool_call
             raise ValueError(f"{at}.function.parameters: {str(e).partition(': ')[2]}") from None
     _chosen(tools, tool_choice)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise ValueError(f"parallel_tool_calls: expected a bool, got {parallel_tool_calls!r}")
+        raise ValueError(f"parallel_tool_calls: expected a bool, got {short_repr(parallel_tool_calls)}")
 
 
 def _chosen(tools: list, tool_choice: object) -> list[dict] | None:
@@ -106,16 +106,16 @@ def _chosen(tools: list, tool_choice: object) -> list[dict] | None:
     if tool_choice == "required":
         return [t["function"] for t in tools]
     if isinstance(tool_choice, str):
-        raise ValueError(f"tool_choice: expected one of {TOOL_CHOICES} or a function, got {tool_choice!r}")
+        raise ValueError(f"tool_choice: expected one of {TOOL_CHOICES} or a function, got {short_repr(tool_choice)}")
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
         raise ValueError(f"tool_choice: expected one of {TOOL_CHOICES} or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"[:300])
+                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {short_repr(tool_choice)}")
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     for tool in tools:
         if tool["function"]["name"] == name:
             return [tool["function"]]
-    raise ValueError(f"tool_choice.function.name: expected the name of one of the tools, got {name!r}")
+    raise ValueError(f"tool_choice.function.name: expected the name of one of the tools, got {short_repr(name)}")
 
 
 def chat_template_supports_tools(tokenizer: Any) -> bool:
@@ -140,7 +140,7 @@ def require_tool_support(tokenizer: Any, model_type: object) -> None:
             "send the request without tools, or serve a model whose template supports them"
         )
     if model_type not in TOOL_FORMATS:
-        raise ValueError(f"tools: no tool-call parser for model_type {model_type!r} (have: {sorted(TOOL_FORMATS)})")
+        raise ValueError(f"tools: no tool-call parser for model_type {short_repr(model_type)} (have: {sorted(TOOL_FORMATS)})")
 
 
 def apply_chat_template_with_tools(

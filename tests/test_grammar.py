@@ -205,6 +205,10 @@ class _FakeWrapper:
         return list(text.encode() if isinstance(text, str) else text)
 
 
+DEEP = {"type": "integer"}
+for _ in range(200):
+    DEEP = {"type": "array", "items": DEEP}
+
 BAD_SPECS = [
     ("not a dict", "guided"),
     ({}, "type"),
@@ -233,13 +237,18 @@ BAD_SPECS = [
     ({"type": "choice", "choices": ["\ud800"]}, r"choices\[0\]: not valid Unicode"),
     ({"type": "choice", "choices": ["a"] * (grammar.MAX_CHOICES + 1)}, "choices: .* the limit"),
     ({"type": "lark", "grammar": "start: ("}, "grammar:"),
+    ({"type": "json_schema", "schema": DEEP}, "schema: .*recursion limit"),
+    ({"type": "regex", "pattern": "a", "\ud800": 1}, r"'\\ud800': not a field"),
+    ({"type": "x" * 1000}, r"type: expected one of .*, got 'xxxx[x]*\.\.\.$"),
 ]
 
 
 @pytest.mark.parametrize("spec,match", BAD_SPECS, ids=[m for _, m in BAD_SPECS])
 def test_bad_specs_raise_naming_the_field(spec, match):
-    with pytest.raises(ValueError, match=f"(?s)^{match}"):
+    with pytest.raises(ValueError, match=f"(?s)^{match}") as e:
         validate_guided(spec)
+    assert len(str(e.value)) < 1000
+    str(e.value).encode("utf-8")  # no lone surrogate reaches the message
     with pytest.raises(ValueError, match=f"(?s)^{match}"):
         compile_guide(spec, ByteTokenizer(), cache=GrammarCache())
 
