@@ -85,10 +85,9 @@ def _cpu_ns() -> int:
 
 
 def _bpe(vocab: int) -> HFTokenizer:
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    import transformers
 
     # this repository's sources and transformers' modeling code: enough text for ~32k merges
     dirs = [ROOT / d for d in ("model_executor", "kernels", "router", "serving", "tests")]

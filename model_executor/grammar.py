@@ -9,7 +9,7 @@ content of OpenAI's ``response_format.json_schema``); ``{"type": "regex", "patte
 Python's ``re.ASCII``); ``{"type": "choice", "choices": [str, ...]}``; and ``{"type": "lark", "grammar": str}`` (an
 llguidance Lark grammar; ``model_executor.tools`` builds these for forced tool calls).
 
-Public API: ``validate_guided`` (everything that needs no tokenizer: field types, the regex, the
+Public API (``fill_masks``: the batch form of ``fill_mask``): ``validate_guided`` (everything that needs no tokenizer: field types, the regex, the
 schema's compilation; where requests enter), ``compile_guide`` (a ``Guide`` per request, its
 grammar compiled once per spec and tokenizer and cached), ``Guide.fill_mask`` / ``accept`` /
 ``is_terminated`` (the decode sampler's per-token calls), ``response_format_to_guided`` (an OpenAI
@@ -31,6 +31,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -354,6 +355,15 @@ def compile_guide(guided: dict, tokenizer: Any, *, cache: GrammarCache | None = 
 
 
 # -- the per-request guide ----------------------------------------------------------------------
+def _apply_words(words: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> None:
+    """``words`` int32 ``[B, ceil(V / 32)]`` host bitmasks onto ``logits [B, >= V]`` in place."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (words.to(logits.device)[:, :, None] >> shifts) & 1
+    allowed = bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+    logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+    logits[:, vocab_size:] = float("-inf")
+
+
 class Guide:
     """One request's grammar state. Per sampled token: ``fill_mask(logits)``, sample,
     ``accept(token)``.
@@ -376,7 +386,6 @@ class Guide:
         # the same bit layout as llguidance's: token i is bit i % 32 of word i // 32
         words = (stop_bits.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
         self._stop_words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-        self._shifts: dict[torch.device, torch.Tensor] = {}
         self._stopped = False  # a stop token was accepted
         self.error: str | None = None
         self.num_accepted = 0
@@ -406,15 +415,7 @@ class Guide:
             raise ValueError(f"logits: expected a 1-D float tensor, got {getattr(logits, 'shape', type(logits))}")
         if logits.numel() < self.vocab_size:
             raise ValueError(f"logits: expected at least the tokenizer's {self.vocab_size} entries, got {logits.numel()}")
-        words = self.allowed_words()
-        device = logits.device
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        bits = (words.to(device)[:, None] >> shifts) & 1
-        allowed = bits.reshape(-1)[: self.vocab_size].bool()
-        logits[: self.vocab_size].masked_fill_(~allowed, float("-inf"))
-        logits[self.vocab_size:] = float("-inf")
+        _apply_words(self.allowed_words()[None], logits[None], self.vocab_size)
 
     def is_allowed(self, token_id: int) -> bool:
         if not 0 <= token_id < self.vocab_size:
@@ -442,3 +443,48 @@ class Guide:
 
     def is_terminated(self) -> bool:
         return self._stopped or self.error is not None or self._matcher.is_stopped()
+
+
+_EXECUTOR: list[llguidance.LLExecutor] = []  # created on first use: it starts a thread pool
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def fill_masks(guides: Sequence[Guide | None], logits: torch.Tensor) -> None:
+    """``fill_mask`` for a batch: ``logits [B, V]`` in place, row ``i`` under ``guides[i]``
+    (``None``: left alone). The host masks of the rows are computed in parallel by llguidance's
+    ``LLExecutor`` threads, then expanded on the logits' device in one pass. The guides must
+    share one tokenizer vocabulary size."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a 2-D float tensor [B, V], got {getattr(logits, 'shape', type(logits))}")
+    if len(guides) != logits.shape[0]:
+        raise ValueError(f"guides: expected one per row of logits ({logits.shape[0]}), got {len(guides)}")
+    rows = [i for i, g in enumerate(guides) if g is not None]
+    if not rows:
+        return
+    vocab_sizes = {guides[i].vocab_size for i in rows}
+    if len(vocab_sizes) != 1:
+        raise ValueError(f"guides: expected one tokenizer vocabulary size, got {sorted(vocab_sizes)}")
+    vocab = vocab_sizes.pop()
+    if logits.shape[1] < vocab:
+        raise ValueError(f"logits: expected at least the tokenizer's {vocab} columns, got {logits.shape[1]}")
+    words = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    live = []
+    for k, i in enumerate(rows):
+        if guides[i]._only_stop():
+            words[k] = guides[i]._stop_words
+        else:
+            live.append((guides[i]._matcher, k))
+    if live:
+        with _EXECUTOR_LOCK:
+            if not _EXECUTOR:
+                _EXECUTOR.append(llguidance.LLExecutor())
+        _EXECUTOR[0].unsafe_compute_mask_ptr(live, words.data_ptr(), words.shape[1] * 4, words.shape[0])
+        for matcher, k in live:  # a matcher that failed this step: only stop tokens
+            if matcher.is_error():
+                guide = guides[rows[k]]
+                guide._only_stop()
+                words[k] = guide._stop_words
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)
+    _apply_words(words, sub, vocab)
+    logits.index_copy_(0, index, sub)

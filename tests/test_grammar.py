@@ -18,6 +18,7 @@ from model_executor.grammar import (
     GrammarCache,
     Guide,
     compile_guide,
+    fill_masks,
     response_format_to_guided,
     validate_guided,
     warm_tokenizer,
@@ -172,6 +173,28 @@ def test_fill_mask_pads_a_larger_model_vocab_and_checks_logits():
     for bad in (torch.zeros(200), torch.zeros(2, 264), torch.zeros(264, dtype=torch.int64), [0.0] * 264):
         with pytest.raises(ValueError, match="logits"):
             guide.fill_mask(bad)
+
+
+def test_fill_masks_batches_rows_and_leaves_unguided_ones():
+    tok = ByteTokenizer()
+    regex = compile_guide({"type": "regex", "pattern": "[ab]c+"}, tok)
+    done = compile_guide({"type": "choice", "choices": ["x"]}, tok)
+    done.accept(ord("x"))
+    gen = torch.Generator().manual_seed(108)
+    logits = torch.randn(3, 300, generator=gen)
+    before = logits.clone()
+    fill_masks([regex, None, done], logits)
+    allowed = [set(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in logits]
+    assert allowed[0] == {ord("a"), ord("b")} and allowed[2] == {EOS, END}
+    assert torch.equal(logits[1], before[1])
+    assert torch.equal(logits[0][[ord("a"), ord("b")]], before[0][[ord("a"), ord("b")]])
+    fill_masks([None, None], torch.zeros(2, 264))  # nothing guided: nothing to do
+    with pytest.raises(ValueError, match="^guides: expected one per row"):
+        fill_masks([regex], torch.zeros(2, 264))
+    with pytest.raises(ValueError, match="^logits: expected a 2-D"):
+        fill_masks([regex], torch.zeros(264))
+    with pytest.raises(ValueError, match="^logits: expected at least"):
+        fill_masks([regex], torch.zeros(1, 100))
 
 
 def test_accept_rejects_disallowed_tokens_and_keeps_state():
@@ -365,3 +388,6 @@ def test_hf_tokenizer_outputs_validate(bpe):
         assert guide.is_terminated()
         ids = out[:-1] if out[-1] == eos else out
         jsonschema.validate(json.loads(bpe.decode(ids)), SCHEMA)
+    mixed = [compile_guide({"type": "json_object"}, bpe), compile_guide({"type": "json_object"}, ByteTokenizer())]
+    with pytest.raises(ValueError, match="^guides: expected one tokenizer vocabulary size"):
+        fill_masks(mixed, torch.zeros(2, model_vocab))
