@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -429,8 +430,12 @@ class Guide:
     def accept(self, token_id: int) -> None:
         """Advances the grammar by ``token_id``; ``ValueError`` (naming ``token_id``, the state
         unchanged) if the grammar does not allow it here."""
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
+        if isinstance(token_id, bool):
             raise ValueError(f"token_id: expected an int, got {token_id!r}")
+        try:  # an int, numpy integer or 0-d integer tensor
+            token_id = operator.index(token_id)
+        except TypeError:
+            raise ValueError(f"token_id: expected an int, got {short_repr(token_id)}") from None
         if not self.is_allowed(token_id):
             state = "after the end of the grammar" if self._only_stop() else "here"
             raise ValueError(f"token_id: {token_id} is not allowed by the grammar {state}")

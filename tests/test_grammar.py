@@ -205,7 +205,7 @@ def test_accept_rejects_disallowed_tokens_and_keeps_state():
     for bad in (True, 97.0, "a"):
         with pytest.raises(ValueError, match="token_id"):
             guide.accept(bad)
-    guide.accept(ord("a"))  # the rejections left the state where it was
+    guide.accept(torch.tensor(ord("a")))  # the rejections left the state where it was; 0-d ints are ints
     guide.accept(ord("b"))
     guide.accept(END)
     with pytest.raises(ValueError, match="token_id: 97 is not allowed by the grammar after the end"):
