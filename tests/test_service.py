@@ -212,6 +212,20 @@ def test_models_health_chat_and_stop(service):
     wait_pools_idle("dense")
 
 
+def test_successful_prefills_log_no_cancellation(service):
+    """Every request so far succeeded: Serve's access log has each prefill call OK and none
+    CANCELLED (a prefill is a unary call and its lease is state; before, the ingress cancelled
+    the lease stream of every successful prefill)."""
+    from pathlib import Path
+
+    time.sleep(1.0)  # log handlers flush
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    lines = [line for path in logs.glob("replica_*_PrefillServer_*.log")
+             for line in path.read_text(errors="replace").splitlines() if "CALL prefill " in line]
+    assert any("CALL prefill OK" in line for line in lines)
+    assert [line for line in lines if "CANCELLED" in line or "ERROR" in line] == []
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "body,status,param",
