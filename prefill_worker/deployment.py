@@ -201,7 +201,7 @@ class PrefillServer:
                                     chunk_size=self.config.prefill.chunk_size,
                                     prefix_cache=self.config.prefill.prefix_caching,
                                     policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
-                                    cost=self.cost_model.cost)
+                                    cost=self.cost_model.cost, tokenizer=self.runtime.loaded.tokenizer)
         self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
@@ -268,7 +268,8 @@ class PrefillServer:
             self._leases[rid] = time.monotonic() + self.config.transfer.lease_timeout_s
             yield Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
                             cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
-                            queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
+                            queue_s=queue_s, prefill_s=prefill_s, export_s=export_s,
+                            first_logprob=result.first_logprob)
             if ticket is not None:
                 # The lease: the caller closes this stream once the decode side has the pages.
                 await asyncio.sleep(self.config.transfer.lease_timeout_s)

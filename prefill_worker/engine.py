@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
-from model_executor.sampling import Sampler, SamplingParams
+from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
 
 from .scheduler import PrefillScheduler, PromptState
 
@@ -73,6 +73,7 @@ class PrefillResult:
     pages: tuple[int, ...]
     kv_len: int
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    first_logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         cost=None,
         clock=time.monotonic,
         interleave: bool = True,
+        tokenizer=None,
     ) -> None:
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
@@ -137,6 +139,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         self.prefix_cache = prefix_cache
         self.reuse_granule = prefix_reuse_granule(runner.page_size, sparse=runner.sparse_config.alpha > 0)
         self.runner = runner
+        self.tokenizer = tokenizer  # structured output (params.guided) only
         self.pool = runner.pool
         self.max_batch_tokens = max_batch_tokens
         self.chunk_size = chunk_size
@@ -253,10 +256,13 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             logits = self.runner.prefill(items)
             self.forward_batches += 1
             rows = [i for i, c in enumerate(chunks) if c.last and not c.seq.aborted]
-            tokens = []
+            tokens, logprobs = [], []
             if rows:
-                tokens = self.sampler(logits[rows], [chunks[i].seq.payload.params for i in rows],
-                                      [0] * len(rows)).tolist()
+                params = [chunks[i].seq.payload.params for i in rows]
+                guides = [make_guide(p, self.tokenizer) for p in params]
+                sampled = self.sampler.sample(logits[rows], params, [0] * len(rows),
+                                              guides=guides if any(g is not None for g in guides) else None)
+                tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs
         except BaseException as exc:
             with self._lock:
                 failed = self.scheduler.fail(chunks)
@@ -271,6 +277,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         with self._lock:
             finished, aborted = self.scheduler.commit(chunks)
         first = {chunks[i].request_id: int(t) for i, t in zip(rows, tokens)}
+        first_lp = {chunks[i].request_id: lp for i, lp in zip(rows, logprobs)}
         for seq in aborted:
             if self.pool.has(seq.request_id):
                 self.pool.release(seq.request_id)
@@ -279,7 +286,8 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             if seq.extra.get("digests"):  # its full pages serve the prompts that start like it
                 self.pool.cache_prefix(rid, seq.extra["digests"])
             out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
-                                              kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens))
+                                              kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                                              first_logprob=first_lp[rid]))
         return out
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:

@@ -48,6 +48,7 @@ class Prefilled:
     queue_s: float
     prefill_s: float
     export_s: float
+    first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class Tokens:
     finished: bool
     finish_reason: str | None = None
     first_step_s: float | None = None
+    logprobs: tuple | None = None  # one TokenLogprob per token, with params.logprobs
 
 
 __all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]
