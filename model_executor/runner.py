@@ -274,8 +274,19 @@ class ModelRunner:
     def prefill(self, items: Sequence[PrefillItem]) -> torch.Tensor:
         """Prefill a batch (whole prompts or chunks); returns float32 logits ``[B, V]`` of each
         item's last new token. Pages must be reserved for ``cached_len + len(token_ids)``."""
+        return self.prefill_keeping(items)[0]
+
+    def prefill_keeping(
+        self, items: Sequence[PrefillItem], keep_all: Sequence[bool] | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`prefill`, and for each item ``i`` with ``keep_all[i]`` the logits of every
+        one of its new tokens (``[len(token_ids), V]``, keyed by ``i``): prompt logprobs. The
+        forward is the same (sparse where the runner's sparse config says so); only more rows
+        of the LM head are computed."""
+        if keep_all is not None and len(keep_all) != len(items):
+            raise ValueError(f"keep_all: expected one bool per item ({len(items)}), got {len(keep_all)}")
         if not items:
-            return torch.empty(0, self.vocab_size, device=self.device)
+            return torch.empty(0, self.vocab_size, device=self.device), {}
         rids = [it.request_id for it in items]
         if len(set(rids)) != len(rids):
             raise ValueError(f"items: expected distinct request ids in one batch, got {rids}")
@@ -291,10 +302,25 @@ class ModelRunner:
             ids.append(tokens)
             pos.append(torch.arange(it.cached_len, it.cached_len + n, dtype=torch.int64))
         last = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
-        return self._forward(
+        if keep_all is None or not any(keep_all):
+            logits = self._forward(
+                rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
+                logits_to_keep=last.to(self.device),
+            )
+            return logits, {}
+        rows, where, spans = [], [], {}  # rows of the LM head; each item's last row; kept spans
+        for i, (n, end) in enumerate(zip(lengths, last.tolist())):
+            if keep_all[i]:
+                spans[i] = (len(rows), n)
+                rows.extend(range(end - n + 1, end + 1))
+            else:
+                rows.append(end)
+            where.append(len(rows) - 1)
+        logits = self._forward(
             rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
-            logits_to_keep=last.to(self.device),
+            logits_to_keep=torch.tensor(rows, dtype=torch.int64, device=self.device),
         )
+        return logits[where], {i: logits[a : a + n] for i, (a, n) in spans.items()}
 
     CALIBRATION_ID = "__fp8_kv_calibration__"
 

@@ -47,6 +47,8 @@ class SamplingParams:
     logit_bias: ``(token_id, bias)`` pairs, bias in [-100, 100], added to the logits.
     min_tokens: the stop tokens cannot be sampled before this many tokens are out.
     logprobs: None (none), or how many top alternatives to report with each token's logprob.
+    prompt_logprobs: the same for the prompt's tokens (the prefill's raw distribution: the
+    model's logits, no temperature, penalties or bias; no prefix-cache reuse for the prompt).
     guided: a structured-output spec (``model_executor.grammar.compile_guide``), or None.
     """
 
@@ -62,6 +64,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     guided: dict | None = None
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if self.guided is not None and not isinstance(self.guided, dict):
             raise ValueError(f"guided: expected a dict (a structured-output spec) or None, got {self.guided!r}")
 
@@ -146,6 +151,25 @@ class TokenLogprob:
 class SampleOutput:
     tokens: torch.Tensor  # int64 [B]
     logprobs: list[TokenLogprob | None]  # per row; None where the row asked for none
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """``logits [n, V]`` of consecutive prompt positions; ``targets``: the token that follows
+    each (``len(targets) <= n``: the last position of a prompt predicts no prompt token).
+    The logprob of each target under ``log_softmax`` of its row, with the ``top`` best."""
+    m = len(targets)
+    if m == 0:
+        return []
+    lp = torch.log_softmax(logits[:m].float(), dim=-1)
+    tgt = torch.as_tensor(list(targets), dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(-1, tgt[:, None]).squeeze(-1).tolist()
+    k = min(top, lp.shape[-1])
+    if k:
+        top_v, top_i = lp.topk(k, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [()] * m
+    return [TokenLogprob(int(t), float(c), tp) for t, c, tp in zip(targets, chosen, tops)]
 
 
 def make_guide(params: SamplingParams, tokenizer: object) -> object | None:

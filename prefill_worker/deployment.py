@@ -269,7 +269,7 @@ class PrefillServer:
             yield Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
                             cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
                             queue_s=queue_s, prefill_s=prefill_s, export_s=export_s,
-                            first_logprob=result.first_logprob)
+                            first_logprob=result.first_logprob, prompt_logprobs=result.prompt_logprobs)
             if ticket is not None:
                 # The lease: the caller closes this stream once the decode side has the pages.
                 await asyncio.sleep(self.config.transfer.lease_timeout_s)

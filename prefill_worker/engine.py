@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
-from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
+from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide, prompt_logprobs
 
 from .scheduler import PrefillScheduler, PromptState
 
@@ -74,6 +74,8 @@ class PrefillResult:
     kv_len: int
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     first_logprob: TokenLogprob | None = None  # with params.logprobs
+    # with params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,11 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             self.runner.ensure_capacity(rid, n)
             return 0, []
         digests = self.pool.prefix_digests(request.prompt_token_ids)
-        # the last prompt token is always computed: its logits give the first token
+        # the last prompt token is always computed: its logits give the first token; prompt
+        # logprobs need every position's logits, so such a prompt reuses nothing
         reusable = (n - 1) // self.reuse_granule * self.reuse_granule
+        if request.params.prompt_logprobs is not None:
+            reusable = 0
         cached = self.pool.reserve_with_prefix(rid, digests[: reusable // self.pool.page_size], n)
         return cached, digests
 
@@ -253,7 +258,15 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         try:
             items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
                                  c.start) for c in chunks]
-            logits = self.runner.prefill(items)
+            keep = [c.seq.payload.params.prompt_logprobs is not None and not c.seq.aborted for c in chunks]
+            logits, kept = self.runner.prefill_keeping(items, keep if any(keep) else None)
+            for i, chunk_logits in kept.items():
+                c = chunks[i]
+                prompt = c.seq.payload.prompt_token_ids
+                entries = c.seq.extra.setdefault("prompt_logprobs", [None] if c.start == 0 else [])
+                # position p predicts prompt[p + 1]; the prompt's last position predicts no prompt token
+                targets = list(prompt[c.start + 1 : c.start + c.num_tokens + 1])
+                entries.extend(prompt_logprobs(chunk_logits, targets, c.seq.payload.params.prompt_logprobs))
             self.forward_batches += 1
             rows = [i for i, c in enumerate(chunks) if c.last and not c.seq.aborted]
             tokens, logprobs = [], []
@@ -287,7 +300,9 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 self.pool.cache_prefix(rid, seq.extra["digests"])
             out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
                                               kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens,
-                                              first_logprob=first_lp[rid]))
+                                              first_logprob=first_lp[rid],
+                                              prompt_logprobs=(tuple(seq.extra["prompt_logprobs"])
+                                                               if "prompt_logprobs" in seq.extra else None)))
         return out
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:

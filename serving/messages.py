@@ -49,6 +49,7 @@ class Prefilled:
     prefill_s: float
     export_s: float
     first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
+    prompt_logprobs: Any = None  # with params.prompt_logprobs: one per prompt token (None first)
 
 
 @dataclass(frozen=True, slots=True)

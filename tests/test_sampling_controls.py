@@ -209,3 +209,35 @@ def test_sampler_rejects_bias_outside_the_vocabulary_and_bad_lengths():
         s(torch.zeros(1, VOCAB), [SamplingParams(logit_bias=((VOCAB, 1.0),))], [0])
     with pytest.raises(ValueError, match="histories"):
         s.sample(torch.zeros(1, VOCAB), [SamplingParams()], [0], histories=[[], []])
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_prompt_logprobs_equal_the_reference_model_log_softmax(chunk_size):
+    tiny = build_tiny_model(seed=0)
+    pool = make_pool(tiny, num_pages=16, page_size=16)
+    runner = ModelRunner(tiny.model, pool, SparseConfig(alpha=0.0), dense_below=0)
+    prefill = PrefillEngine(runner, chunk_size=chunk_size, prefix_cache=True)
+    g = torch.Generator().manual_seed(11)
+    prompt = [256] + torch.randint(0, 256, (20,), generator=g).tolist()
+    want = SamplingParams(temperature=0.0, prompt_logprobs=3)
+    res = prefill.prefill([PrefillRequest("p", prompt, want), PrefillRequest("q", prompt[:9], SamplingParams())])
+    assert res[1].prompt_logprobs is None
+    lps = res[0].prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    ref_model = build_tiny_model(seed=0).model  # whole-sequence HF forward, no pool
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(torch.tensor([prompt])).logits[0].double(), -1)
+    for pos in range(1, len(prompt)):
+        e = lps[pos]
+        assert e.token == prompt[pos]
+        assert e.logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+        assert [t for t, _ in e.top] == ref[pos - 1].topk(3).indices.tolist()
+    assert res[0].first_token == int(ref[-1].argmax())
+    for r in res:
+        prefill.release(r.request_id)
+    # a second request for the same prompt would hit the prefix cache; with prompt logprobs it
+    # recomputes every position (nothing to report otherwise)
+    again = prefill.prefill([PrefillRequest("p2", prompt, want)])[0]
+    assert again.cached_tokens == 0 and [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in lps[1:]], abs=1e-5)
+    prefill.release("p2")

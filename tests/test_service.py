@@ -230,7 +230,7 @@ def test_models_health_chat_and_stop(service):
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "seed": -1}, 400, "seed"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ],
