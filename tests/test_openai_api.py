@@ -413,7 +413,89 @@ def test_generate_until_as_evaluations_send_it(service, reference):
 
     tok = ByteTokenizer()
     for c, p in zip(r.choices, prompts):
-        want = tok.decode(_greedy_reference(reference, tok.encode(p), 8))
+        ids = _greedy_reference(reference, tok.encode(p), 8)
+        ends = [i for i, t in enumerate(ids) if t in tok.stop_token_ids]
+        want = tok.decode(ids[: ends[0] + 1] if ends else ids)
         for s in ("\n\n", "Q"):
             want = want.split(s)[0]
         assert c.text == want
+
+
+# ----------------------------------------------------------------------------- lm-eval
+class _ByteTokenizerForLmEval:
+    """lm-eval's Hugging Face tokenizer calls, answered by the built-in byte tokenizer."""
+
+    def __init__(self):
+        from model_executor.tokenizer import ByteTokenizer
+
+        self.tok = ByteTokenizer()
+        self.eos_token_id, self.bos_token_id, self.eos_token = self.tok.eos_token_id, self.tok.bos_token_id, "<|eos|>"
+
+    def __call__(self, text, add_special_tokens=False, **_):
+        import types
+
+        enc = lambda s: self.tok.encode(s, add_bos=add_special_tokens)  # noqa: E731
+        return types.SimpleNamespace(input_ids=enc(text) if isinstance(text, str) else [enc(s) for s in text])
+
+    def decode(self, ids, **_):
+        return self.tok.decode(ids)
+
+    def batch_decode(self, seqs, **_):
+        return [self.decode(s) for s in seqs]
+
+
+LL_DOCS = [{"question": "Colour of the sky:", "choices": ["blue", "green", "red"], "gold": 0},
+           {"question": "2 + 2 =", "choices": ["4", "five"], "gold": 1},
+           {"question": "The cat sat on the", "choices": ["mat", "moon", "sofa"], "gold": 2}]
+GEN_DOCS = [{"question": "Say A:", "answer": "A"}, {"question": "abc", "answer": "def"}]
+
+
+def test_lm_eval_local_completions_scores_a_loglikelihood_and_a_generate_until_task(service, reference, tmp_path,
+                                                                                   monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    import json
+
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name, docs in (("ll", LL_DOCS), ("gen", GEN_DOCS)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {{path}}\ntest_split: test\n"
+    (tmp_path / "ll.yaml").write_text(
+        "task: fp_tiny_ll\n" + common.format(path=tmp_path / "ll.jsonl")
+        + "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: choices\ndoc_to_target: gold\n"
+        "metric_list:\n  - metric: acc\n")
+    (tmp_path / "gen.yaml").write_text(
+        "task: fp_tiny_gen\n" + common.format(path=tmp_path / "gen.jsonl")
+        + "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n")
+    base = str(service["client"].base_url).rstrip("/")
+    lm = LocalCompletionsAPI(model=MODEL, base_url=f"{base}/completions", tokenizer_backend="none",
+                             add_bos_token=True, max_length=512, max_retries=1)
+    lm.tokenizer, lm.tokenizer_backend, lm.tokenized_requests = _ByteTokenizerForLmEval(), "huggingface", True
+    out = lm_eval.simple_evaluate(model=lm, tasks=["fp_tiny_ll", "fp_tiny_gen"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)), limit=None)
+
+    # the expected scores, from the reference model run whole
+    from model_executor.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    hits = 0
+    for d in LL_DOCS:
+        ctx = tok.encode(d["question"])
+        scores = []
+        for c in d["choices"]:
+            cont = tok.encode(" " + c, add_bos=False)
+            scores.append(sum(float(torch.log_softmax(reference(ctx + cont[:i]), -1)[t]) for i, t in enumerate(cont)))
+        hits += max(range(len(scores)), key=scores.__getitem__) == d["gold"]
+    assert out["results"]["fp_tiny_ll"]["acc,none"] == pytest.approx(hits / len(LL_DOCS))
+    matches = 0
+    for d in GEN_DOCS:
+        ids = _greedy_reference(reference, tok.encode(d["question"]), 6)
+        ends = [i for i, t in enumerate(ids) if t in tok.stop_token_ids]
+        text = tok.decode(ids[: ends[0] + 1] if ends else ids).split("\n")[0]
+        matches += text == d["answer"]
+    assert out["results"]["fp_tiny_gen"]["exact_match,none"] == pytest.approx(matches / len(GEN_DOCS))
+    wait_pools_idle(APP)
