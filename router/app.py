@@ -282,6 +282,8 @@ class OpenAIIngress:
             body["stop_token_ids"] = list(message.stop_token_ids)
         if message.ignore_eos:
             body["ignore_eos"] = True
+        if message.echo:
+            body["echo"] = True
         if message.HasField("logprobs"):  # completions' int k; chat's logprobs + top_logprobs
             if kind == "completion":
                 body["logprobs"] = message.logprobs
@@ -338,9 +340,11 @@ class OpenAIIngress:
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
             return pb.GenerateResponse()
-        out = pb.GenerateResponse(request_id=req.request_id, model=req.model, text=result.text,
+        out = pb.GenerateResponse(request_id=req.request_id, model=req.model,
+                                  text=(result.prompt_text or "") + result.text if req.echo else result.text,
                                   token_ids=result.token_ids, finish_reason=result.finish_reason,
                                   logprobs=self._grpc_logprobs(pb, result.logprobs),
+                                  prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]),
                                   system_fingerprint=SYSTEM_FINGERPRINT)
         self._grpc_extras(pb, out, req, result.timing, result.routing, len(result.token_ids))
         return out
@@ -362,9 +366,13 @@ class OpenAIIngress:
                 completion_tokens += len(delta.token_ids)
                 if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
                     cached_tokens = delta.timing["cached_tokens"]
-                msg = pb.GenerateStreamResponse(request_id=req.request_id, text=delta.text,
+                echo = req.echo and delta.first
+                msg = pb.GenerateStreamResponse(request_id=req.request_id,
+                                                text=(delta.prompt_text or "") + delta.text if echo else delta.text,
                                                 token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
                                                 logprobs=self._grpc_logprobs(pb, delta.logprobs),
+                                                prompt_logprobs=self._grpc_logprobs(
+                                                    pb, (delta.prompt_logprobs or [])[1:] if echo else []),
                                                 system_fingerprint=SYSTEM_FINGERPRINT)
                 if delta.finish_reason is not None:
                     timing = {**(delta.timing or {}), "cached_tokens": cached_tokens}

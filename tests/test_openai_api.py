@@ -499,3 +499,24 @@ def test_lm_eval_local_completions_scores_a_loglikelihood_and_a_generate_until_t
         matches += text == d["answer"]
     assert out["results"]["fp_tiny_gen"]["exact_match,none"] == pytest.approx(matches / len(GEN_DOCS))
     wait_pools_idle(APP)
+
+
+def test_grpc_echo_with_prompt_logprobs(service):
+    from router.proto import flashprefill_pb2 as pb
+
+    client, stub = service["client"], _stub(service["channel"])
+    prompt = prompt_of(15, seed=5)
+    http = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=2,
+                             temperature=0.0)
+    resp = stub.Generate(req, metadata=META, timeout=120)
+    assert resp.text == http.choices[0].text and list(resp.token_ids) == [] and resp.finish_reason == "length"
+    assert [e.token_id for e in resp.prompt_logprobs] == prompt[1:]
+    assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(http.choices[0].logprobs.token_logprobs[1:],
+                                                                     abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in resp.prompt_logprobs)
+    msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+    assert [e.token_id for m in msgs for e in m.prompt_logprobs] == prompt[1:]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=0), metadata=META, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("max_tokens")
