@@ -248,7 +248,8 @@ class PrefillServer:
         try:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
-            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params))
+            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params,
+                                                                                  sparse_alpha=call.sparse_alpha))
         except BaseException:
             self.active -= 1
             self.completed += 1

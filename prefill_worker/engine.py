@@ -28,12 +28,15 @@ without the cache: ``dense_below`` is decided per batch, and FP8 quantizes q per
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
@@ -58,9 +61,14 @@ class PrefillState(enum.Enum):
 
 @dataclass(frozen=True)
 class PrefillRequest:
+    """``sparse_alpha``: this prompt's FlashPrefill V2 threshold instead of the runner's (0:
+    dense); None: the runner's. A prompt run at another alpha than the runner's neither reuses
+    nor fills the prefix cache (its K/V differ from the cached pages')."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    sparse_alpha: float | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,9 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 raise ValueError(f"{at}.params: expected SamplingParams, got {type(r.params).__name__}")
             if len(r.prompt_token_ids) == 0:
                 raise ValueError(f"{at}.prompt_token_ids: expected a non-empty prompt")
+            a = r.sparse_alpha
+            if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+                raise ValueError(f"{at}.sparse_alpha: expected None or a float in [0, 1], got {a!r}")
             with self._lock:
                 scheduled = self.scheduler.get(r.request_id) is not None
             if r.request_id in seen or scheduled or self.pool.has(r.request_id):
@@ -171,7 +182,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         """Reserve a prompt's pages (raises PoolExhausted, reserving nothing); returns the
         tokens the prefix cache gave and the prompt's full-page digests."""
         rid, n = request.request_id, len(request.prompt_token_ids)
-        if not self.prefix_cache:
+        if not self.prefix_cache or self._own_alpha(request) is not None:
             self.runner.ensure_capacity(rid, n)
             return 0, []
         digests = self.pool.prefix_digests(request.prompt_token_ids)
@@ -182,6 +193,30 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             reusable = 0
         cached = self.pool.reserve_with_prefix(rid, digests[: reusable // self.pool.page_size], n)
         return cached, digests
+
+    def _own_alpha(self, request: PrefillRequest) -> float | None:
+        """The request's alpha where it differs from the runner's, else None."""
+        a = request.sparse_alpha
+        return None if a is None or float(a) == float(self.runner.sparse_config.alpha) else float(a)
+
+    def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
+        """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
+        alphas = [self._own_alpha(c.seq.payload) for c in chunks]
+        if all(a is None for a in alphas):
+            if not any(keep):
+                return self.runner.prefill(items), {}
+            return self.runner.prefill_keeping(items, keep)
+        logits: torch.Tensor | None = None
+        kept: dict = {}
+        for alpha in dict.fromkeys(alphas):
+            idx = [i for i, a in enumerate(alphas) if a == alpha]
+            config = None if alpha is None else dataclasses.replace(self.runner.sparse_config, alpha=alpha)
+            part, part_kept = self.runner.prefill_keeping([items[i] for i in idx], [keep[i] for i in idx], config)
+            if logits is None:
+                logits = part.new_empty((len(items), part.shape[-1]))
+            logits[idx] = part
+            kept.update({idx[j]: v for j, v in part_kept.items()})
+        return logits, kept
 
     def _admit(self, seq: PromptState) -> bool:
         from kv_transfer.pool import PoolExhausted
@@ -259,7 +294,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
                                  c.start) for c in chunks]
             keep = [c.seq.payload.params.prompt_logprobs is not None and not c.seq.aborted for c in chunks]
-            logits, kept = self.runner.prefill_keeping(items, keep if any(keep) else None)
+            logits, kept = self._forward(chunks, items, keep)
             for i, chunk_logits in kept.items():
                 c = chunks[i]
                 prompt = c.seq.payload.prompt_token_ids

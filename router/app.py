@@ -202,7 +202,7 @@ class OpenAIIngress:
             await stream.aclose()
 
     async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
-        completion_tokens, cached_tokens, text_offset = 0, None, {}
+        completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
         try:
             index, delta = first
@@ -210,6 +210,8 @@ class OpenAIIngress:
                 completion_tokens += len(delta.token_ids)
                 if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
                     cached_tokens = (cached_tokens or 0) + delta.timing["cached_tokens"]
+                if delta.timing is not None:
+                    sparse = delta.timing.get("sparse_attention") or sparse
                 text, logprobs = delta.text, delta.logprobs
                 if req.echo and delta.first:  # the prompt goes first
                     text = (delta.prompt_text or "") + text
@@ -229,7 +231,7 @@ class OpenAIIngress:
                         break
                 index, delta = await deltas.__anext__()
             if req.include_usage:
-                yield _sse(usage_chunk(req, completion_tokens, cached_tokens))
+                yield _sse(usage_chunk(req, completion_tokens, cached_tokens, sparse))
         except StopAsyncIteration:
             pass
         except Exception as exc:  # after a 200 went out, the error travels in-band
@@ -284,6 +286,13 @@ class OpenAIIngress:
             body["ignore_eos"] = True
         if message.echo:
             body["echo"] = True
+        if message.HasField("sparse_attention"):
+            sa = message.sparse_attention
+            if sa.dense and sa.HasField("alpha"):
+                raise RequestError("sparse_attention: give dense or alpha, not both", param="sparse_attention",
+                                   status=400, code="invalid_value")
+            body["sparse_attention"] = False if sa.dense else (
+                {"alpha": round(sa.alpha, 6)} if sa.HasField("alpha") else True)
         if message.HasField("logprobs"):  # completions' int k; chat's logprobs + top_logprobs
             if kind == "completion":
                 body["logprobs"] = message.logprobs
@@ -320,6 +329,9 @@ class OpenAIIngress:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
                                     total_tokens=u["total_tokens"], cached_tokens=cached,
                                     prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
+        sparse = (timing or {}).get("sparse_attention")
+        if sparse and req.sparse_alpha is not None:
+            msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"]))
         fields = pb.Timing.DESCRIPTOR.fields_by_name
         msg.timing.CopyFrom(pb.Timing(**{k: float(v) for k, v in (timing or {}).items() if k in fields and v is not None}))
         if routing:

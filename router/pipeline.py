@@ -249,7 +249,7 @@ class DisaggregatedPipeline:
                 step_params = dataclasses.replace(params, max_new_tokens=left,
                                                   prompt_logprobs=None if generated else params.prompt_logprobs,
                                                   min_tokens=max(params.min_tokens - max(len(generated) - 1, 0), 0))
-                cost = self.cost_model.cost(len(context))
+                cost = self.cost_model.cost(len(context), alpha=req.sparse_alpha)
                 for n in range(self.config.transfer.retries + 1):
                     attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
                     attempts += 1
@@ -399,10 +399,14 @@ class DisaggregatedPipeline:
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
                              cost: float, *, skip_transfer: bool, transport: str | None = None) -> Prefilled:
         payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
-                              skip_transfer=skip_transfer, transport=transport)
+                              skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha)
+        alpha = self.config.sparse.alpha if req.sparse_alpha is None else req.sparse_alpha
+        own_alpha = alpha != self.config.sparse.alpha  # such a prompt uses no cached prefix
+        # how this prefill runs (usage.sparse_attention): dense below sparse.dense_below or at alpha 0
+        attempt.timing["sparse_attention"] = {"alpha": alpha, "dense": alpha == 0 or len(context) < self.config.sparse.dense_below}
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
-                  if self.config.prefill.prefix_caching else None)
+                  if self.config.prefill.prefix_caching and not own_alpha else None)
         attempt.prefill_stream = self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
@@ -459,6 +463,7 @@ class DisaggregatedPipeline:
             "prefill_attempts": life.prefill_attempts,
             "decode_resumes": resumes,
             "cached_tokens": attempt.timing.get("cached_tokens"),
+            "sparse_attention": attempt.timing.get("sparse_attention"),
         }
 
     def _routing(self, attempt: _Attempt) -> dict | None:

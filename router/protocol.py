@@ -41,7 +41,8 @@ _NEUTRAL = {
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream",
            "stream_options", "seed", "return_token_ids", "request_id", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n"}
+           "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
+           "sparse_attention"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -81,6 +82,7 @@ class GenerationRequest:
     best_of: int | None = None  # generate this many per prompt, return the n of highest logprob
     batch: tuple[tuple[int, ...], ...] = ()  # every prompt of a list of prompts (() : just this one)
     echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the output
+    sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -172,6 +174,22 @@ def _stop(body: dict) -> tuple[str, ...]:
             raise bad("stop", f"expected non-empty strings of at most {MAX_STOP_LEN} characters, got {s!r}")
         _check_text("stop", s)
     return tuple(value)
+
+
+def _sparse_attention(body: dict) -> float | None:
+    """``sparse_attention``: ``false`` (dense prefill), ``true`` / null (the service's
+    setting), or ``{"alpha": a}`` with ``a`` in [0, 1] (FlashPrefill V2's threshold)."""
+    value = body.get("sparse_attention")
+    if value is None or value is True:
+        return None
+    if value is False:
+        return 0.0
+    if not isinstance(value, dict) or set(value) != {"alpha"}:
+        raise bad("sparse_attention", f"expected false, true or {{\"alpha\": float in [0, 1]}}, got {value!r}"[:200])
+    try:
+        return _number(value, "alpha", 0.0, 0.0, 1.0) if value["alpha"] is not None else None
+    except RequestError as err:
+        raise bad("sparse_attention", err.message.replace("alpha:", "alpha", 1)) from None
 
 
 def _check_text(name: str, value: str) -> str:
@@ -347,6 +365,7 @@ class RequestParser:
             n=n,
             best_of=best_of,
             echo=echo,
+            sparse_alpha=_sparse_attention(body),
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -407,10 +426,14 @@ class RequestParser:
 
 
 # ----------------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          sparse_attention: dict | None = None) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache;
+    ``sparse_attention`` (extension): how the prefill ran (``{"alpha", "dense"}``)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
+    if sparse_attention is not None:
+        out["sparse_attention"] = sparse_attention
     if cached_tokens is not None:  # after a resume the re-prefilled context is longer than the prompt
         out["prompt_tokens_details"] = {"cached_tokens": min(int(cached_tokens), prompt_tokens)}
     return out
@@ -465,7 +488,8 @@ def completion_response(req: GenerationRequest, result: Any, *, choices: list | 
         "id": req.response_id, "object": "text_completion" if req.kind == "completion" else "chat.completion",
         "created": req.created, "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": out_choices,
         "usage": usage(req.prompt_len, completion_tokens,
-                       None if None in cached else (cached[0] if len(cached) == 1 else sum(cached))),
+                       None if None in cached else (cached[0] if len(cached) == 1 else sum(cached)),
+                       (result.timing or {}).get("sparse_attention") if req.sparse_alpha is not None else None),
         "timing": result.timing,
     }
     if result.routing is not None:
@@ -493,11 +517,13 @@ def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int],
             "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None,
+                sparse_attention: dict | None = None) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
             "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
-            "usage": usage(req.prompt_len, completion_tokens, cached_tokens)}
+            "usage": usage(req.prompt_len, completion_tokens, cached_tokens,
+                           sparse_attention if req.sparse_alpha is not None else None)}
 
 
 def models_response(model_id: str, created: int) -> dict:
@@ -540,6 +566,10 @@ def _request_schema(kind: str) -> dict:
         "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                       "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]},
         "ignore_eos": {"type": "boolean"},
+        "sparse_attention": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {
+            "type": "object", "required": ["alpha"], "additionalProperties": False,
+            "properties": {"alpha": {"type": "number", "minimum": 0, "maximum": 1}}}],
+            "description": "extension: this request's prefill sparsity (false: dense)"},
     }
     if kind == "completion":
         props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},

@@ -32,6 +32,7 @@ class PrefillCall:
     params: SamplingParams
     skip_transfer: bool = False
     transport: str | None = None
+    sparse_alpha: float | None = None  # this prompt's FlashPrefill V2 alpha (0: dense); None: the replica's
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,10 @@ from tests.service_helpers import local_serve, prompt_of, wait_pools_idle  # noq
 
 MODEL = "builtin:tiny"
 APP = "api"
+# dense by default; a request may ask for sparse prefill at any length (dense_below 0)
 CONFIG = ServiceConfig.from_dict({"torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64,
-                                  "batch_wait_ms": 1.0, "alpha": 0.0})
+                                  "batch_wait_ms": 1.0, "alpha": 0.0, "dense_below": 0, "block_size": 64,
+                                  "sink_tokens": 64, "window_tokens": 64})
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
 
@@ -520,3 +522,60 @@ def test_grpc_echo_with_prompt_logprobs(service):
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=0), metadata=META, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("max_tokens")
+
+
+# ----------------------------------------------------------------------------- per-request sparsity
+def _offline_prompt_logprobs(prompt: list[int], alpha: float) -> list[float]:
+    """The single-process prefill engine at ``alpha``: the oracle for a sparse request."""
+    import dataclasses
+
+    from model_executor import ModelRunner, SamplingParams, build_tiny_model
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+    from router.offline import make_pool
+
+    tiny = build_tiny_model(seed=CONFIG.model.seed)
+    pool = make_pool(tiny, num_pages=64, page_size=CONFIG.kv.page_size)
+    runner = ModelRunner(tiny.model, pool, dataclasses.replace(CONFIG.sparse_config, alpha=alpha), dense_below=0)
+    res = PrefillEngine(runner).prefill([PrefillRequest("o", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))])
+    return [e.logprob for e in res[0].prompt_logprobs[1:]]
+
+
+def test_per_request_sparse_attention_over_http_and_grpc(service):
+    from router.proto import flashprefill_pb2 as pb
+
+    client, stub = service["client"], _stub(service["channel"])
+    prompt = [256] + list(range(7, 250)) + [5] * 10
+
+    def echo(sparse):
+        extra = {} if sparse is None else {"sparse_attention": sparse}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0,
+                                      extra_body=extra)
+        return r, r.choices[0].logprobs.token_logprobs[1:]
+
+    plain, dense_lp = echo(None)
+    assert "sparse_attention" not in plain.usage.model_extra
+    forced_dense, lp = echo(False)
+    assert lp == pytest.approx(dense_lp, abs=1e-5)
+    assert forced_dense.usage.model_extra["sparse_attention"] == {"alpha": 0.0, "dense": True}
+    sparse, sparse_lp = echo({"alpha": 0.95})
+    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False}
+    assert sparse_lp == pytest.approx(_offline_prompt_logprobs(prompt, 0.95), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(sparse_lp, dense_lp)) > 1e-2  # what sparsity costs, per request
+
+    req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=0,
+                             temperature=0.0, sparse_attention=pb.SparseAttention(alpha=0.95))
+    resp = stub.Generate(req, metadata=META, timeout=120)
+    assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(sparse_lp, abs=1e-5)
+    assert resp.usage.sparse_attention.dense is False
+    assert resp.usage.sparse_attention.alpha == pytest.approx(0.95)
+    for bad_value in ({"alpha": 2}, {"beta": 1}, 0.5):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"sparse_attention": bad_value})
+        assert info.value.body["param"] == "sparse_attention"
+    for sa in (pb.SparseAttention(alpha=1.5), pb.SparseAttention(dense=True, alpha=0.5)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, sparse_attention=sa),
+                          metadata=META, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("sparse_attention")
+    wait_pools_idle(APP)

@@ -134,3 +134,36 @@ def test_echo_and_max_tokens_zero():
     assert out["choices"][0]["text"] == "ab"
     assert out["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
     assert out["choices"][0]["logprobs"]["top_logprobs"] == [None, {"a": -1.0}]
+
+
+@pytest.mark.parametrize("value, alpha", [(None, None), (True, None), (False, 0.0), ({"alpha": 0.25}, 0.25),
+                                          ({"alpha": 0}, 0.0)])
+def test_sparse_attention_field(value, alpha):
+    req = parse({"prompt": "x", "sparse_attention": value})
+    assert req.sparse_alpha == alpha
+    assert [c.sparse_alpha for row in parse({"prompt": ["a", "b"], "sparse_attention": value}).choices()
+            for c in row] == [alpha, alpha]
+
+
+@pytest.mark.parametrize("value", [{"alpha": 1.5}, {"alpha": "x"}, {"beta": 0.1}, {}, 0.1, "dense", [0.1],
+                                   {"alpha": 0.1, "x": 1}])
+def test_sparse_attention_rejects(value):
+    with pytest.raises(RequestError) as info:
+        parse({"prompt": "x", "sparse_attention": value})
+    assert info.value.param == "sparse_attention" and info.value.message.startswith("sparse_attention")
+
+
+def test_usage_reports_sparse_attention_only_when_asked():
+    timing = {"sparse_attention": {"alpha": 0.0, "dense": True}}
+    asked = parse({"prompt": "x", "sparse_attention": False})
+    out = completion_response(asked, Completion("A", [65], "stop", timing))
+    assert out["usage"]["sparse_attention"] == {"alpha": 0.0, "dense": True}
+    assert "sparse_attention" not in completion_response(parse({"prompt": "x"}), Completion("A", [65], "stop", timing))["usage"]
+
+
+def test_cost_model_sees_dense_requests():
+    from serving.costs import PrefillCostModel
+
+    m = PrefillCostModel(dense_below=100, expected_density=0.25)
+    assert m.cost(1000, alpha=0.0) == m.token_weight * 1000 + 1000 * 1001 / 2
+    assert m.cost(1000) == m.token_weight * 1000 + 1000 * 1001 / 2 * 0.25 == m.cost(1000, alpha=0.3)

@@ -241,3 +241,40 @@ def test_prompt_logprobs_equal_the_reference_model_log_softmax(chunk_size):
     assert again.cached_tokens == 0 and [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx(
         [e.logprob for e in lps[1:]], abs=1e-5)
     prefill.release("p2")
+
+
+def test_per_request_sparse_alpha_runs_its_own_forward_and_skips_the_prefix_cache():
+    """A sparse runner (alpha 0.95, every length); one prompt asks for dense (alpha 0), one
+    for the runner's: in one batch each gets the prompt logprobs of a runner of its own."""
+    tiny = build_tiny_model(seed=0)
+    sparse = SparseConfig(alpha=0.95, block_size=64, sink_tokens=64, window_tokens=64, mean_correction=False)
+
+    def engine(config):
+        pool = make_pool(tiny, num_pages=64, page_size=16)
+        runner = ModelRunner(tiny.model, pool, config, dense_below=0)
+        return pool, PrefillEngine(runner, prefix_cache=True)
+
+    g = torch.Generator().manual_seed(5)
+    prompt = [256] + torch.randint(0, 256, (260,), generator=g).tolist()
+    want = SamplingParams(temperature=0.0, prompt_logprobs=0)
+    pool, mixed = engine(sparse)
+    res = mixed.prefill([PrefillRequest("dense", prompt, want, sparse_alpha=0.0),
+                         PrefillRequest("same", prompt, want, sparse_alpha=0.95),
+                         PrefillRequest("default", prompt, want)])
+    _, dense_engine = engine(SparseConfig(alpha=0.0))
+    _, sparse_engine = engine(sparse)
+    ref_dense = dense_engine.prefill([PrefillRequest("r", prompt, want)])[0]
+    ref_sparse = sparse_engine.prefill([PrefillRequest("r", prompt, want)])[0]
+    lp = lambda r: [e.logprob for e in r.prompt_logprobs[1:]]  # noqa: E731
+    assert lp(res[0]) == pytest.approx(lp(ref_dense), abs=1e-5)
+    assert lp(res[1]) == pytest.approx(lp(ref_sparse), abs=1e-5)
+    assert lp(res[2]) == pytest.approx(lp(ref_sparse), abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(lp(ref_dense), lp(ref_sparse))) > 1e-4  # sparsity shows
+    for r in res:
+        mixed.release(r.request_id)
+    # the dense prompt cached nothing; a plain repeat finds the pages of the default one
+    again = mixed.prefill([PrefillRequest("again", prompt, SamplingParams(temperature=0.0)),
+                           PrefillRequest("dense2", prompt, SamplingParams(temperature=0.0), sparse_alpha=0.0)])
+    assert again[0].cached_tokens > 0 and again[1].cached_tokens == 0
+    with pytest.raises(ValueError, match="sparse_alpha"):
+        mixed.prefill([PrefillRequest("bad", prompt, want, sparse_alpha=1.5)])

@@ -71,7 +71,7 @@ def test_parse_chat():
         ({"model": "m", "prompt": "x", "stop": 3}, "stop", 400),
         ({"model": "m", "prompt": "x", "seed": True}, "seed", 400),
         ({"model": "m", "prompt": "x", "n": 0}, "n", 400),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo", 400),
+        ({"model": "m", "prompt": "x", "echo": 1}, "echo", 400),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", 400),
         ({"model": "m", "prompt": "x", "best_of": 0}, "best_of", 400),
         ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", 400),
