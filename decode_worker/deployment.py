@@ -223,7 +223,8 @@ class DecodeServer:
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.decode_pages)
         self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
         self.pool = self.runtime.pool
-        self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running)
+        self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running,
+                                   tokenizer=self.runtime.loaded.tokenizer)
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
@@ -363,13 +364,14 @@ class DecodeServer:
                 batch = [item]
                 while not outbox.empty():  # coalesce what is ready into one event
                     batch.append(outbox.get_nowait())
-                tokens, reason = [], None
+                tokens, reason, logprobs = [], None, []
                 for out in batch:
                     if isinstance(out, Exception):
                         finished = True
                         raise out
                     if out.token is not None:
                         tokens.append(int(out.token))
+                        logprobs.append(out.logprob)
                     if out.finished:
                         finished = True
                         reason = out.finish_reason.value if out.finish_reason is not None else None
@@ -377,7 +379,8 @@ class DecodeServer:
                 if first_step_s is None:
                     # admission into the running batch + the step that decoded this request's first token
                     first_step_s = step_s = time.monotonic() - t_submit
-                yield Tokens(tokens=tuple(tokens), finished=finished, finish_reason=reason, first_step_s=step_s)
+                yield Tokens(tokens=tuple(tokens), finished=finished, finish_reason=reason, first_step_s=step_s,
+                             logprobs=tuple(logprobs) if call.params.logprobs is not None else None)
         finally:
             if not sent:
                 self._release_sender(ticket)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from model_executor.runner import ModelRunner
-from model_executor.sampling import Sampler, SamplingParams
+from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
 
 
 class RequestState(enum.Enum):
@@ -27,7 +28,7 @@ class RequestState(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # emitted a stop token (it is the last output token)
+    STOP = "stop"  # emitted a stop token (it is the last output token), or its guide ended
     LENGTH = "length"  # reached max_new_tokens
     KV_EXHAUSTED = "kv_exhausted"  # no page for the next token; the newest running request ends
     CANCELLED = "cancelled"
@@ -46,6 +47,7 @@ class DecodeRequest:
     output_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
+    guide: Any = None  # structured output (params.guided): fed every sampled token
 
     @property
     def is_done(self) -> bool:
@@ -60,18 +62,22 @@ class StepOutput:
     token: int | None
     finished: bool
     finish_reason: FinishReason | None
+    logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 class DecodeEngine:
-    """max_running: requests decoded per step; the rest wait (WAITING) in arrival order."""
+    """max_running: requests decoded per step; the rest wait (WAITING) in arrival order.
+    tokenizer: for structured output (requests with ``params.guided``) only."""
 
-    def __init__(self, runner: ModelRunner, *, max_running: int = 256, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: ModelRunner, *, max_running: int = 256, sampler: Sampler | None = None,
+                 tokenizer: Any = None) -> None:
         if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
             raise ValueError(f"max_running: expected an int >= 1, got {max_running!r}")
         self.runner = runner
         self.pool = runner.pool
         self.max_running = max_running
         self.sampler = sampler or Sampler()
+        self.tokenizer = tokenizer
         self._requests: dict[str, DecodeRequest] = {}
         self._waiting: list[str] = []
         self._running: list[str] = []
@@ -94,7 +100,10 @@ class DecodeEngine:
             )
         if not (0 <= int(first_token) < self.runner.vocab_size):
             raise ValueError(f"first_token: expected an id in [0, {self.runner.vocab_size}), got {first_token}")
-        req = DecodeRequest(request_id, prompt_len, params, [int(first_token)])
+        guide = make_guide(params, self.tokenizer)
+        if guide is not None:
+            guide.accept(int(first_token))  # sampled under the prefill side's own guide
+        req = DecodeRequest(request_id, prompt_len, params, [int(first_token)], guide=guide)
         self._requests[request_id] = req
         reason = self._finish_reason(req)
         if reason is not None:
@@ -139,6 +148,8 @@ class DecodeEngine:
     def _finish_reason(self, req: DecodeRequest) -> FinishReason | None:
         if req.output_ids and req.output_ids[-1] in req.params.stop_token_ids:
             return FinishReason.STOP
+        if req.guide is not None and req.guide.is_terminated():
+            return FinishReason.STOP
         if len(req.output_ids) >= req.params.max_new_tokens:
             return FinishReason.LENGTH
         return None
@@ -179,15 +190,19 @@ class DecodeEngine:
         if not batch:
             return outputs
         logits = self.runner.decode([r.request_id for r in batch], [r.output_ids[-1] for r in batch])
-        tokens = self.sampler(
-            logits, [r.params for r in batch], [len(r.output_ids) for r in batch]
-        ).tolist()
-        for req, tok in zip(batch, tokens):
+        guides = [r.guide for r in batch]
+        sampled = self.sampler.sample(
+            logits, [r.params for r in batch], [len(r.output_ids) for r in batch],
+            histories=[r.output_ids for r in batch], guides=guides if any(g is not None for g in guides) else None,
+        )
+        for req, tok, lp in zip(batch, sampled.tokens.tolist(), sampled.logprobs):
             req.output_ids.append(int(tok))
+            if req.guide is not None:
+                req.guide.accept(int(tok))
             reason = self._finish_reason(req)
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(StepOutput(req.request_id, int(tok), reason is not None, reason))
+            outputs.append(StepOutput(req.request_id, int(tok), reason is not None, reason, lp))
         return outputs
 
     def run_until_done(self, max_steps: int | None = None) -> None:

@@ -229,8 +229,10 @@ class ModelRunner:
         mode: ForwardMode,
         logits_to_keep: torch.Tensor | int,
         calibrate_kv: float | None = None,
+        sparse_config: SparseConfig | None = None,
     ) -> torch.Tensor:
         dev = self.device
+        sparse = self.sparse_config if sparse_config is None else sparse_config
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
@@ -242,9 +244,9 @@ class ModelRunner:
             seqlens_kv=torch.tensor(seqlens_kv, dtype=torch.int32, device=dev),
             slots=self.pool.slot_mapping(request_ids, starts, lengths, device=dev),
             mode=mode,
-            sparse_config=self.sparse_config,
+            sparse_config=sparse,
             max_seqlen_kv=max(seqlens_kv),
-            dense=max(seqlens_kv) < self.dense_below,
+            dense=max(seqlens_kv) < self.dense_below or sparse.alpha == 0,
             backend=self.backend,
             calibrate_kv=calibrate_kv,
         )
@@ -274,8 +276,23 @@ class ModelRunner:
     def prefill(self, items: Sequence[PrefillItem]) -> torch.Tensor:
         """Prefill a batch (whole prompts or chunks); returns float32 logits ``[B, V]`` of each
         item's last new token. Pages must be reserved for ``cached_len + len(token_ids)``."""
+        return self.prefill_keeping(items)[0]
+
+    def prefill_keeping(
+        self, items: Sequence[PrefillItem], keep_all: Sequence[bool] | None = None,
+        sparse_config: SparseConfig | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`prefill`, and for each item ``i`` with ``keep_all[i]`` the logits of every
+        one of its new tokens (``[len(token_ids), V]``, keyed by ``i``): prompt logprobs. The
+        forward is the same (sparse where the runner's sparse config says so); only more rows
+        of the LM head are computed. ``sparse_config``: this forward's, instead of the
+        runner's (per-request sparsity; ``alpha=0`` runs dense)."""
+        if sparse_config is not None and not isinstance(sparse_config, SparseConfig):
+            raise ValueError(f"sparse_config: expected a SparseConfig or None, got {type(sparse_config).__name__}")
+        if keep_all is not None and len(keep_all) != len(items):
+            raise ValueError(f"keep_all: expected one bool per item ({len(items)}), got {len(keep_all)}")
         if not items:
-            return torch.empty(0, self.vocab_size, device=self.device)
+            return torch.empty(0, self.vocab_size, device=self.device), {}
         rids = [it.request_id for it in items]
         if len(set(rids)) != len(rids):
             raise ValueError(f"items: expected distinct request ids in one batch, got {rids}")
@@ -291,10 +308,25 @@ class ModelRunner:
             ids.append(tokens)
             pos.append(torch.arange(it.cached_len, it.cached_len + n, dtype=torch.int64))
         last = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
-        return self._forward(
+        if keep_all is None or not any(keep_all):
+            logits = self._forward(
+                rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
+                logits_to_keep=last.to(self.device), sparse_config=sparse_config,
+            )
+            return logits, {}
+        rows, where, spans = [], [], {}  # rows of the LM head; each item's last row; kept spans
+        for i, (n, end) in enumerate(zip(lengths, last.tolist())):
+            if keep_all[i]:
+                spans[i] = (len(rows), n)
+                rows.extend(range(end - n + 1, end + 1))
+            else:
+                rows.append(end)
+            where.append(len(rows) - 1)
+        logits = self._forward(
             rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
-            logits_to_keep=last.to(self.device),
+            logits_to_keep=torch.tensor(rows, dtype=torch.int64, device=self.device), sparse_config=sparse_config,
         )
+        return logits[where], {i: logits[a : a + n] for i, (a, n) in spans.items()}
 
     CALIBRATION_ID = "__fp8_kv_calibration__"
 

@@ -207,7 +207,7 @@ class PrefillServer:
                                     chunk_size=self.config.prefill.chunk_size,
                                     prefix_cache=self.config.prefill.prefix_caching,
                                     policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
-                                    cost=self.cost_model.cost)
+                                    cost=self.cost_model.cost, tokenizer=self.runtime.loaded.tokenizer)
         self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
@@ -255,7 +255,8 @@ class PrefillServer:
         try:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
-            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params))
+            result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params,
+                                                                               sparse_alpha=call.sparse_alpha))
             # a retry after a failed channel transfer asks for the object store
             exporter = self.object_store if call.transport == "object_store" else self.transport
             ticket, leased = None, False
@@ -274,7 +275,8 @@ class PrefillServer:
                     leased = True
                 return Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
                                  cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
-                                 queue_s=queue_s, prefill_s=prefill_s, export_s=export_s)
+                                 queue_s=queue_s, prefill_s=prefill_s, export_s=export_s,
+                                 first_logprob=result.first_logprob, prompt_logprobs=result.prompt_logprobs)
             finally:
                 if not leased:  # a frame (or nothing) was shipped, or the export failed / was cancelled
                     if ticket is not None and exporter.reads_pages_after_export:

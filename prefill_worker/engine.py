@@ -28,6 +28,7 @@ without the cache: ``dense_below`` is decided per batch, and FP8 quantizes q per
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import threading
@@ -35,9 +36,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
-from model_executor.sampling import Sampler, SamplingParams
+from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide, prompt_logprobs
 
 from .scheduler import PrefillScheduler, PromptState
 
@@ -58,9 +61,14 @@ class PrefillState(enum.Enum):
 
 @dataclass(frozen=True)
 class PrefillRequest:
+    """``sparse_alpha``: this prompt's FlashPrefill V2 threshold instead of the runner's (0:
+    dense); None: the runner's. A prompt run at another alpha than the runner's neither reuses
+    nor fills the prefix cache (its K/V differ from the cached pages')."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    sparse_alpha: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,9 @@ class PrefillResult:
     pages: tuple[int, ...]
     kv_len: int
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    first_logprob: TokenLogprob | None = None  # with params.logprobs
+    # with params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         cost=None,
         clock=time.monotonic,
         interleave: bool = True,
+        tokenizer=None,
     ) -> None:
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache: expected a bool, got {prefix_cache!r}")
@@ -137,6 +149,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         self.prefix_cache = prefix_cache
         self.reuse_granule = prefix_reuse_granule(runner.page_size, sparse=runner.sparse_config.alpha > 0)
         self.runner = runner
+        self.tokenizer = tokenizer  # structured output (params.guided) only
         self.pool = runner.pool
         self.max_batch_tokens = max_batch_tokens
         self.chunk_size = chunk_size
@@ -156,6 +169,9 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 raise ValueError(f"{at}.params: expected SamplingParams, got {type(r.params).__name__}")
             if len(r.prompt_token_ids) == 0:
                 raise ValueError(f"{at}.prompt_token_ids: expected a non-empty prompt")
+            a = r.sparse_alpha
+            if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+                raise ValueError(f"{at}.sparse_alpha: expected None or a float in [0, 1], got {a!r}")
             with self._lock:
                 scheduled = self.scheduler.get(r.request_id) is not None
             if r.request_id in seen or scheduled or self.pool.has(r.request_id):
@@ -166,14 +182,41 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         """Reserve a prompt's pages (raises PoolExhausted, reserving nothing); returns the
         tokens the prefix cache gave and the prompt's full-page digests."""
         rid, n = request.request_id, len(request.prompt_token_ids)
-        if not self.prefix_cache:
+        if not self.prefix_cache or self._own_alpha(request) is not None:
             self.runner.ensure_capacity(rid, n)
             return 0, []
         digests = self.pool.prefix_digests(request.prompt_token_ids)
-        # the last prompt token is always computed: its logits give the first token
+        # the last prompt token is always computed: its logits give the first token; prompt
+        # logprobs need every position's logits, so such a prompt reuses nothing
         reusable = (n - 1) // self.reuse_granule * self.reuse_granule
+        if request.params.prompt_logprobs is not None:
+            reusable = 0
         cached = self.pool.reserve_with_prefix(rid, digests[: reusable // self.pool.page_size], n)
         return cached, digests
+
+    def _own_alpha(self, request: PrefillRequest) -> float | None:
+        """The request's alpha where it differs from the runner's, else None."""
+        a = request.sparse_alpha
+        return None if a is None or float(a) == float(self.runner.sparse_config.alpha) else float(a)
+
+    def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
+        """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
+        alphas = [self._own_alpha(c.seq.payload) for c in chunks]
+        if all(a is None for a in alphas):
+            if not any(keep):
+                return self.runner.prefill(items), {}
+            return self.runner.prefill_keeping(items, keep)
+        logits: torch.Tensor | None = None
+        kept: dict = {}
+        for alpha in dict.fromkeys(alphas):
+            idx = [i for i, a in enumerate(alphas) if a == alpha]
+            config = None if alpha is None else dataclasses.replace(self.runner.sparse_config, alpha=alpha)
+            part, part_kept = self.runner.prefill_keeping([items[i] for i in idx], [keep[i] for i in idx], config)
+            if logits is None:
+                logits = part.new_empty((len(items), part.shape[-1]))
+            logits[idx] = part
+            kept.update({idx[j]: v for j, v in part_kept.items()})
+        return logits, kept
 
     def _admit(self, seq: PromptState) -> bool:
         from kv_transfer.pool import PoolExhausted
@@ -250,13 +293,24 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         try:
             items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
                                  c.start) for c in chunks]
-            logits = self.runner.prefill(items)
+            keep = [c.seq.payload.params.prompt_logprobs is not None and not c.seq.aborted for c in chunks]
+            logits, kept = self._forward(chunks, items, keep)
+            for i, chunk_logits in kept.items():
+                c = chunks[i]
+                prompt = c.seq.payload.prompt_token_ids
+                entries = c.seq.extra.setdefault("prompt_logprobs", [None] if c.start == 0 else [])
+                # position p predicts prompt[p + 1]; the prompt's last position predicts no prompt token
+                targets = list(prompt[c.start + 1 : c.start + c.num_tokens + 1])
+                entries.extend(prompt_logprobs(chunk_logits, targets, c.seq.payload.params.prompt_logprobs))
             self.forward_batches += 1
             rows = [i for i, c in enumerate(chunks) if c.last and not c.seq.aborted]
-            tokens = []
+            tokens, logprobs = [], []
             if rows:
-                tokens = self.sampler(logits[rows], [chunks[i].seq.payload.params for i in rows],
-                                      [0] * len(rows)).tolist()
+                params = [chunks[i].seq.payload.params for i in rows]
+                guides = [make_guide(p, self.tokenizer) for p in params]
+                sampled = self.sampler.sample(logits[rows], params, [0] * len(rows),
+                                              guides=guides if any(g is not None for g in guides) else None)
+                tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs
         except BaseException as exc:
             with self._lock:
                 failed = self.scheduler.fail(chunks)
@@ -271,6 +325,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         with self._lock:
             finished, aborted = self.scheduler.commit(chunks)
         first = {chunks[i].request_id: int(t) for i, t in zip(rows, tokens)}
+        first_lp = {chunks[i].request_id: lp for i, lp in zip(rows, logprobs)}
         for seq in aborted:
             if self.pool.has(seq.request_id):
                 self.pool.release(seq.request_id)
@@ -279,7 +334,10 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             if seq.extra.get("digests"):  # its full pages serve the prompts that start like it
                 self.pool.cache_prefix(rid, seq.extra["digests"])
             out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
-                                              kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens))
+                                              kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                                              first_logprob=first_lp[rid],
+                                              prompt_logprobs=(tuple(seq.extra["prompt_logprobs"])
+                                                               if "prompt_logprobs" in seq.extra else None)))
         return out
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.config import ServiceConfig
 from .pipeline import Delta, DisaggregatedPipeline, LeaseReleaser
 from .protocol import (
+    SYSTEM_FINGERPRINT,
     GenerationRequest,
     RequestError,
     RequestParser,
@@ -111,15 +112,16 @@ class OpenAIIngress:
     def _check_capacity(self, req: GenerationRequest) -> None:
         """Requests no replica could ever hold are bad input (400), not overload (429)."""
         ps = self.config.kv.page_size
-        prompt_pages = -(-req.prompt_len // ps)
+        prompt_len = max(len(p) for p in req.batch or (req.prompt_token_ids,))  # each prompt runs alone
+        prompt_pages = -(-prompt_len // ps)
         if prompt_pages > self.config.kv.prefill_pages:
             raise RequestError(
-                f"prompt: {req.prompt_len} tokens need {prompt_pages} KV pages; a prefill replica holds "
+                f"prompt: {prompt_len} tokens need {prompt_pages} KV pages; a prefill replica holds "
                 f"{self.config.kv.prefill_pages}", param="prompt", status=400, code="prompt_too_long")
-        final_pages = -(-(req.prompt_len + req.max_tokens) // ps)
+        final_pages = -(-(prompt_len + req.max_tokens) // ps)
         if final_pages > self.config.kv.decode_pages:
             raise RequestError(
-                f"max_tokens: prompt ({req.prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
+                f"max_tokens: prompt ({prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
                 f"a decode replica holds {self.config.kv.decode_pages}: lower max_tokens",
                 param="max_tokens", status=400, code="invalid_value")
 
@@ -195,11 +197,13 @@ class OpenAIIngress:
             return error_response(err)
         if not req.stream:
             try:
-                result = await self.pipeline.complete(req)
+                if req.single:
+                    return JSONResponse(completion_response(req, await self.pipeline.complete(req)))
+                choices, generated = await self.pipeline.complete_choices(req)
             except Exception as exc:
                 return error_response(_as_request_error(exc))
-            return JSONResponse(completion_response(req, result))
-        deltas = self.pipeline.stream(req)
+            return JSONResponse(completion_response(req, choices[0][2], choices=choices, completion_tokens=generated))
+        deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
         try:  # wait for the first token before committing to a 200: errors keep their status
             first = await deltas.__anext__()
         except Exception as exc:
@@ -208,25 +212,46 @@ class OpenAIIngress:
         return StreamingResponse(self._sse_stream(req, first, deltas), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _sse_stream(self, req: GenerationRequest, first: Delta, deltas):
-        completion_tokens, cached_tokens = 0, None
+    async def _single_choice(self, req: GenerationRequest):
+        """The one stream of a single-choice request, as ``(0, Delta)`` (as ``stream_choices``)."""
+        stream = self.pipeline.stream(req)
         try:
-            delta = first
+            async for delta in stream:
+                yield 0, delta
+        finally:
+            await stream.aclose()
+
+    async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
+        completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
+        left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
+        try:
+            index, delta = first
             while True:
                 completion_tokens += len(delta.token_ids)
+                if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
+                    cached_tokens = (cached_tokens or 0) + delta.timing["cached_tokens"]
                 if delta.timing is not None:
-                    cached_tokens = delta.timing.get("cached_tokens")
-                chunk = stream_chunk(req, delta.text, delta.token_ids, delta.finish_reason, first=delta.first)
+                    sparse = delta.timing.get("sparse_attention") or sparse
+                text, logprobs = delta.text, delta.logprobs
+                if req.echo and delta.first:  # the prompt goes first
+                    text = (delta.prompt_text or "") + text
+                    if logprobs is not None:
+                        logprobs = (delta.prompt_logprobs or []) + logprobs
+                chunk = stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
+                                     logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)
+                text_offset[index] = text_offset.get(index, 0) + sum(len(e.token) for e in logprobs or ())
                 if delta.finish_reason is not None:
                     chunk["timing"] = delta.timing
                     if delta.routing is not None:
                         chunk["routing"] = delta.routing
                 yield _sse(chunk)
                 if delta.finish_reason is not None:
-                    break
-                delta = await deltas.__anext__()
+                    left -= 1
+                    if not left:
+                        break
+                index, delta = await deltas.__anext__()
             if req.include_usage:
-                yield _sse(usage_chunk(req, completion_tokens, cached_tokens))
+                yield _sse(usage_chunk(req, completion_tokens, cached_tokens, sparse))
         except StopAsyncIteration:
             pass
         except Exception as exc:  # after a 200 went out, the error travels in-band
@@ -264,15 +289,35 @@ class OpenAIIngress:
             body["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
         else:
             body["prompt"] = message.prompt if given[0] == "prompt" else list(message.prompt_token_ids)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in ("max_tokens", "top_k", "seed", "min_tokens", *floats):
             if message.HasField(name):
                 body[name] = getattr(message, name)
-        if "temperature" in body:  # float32 on the wire: 0.7 arrives as 0.699999988
-            body["temperature"] = round(body["temperature"], 6)
-        if "top_p" in body:
-            body["top_p"] = round(body["top_p"], 6)
+        for name in floats:  # float32 on the wire: 0.7 arrives as 0.699999988
+            if name in body:
+                body[name] = round(body[name], 6)
         if message.stop:
             body["stop"] = list(message.stop)
+        if message.logit_bias:
+            body["logit_bias"] = {str(k): round(v, 6) for k, v in message.logit_bias.items()}
+        if message.stop_token_ids:
+            body["stop_token_ids"] = list(message.stop_token_ids)
+        if message.ignore_eos:
+            body["ignore_eos"] = True
+        if message.echo:
+            body["echo"] = True
+        if message.HasField("sparse_attention"):
+            sa = message.sparse_attention
+            if sa.dense and sa.HasField("alpha"):
+                raise RequestError("sparse_attention: give dense or alpha, not both", param="sparse_attention",
+                                   status=400, code="invalid_value")
+            body["sparse_attention"] = False if sa.dense else (
+                {"alpha": round(sa.alpha, 6)} if sa.HasField("alpha") else True)
+        if message.HasField("logprobs"):  # completions' int k; chat's logprobs + top_logprobs
+            if kind == "completion":
+                body["logprobs"] = message.logprobs
+            else:
+                body["logprobs"], body["top_logprobs"] = True, message.logprobs
         if message.request_id:
             body["request_id"] = message.request_id
         try:
@@ -280,6 +325,9 @@ class OpenAIIngress:
         except RequestError as err:
             if err.param == "prompt" and given[0] == "prompt_token_ids":  # name the proto field
                 raise RequestError("prompt_token_ids" + err.message[len("prompt"):], param="prompt_token_ids",
+                                   status=err.status, code=err.code) from None
+            if err.param == "top_logprobs":  # the proto has one field for both
+                raise RequestError("logprobs" + err.message[len("top_logprobs"):], param="logprobs",
                                    status=err.status, code=err.code) from None
             raise
 
@@ -297,13 +345,23 @@ class OpenAIIngress:
     def _grpc_extras(pb: Any, msg: Any, req: GenerationRequest, timing: dict | None, routing: dict | None,
                      completion_tokens: int) -> None:
         u = usage(req.prompt_len, completion_tokens, (timing or {}).get("cached_tokens"))  # as HTTP reports it
+        cached = u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
-                                    total_tokens=u["total_tokens"],
-                                    cached_tokens=u.get("prompt_tokens_details", {}).get("cached_tokens", 0)))
+                                    total_tokens=u["total_tokens"], cached_tokens=cached,
+                                    prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
+        sparse = (timing or {}).get("sparse_attention")
+        if sparse and req.sparse_alpha is not None:
+            msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"]))
         fields = pb.Timing.DESCRIPTOR.fields_by_name
         msg.timing.CopyFrom(pb.Timing(**{k: float(v) for k, v in (timing or {}).items() if k in fields and v is not None}))
         if routing:
             msg.routing.CopyFrom(pb.Routing(**{k: v or "" for k, v in routing.items()}))
+
+    @staticmethod
+    def _grpc_logprobs(pb: Any, entries: list | None) -> list:
+        return [pb.TokenLogprob(token_id=e.token_id, token=e.token, logprob=e.logprob,
+                                top_logprobs=[pb.TopLogprob(token_id=i, token=t, logprob=lp) for i, t, lp in e.top])
+                for e in entries or ()]
 
     async def Generate(self, request: Any, grpc_context: Any = None):
         from router.proto import flashprefill_pb2 as pb
@@ -314,8 +372,12 @@ class OpenAIIngress:
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
             return pb.GenerateResponse()
-        out = pb.GenerateResponse(request_id=req.request_id, model=req.model, text=result.text,
-                                  token_ids=result.token_ids, finish_reason=result.finish_reason)
+        out = pb.GenerateResponse(request_id=req.request_id, model=req.model,
+                                  text=(result.prompt_text or "") + result.text if req.echo else result.text,
+                                  token_ids=result.token_ids, finish_reason=result.finish_reason,
+                                  logprobs=self._grpc_logprobs(pb, result.logprobs),
+                                  prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]),
+                                  system_fingerprint=SYSTEM_FINGERPRINT)
         self._grpc_extras(pb, out, req, result.timing, result.routing, len(result.token_ids))
         return out
 
@@ -381,8 +443,14 @@ class OpenAIIngress:
                 completion_tokens += len(delta.token_ids)
                 if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
                     cached_tokens = delta.timing["cached_tokens"]
-                msg = pb.GenerateStreamResponse(request_id=req.request_id, text=delta.text,
-                                                token_ids=delta.token_ids, finish_reason=delta.finish_reason or "")
+                echo = req.echo and delta.first
+                msg = pb.GenerateStreamResponse(request_id=req.request_id,
+                                                text=(delta.prompt_text or "") + delta.text if echo else delta.text,
+                                                token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
+                                                logprobs=self._grpc_logprobs(pb, delta.logprobs),
+                                                prompt_logprobs=self._grpc_logprobs(
+                                                    pb, (delta.prompt_logprobs or [])[1:] if echo else []),
+                                                system_fingerprint=SYSTEM_FINGERPRINT)
                 if delta.finish_reason is not None:
                     timing = {**(delta.timing or {}), "cached_tokens": cached_tokens}
                     self._grpc_extras(pb, msg, req, timing, delta.routing, completion_tokens)

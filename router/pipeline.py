@@ -67,6 +67,20 @@ class Delta:
     first: bool = False
     timing: dict | None = None
     routing: dict | None = None
+    logprobs: list | None = None  # one Logprob per token id, when the request asked for them
+    prompt_text: str | None = None  # first delta, with echo
+    prompt_logprobs: list | None = None  # first delta, with echo and logprobs (None for token 0)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's logprob with the strings of it and of its top alternatives (the protocol
+    renders them in the OpenAI shapes)."""
+
+    token_id: int
+    token: str
+    logprob: float | None  # None: a prompt's first token (echo)
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, token, logprob), most likely first
 
 
 @dataclass
@@ -76,6 +90,9 @@ class Completion:
     finish_reason: str
     timing: dict
     routing: dict | None = None
+    logprobs: list | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -87,6 +104,20 @@ class _Attempt:
     decode_stream: Any = None
     timing: dict = field(default_factory=dict)
     routing: dict = field(default_factory=dict)
+
+
+def _own_serve_request(suffix: str) -> None:
+    """In this task (its own copy of the context), calls go out as their own Serve request:
+    Serve and our request routers track in-flight calls by the internal request id, which
+    the choices of one HTTP request would otherwise share (their ledgers would count the
+    choices' calls as one and drift)."""
+    try:
+        from ray.serve import context as serve_context
+    except ImportError:  # the pipeline outside Serve (tests with fake handles)
+        return
+    ctx = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(
+        ctx, _internal_request_id=f"{ctx._internal_request_id or uuid.uuid4().hex}:{suffix}"))
 
 
 def _is_replica_failure(exc: BaseException) -> bool:
@@ -116,12 +147,96 @@ class DisaggregatedPipeline:
 
     async def complete(self, req: GenerationRequest) -> Completion:
         text, ids, reason, timing, routing = [], [], "length", {}, None
+        logprobs = [] if req.logprobs is not None else None
+        prompt_text = prompt_logprobs = None
         async for d in self.stream(req):
+            if d.first:
+                prompt_text, prompt_logprobs = d.prompt_text, d.prompt_logprobs
             text.append(d.text)
             ids.extend(d.token_ids)
+            if logprobs is not None:
+                logprobs.extend(d.logprobs or ())
             if d.finish_reason is not None:
                 reason, timing, routing = d.finish_reason, d.timing or {}, d.routing
-        return Completion("".join(text), ids, reason, timing, routing)
+        return Completion("".join(text), ids, reason, timing, routing, logprobs, prompt_text, prompt_logprobs)
+
+    # -- several choices: n, best_of, a list of prompts ---------------------------------
+    async def complete_choices(self, req: GenerationRequest) -> tuple[list, int]:
+        """Every choice of ``req`` at once: ``([(index, prompt_token_ids, Completion)], tokens
+        generated)``. ``best_of``: per prompt the ``n`` of highest summed logprob, best first.
+        One choice failing cancels the others (their streams close, their pages are freed)."""
+        groups = req.choices()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [[tg.create_task(self._complete_apart(sub)) for sub in row] for row in groups]
+        except BaseExceptionGroup as group:  # the first failure, as a single request would raise it
+            raise group.exceptions[0] from None
+        out, generated = [], 0
+        for i, (row, subs) in enumerate(zip(tasks, groups)):
+            results = [t.result() for t in row]
+            generated += sum(len(r.token_ids) for r in results)
+            if req.best_of is not None:
+                results = sorted(results, key=lambda r: -sum(e.logprob for e in r.logprobs or ()))[: req.n]
+                if req.logprobs is None:
+                    results = [dataclasses.replace(r, logprobs=None) for r in results]
+            out.extend((i * req.n + j, subs[0].prompt_token_ids, r) for j, r in enumerate(results))
+        return out, generated
+
+    async def _complete_apart(self, sub: GenerationRequest) -> Completion:
+        _own_serve_request(sub.request_id)
+        return await self.complete(sub)
+
+    async def stream_choices(self, req: GenerationRequest) -> AsyncIterator[tuple[int, Delta]]:
+        """``(choice index, Delta)`` of every choice as they come (no ``best_of`` > n: the
+        parser refuses to stream it); each choice's last delta has its ``finish_reason``.
+        Closing this iterator (or one choice failing) cancels every choice still running."""
+        subs = [sub for row in req.choices() for sub in row]
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, sub: GenerationRequest) -> None:
+            _own_serve_request(sub.request_id)
+            try:
+                async for delta in self.stream(sub):
+                    await queue.put((index, delta))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((index, exc))
+            else:
+                await queue.put((index, done))
+
+        tasks = [asyncio.create_task(pump(k, sub)) for k, sub in enumerate(subs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _prompt_logprobs(self, req: GenerationRequest, entries: Any) -> list | None:
+        if req.logprobs is None:
+            return None
+        if entries is None or len(entries) != req.prompt_len:
+            raise RequestError("echo: the prefill returned no prompt logprobs", status=502, code="prefill_failed")
+        first = req.prompt_token_ids[0]
+        return [Logprob(first, self._token_str(first), None), *self._logprobs(req, entries[1:])]
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def _logprobs(self, req: GenerationRequest, entries: Any) -> list | None:
+        """model_executor.sampling.TokenLogprob entries -> :class:`Logprob`; None without logprobs."""
+        if req.logprobs is None:
+            return None
+        return [Logprob(e.token, self._token_str(e.token), e.logprob,
+                        tuple((t, self._token_str(t), lp) for t, lp in e.top)) for e in entries or () if e is not None]
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         life = RequestLifecycle(req.request_id)
@@ -139,16 +254,18 @@ class DisaggregatedPipeline:
                 # On a resume the context is prompt + generated[:-1] and the decode side
                 # continues from generated[-1]: nothing is sent twice, nothing is skipped.
                 context = list(req.prompt_token_ids) + generated[:-1]
-                left = req.max_tokens - max(len(generated) - 1, 0)
-                step_params = dataclasses.replace(params, max_new_tokens=left)
-                cost = self.cost_model.cost(len(context))
+                left = max(req.max_tokens - max(len(generated) - 1, 0), 1)
+                step_params = dataclasses.replace(params, max_new_tokens=left,
+                                                  prompt_logprobs=None if generated else params.prompt_logprobs,
+                                                  min_tokens=max(params.min_tokens - max(len(generated) - 1, 0), 0))
+                cost = self.cost_model.cost(len(context), alpha=req.sparse_alpha)
                 for n in range(self.config.transfer.retries + 1):
                     attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
                     attempts += 1
                     life.to(RequestPhase.PREFILLING)
                     try:
                         event = await self._start_prefill(attempt, req, context, step_params, cost,
-                                                          skip_transfer=not generated and req.max_tokens == 1,
+                                                          skip_transfer=not generated and req.max_tokens <= 1,
                                                           transport=transport)
                     except Exception as exc:
                         self._close(attempt)
@@ -163,8 +280,16 @@ class DisaggregatedPipeline:
                         first_token = event.first_token
                         generated.append(first_token)
                         life.mark_first_token()
-                        delta = Delta(text.push([first_token]), [first_token], first=True)
-                        reason = self._finish_after_first(req, first_token, text)
+                        if req.max_tokens == 0:  # echo of the prompt alone: its token is not output
+                            delta = Delta("", [], first=True, logprobs=[] if req.logprobs is not None else None)
+                            generated.clear()
+                        else:
+                            delta = Delta(text.push([first_token]), [first_token], first=True,
+                                          logprobs=self._logprobs(req, [event.first_logprob]))
+                        if req.echo:
+                            delta.prompt_text = self.tokenizer.decode(list(req.prompt_token_ids))
+                            delta.prompt_logprobs = self._prompt_logprobs(req, event.prompt_logprobs)
+                        reason = "length" if req.max_tokens == 0 else self._finish_after_first(req, first_token, text)
                         if reason is not None:
                             life.to(RequestPhase.FINISHED)
                             delta.text += text.finish()
@@ -206,7 +331,7 @@ class DisaggregatedPipeline:
                             attempt.timing["first_decode_s"] = event.first_step_s
                         tokens = list(event.tokens)
                         generated.extend(tokens)
-                        delta = Delta(text.push(tokens), tokens)
+                        delta = Delta(text.push(tokens), tokens, logprobs=self._logprobs(req, event.logprobs))
                         if text.stopped:
                             reason = "stop"
                         elif event.finished:
@@ -282,10 +407,14 @@ class DisaggregatedPipeline:
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
                              cost: float, *, skip_transfer: bool, transport: str | None = None) -> Prefilled:
         payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
-                              skip_transfer=skip_transfer, transport=transport)
+                              skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha)
+        alpha = self.config.sparse.alpha if req.sparse_alpha is None else req.sparse_alpha
+        own_alpha = alpha != self.config.sparse.alpha  # such a prompt uses no cached prefix
+        # how this prefill runs (usage.sparse_attention): dense below sparse.dense_below or at alpha 0
+        attempt.timing["sparse_attention"] = {"alpha": alpha, "dense": alpha == 0 or len(context) < self.config.sparse.dense_below}
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
-                  if self.config.prefill.prefix_caching else None)
+                  if self.config.prefill.prefix_caching and not own_alpha else None)
         event = await self._prefill.prefill.remote(
             payload, routing=routing_hint(cost=cost, pages=self._pages(len(context)), prefix=prefix)
         )
@@ -349,6 +478,7 @@ class DisaggregatedPipeline:
             "prefill_attempts": life.prefill_attempts,
             "decode_resumes": resumes,
             "cached_tokens": attempt.timing.get("cached_tokens"),
+            "sparse_attention": attempt.timing.get("sparse_attention"),
         }
 
     def _routing(self, attempt: _Attempt) -> dict | None:

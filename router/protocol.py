@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model_executor.sampling import SamplingParams
@@ -22,17 +22,16 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256
 MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_STOP_TOKEN_IDS = 64
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions' logprobs, chat's top_logprobs
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 32  # prompts in one completions request
+MAX_N = 16  # n and best_of
+SYSTEM_FINGERPRINT = "fp_flashprefill"  # ``system_fingerprint`` of every response
 
 # Parameters we accept only at their "off" value (OpenAI clients send some of them by default).
 _NEUTRAL = {
-    "n": (1,),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "user": None,  # any string: recorded nowhere
     "parallel_tool_calls": (None, False),
@@ -41,10 +40,14 @@ _NEUTRAL = {
     "response_format": (None, {"type": "text"}),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream",
-           "stream_options", "seed", "return_token_ids", "request_id"}
-COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL)
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL)
-CHAT_ROLES = ("system", "user", "assistant")
+           "stream_options", "seed", "return_token_ids", "request_id", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
+           "sparse_attention"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# roles the chat templates do not know, and the role they are rendered as
+_ROLE_AS = {"developer": "system"}
 
 
 def bad(param: str, message: str) -> RequestError:
@@ -69,16 +72,60 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    n: int = 1  # choices per prompt
+    best_of: int | None = None  # generate this many per prompt, return the n of highest logprob
+    batch: tuple[tuple[int, ...], ...] = ()  # every prompt of a list of prompts (() : just this one)
+    echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the output
+    sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+        """Prompt tokens of the request (of all its prompts, each counted once, as OpenAI)."""
+        return sum(len(p) for p in self.batch) if self.batch else len(self.prompt_token_ids)
+
+    @property
+    def response_id(self) -> str:
+        """The ``id`` of the response objects: OpenAI's ``cmpl-`` / ``chatcmpl-`` prefix on the
+        request id (which may come from ``x-request-id`` or the ``request_id`` field)."""
+        prefix = "cmpl-" if self.kind == "completion" else "chatcmpl-"
+        return self.request_id if self.request_id.startswith(prefix) else prefix + self.request_id
+
+    @property
+    def single(self) -> bool:
+        return not self.batch and self.n == 1 and self.best_of is None
+
+    def choices(self) -> list[list["GenerationRequest"]]:
+        """Per prompt, the single requests its choices come from (``best_of`` or ``n`` of them):
+        each its own request id, and with a seed, seeds ``seed, seed + 1, ...`` (choice 0 is the
+        n=1 answer). With ``best_of`` they keep logprobs, the ranking's score."""
+        per_prompt = self.best_of or self.n
+        logprobs = self.logprobs if self.best_of is None else (self.logprobs or 0)
+        out = []
+        for i, ids in enumerate(self.batch or (self.prompt_token_ids,)):
+            row = []
+            for j in range(per_prompt):
+                k = i * per_prompt + j
+                row.append(replace(self, request_id=f"{self.request_id}-{k}", prompt_token_ids=tuple(ids), batch=(),
+                                   n=1, best_of=None, logprobs=logprobs,
+                                   seed=None if self.seed is None else (self.seed + j) % (MAX_SEED + 1)))
+            out.append(row)
+        return out
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            max_new_tokens=self.max_tokens, stop_token_ids=self.stop_token_ids, seed=self.seed,
+            max_new_tokens=max(self.max_tokens, 1), stop_token_ids=self.stop_token_ids, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
         )
 
 
@@ -129,6 +176,22 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _sparse_attention(body: dict) -> float | None:
+    """``sparse_attention``: ``false`` (dense prefill), ``true`` / null (the service's
+    setting), or ``{"alpha": a}`` with ``a`` in [0, 1] (FlashPrefill V2's threshold)."""
+    value = body.get("sparse_attention")
+    if value is None or value is True:
+        return None
+    if value is False:
+        return 0.0
+    if not isinstance(value, dict) or set(value) != {"alpha"}:
+        raise bad("sparse_attention", f"expected false, true or {{\"alpha\": float in [0, 1]}}, got {value!r}"[:200])
+    try:
+        return _number(value, "alpha", 0.0, 0.0, 1.0) if value["alpha"] is not None else None
+    except RequestError as err:
+        raise bad("sparse_attention", err.message.replace("alpha:", "alpha", 1)) from None
+
+
 def _check_text(name: str, value: str) -> str:
     """A string field must be valid Unicode that UTF-8 can encode (JSON lets a client send a
     lone surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
@@ -144,8 +207,8 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
     unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad(unknown[0], "unrecognized request argument")
+    if unknown:  # a name with a lone surrogate is escaped: the error must render as JSON
+        raise bad(unknown[0].encode("utf-8", "backslashreplace").decode("utf-8"), "unrecognized request argument")
     for name, neutral in _NEUTRAL.items():
         if name not in body:
             continue
@@ -153,9 +216,7 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
         if neutral is None:
             if value is not None and not isinstance(value, str):
                 raise bad(name, f"expected a string, got {value!r}")
-        elif not any(value == n and type(value) is type(n) for n in neutral) and not (
-            name in ("presence_penalty", "frequency_penalty") and value == 0 and not isinstance(value, bool)
-        ):
+        elif not any(value == n and type(value) is type(n) for n in neutral):
             what = "n must be 1" if name == "n" else f"only {neutral[-1]!r} is supported"
             raise bad(name, f"{what}, got {value!r}")
     return body
@@ -181,19 +242,23 @@ class RequestParser:
                 raise bad(name, f"expected token ids in [0, {self.vocab_size}), got {t!r}")
         return list(ids)
 
-    def _prompt(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def _one_prompt(self, name: str, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise bad("prompt", "expected a non-empty string")
-            return self.tokenizer.encode(_check_text("prompt", prompt))
+                raise bad(name, "expected a non-empty string")
+            return self.tokenizer.encode(_check_text(name, prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self._token_ids("prompt", prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise bad("prompt", "batched prompts are not supported: send one prompt per request")
-        raise bad("prompt", f"expected a string or a list of token ids, got {type(prompt).__name__}")
+            return self._token_ids(name, prompt)
+        raise bad(name, f"expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _prompts(self, body: dict) -> list[list[int]]:
+        """A string, a list of token ids, or a list of either (a list of prompts)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise bad("prompt", f"expected at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+            return [self._one_prompt("prompt" if len(prompt) == 1 else f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+        return [self._one_prompt("prompt", prompt)]
 
     def _messages(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -221,7 +286,7 @@ class RequestParser:
             extra = sorted(set(m) - {"role", "content", "name"})
             if extra:
                 raise bad(f"messages[{i}].{extra[0]}", "unrecognized message field")
-            clean.append({"role": role, "content": content})
+            clean.append({"role": _ROLE_AS.get(role, role), "content": content})
         try:
             return self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
         except ValueError as exc:
@@ -245,7 +310,8 @@ class RequestParser:
             raise ValueError(f"kind: expected 'completion' or 'chat', got {kind!r}")
         body = _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
         model = self._model(body)
-        ids = self._prompt(body) if kind == "completion" else self._messages(body)
+        prompts = self._prompts(body) if kind == "completion" else [self._messages(body)]
+        ids = max(prompts, key=len)  # the room below is the longest prompt's
         if kind == "chat" and body.get("max_completion_tokens") is not None:
             if body.get("max_tokens") is not None:
                 raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
@@ -255,7 +321,9 @@ class RequestParser:
             raise bad("prompt" if kind == "completion" else "messages",
                       f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
                       "(max_model_len, one token of room to generate)")
-        max_tokens = _integer(body, "max_tokens", None, 1, self.max_model_len)
+        echo = kind == "completion" and _bool(body, "echo", False)
+        # max_tokens 0: only the prompt (with echo: its logprobs, for loglikelihood evaluations)
+        max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, self.max_model_len)
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
@@ -277,50 +345,151 @@ class RequestParser:
         if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 128 or not rid.isprintable()):
             raise bad("request_id", "expected a printable string of at most 128 characters")
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        stop_ids = self._stop_token_ids(body)
+        min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
+        n = _integer(body, "n", 1, 1, MAX_N)
+        best_of = _integer(body, "best_of", None, 1, MAX_N)
+        if best_of is not None:
+            if best_of < n:
+                raise bad("best_of", f"expected best_of >= n ({n}), got {best_of}")
+            if stream and best_of > n:
+                raise bad("best_of", "best_of > n cannot be streamed (the best are known at the end)")
+            if best_of == n:
+                best_of = None  # nothing to choose
         return GenerationRequest(
             request_id=rid or request_id or f"{prefix}-{uuid.uuid4().hex}",
             kind=kind,
             model=model,
-            prompt_token_ids=tuple(ids),
+            prompt_token_ids=tuple(prompts[0]),
+            batch=tuple(tuple(p) for p in prompts) if len(prompts) > 1 else (),
+            n=n,
+            best_of=best_of,
+            echo=echo,
+            sparse_alpha=_sparse_attention(body),
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=max(top_k, 0),
             seed=seed,
             stop=_stop(body),
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=stop_ids,
             stream=stream,
             include_usage=include_usage,
             return_token_ids=_bool(body, "return_token_ids", False),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+            logit_bias=self._logit_bias(body),
+            min_tokens=min_tokens,
+            logprobs=self._logprobs(body, kind),
         )
+
+    # -- sampling controls -------------------------------------------------------------
+    def _stop_token_ids(self, body: dict) -> tuple[int, ...]:
+        """The tokenizer's end-of-text ids (unless ``ignore_eos``) and the request's own."""
+        ids = body.get("stop_token_ids")
+        if ids is None:
+            ids = []
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"expected a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {ids!r}")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise bad("stop_token_ids", f"expected token ids in [0, {self.vocab_size}), got {t!r}")
+        base = () if _bool(body, "ignore_eos", False) else self.stop_token_ids
+        return tuple(dict.fromkeys((*base, *ids)))
+
+    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
+        bias = body.get("logit_bias")
+        if bias is None:
+            return ()
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"expected an object of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+        out = []
+        for key, value in bias.items():
+            tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+            if tok is None or not 0 <= tok < self.vocab_size:
+                raise bad("logit_bias", f"expected token ids in [0, {self.vocab_size}) as keys, got {_check_text('logit_bias', key)[:32]!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"expected a bias in [-100, 100] for token {tok}, got {value!r}")
+            out.append((tok, float(value)))
+        return tuple(out)
+
+    @staticmethod
+    def _logprobs(body: dict, kind: str) -> int | None:
+        if kind == "completion":
+            return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+        on = _bool(body, "logprobs", False)
+        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise bad("top_logprobs", "requires logprobs: true")
+        return (top or 0) if on else None
 
 
 # ----------------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          sparse_attention: dict | None = None) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache;
+    ``sparse_attention`` (extension): how the prefill ran (``{"alpha", "dense"}``)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
+    if sparse_attention is not None:
+        out["sparse_attention"] = sparse_attention
     if cached_tokens is not None:  # after a resume the re-prefilled context is longer than the prompt
         out["prompt_tokens_details"] = {"cached_tokens": min(int(cached_tokens), prompt_tokens)}
     return out
 
 
-def completion_response(req: GenerationRequest, result: Any) -> dict:
-    """``result``: a ``router.pipeline.Completion``."""
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "surrogatepass"))
+
+
+def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): completions' parallel
+    lists, or chat's ``content`` list. ``entries``: ``router.pipeline.Logprob`` values."""
+    if req.logprobs is None or entries is None:
+        return None
     if req.kind == "completion":
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason, "logprobs": None}
-        obj = "chat.completion"
-    if req.return_token_ids:
-        choice["token_ids"] = list(result.token_ids)
-        choice["prompt_token_ids"] = list(req.prompt_token_ids)
+        offsets, at = [], text_offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e.token)
+        # echo: the prompt's first token has no logprob (nothing before it predicts it)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None else {t: lp for _, t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for _, t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_response(req: GenerationRequest, result: Any, *, choices: list | None = None,
+                        completion_tokens: int | None = None) -> dict:
+    """``result``: a ``router.pipeline.Completion`` (with ``n``, a list of prompts or
+    ``best_of``: ``choices``, ``(index, prompt_token_ids, Completion)`` per returned choice,
+    ``result`` the first; ``completion_tokens``: every token generated, best_of's discarded
+    ones included)."""
+    choices = choices if choices is not None else [(0, req.prompt_token_ids, result)]
+    out_choices = []
+    for index, prompt_ids, res in choices:
+        lp = logprobs_object(req, (res.prompt_logprobs or []) + (res.logprobs or []) if req.echo else res.logprobs)
+        if req.kind == "completion":
+            choice = {"index": index, "text": (res.prompt_text or "") + res.text if req.echo else res.text, "finish_reason": res.finish_reason, "logprobs": lp}
+        else:
+            choice = {"index": index, "message": {"role": "assistant", "content": res.text},
+                      "finish_reason": res.finish_reason, "logprobs": lp}
+        if req.return_token_ids:
+            choice["token_ids"] = list(res.token_ids)
+            choice["prompt_token_ids"] = list(prompt_ids)
+        out_choices.append(choice)
+    if completion_tokens is None:
+        completion_tokens = sum(len(res.token_ids) for _, _, res in choices)
+    cached = [(res.timing or {}).get("cached_tokens") for _, _, res in choices]
     out = {
-        "id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-        "choices": [choice],
-        "usage": usage(req.prompt_len, len(result.token_ids), (result.timing or {}).get("cached_tokens")),
+        "id": req.response_id, "object": "text_completion" if req.kind == "completion" else "chat.completion",
+        "created": req.created, "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": out_choices,
+        "usage": usage(req.prompt_len, completion_tokens,
+                       None if None in cached else (cached[0] if len(cached) == 1 else sum(cached)),
+                       (result.timing or {}).get("sparse_attention") if req.sparse_alpha is not None else None),
         "timing": result.timing,
     }
     if result.routing is not None:
@@ -329,9 +498,10 @@ def completion_response(req: GenerationRequest, result: Any) -> dict:
 
 
 def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None,
-                 *, first: bool = False) -> dict:
+                 *, first: bool = False, logprobs: list | None = None, text_offset: int = 0, index: int = 0) -> dict:
+    lp = logprobs_object(req, logprobs, text_offset)
     if req.kind == "completion":
-        choice: dict = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice: dict = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": lp}
         obj = "text_completion"
     else:
         delta: dict = {}
@@ -339,17 +509,21 @@ def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int],
             delta["role"] = "assistant"
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
         obj = "chat.completion.chunk"
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None,
+                sparse_attention: dict | None = None) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [], "usage": usage(req.prompt_len, completion_tokens, cached_tokens)}
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
+            "usage": usage(req.prompt_len, completion_tokens, cached_tokens,
+                           sparse_attention if req.sparse_alpha is not None else None)}
 
 
 def models_response(model_id: str, created: int) -> dict:
@@ -367,7 +541,6 @@ def _request_schema(kind: str) -> dict:
                       {"type": "null"}]}
     props: dict[str, Any] = {
         "model": {"type": "string", "minLength": 1, "description": "the served model id (GET /v1/models)"},
-        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
         "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}, {"type": "null"}]},
         "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}]},
         "top_k": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
@@ -378,18 +551,45 @@ def _request_schema(kind: str) -> dict:
                            "additionalProperties": False},
         "return_token_ids": {"type": "boolean"},
         "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "n": {"type": "integer", "enum": [1]},
+        "n": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]},
+        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}],
+                       "description": "0 only with echo (completions)"},
         "user": {"type": "string"},
+        "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}]},
+        "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}]},
+        "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 10}, {"type": "null"}],
+                               "description": "extension: over the generated tokens"},
+        "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                                 {"type": "null"}]},
+        "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+        "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                      "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]},
+        "ignore_eos": {"type": "boolean"},
+        "sparse_attention": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {
+            "type": "object", "required": ["alpha"], "additionalProperties": False,
+            "properties": {"alpha": {"type": "number", "minimum": 0, "maximum": 1}}}],
+            "description": "extension: this request's prefill sparsity (false: dense)"},
     }
     if kind == "completion":
-        props["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
-                                     {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}
+        props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
+                                       {"type": "null"}]}
+        one = [{"type": "string", "minLength": 1},
+               {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]
+        props["prompt"] = {"anyOf": [*one, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                                            "items": {"anyOf": one}}]}
+        props["echo"] = {"type": "boolean", "description": "the prompt before the output; with logprobs, the "
+                         "prompt's logprobs, from the prefill (sparse attention where it is on)"}
+        props["best_of"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]}
         required = ["model", "prompt"]
     else:
         props["messages"] = {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "additionalProperties": False,
             "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": {"type": "string"},
                            "name": {"type": "string"}}}}
+        props["logprobs"] = {"type": "boolean"}
+        props["top_logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+                                           {"type": "null"}]}
         props["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
         required = ["model", "messages"]
     return {"type": "object", "required": required, "properties": props, "additionalProperties": False}

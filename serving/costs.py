@@ -38,15 +38,18 @@ class PrefillCostModel:
                 f"got {self.token_weight}, {self.expected_density}, {self.dense_below}"
             )
 
-    def density(self, prompt_len: int) -> float:
-        return 1.0 if prompt_len < self.dense_below else self.expected_density
+    def density(self, prompt_len: int, alpha: float | None = None) -> float:
+        """``alpha``: a request's own sparsity (0: dense, so density 1); None: the service's."""
+        if alpha == 0 or prompt_len < self.dense_below:
+            return 1.0
+        return self.expected_density
 
-    def cost(self, prompt_len: int, cached_prefix: int = 0) -> float:
+    def cost(self, prompt_len: int, cached_prefix: int = 0, *, alpha: float | None = None) -> float:
         if prompt_len < 0 or not 0 <= cached_prefix <= prompt_len:
             raise ValueError(f"cached_prefix: expected 0 <= cached_prefix <= prompt_len ({prompt_len}), got {cached_prefix}")
         new = prompt_len - cached_prefix
         pairs = new * (cached_prefix + prompt_len + 1) / 2.0
-        return self.token_weight * new + pairs * self.density(prompt_len)
+        return self.token_weight * new + pairs * self.density(prompt_len, alpha)
 
 
 # How long a call pinned to a replica this router does not (yet) list waits for it, before any

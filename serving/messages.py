@@ -32,6 +32,7 @@ class PrefillCall:
     params: SamplingParams
     skip_transfer: bool = False
     transport: str | None = None
+    sparse_alpha: float | None = None  # this prompt's FlashPrefill V2 alpha (0: dense); None: the replica's
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class Prefilled:
     queue_s: float
     prefill_s: float
     export_s: float
+    first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
+    prompt_logprobs: Any = None  # with params.prompt_logprobs: one per prompt token (None first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,7 @@ class Tokens:
     finished: bool
     finish_reason: str | None = None
     first_step_s: float | None = None
+    logprobs: tuple | None = None  # one TokenLogprob per token, with params.logprobs
 
 
 __all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]

@@ -246,7 +246,7 @@ BAD_HTTP = [
     ({"prompt": "x", "model": "nope"}, 404, "model"), ({"prompt": "x", "model": 7}, 400, "model"),
     ({"prompt": "x", "model": ""}, 400, "model"), ({"model": MODEL}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"), ({"prompt": []}, 400, "prompt"), ({"prompt": [-1]}, 400, "prompt"),
-    ({"prompt": [1.5]}, 400, "prompt"), ({"prompt": {"a": 1}}, 400, "prompt"), ({"prompt": [[1], [2]]}, 400, "prompt"),
+    ({"prompt": [1.5]}, 400, "prompt"), ({"prompt": {"a": 1}}, 400, "prompt"), ({"prompt": [[1], []]}, 400, "prompt[1]"),
     ({"prompt": 12}, 400, "prompt"), ({"prompt": "x" * 3000}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 2**63}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
@@ -258,7 +258,7 @@ BAD_HTTP = [
     ({"prompt": "x", "stop": [1]}, 400, "stop"), ({"prompt": "x", "stop": "s" * 300}, 400, "stop"),
     ({"prompt": "x", "stream": 1}, 400, "stream"), ({"prompt": "x", "stream_options": []}, 400, "stream_options"),
     ({"prompt": "x", "request_id": "\n"}, 400, "request_id"), ({"prompt": "x", "n": 0}, 400, "n"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"), ({"prompt": "x", "messages": []}, 400, "messages"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"), ({"prompt": "x", "messages": []}, 400, "messages"),
 ]
 
 

@@ -206,7 +206,8 @@ JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=
                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stream", "stream_options", "n", "request_id", "user", "logprobs", "echo", "bogus"]
+          "seed", "stop", "stream", "stream_options", "n", "request_id", "user", "logprobs", "echo", "bogus",
+          "best_of", "top_logprobs", "logit_bias", "presence_penalty", "min_tokens", "stop_token_ids", "ignore_eos"]
 
 
 @FUZZ
@@ -222,7 +223,8 @@ def test_parser_answers_every_body_with_a_request_or_a_named_4xx(body, kind, fix
         assert err.param is None or isinstance(err.param, str)
         json.dumps(err.to_dict())
         return
-    assert 1 <= req.max_tokens and req.prompt_len + req.max_tokens <= 64 and req.prompt_len >= 1
+    longest = max(len(p) for p in req.batch or (req.prompt_token_ids,))  # each prompt runs alone
+    assert 1 <= req.max_tokens and longest + req.max_tokens <= 64 and req.prompt_len >= 1
     assert 0 <= req.temperature <= 2 and 0 < req.top_p <= 1 and math.isfinite(req.temperature)
 
 

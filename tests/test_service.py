@@ -244,7 +244,7 @@ def test_successful_prefills_log_no_cancellation(service):
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "seed": -1}, 400, "seed"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ],

@@ -1,0 +1,581 @@
+"""The OpenAI API as the official ``openai`` client sends it, against a loopback service:
+ids and metadata, logprobs (against the reference model's log_softmax), sampling controls
+(against a reference written here), the developer role, validation, and gRPC parity."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+grpc = pytest.importorskip("grpc")
+torch = pytest.importorskip("torch")
+
+from serving.config import ServiceConfig  # noqa: E402
+from tests.service_helpers import local_serve, prompt_of, wait_pools_idle  # noqa: E402
+
+MODEL = "builtin:tiny"
+APP = "api"
+# dense by default; a request may ask for sparse prefill at any length (dense_below 0)
+CONFIG = ServiceConfig.from_dict({"torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64,
+                                  "batch_wait_ms": 1.0, "alpha": 0.0, "dense_below": 0, "block_size": 64,
+                                  "sink_tokens": 64, "window_tokens": 64})
+SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
+
+
+@pytest.fixture(scope="module")
+def service():
+    from ray import serve
+
+    from router.app import GRPC_SERVICER, build_application
+
+    with local_serve(GRPC_SERVICER) as (http_port, grpc_port):
+        app = build_application(CONFIG, prefill={**SMALL, "num_replicas": 1}, decode={**SMALL, "num_replicas": 1},
+                                ingress={"ray_actor_options": {"num_cpus": 0.25}})
+        serve.run(app, name=APP, route_prefix=f"/{APP}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused",
+                               timeout=120.0, max_retries=0)
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        yield {"client": client, "channel": channel}
+        channel.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process reference: the same tiny model run whole (HF sdpa attention, no pool)."""
+    from model_executor import build_tiny_model
+
+    model = build_tiny_model(seed=CONFIG.model.seed).model
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].double()
+
+    return logits
+
+
+def _stub(channel):
+    from router.proto import flashprefill_pb2_grpc as pbg
+
+    return pbg.FlashPrefillStub(channel)
+
+
+META = (("application", APP),)
+
+
+def _penalized(row: torch.Tensor, out: list[int], *, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """OpenAI's penalties and bias, token by token (the reference for the service)."""
+    row = row.clone()
+    for t, b in (bias or {}).items():
+        row[t] += b
+    for t in set(out):
+        if repetition != 1:
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        row[t] -= frequency * out.count(t) + presence
+    return row
+
+
+def _greedy_reference(reference, prompt, n, **controls) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(_penalized(reference(prompt + out), out, **controls).argmax()))
+    return out
+
+
+# ----------------------------------------------------------------------------- ids, metadata
+def test_ids_fingerprint_and_usage(service):
+    client = service["client"]
+    c = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert c.id.startswith("cmpl-") and c.object == "text_completion"
+    assert c.system_fingerprint == "fp_flashprefill"
+    assert c.usage.prompt_tokens == 6 and c.usage.completion_tokens == 3  # <|bos|> + 5 bytes
+    assert c.usage.prompt_tokens_details.cached_tokens == 0
+    ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                        temperature=0)
+    assert ch.id.startswith("chatcmpl-") and ch.system_fingerprint == "fp_flashprefill"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, temperature=0, stream=True))
+    assert all(k.id.startswith("chatcmpl-") and k.system_fingerprint == "fp_flashprefill" for k in chunks)
+
+    from router.proto import flashprefill_pb2 as pb
+
+    resp = _stub(service["channel"]).Generate(pb.GenerateRequest(model=MODEL, prompt="hello", max_tokens=2),
+                                              metadata=META, timeout=120)
+    assert resp.system_fingerprint == "fp_flashprefill"
+    assert resp.usage.HasField("prompt_tokens_details")
+    assert resp.usage.prompt_tokens_details.cached_tokens == resp.usage.cached_tokens
+
+
+# ----------------------------------------------------------------------------- logprobs
+def test_completion_logprobs_equal_the_reference_log_softmax(service, reference):
+    client = service["client"]
+    prompt = prompt_of(23, seed=4)
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                  extra_body={"return_token_ids": True})
+    choice = c.choices[0]
+    out = choice.model_extra["token_ids"]
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == len(out) == 6
+    for i, tok in enumerate(out):
+        ref = torch.log_softmax(reference(prompt + out[:i]), -1)
+        assert tok == int(ref.argmax())  # greedy
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[tok]), abs=2e-3)
+        want_top = sorted(ref.topk(5).values.tolist(), reverse=True)
+        got_top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        # byte tokens that decode to the same string collapse into one key
+        for v in got_top:
+            assert any(abs(v - w) < 2e-3 for w in want_top)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(out))]
+
+    # sampled at a temperature: logprobs of the tempered distribution the draw came from
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.5, seed=7, logprobs=0,
+                                  extra_body={"return_token_ids": True})
+    out = c.choices[0].model_extra["token_ids"]
+    for i, tok in enumerate(out):
+        ref = torch.log_softmax(reference(prompt + out[:i]) / 0.5, -1)
+        assert c.choices[0].logprobs.token_logprobs[i] == pytest.approx(float(ref[tok]), abs=2e-3)
+        assert c.choices[0].logprobs.top_logprobs[i] == {}
+    wait_pools_idle(APP)
+
+
+def test_chat_logprobs_streaming_and_not_and_grpc(service, reference):
+    client = service["client"]
+    messages = [{"role": "user", "content": "count: one two"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    streamed = [e for k in client.chat.completions.create(**kwargs, stream=True) if k.choices
+                for e in (k.choices[0].logprobs.content if k.choices[0].logprobs else [])]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+    from model_executor.tokenizer import ByteTokenizer
+    from router.proto import flashprefill_pb2 as pb
+
+    ids = ByteTokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    req = pb.GenerateRequest(model=MODEL, messages=[pb.ChatMessage(**m) for m in messages], max_tokens=5,
+                             temperature=0.0, logprobs=3)
+    resp = _stub(service["channel"]).Generate(req, metadata=META, timeout=120)
+    out = list(resp.token_ids)
+    assert [e.token_id for e in resp.logprobs] == out
+    for i, e in enumerate(resp.logprobs):
+        ref = torch.log_softmax(reference(ids + out[:i]), -1)
+        assert e.logprob == pytest.approx(float(ref[out[i]]), abs=2e-3)
+        assert [t.token_id for t in e.top_logprobs] == ref.topk(3).indices.tolist()
+    msgs = list(_stub(service["channel"]).GenerateStream(req, metadata=META, timeout=120))
+    assert [e.token_id for m in msgs for e in m.logprobs] == out
+    wait_pools_idle(APP)
+
+
+# ----------------------------------------------------------------------------- sampling controls
+@pytest.mark.parametrize("controls", [
+    {"frequency": 1.5},
+    {"presence": 2.0, "bias": {66: 3.0}},
+    {"repetition": 3.0, "frequency": 0.5},
+])
+def test_penalties_and_bias_match_the_reference(service, reference, controls):
+    prompt = prompt_of(17, seed=3)  # its greedy answer repeats a token: penalties matter
+    want = _greedy_reference(reference, prompt, 12, **controls)
+    body = {"return_token_ids": True, "ignore_eos": True}
+    if "repetition" in controls:
+        body["repetition_penalty"] = controls["repetition"]
+    c = service["client"].completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        presence_penalty=controls.get("presence", 0.0), frequency_penalty=controls.get("frequency", 0.0),
+        logit_bias={str(k): v for k, v in controls.get("bias", {}).items()}, extra_body=body)
+    assert c.choices[0].model_extra["token_ids"] == want
+    assert want != _greedy_reference(reference, prompt, 12)  # the controls changed the answer
+
+
+def test_logit_bias_min_tokens_stop_token_ids_and_ignore_eos(service, reference):
+    client = service["client"]
+    prompt = prompt_of(11, seed=2)
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.9, seed=3,
+                                  logit_bias={"65": 100})
+    assert c.choices[0].text == "AAAAA" and c.choices[0].finish_reason == "length"
+
+    first = _greedy_reference(reference, prompt, 3)
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [first[0]], "return_token_ids": True})
+    assert c.choices[0].model_extra["token_ids"] == [first[0]] and c.choices[0].finish_reason == "stop"
+    # min_tokens: the stop token is banned for the first 3 tokens, so the answer differs there
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [first[0]], "min_tokens": 3, "return_token_ids": True})
+    got = c.choices[0].model_extra["token_ids"]
+    assert first[0] not in got[:3] and len(got) >= 3
+    banned = reference(prompt).clone()
+    banned[first[0]] = -math.inf
+    assert got[0] == int(banned.argmax())
+
+    # ignore_eos: the chat template's end-of-turn never ends the answer; max_tokens does
+    msgs = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                       logit_bias={"262": 100}, extra_body={"ignore_eos": True})
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 12
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                       logit_bias={"262": 100})
+    assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 1
+    wait_pools_idle(APP)
+
+
+def test_developer_role_is_rendered_as_system(service):
+    client = service["client"]
+    answers = []
+    for role in ("developer", "system"):
+        c = client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}],
+            max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+        answers.append((c.choices[0].model_extra["prompt_token_ids"], c.choices[0].message.content))
+    assert answers[0] == answers[1]
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("kind, kwargs, param", [
+    ("completion", {"logprobs": 6}, "logprobs"),
+    ("completion", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completion", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("completion", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("completion", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completion", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("completion", {"extra_body": {"min_tokens": 9}}, "min_tokens"),
+    ("completion", {"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ("completion", {"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ("completion", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": 3}, "logprobs"),
+])
+def test_bad_controls_answer_400_naming_the_field(service, kind, kwargs, param):
+    client = service["client"]
+    with pytest.raises(openai.BadRequestError) as info:
+        if kind == "completion":
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, **kwargs)
+        else:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           **kwargs)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_bad_controls_over_grpc_are_invalid_argument(service):
+    from router.proto import flashprefill_pb2 as pb
+
+    stub = _stub(service["channel"])
+    cases = [({"logit_bias": {10**6: 1.0}}, "logit_bias"), ({"presence_penalty": 3.0}, "presence_penalty"),
+             ({"logprobs": 6}, "logprobs"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+             ({"min_tokens": 50}, "min_tokens")]
+    for fields, name in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4, **fields), metadata=META, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(name)
+    chat = [pb.ChatMessage(role="user", content="hi")]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(model=MODEL, messages=chat, logprobs=21), metadata=META, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("logprobs")
+
+
+# ----------------------------------------------------------------------------- n, best_of, prompt lists
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_n_greedy_equals_n1_and_sampled_choices_differ(service):
+    client = service["client"]
+    prompt = prompt_of(13, seed=6)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+    many = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3, extra_body=extra)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert all(_ids(c) == _ids(one.choices[0]) for c in many.choices)
+    assert many.usage.completion_tokens == 18 and many.usage.prompt_tokens == 13
+
+    seeded1 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5,
+                                        extra_body=extra)
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                        extra_body=extra)
+    answers = [tuple(_ids(c)) for c in sampled.choices]
+    assert len(set(answers)) == 3  # distinct seeds (5, 6, 7)
+    assert list(answers[0]) == _ids(seeded1.choices[0])  # choice 0 is the n=1 answer
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                            stream=True, extra_body=extra))
+    streamed = {i: [t for k in chunks for c in k.choices if c.index == i for t in c.model_extra["token_ids"]]
+                for i in range(3)}
+    assert [tuple(streamed[i]) for i in range(3)] == answers
+    finals = [c for k in chunks for c in k.choices if c.finish_reason is not None]
+    assert sorted(c.index for c in finals) == [0, 1, 2] and all(c.finish_reason == "length" for c in finals)
+    wait_pools_idle(APP)
+
+
+def test_prompt_lists_with_n_and_chat_n(service, reference):
+    client = service["client"]
+    prompts = ["abc", prompt_of(9, seed=1)]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    from model_executor.tokenizer import ByteTokenizer
+
+    ids = [ByteTokenizer().encode("abc"), prompts[1]]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        p = ids[c.index // 2]
+        assert c.model_extra["prompt_token_ids"] == p
+        assert _ids(c) == _greedy_reference(reference, p, 4)
+    assert r.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and r.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0.8, seed=1, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_best_of_returns_the_highest_logprob_choices(service):
+    client = service["client"]
+    prompt = prompt_of(10, seed=8)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=11,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    every = client.completions.create(**kwargs, n=4, logprobs=0)
+    score = {tuple(_ids(c)): sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(**kwargs, n=2, best_of=4)
+    want = sorted(score, key=lambda k: -score[k])[:2]
+    assert [tuple(_ids(c)) for c in best.choices] == want and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)  # not asked for
+    assert best.usage.completion_tokens == 20  # all four were generated
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs, n=3, best_of=2)
+    assert info.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs, n=1, best_of=2, stream=True)
+    assert info.value.body["param"] == "best_of"
+
+
+def test_disconnect_during_n_stream_frees_every_page(service):
+    import httpx
+
+    base = str(service["client"].base_url).rstrip("/")
+    body = {"model": MODEL, "prompt": prompt_of(30, seed=3), "max_tokens": 60, "n": 3, "stream": True,
+            "ignore_eos": True, "temperature": 1.0}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{base}/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk, then the client goes away
+    wait_pools_idle(APP)
+
+
+# ----------------------------------------------------------------------------- echo, prompt logprobs
+def test_echo_with_prompt_logprobs_as_loglikelihood_evaluations_send_it(service, reference):
+    """lm-eval's loglikelihood request: token-id prompt, echo, logprobs, max_tokens 0 (or 1)."""
+    from model_executor import build_tiny_model
+
+    client = service["client"]
+    prompt = prompt_of(21, seed=12)
+    model = build_tiny_model(seed=CONFIG.model.seed).model
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    assert len(lp.token_logprobs) == len(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        assert lp.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=2e-3)
+        assert len(lp.top_logprobs[pos]) == 1
+    from model_executor.tokenizer import ByteTokenizer
+
+    assert r.choices[0].text == ByteTokenizer().decode(prompt)
+
+    # with a generated token after the prompt, streaming too; a list of two prompts at once
+    r1 = client.completions.create(model=MODEL, prompt=[prompt, prompt[:10]], max_tokens=1, echo=True, logprobs=0,
+                                   temperature=0)
+    assert [len(c.logprobs.token_logprobs) for c in r1.choices] == [len(prompt) + 1, 11]
+    assert r1.choices[0].logprobs.token_logprobs[:-1] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for k in chunks for c in k.choices if c.logprobs for v in c.logprobs.token_logprobs]
+    assert len(streamed) == len(prompt) + 3 and streamed[:len(prompt)][1:] == pytest.approx(lp.token_logprobs[1:],
+                                                                                          abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    wait_pools_idle(APP)
+
+
+def test_generate_until_as_evaluations_send_it(service, reference):
+    """lm-eval's generate_until: a list of prompts, greedy, stop strings, max_tokens."""
+    client = service["client"]
+    prompts = ["Question: 1+1?\nAnswer:", "Question: 2+2?\nAnswer:"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stop=["\n\n", "Q"],
+                                  seed=1234)
+    assert [c.index for c in r.choices] == [0, 1]
+    from model_executor.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    for c, p in zip(r.choices, prompts):
+        ids = _greedy_reference(reference, tok.encode(p), 8)
+        ends = [i for i, t in enumerate(ids) if t in tok.stop_token_ids]
+        want = tok.decode(ids[: ends[0] + 1] if ends else ids)
+        for s in ("\n\n", "Q"):
+            want = want.split(s)[0]
+        assert c.text == want
+
+
+# ----------------------------------------------------------------------------- lm-eval
+class _ByteTokenizerForLmEval:
+    """lm-eval's Hugging Face tokenizer calls, answered by the built-in byte tokenizer."""
+
+    def __init__(self):
+        from model_executor.tokenizer import ByteTokenizer
+
+        self.tok = ByteTokenizer()
+        self.eos_token_id, self.bos_token_id, self.eos_token = self.tok.eos_token_id, self.tok.bos_token_id, "<|eos|>"
+
+    def __call__(self, text, add_special_tokens=False, **_):
+        import types
+
+        enc = lambda s: self.tok.encode(s, add_bos=add_special_tokens)  # noqa: E731
+        return types.SimpleNamespace(input_ids=enc(text) if isinstance(text, str) else [enc(s) for s in text])
+
+    def decode(self, ids, **_):
+        return self.tok.decode(ids)
+
+    def batch_decode(self, seqs, **_):
+        return [self.decode(s) for s in seqs]
+
+
+LL_DOCS = [{"question": "Colour of the sky:", "choices": ["blue", "green", "red"], "gold": 0},
+           {"question": "2 + 2 =", "choices": ["4", "five"], "gold": 1},
+           {"question": "The cat sat on the", "choices": ["mat", "moon", "sofa"], "gold": 2}]
+GEN_DOCS = [{"question": "Say A:", "answer": "A"}, {"question": "abc", "answer": "def"}]
+
+
+def test_lm_eval_local_completions_scores_a_loglikelihood_and_a_generate_until_task(service, reference, tmp_path,
+                                                                                   monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    import json
+
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name, docs in (("ll", LL_DOCS), ("gen", GEN_DOCS)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {{path}}\ntest_split: test\n"
+    (tmp_path / "ll.yaml").write_text(
+        "task: fp_tiny_ll\n" + common.format(path=tmp_path / "ll.jsonl")
+        + "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: choices\ndoc_to_target: gold\n"
+        "metric_list:\n  - metric: acc\n")
+    (tmp_path / "gen.yaml").write_text(
+        "task: fp_tiny_gen\n" + common.format(path=tmp_path / "gen.jsonl")
+        + "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n")
+    base = str(service["client"].base_url).rstrip("/")
+    lm = LocalCompletionsAPI(model=MODEL, base_url=f"{base}/completions", tokenizer_backend="none",
+                             add_bos_token=True, max_length=512, max_retries=1)
+    lm.tokenizer, lm.tokenizer_backend, lm.tokenized_requests = _ByteTokenizerForLmEval(), "huggingface", True
+    out = lm_eval.simple_evaluate(model=lm, tasks=["fp_tiny_ll", "fp_tiny_gen"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)), limit=None)
+
+    # the expected scores, from the reference model run whole
+    from model_executor.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    hits = 0
+    for d in LL_DOCS:
+        ctx = tok.encode(d["question"])
+        scores = []
+        for c in d["choices"]:
+            cont = tok.encode(" " + c, add_bos=False)
+            scores.append(sum(float(torch.log_softmax(reference(ctx + cont[:i]), -1)[t]) for i, t in enumerate(cont)))
+        hits += max(range(len(scores)), key=scores.__getitem__) == d["gold"]
+    assert out["results"]["fp_tiny_ll"]["acc,none"] == pytest.approx(hits / len(LL_DOCS))
+    matches = 0
+    for d in GEN_DOCS:
+        ids = _greedy_reference(reference, tok.encode(d["question"]), 6)
+        ends = [i for i, t in enumerate(ids) if t in tok.stop_token_ids]
+        text = tok.decode(ids[: ends[0] + 1] if ends else ids).split("\n")[0]
+        matches += text == d["answer"]
+    assert out["results"]["fp_tiny_gen"]["exact_match,none"] == pytest.approx(matches / len(GEN_DOCS))
+    wait_pools_idle(APP)
+
+
+def test_grpc_echo_with_prompt_logprobs(service):
+    from router.proto import flashprefill_pb2 as pb
+
+    client, stub = service["client"], _stub(service["channel"])
+    prompt = prompt_of(15, seed=5)
+    http = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=2,
+                             temperature=0.0)
+    resp = stub.Generate(req, metadata=META, timeout=120)
+    assert resp.text == http.choices[0].text and list(resp.token_ids) == [] and resp.finish_reason == "length"
+    assert [e.token_id for e in resp.prompt_logprobs] == prompt[1:]
+    assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(http.choices[0].logprobs.token_logprobs[1:],
+                                                                     abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in resp.prompt_logprobs)
+    msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+    assert [e.token_id for m in msgs for e in m.prompt_logprobs] == prompt[1:]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=0), metadata=META, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("max_tokens")
+
+
+# ----------------------------------------------------------------------------- per-request sparsity
+def _offline_prompt_logprobs(prompt: list[int], alpha: float) -> list[float]:
+    """The single-process prefill engine at ``alpha``: the oracle for a sparse request."""
+    import dataclasses
+
+    from model_executor import ModelRunner, SamplingParams, build_tiny_model
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+    from router.offline import make_pool
+
+    tiny = build_tiny_model(seed=CONFIG.model.seed)
+    pool = make_pool(tiny, num_pages=64, page_size=CONFIG.kv.page_size)
+    runner = ModelRunner(tiny.model, pool, dataclasses.replace(CONFIG.sparse_config, alpha=alpha), dense_below=0)
+    res = PrefillEngine(runner).prefill([PrefillRequest("o", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))])
+    return [e.logprob for e in res[0].prompt_logprobs[1:]]
+
+
+def test_per_request_sparse_attention_over_http_and_grpc(service):
+    from router.proto import flashprefill_pb2 as pb
+
+    client, stub = service["client"], _stub(service["channel"])
+    prompt = [256] + list(range(7, 250)) + [5] * 10
+
+    def echo(sparse):
+        extra = {} if sparse is None else {"sparse_attention": sparse}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0,
+                                      extra_body=extra)
+        return r, r.choices[0].logprobs.token_logprobs[1:]
+
+    plain, dense_lp = echo(None)
+    assert "sparse_attention" not in plain.usage.model_extra
+    forced_dense, lp = echo(False)
+    assert lp == pytest.approx(dense_lp, abs=1e-5)
+    assert forced_dense.usage.model_extra["sparse_attention"] == {"alpha": 0.0, "dense": True}
+    sparse, sparse_lp = echo({"alpha": 0.95})
+    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False}
+    assert sparse_lp == pytest.approx(_offline_prompt_logprobs(prompt, 0.95), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(sparse_lp, dense_lp)) > 1e-2  # what sparsity costs, per request
+
+    req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=0,
+                             temperature=0.0, sparse_attention=pb.SparseAttention(alpha=0.95))
+    resp = stub.Generate(req, metadata=META, timeout=120)
+    assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(sparse_lp, abs=1e-5)
+    assert resp.usage.sparse_attention.dense is False
+    assert resp.usage.sparse_attention.alpha == pytest.approx(0.95)
+    for bad_value in ({"alpha": 2}, {"beta": 1}, 0.5):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"sparse_attention": bad_value})
+        assert info.value.body["param"] == "sparse_attention"
+    for sa in (pb.SparseAttention(alpha=1.5), pb.SparseAttention(dense=True, alpha=0.5)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, sparse_attention=sa),
+                          metadata=META, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("sparse_attention")
+    wait_pools_idle(APP)
