@@ -37,12 +37,11 @@ _NEUTRAL = {
     "parallel_tool_calls": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream",
            "stream_options", "seed", "return_token_ids", "request_id", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
-           "sparse_attention"}
+           "sparse_attention", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -83,6 +82,7 @@ class GenerationRequest:
     batch: tuple[tuple[int, ...], ...] = ()  # every prompt of a list of prompts (() : just this one)
     echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the output
     sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
+    guided: dict | None = None  # structured output (response_format): model_executor.grammar's spec
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -126,6 +126,7 @@ class GenerationRequest:
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo else None,
+            guided=self.guided,
         )
 
 
@@ -366,6 +367,7 @@ class RequestParser:
             best_of=best_of,
             echo=echo,
             sparse_alpha=_sparse_attention(body),
+            guided=self._guided(body),
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -385,6 +387,33 @@ class RequestParser:
         )
 
     # -- sampling controls -------------------------------------------------------------
+    def _guided(self, body: dict) -> dict | None:
+        """``response_format`` (OpenAI's ``text``, ``json_object``, ``json_schema``; our ``regex``
+        and ``choice``) as a grammar spec, compiled once here against this model's tokenizer so a
+        spec it cannot take is a 400 now, not a failure on a worker (compiled grammars are
+        cached, the workers reuse the compilation work per process)."""
+        response_format = body.get("response_format")
+        if response_format is None:
+            return None
+        if isinstance(response_format, dict) and response_format.get("type") == "text" and len(response_format) == 1:
+            return None  # unconstrained: needs no grammar library
+        try:
+            from model_executor.grammar import compile_guide, response_format_to_guided
+        except ImportError as exc:  # the grammar library is an optional dependency
+            raise bad("response_format", f"structured output is not available on this server ({exc.name} "
+                                         "is not installed)") from None
+        try:
+            guided = response_format_to_guided(response_format)
+            if guided is not None:
+                compile_guide(guided, self.tokenizer)
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(":", 1)[0] if message.startswith("response_format") else "response_format"
+            if not message.startswith("response_format"):
+                message = f"response_format: {message}"
+            raise RequestError(message, param=param, status=400, code="invalid_value") from None
+        return guided
+
     def _stop_token_ids(self, body: dict) -> tuple[int, ...]:
         """The tokenizer's end-of-text ids (unless ``ignore_eos``) and the request's own."""
         ids = body.get("stop_token_ids")
