@@ -163,6 +163,30 @@ def build_structured_model(
     return LoadedModel(name=name, model=model.eval(), tokenizer=tokenizer, config=model.config)
 
 
+def model_shape(source: str | Path) -> Any | None:
+    """The head counts and widths of ``source`` (``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim``, ``intermediate_size``, ...) without its weights: a built-in model's config, or
+    a directory's config.json; ``None`` for a directory not here (checked where it loads)."""
+    import types
+
+    check_model_name(str(source))
+    if str(source) == BUILTIN_TINY:
+        return tiny_config()
+    if str(source) in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
+        from .structured_model import llama_config
+
+        return llama_config(structured_spec(str(source)))
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    raw = _read_json(path)
+    raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    if not all(isinstance(raw.get(k), int) for k in ("num_attention_heads", "hidden_size", "intermediate_size")):
+        return None  # load_model_dir names what is wrong
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    return types.SimpleNamespace(**raw)
+
+
 def builtin_tokenizer(name: str) -> Any:
     """The tokenizer of a built-in model, without building its weights (the ingress)."""
     if name == BUILTIN_TINY:

@@ -1,0 +1,57 @@
+"""prefill.tensor_parallel_size / decode.tensor_parallel_size: checked against the model's heads
+and runtime.devices_per_node when the config is built, before Ray starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.config import ConfigError, ServiceConfig
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("size, why", [(3, "8 query heads"), (16, "8 query heads"), (0, "greater than or equal to 1")])
+def test_sizes_that_do_not_split_the_tiny_model_name_the_option(side, size, why):
+    with pytest.raises(ConfigError, match=f"^{side}.tensor_parallel_size: .*{why}"):
+        ServiceConfig(**{side: {"tensor_parallel_size": size}})
+
+
+def test_more_ranks_than_a_node_holds_is_refused():
+    with pytest.raises(ConfigError, match=r"^decode.tensor_parallel_size: 4 ranks do not fit runtime.devices_per_node \(2\)"):
+        ServiceConfig(decode={"tensor_parallel_size": 4}, runtime={"devices_per_node": 2})
+    ok = ServiceConfig(prefill={"tensor_parallel_size": 2}, runtime={"devices_per_node": 2})
+    assert ok.prefill.tensor_parallel_size == 2 and ok.decode.tensor_parallel_size == 1
+
+
+def test_different_sizes_per_side_and_replicated_kv_heads_are_accepted():
+    c = ServiceConfig(model={"model": "builtin:structured-8b"}, prefill={"tensor_parallel_size": 8},
+                      decode={"tensor_parallel_size": 2})
+    assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (8, 2)
+    c = ServiceConfig(prefill_tensor_parallel_size=4, decode_tensor_parallel_size=8)  # flat names; 8 > 2 KV heads
+    assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (4, 8)
+
+
+def test_a_directory_model_is_checked_from_its_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 6, "hidden_size": 768,
+        "intermediate_size": 3072}))
+    with pytest.raises(ConfigError, match="prefill.tensor_parallel_size: 4 ranks must divide the model's 6 KV heads"):
+        ServiceConfig(model={"model": str(tmp_path)}, prefill={"tensor_parallel_size": 4})
+    assert ServiceConfig(model={"model": str(tmp_path)}, prefill={"tensor_parallel_size": 3}).prefill.tensor_parallel_size == 3
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 6, "hidden_size": 768,
+        "intermediate_size": 3071}))
+    with pytest.raises(ConfigError, match="decode.tensor_parallel_size: 2 ranks must divide the model's MLP width 3071"):
+        ServiceConfig(model={"model": str(tmp_path)}, decode={"tensor_parallel_size": 2})
+
+
+def test_bad_settings_fail_in_the_builder_before_ray_starts():
+    import ray
+
+    from router.app import build_application
+
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigError, match="prefill.tensor_parallel_size"):
+        build_application({"prefill": {"tensor_parallel_size": 3}})
+    assert not ray.is_initialized()
