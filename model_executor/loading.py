@@ -48,7 +48,10 @@ from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_STRUCTURED_8B = "builtin:structured-8b"
 BUILTIN_STRUCTURED_TINY = "builtin:structured-tiny"
-BUILTIN_MODELS = (BUILTIN_TINY, BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY)
+BUILTIN_STRUCTURED_32B = "builtin:structured-32b"  # Qwen2.5-32B's shape (GPU; TP for long prompts)
+BUILTIN_STRUCTURED_70B = "builtin:structured-70b"  # Llama-3.1-70B's shape (GPU, TP >= 2 in bf16)
+BUILTIN_STRUCTURED = (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, BUILTIN_STRUCTURED_32B, BUILTIN_STRUCTURED_70B)
+BUILTIN_MODELS = (BUILTIN_TINY, *BUILTIN_STRUCTURED)
 _BUILTIN_PREFIX = "builtin:"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -133,13 +136,13 @@ def build_tiny_model(
 
 def structured_spec(name: str, seed: int = 0) -> Any:
     """The ``model_executor.structured_model`` spec of a built-in structured model."""
-    from .structured_model import llama31_8b_spec, tiny_spec
+    from .structured_model import llama31_8b_spec, llama31_70b_spec, qwen25_32b_spec, tiny_spec
 
-    if name == BUILTIN_STRUCTURED_8B:
-        return llama31_8b_spec(seed=seed)
-    if name == BUILTIN_STRUCTURED_TINY:
-        return tiny_spec(seed=seed)
-    raise ValueError(f"name: expected {BUILTIN_STRUCTURED_8B!r} or {BUILTIN_STRUCTURED_TINY!r}, got {name!r}")
+    specs = {BUILTIN_STRUCTURED_8B: llama31_8b_spec, BUILTIN_STRUCTURED_TINY: tiny_spec,
+             BUILTIN_STRUCTURED_32B: qwen25_32b_spec, BUILTIN_STRUCTURED_70B: llama31_70b_spec}
+    if name not in specs:
+        raise ValueError(f"name: expected one of {BUILTIN_STRUCTURED}, got {name!r}")
+    return specs[name](seed=seed)
 
 
 def build_structured_model(
@@ -172,7 +175,7 @@ def model_shape(source: str | Path) -> Any | None:
     check_model_name(str(source))
     if str(source) == BUILTIN_TINY:
         return tiny_config()
-    if str(source) in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
+    if str(source) in BUILTIN_STRUCTURED:
         from .structured_model import llama_config
 
         return llama_config(structured_spec(str(source)))
@@ -571,7 +574,7 @@ def load_model(
         loaded = build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
     else:
         check_model_name(str(source))
-        if str(source) not in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
+        if str(source) not in BUILTIN_STRUCTURED:
             return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
         loaded = build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
     _quantize_loaded(loaded.model, weight_dtype)  # before sharding: the shards keep the TP=1 scales

@@ -195,8 +195,7 @@ class PrefillServer:
         self.config = ServiceConfig.from_dict(config)
         self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.prefill_pages)
         self.pool = self.runtime.pool
-        self.cost_model = PrefillCostModel(dense_below=self.config.sparse.dense_below,
-                                           expected_density=self.config.sparse.expected_density)
+        self.cost_model = PrefillCostModel.for_config(self.config)
         self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.prefill.max_batch_tokens,
                                     chunk_size=self.config.prefill.chunk_size,
                                     prefix_cache=self.config.prefill.prefix_caching,

@@ -99,7 +99,7 @@ class DisaggregatedPipeline:
         self.page_size = page_size or config.kv.page_size
         self._prefill = prefill_handle.options(stream=True)
         self._decode = decode_handle.options(stream=True)
-        self.cost_model = PrefillCostModel(dense_below=config.sparse.dense_below, expected_density=config.sparse.expected_density)
+        self.cost_model = PrefillCostModel.for_config(config)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
     def _pages(self, tokens: int) -> int:

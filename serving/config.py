@@ -71,7 +71,8 @@ class ModelOptions(_Section):
     section: typing.ClassVar[str] = "model"
 
     model: str = Field("builtin:tiny", min_length=1, description=(
-        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` (the structured '
+        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` / `"builtin:structured-32b"` / '
+        '`"builtin:structured-70b"` (the structured '
         "benchmark models: token-id prompts, built from `model.seed` on each replica's device; "
         "`model_executor/loading.py`) or a local Hugging Face directory (read offline)."))
     served_model_name: str | None = Field(None, min_length=1, description=(

@@ -55,3 +55,17 @@ def test_bad_settings_fail_in_the_builder_before_ray_starts():
     with pytest.raises(ConfigError, match="prefill.tensor_parallel_size"):
         build_application({"prefill": {"tensor_parallel_size": 3}})
     assert not ray.is_initialized()
+
+
+def test_the_cost_model_splits_a_tp_replica_s_work_over_its_ranks():
+    from serving.costs import PrefillCostModel
+
+    one = PrefillCostModel(dense_below=0, expected_density=0.5)
+    two = PrefillCostModel(dense_below=0, expected_density=0.5, tensor_parallel_size=2, allreduce_weight=10.0)
+    # 100 new tokens after 20 cached: 256 x 100 + 100 x (20 + 120 + 1) / 2 x 0.5 = 29125 at TP=1
+    assert one.cost(120, 20) == 29125.0
+    assert two.cost(120, 20) == 29125.0 / 2 + 10.0 * 100 / 2
+    assert PrefillCostModel.for_config(ServiceConfig(prefill={"tensor_parallel_size": 4})).tensor_parallel_size == 4
+    for bad in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=True), dict(allreduce_weight=-1.0)):
+        with pytest.raises(ValueError, match="tensor_parallel_size, allreduce_weight"):
+            PrefillCostModel(**bad)
