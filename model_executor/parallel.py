@@ -214,3 +214,132 @@ def shard_param_bytes(config: Any, tp_size: int, *, bytes_per_param: float = 2.0
                  + 2 * hidden)  # the two norms
     total = int(config.num_hidden_layers) * per_layer + vocab * hidden * (1 if tied else 2) + hidden
     return int(total * bytes_per_param)
+
+
+# ---------------------------------------------------------------------------------------------
+# lockstep: one replica's engine drives its TP ranks
+# ---------------------------------------------------------------------------------------------
+# The replica's process is rank 0 (the *leader*): its engine (one scheduler) decides every step
+# and calls the runner and the pool as it does at TP=1. ``LockstepRunner`` / ``LockstepPool``
+# replay every call that changes state (forwards, reservations, releases, prefix-cache entries)
+# on the other ranks (*followers*, each a ``ModelRunner`` over its shard and its pool) through
+# ``RankLink``s, so every rank's pool holds the same pages for the same requests (allocation is
+# deterministic) and every forward runs on all ranks at once (the all-reduces need them all).
+# A follower that dies or fails a step raises ``RankFailed`` in the leader: the replica is
+# broken and must be replaced (its in-flight requests are retried as for any dead replica).
+
+POOL_MUTATIONS = frozenset({"reserve", "adopt", "release", "reserve_with_prefix", "cache_prefix",
+                            "clear_prefix_cache", "set_seq_len", "rename", "set_scales"})
+RUNNER_STEPS = frozenset({"prefill", "decode", "calibrate_kv_scales", "ensure_capacity"})
+
+
+class RankFailed(RuntimeError):
+    """A follower rank died or failed a step the leader did: the TP group is out of step."""
+
+
+class RankLink:
+    """How the leader reaches one follower: ``submit(command)`` starts it there and returns a
+    handle at once (a forward must run on every rank concurrently); ``wait(handle)`` returns
+    when it is done, raising ``RankFailed`` if the rank died or the step failed there.
+    ``command`` is ``(target, method, args, kwargs)``, ``target`` ``"runner"`` or ``"pool"``."""
+
+    def submit(self, command: tuple) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait(self, handle: Any) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def run_command(runner: Any, command: tuple) -> Any:
+    """A follower executes one leader command on its own runner / pool (the result is dropped:
+    only the leader's logits are sampled)."""
+    target, method, args, kwargs = command
+    allowed = RUNNER_STEPS if target == "runner" else POOL_MUTATIONS if target == "pool" else frozenset()
+    if method not in allowed:
+        raise ValueError(f"command: expected a runner step {sorted(RUNNER_STEPS)} or a pool mutation "
+                         f"{sorted(POOL_MUTATIONS)}, got {target}.{method}")
+    obj = runner if target == "runner" else runner.pool
+    getattr(obj, method)(*args, **kwargs)
+    return None
+
+
+class _Group:
+    def __init__(self, links: list[RankLink]) -> None:
+        self.links = links
+
+    def run(self, command: tuple, local, *, concurrent: bool) -> Any:
+        """``local()`` on the leader and ``command`` on every follower: concurrently (forwards)
+        or leader first, followers only if the leader succeeded (bookkeeping the followers would
+        refuse the same way)."""
+        if not concurrent:
+            out = local()
+            self._wait([link.submit(command) for link in self.links])
+            return out
+        handles = [link.submit(command) for link in self.links]
+        try:
+            out = local()
+        except BaseException as exc:
+            try:
+                self._wait(handles)  # the followers fail the same validation; drain them
+            except RankFailed as dead:
+                if not isinstance(exc, ValueError):  # a collective broken by a dead rank
+                    raise dead from exc
+            raise
+        self._wait(handles)
+        return out
+
+    def _wait(self, handles: list) -> None:
+        first = None
+        for link, h in zip(self.links, handles):
+            try:
+                link.wait(h)
+            except RankFailed as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+class LockstepPool:
+    """The leader's pool as the engine sees it: reads are local, mutations run on every rank."""
+
+    def __init__(self, pool: Any, group: _Group) -> None:
+        self._pool, self._group = pool, group
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._pool, name)
+        if name not in POOL_MUTATIONS:
+            return attr
+
+        def mutate(*args, **kwargs):
+            return self._group.run(("pool", name, args, kwargs), lambda: attr(*args, **kwargs), concurrent=False)
+
+        return mutate
+
+
+class LockstepRunner:
+    """The leader's ``ModelRunner`` driving ``links`` (one per follower rank) in lockstep; what
+    a TP replica's engine takes in place of the runner (same interface)."""
+
+    def __init__(self, runner: Any, links: list[RankLink]) -> None:
+        self._runner = runner
+        self._group = _Group(list(links))
+        self.pool = LockstepPool(runner.pool, self._group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def _step(self, method: str, *args, concurrent: bool = True, **kwargs) -> Any:
+        local = getattr(self._runner, method)
+        return self._group.run(("runner", method, args, kwargs), lambda: local(*args, **kwargs), concurrent=concurrent)
+
+    def prefill(self, items):
+        return self._step("prefill", list(items))
+
+    def decode(self, request_ids, last_token_ids):
+        return self._step("decode", list(request_ids), list(last_token_ids))
+
+    def calibrate_kv_scales(self, *args, **kwargs) -> None:
+        return self._step("calibrate_kv_scales", *args, **kwargs)
+
+    def ensure_capacity(self, request_id: str, num_tokens: int) -> None:
+        return self._step("ensure_capacity", request_id, num_tokens, concurrent=False)
