@@ -69,3 +69,18 @@ def test_the_cost_model_splits_a_tp_replica_s_work_over_its_ranks():
     for bad in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=True), dict(allreduce_weight=-1.0)):
         with pytest.raises(ValueError, match="tensor_parallel_size, allreduce_weight"):
             PrefillCostModel(**bad)
+
+
+def test_the_tp_example_config_is_valid_and_its_bundles_match_the_sizes():
+    from pathlib import Path
+
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).parents[1] / "examples" / "serve_config_tp.yaml").read_text())
+    (app,) = raw["applications"]
+    config = ServiceConfig.from_dict(app["args"])
+    deps = {d["name"]: d for d in app["deployments"]}
+    for name, side in (("PrefillServer", config.prefill), ("DecodeServer", config.decode)):
+        assert len(deps[name]["placement_group_bundles"]) == side.tensor_parallel_size
+        assert deps[name]["placement_group_strategy"] == "STRICT_PACK"
+        assert side.tensor_parallel_size <= config.runtime.devices_per_node
