@@ -18,6 +18,10 @@ All or nothing, over the whole group:
   failing rank's :class:`TransferError` (retryable as that reason is). Nothing stays allocated
   on any rank after a failure; the prefill ranks keep their pages until the lease ends, so the
   retry ships the same pages again.
+
+:func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
+ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
+prefill replica can feed a TP=1 decode replica over the existing single-frame transports.
 """
 
 from __future__ import annotations
@@ -232,3 +236,56 @@ def transfer_groups(src_pools: Sequence[KVPool], src: HeadLayout, dst_pools: Seq
         if not failed.retryable or attempt == retries:
             raise failed
     raise AssertionError("unreachable")
+
+
+def merge_frames(frames: Mapping[int, Any], src: HeadLayout) -> np.ndarray:
+    """One ordinary frame of all KV heads (what a TP=1 pool would pack) from the frames a
+    prefill group's ranks ship to a single decode rank (``export_rank(..., dst=TP 1)``): lets a
+    TP prefill replica use the single-frame transports unchanged. Every frame is verified
+    first (TransferError as ``read_frame``); the result carries its own CRC-32."""
+    dst = HeadLayout(src.num_q_heads, src.num_kv_heads, 1)
+    routes = [r for rs in transfer_routes(src, dst).values() for r in rs]
+    by_src: dict[int, list[HeadRoute]] = {}
+    for r in routes:
+        by_src.setdefault(r.src_rank, []).append(r)
+    if sorted(frames) != sorted(by_src):
+        raise TransferError(TransferFailure.LOST, f"expected frames from prefill ranks {sorted(by_src)}, got "
+                            f"{sorted(frames)}")
+    checked = {s: read_frame(f) for s, f in frames.items()}
+    first = checked[min(checked)][0]
+    for s, (h, _) in checked.items():
+        if (h.request_id, h.num_tokens, h.num_pages, h.num_layers, h.page_size, h.head_dim, h.dtype) != \
+                (first.request_id, first.num_tokens, first.num_pages, first.num_layers, first.page_size,
+                 first.head_dim, first.dtype) or h.num_kv_heads != len(by_src[s]):
+            raise TransferError(TransferFailure.MALFORMED, f"the frame of prefill rank {s} does not match the others",
+                                first.request_id)
+    token_major_v = first.dtype == "float8_e4m3fn"
+    parts, k_scale, v_scale = [], [], []
+    heads = src.num_kv_heads
+    for part in (0, 1):
+        pieces = [None] * heads
+        for s, (h, payload) in checked.items():
+            one = h.payload_bytes // 2
+            raw = np.frombuffer(payload, dtype=np.uint8)[part * one:(part + 1) * one]
+            hd = 2 if part == 1 and token_major_v else 3
+            shape = [h.num_layers, h.num_pages, h.page_size, h.num_kv_heads, -1]
+            if hd == 2:
+                shape = [h.num_layers, h.num_pages, h.num_kv_heads, h.head_dim, -1]
+            block = raw.reshape(shape)
+            for j, r in enumerate(by_src[s]):
+                pieces[r.dst_local] = np.take(block, [j], axis=hd)
+        parts.append(np.concatenate(pieces, axis=2 if part == 1 and token_major_v else 3).reshape(-1))
+    if first.k_scale is not None:
+        for name, out in (("k_scale", k_scale), ("v_scale", v_scale)):
+            table = np.zeros((first.num_layers, heads), dtype=np.float64)
+            for s, (h, _) in checked.items():
+                mine = np.asarray(getattr(h, name), dtype=np.float64).reshape(first.num_layers, -1)
+                for j, r in enumerate(by_src[s]):
+                    table[:, r.dst_local] = mine[:, j]
+            out.extend(float(x) for x in table.flatten())
+    payload = np.concatenate(parts)
+    header = dataclasses.replace(first, num_kv_heads=heads, payload_bytes=len(payload),
+                                 checksum=zlib.crc32(memoryview(payload)),
+                                 k_scale=tuple(k_scale) if k_scale else None, v_scale=tuple(v_scale) if v_scale else None)
+    raw = header.encode()
+    return np.concatenate([np.frombuffer(_PREFIX.pack(FRAME_MAGIC, len(raw)) + raw, dtype=np.uint8), payload])

@@ -194,3 +194,26 @@ def test_the_decode_group_agrees_over_gloo(tmp_path):
     assert agree(None) is None
     err = TransferError(TransferFailure.LOST, "x")
     assert agree(err) is err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_merged_frames_equal_the_tp1_frame(p, dtype):
+    from kv_transfer.tp_transfer import merge_frames
+    from kv_transfer.transfer import adopt_frame, pack_pages, read_frame
+
+    full = full_pool(dtype, seed=p)
+    src, dst, src_pools, dst_pools = groups(full, p, 1)
+    frames = {s: f for s, pool in enumerate(src_pools) for f in export_rank(pool, RID, src, dst, s).values()}
+    merged = merge_frames(frames, src)
+    want_header, want_payload = read_frame(pack_pages(full, RID))
+    got_header, got_payload = read_frame(merged)
+    assert got_header == want_header and bytes(got_payload) == bytes(want_payload)
+    adopt_frame(dst_pools[0], merged, request_id=RID)  # the ordinary TP=1 receive path
+    assert_rank_holds_its_heads(full, dst_pools[0], range(HKV))
+    frames[0] = corrupt_frame(frames[0], "flip")
+    with pytest.raises(TransferError) as info:
+        merge_frames(frames, src)
+    assert info.value.reason is TransferFailure.CHECKSUM
+    with pytest.raises(TransferError, match="expected frames from prefill ranks"):
+        merge_frames({0: frames[0]}, src)
