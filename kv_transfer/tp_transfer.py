@@ -177,7 +177,9 @@ def agree(error: TransferError | None, group: Any = None) -> TransferError | Non
         import torch.distributed as dist
 
         t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        group.allreduce([t], opts).wait()  # the ProcessGroup's own call (no default group needed)
         code = int(t)
     if code == _OK:
         return None

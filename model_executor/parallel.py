@@ -67,16 +67,14 @@ class TensorParallel:
 
     @classmethod
     def from_group(cls, group: Any) -> "TensorParallel":
-        """This process's rank in ``group`` (an initialised ``torch.distributed`` group)."""
-        import torch.distributed as dist
-
-        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
+        """This process's rank in ``group``: a ``torch.distributed`` ``ProcessGroup`` (the default
+        group's ``dist.group.WORLD``, or one built on a store, ``ProcessGroupGloo(store, rank,
+        size)``, as ``kv_transfer.channel`` does, which needs no default group)."""
+        return cls(rank=int(group.rank()), size=int(group.size()), group=group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.group)
+        if self.size > 1:  # the ProcessGroup's own call: works for groups outside the default one
+            self.group.allreduce([x]).wait()
         return x
 
 

@@ -77,12 +77,14 @@ class PipeLink(parallel.RankLink):
 
 
 def _rank(rank: int, init_file: str, conn, out: str, die: bool) -> None:
-    import torch.distributed as dist
+    from torch.distributed import FileStore, ProcessGroupGloo
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
-    tp = parallel.TensorParallel.from_group(dist.group.WORLD)
+    # a group built on a store, no default group (as a replica next to its channels' groups)
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=30)
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    tp = parallel.TensorParallel.from_group(ProcessGroupGloo(FileStore(init_file, 2), rank, 2, opts))
     runner = make_runner(tp)
     if rank == 1:  # the follower: replays the leader's commands until told to stop
         while True:
@@ -117,7 +119,7 @@ def _rank(rank: int, init_file: str, conn, out: str, die: bool) -> None:
         conn.send("stop")
         result["follower_pages"] = conn.recv()
     torch.save(result, os.path.join(out, "leader.pt"))
-    os._exit(0)  # the group's peer may be dead: skip destroy_process_group
+    os._exit(0)  # the group's peer may be dead: no orderly teardown
 
 
 def parallel_item(rid, ids):
