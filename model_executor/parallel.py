@@ -262,8 +262,9 @@ def run_command(runner: Any, command: tuple) -> Any:
 
 
 class _Group:
-    def __init__(self, links: list[RankLink]) -> None:
+    def __init__(self, links: list[RankLink], on_failure: Any = None) -> None:
         self.links = links
+        self.on_failure = on_failure  # called with the RankFailed before it is raised
 
     def run(self, command: tuple, local, *, concurrent: bool) -> Any:
         """``local()`` on the leader and ``command`` on every follower: concurrently (forwards)
@@ -294,6 +295,8 @@ class _Group:
             except RankFailed as exc:
                 first = first or exc
         if first is not None:
+            if self.on_failure is not None:
+                self.on_failure(first)
             raise first
 
 
@@ -316,11 +319,12 @@ class LockstepPool:
 
 class LockstepRunner:
     """The leader's ``ModelRunner`` driving ``links`` (one per follower rank) in lockstep; what
-    a TP replica's engine takes in place of the runner (same interface)."""
+    a TP replica's engine takes in place of the runner (same interface). ``on_failure(exc)``
+    runs when a follower failed, before ``RankFailed`` is raised (a replica ends itself there)."""
 
-    def __init__(self, runner: Any, links: list[RankLink]) -> None:
+    def __init__(self, runner: Any, links: list[RankLink], *, on_failure: Any = None) -> None:
         self._runner = runner
-        self._group = _Group(list(links))
+        self._group = _Group(list(links), on_failure)
         self.pool = LockstepPool(runner.pool, self._group)
 
     def __getattr__(self, name: str) -> Any:

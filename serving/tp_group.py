@@ -6,8 +6,8 @@ group: the replica's KV channels build their own groups next to it). The leader'
 them through ``model_executor.parallel.LockstepRunner`` with one :class:`RayRankLink` per
 follower; a dead follower is ``RankFailed``: the replica must be replaced.
 
-Status: the building blocks (this module) are tested on a local Ray; the deployments do not use
-them yet (docs/ARCHITECTURE.md "Tensor parallelism").
+Used by the prefill deployment (``prefill.tensor_parallel_size > 1``); the decode deployment
+does not use it yet (docs/ARCHITECTURE.md "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -123,9 +123,11 @@ class RayRankLink:
 
 
 def start_group(config: ServiceConfig, side: str, *, num_pages: int, host: str = "127.0.0.1",
-                actor_options: dict | None = None) -> tuple[Any, list[Any]]:
+                actor_options: dict | None = None, on_failure: Any = None,
+                name_prefix: str | None = None) -> tuple[Any, list[Any]]:
     """Rank 0 here, ranks ``1..N-1`` as actors (in the caller's placement group when it has
-    one): returns the leader's ``LockstepRunner`` and the actors."""
+    one, named ``<name_prefix>:<rank>`` when given): returns the leader's ``LockstepRunner``
+    (``on_failure``: see it) and the actors."""
     import ray
     from torch.distributed import TCPStore
     from ray.util.placement_group import get_current_placement_group
@@ -143,13 +145,79 @@ def start_group(config: ServiceConfig, side: str, *, num_pages: int, host: str =
         opts = dict(actor_options or {"num_cpus": 1})
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
+        if name_prefix is not None:
+            opts["name"] = f"{name_prefix}:{rank}"
         actors.append(remote.options(**opts).remote(config.worker_dict(), side, rank, size, host, store.port, num_pages))
     group = _process_group(host, store.port, 0, size, is_master=True, device=device, timeout_s=RANK_TIMEOUT_S,
                            store=store)
     runner = build_rank_runner(config, side, TensorParallel.from_group(group), num_pages)
     ray.get([a.ready.remote() for a in actors], timeout=RANK_TIMEOUT_S)
-    lock = LockstepRunner(runner, [RayRankLink(a, r) for r, a in enumerate(actors, start=1)])
+    lock = LockstepRunner(runner, [RayRankLink(a, r) for r, a in enumerate(actors, start=1)], on_failure=on_failure)
     lock._store, lock._group_handle = store, group  # keep the rendezvous alive with the runner
     if runner.pool.k_scale is not None:
         lock.calibrate_kv_scales(margin=config.kv.scale_margin)
     return lock, actors
+
+
+def _rank_frame(pool: Any, request_id: str, layout: Any, rank: int):
+    """Rank ``rank``'s frame of ``request_id`` for a single decode rank."""
+    from kv_transfer.heads import HeadLayout
+    from kv_transfer.tp_transfer import export_rank
+
+    dst = HeadLayout(layout.num_q_heads, layout.num_kv_heads, 1)
+    return export_rank(pool, request_id, layout, dst, rank)[0]
+
+
+def _export_frame(self, request_id: str):
+    shard = self.runner.model._fpv2_tp
+    return _rank_frame(self.runner.pool, request_id, shard.layout, shard.tp.rank)
+
+
+RankActor.export_frame = _export_frame
+
+
+def make_tp_exporter(lock: Any, actors: list, fetch_timeout_s: float):
+    """An object-store transport whose frames hold every rank's heads (``merge_frames``): a TP
+    prefill replica feeds TP=1 decode replicas unchanged (they receive ordinary frames)."""
+    import ray
+
+    from kv_transfer.transfer import ObjectStoreTransport, _maybe_corrupt, _ticket
+    from kv_transfer.tp_transfer import merge_frames
+    from model_executor.parallel import RankFailed, shard_of
+
+    leader = lock._runner
+    shard = shard_of(leader.model)
+
+    class TPObjectStoreTransport(ObjectStoreTransport):
+        def export(self, pool, request_id, *, fault=None):
+            refs = [a.export_frame.remote(request_id) for a in actors]
+            frames = {0: _rank_frame(leader.pool, request_id, shard.layout, 0)}
+            try:
+                frames.update({r: f for r, f in enumerate(ray.get(refs, timeout=RANK_TIMEOUT_S), start=1)})
+            except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
+                raise RankFailed(f"TP export of {request_id!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
+            frame = _maybe_corrupt(merge_frames(frames, shard.layout), fault)
+            return _ticket(self.name, leader.pool, request_id, frame, [ray.put(frame)])
+
+    return TPObjectStoreTransport(fetch_timeout_s=fetch_timeout_s)
+
+
+def end_replica(exc: BaseException) -> None:
+    """A TP replica whose rank failed is out of step for good: end its process, so its in-flight
+    calls fail as a dead replica's (the ingress retries them elsewhere) and Serve replaces it."""
+    import logging
+    import os
+
+    logging.getLogger(__name__).error("TP rank failure, ending this replica: %s", exc)
+    os._exit(70)
+
+
+def check_ranks(actors: list, timeout_s: float = 10.0) -> None:
+    """Serve's health check of a TP replica: every follower answers (else RuntimeError: Serve
+    replaces the replica, its in-flight requests are retried as for any dead replica)."""
+    import ray
+
+    try:
+        ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"a TP rank of this replica is gone: {type(exc).__name__}: {str(exc)[:300]}") from None
