@@ -42,13 +42,16 @@ from typing import Any
 
 import torch
 
-from . import fp8_linear
+from . import fp8_linear, parallel
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_STRUCTURED_8B = "builtin:structured-8b"
 BUILTIN_STRUCTURED_TINY = "builtin:structured-tiny"
-BUILTIN_MODELS = (BUILTIN_TINY, BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY)
+BUILTIN_STRUCTURED_32B = "builtin:structured-32b"  # Qwen2.5-32B's shape (GPU; TP for long prompts)
+BUILTIN_STRUCTURED_70B = "builtin:structured-70b"  # Llama-3.1-70B's shape (GPU, TP >= 2 in bf16)
+BUILTIN_STRUCTURED = (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, BUILTIN_STRUCTURED_32B, BUILTIN_STRUCTURED_70B)
+BUILTIN_MODELS = (BUILTIN_TINY, *BUILTIN_STRUCTURED)
 _BUILTIN_PREFIX = "builtin:"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -70,6 +73,12 @@ class LoadedModel:
     @property
     def num_kv_heads(self) -> int:
         return int(self.config.num_key_value_heads)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank's pool holds (``num_kv_heads`` unless the model is TP-sharded)."""
+        shard = parallel.shard_of(self.model)
+        return self.num_kv_heads if shard is None else shard.layout.local_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -127,13 +136,13 @@ def build_tiny_model(
 
 def structured_spec(name: str, seed: int = 0) -> Any:
     """The ``model_executor.structured_model`` spec of a built-in structured model."""
-    from .structured_model import llama31_8b_spec, tiny_spec
+    from .structured_model import llama31_8b_spec, llama31_70b_spec, qwen25_32b_spec, tiny_spec
 
-    if name == BUILTIN_STRUCTURED_8B:
-        return llama31_8b_spec(seed=seed)
-    if name == BUILTIN_STRUCTURED_TINY:
-        return tiny_spec(seed=seed)
-    raise ValueError(f"name: expected {BUILTIN_STRUCTURED_8B!r} or {BUILTIN_STRUCTURED_TINY!r}, got {name!r}")
+    specs = {BUILTIN_STRUCTURED_8B: llama31_8b_spec, BUILTIN_STRUCTURED_TINY: tiny_spec,
+             BUILTIN_STRUCTURED_32B: qwen25_32b_spec, BUILTIN_STRUCTURED_70B: llama31_70b_spec}
+    if name not in specs:
+        raise ValueError(f"name: expected one of {BUILTIN_STRUCTURED}, got {name!r}")
+    return specs[name](seed=seed)
 
 
 def build_structured_model(
@@ -155,6 +164,30 @@ def build_structured_model(
         model = build_structured_llama(spec, device=device, dtype=dtype)
     tokenizer = IdTokenizer(spec.vocab_size, bos_token_id=spec.bos_token_id)
     return LoadedModel(name=name, model=model.eval(), tokenizer=tokenizer, config=model.config)
+
+
+def model_shape(source: str | Path) -> Any | None:
+    """The head counts and widths of ``source`` (``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim``, ``intermediate_size``, ...) without its weights: a built-in model's config, or
+    a directory's config.json; ``None`` for a directory not here (checked where it loads)."""
+    import types
+
+    check_model_name(str(source))
+    if str(source) == BUILTIN_TINY:
+        return tiny_config()
+    if str(source) in BUILTIN_STRUCTURED:
+        from .structured_model import llama_config
+
+        return llama_config(structured_spec(str(source)))
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    raw = _read_json(path)
+    raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    if not all(isinstance(raw.get(k), int) for k in ("num_attention_heads", "hidden_size", "intermediate_size")):
+        return None  # load_model_dir names what is wrong
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    return types.SimpleNamespace(**raw)
 
 
 def builtin_tokenizer(name: str) -> Any:
@@ -398,6 +431,58 @@ def _load_fp8_dir(path: Path, config: Any, files: list[Path], fmt: "fp8_linear.C
     return model
 
 
+def _load_shard(path: Path, config: Any, files: list[Path], dtype: torch.dtype, device: str | torch.device,
+                attn_implementation: str, tp: "parallel.TensorParallel") -> Any:
+    """Rank ``tp.rank``'s shard of a float checkpoint: the model built on the meta device, cut
+    to the shard (``parallel.shard_model``), given memory of the shard's sizes, and each tensor's
+    slice read (``safe_open(...).get_slice``: only those bytes). ``model._fpv2_loaded_elements``
+    counts the elements read."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    shard = parallel.shard_model(model, tp)
+    model.to_empty(device=device)
+    # non-persistent buffers (RoPE's inv_freq) are not in the files: rebuild them on the device
+    rotary = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    params = dict(model.named_parameters())
+    read, done = 0, set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                module = name.rpartition(".")[0]
+                if module in shard.row_bias:
+                    target = shard.row_bias[module] = handle.get_tensor(name).to(device=device, dtype=dtype)
+                    read += target.numel()
+                    done.add(name)
+                    continue
+                if name not in params:
+                    continue
+                sl = parallel.shard_slice(name, config, shard.layout, tp.rank)
+                src = handle.get_slice(name)
+                if sl is None:
+                    t = src[:]
+                else:
+                    dim, start, length = sl
+                    t = src[start:start + length] if dim == 0 else src[:, start:start + length]
+                with torch.no_grad():
+                    params[name].copy_(t)
+                read += t.numel()
+                done.add(name)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [n for n in params if n not in done and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
+    if tied:
+        model.tie_weights()
+    model._fpv2_loaded_elements = read
+    return model
+
+
 def load_model_dir(
     model_dir: str | Path,
     *,
@@ -406,8 +491,13 @@ def load_model_dir(
     load_tokenizer: bool = True,
     attn_implementation: str = "sdpa",
     weight_dtype: str = "auto",
+    tp: "parallel.TensorParallel | None" = None,
 ) -> LoadedModel:
     """Load a local Hugging Face model directory (config.json, *.safetensors, tokenizer).
+
+    ``tp``: load only rank ``tp.rank``'s shard (``model_executor.parallel``): each tensor's slice
+    is read from the file, no rank ever holds another rank's projections (float checkpoints;
+    ``weight_dtype`` then quantizes the shard).
 
     ``dtype`` defaults to the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent); for
     FP8 checkpoints it is the dtype of everything but the FP8 weights (bfloat16 if absent).
@@ -441,7 +531,14 @@ def load_model_dir(
             dtype = getattr(torch, dtype)
         if dtype is None or dtype == torch.float8_e4m3fn:
             dtype = torch.bfloat16 if fmt is not None else torch.float32
-    if fmt is not None:
+    if tp is not None and tp.size > 1:
+        if fmt is not None:
+            raise ValueError(f"tp: FP8 checkpoints ({fmt.quant_method}) load on one rank only for now; {path} "
+                             "needs tensor_parallel_size 1 (or a float checkpoint with weight_dtype)")
+        model = _load_shard(path, config, files, dtype, device, attn_implementation, tp).eval()
+        _quantize_loaded(model, weight_dtype)
+        parallel.install_reductions(model)
+    elif fmt is not None:
         model = _load_fp8_dir(path, config, files, fmt, dtype, device, attn_implementation).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(
@@ -465,8 +562,10 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     weight_dtype: str = "auto",
+    tp: "parallel.TensorParallel | None" = None,
 ) -> LoadedModel:
-    """``None`` or ``"builtin:tiny"``: the built-in tiny model; ``"builtin:structured-8b"`` /
+    """``tp``: rank ``tp.rank``'s shard (``model_executor.parallel``; directories read only the
+    shard, built-in models are built whole from their seed, then cut). ``None`` or ``"builtin:tiny"``: the built-in tiny model; ``"builtin:structured-8b"`` /
     ``"builtin:structured-tiny"``: a structured benchmark model (default dtype bfloat16);
     otherwise a local directory. ``weight_dtype``: ``"auto"`` (as stored), or an FP8 scheme the
     projections are quantized to on load (see the module doc)."""
@@ -475,10 +574,12 @@ def load_model(
         loaded = build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
     else:
         check_model_name(str(source))
-        if str(source) not in (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY):
-            return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype)
+        if str(source) not in BUILTIN_STRUCTURED:
+            return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
         loaded = build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
-    _quantize_loaded(loaded.model, weight_dtype)
+    _quantize_loaded(loaded.model, weight_dtype)  # before sharding: the shards keep the TP=1 scales
+    if tp is not None and tp.size > 1:
+        parallel.shard_model(loaded.model, tp)
     return loaded
 
 
@@ -490,7 +591,7 @@ def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype
     return KVPool(
         KVPoolConfig(
             num_layers=loaded.num_layers,
-            num_kv_heads=loaded.num_kv_heads,
+            num_kv_heads=loaded.local_kv_heads,
             head_dim=loaded.head_dim,
             page_size=page_size,
             dtype=dtype or param.dtype,

@@ -19,7 +19,7 @@ from kernels import ops
 from kernels._checks import canonical_device
 from kernels.config import SparseConfig
 
-from . import fp8_linear, fused
+from . import fp8_linear, fused, parallel
 from .cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from .attention import (
     ATTENTION_NAME,
@@ -111,6 +111,7 @@ class ModelRunner:
             linear_backend = "auto" if self.device.type == "cuda" or backend != "triton" else "triton"
         self.fp8_counts = fp8_linear.install_forwards(model, kernels=bool(fused_ops), fp8_pool=pool.k_scale is not None,
                                                       linear_backend=linear_backend)
+        parallel.install_reductions(model)  # a TP shard's all-reduces (a module replaced since gets its own)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)
@@ -168,12 +169,15 @@ class ModelRunner:
     def _check_geometry(self) -> None:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        shard = parallel.shard_of(self.model)
+        kv_heads = cfg.num_key_value_heads if shard is None else shard.layout.local_kv_heads
+        want = (cfg.num_hidden_layers, kv_heads, head_dim)
         got = (self.pool.k.shape[0], self.pool.k.shape[3], self.pool.k.shape[4])
         if want != got:
+            where = "the model config" if shard is None else f"rank {shard.tp.rank}'s shard of {shard.tp.size}"
             raise ValueError(
                 "pool: expected (num_layers, num_kv_heads, head_dim) = "
-                f"{want} from the model config, got {got}"
+                f"{want} from {where}, got {got}"
             )
         if self.pool.k.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(

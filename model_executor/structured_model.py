@@ -101,6 +101,29 @@ def llama31_8b_spec(num_layers: int = 32, **overrides) -> StructuredModelSpec:
     return StructuredModelSpec(num_layers=num_layers, **overrides)
 
 
+QWEN_ENDOFTEXT = 151643
+
+
+def qwen25_32b_spec(num_layers: int = 64, **overrides) -> StructuredModelSpec:
+    """Qwen2.5-32B's shape on the Llama architecture (no q/k/v bias): 64 layers, hidden 5120,
+    40/8 heads, d 128, MLP 27648, vocab 152064, RoPE theta 1e6 without scaling, 128K positions
+    (Qwen's YaRN range); ``<|endoftext|>`` plays BOS."""
+    base = dict(num_layers=num_layers, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
+                head_dim=128, intermediate_size=27648, vocab_size=152064, rope_theta=1_000_000.0,
+                rope_scaling={}, max_position_embeddings=131072, bos_token_id=QWEN_ENDOFTEXT)
+    base.update(overrides)
+    return StructuredModelSpec(**base)
+
+
+def llama31_70b_spec(num_layers: int = 80, **overrides) -> StructuredModelSpec:
+    """Llama-3.1-70B's shape: 80 layers, hidden 8192, 64/8 heads, d 128, MLP 28672, vocab 128256,
+    RoPE theta 500000 with llama3 scaling (as the 8B)."""
+    base = dict(num_layers=num_layers, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=128, intermediate_size=28672)
+    base.update(overrides)
+    return StructuredModelSpec(**base)
+
+
 def tiny_spec(**overrides) -> StructuredModelSpec:
     """2 layers, hidden 512, 8/2 heads, d 64, bands / 4 (for block 64 at 1K..4K on CPU)."""
     base = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
@@ -135,6 +158,20 @@ def _band_pairs(inv_freq: torch.Tensor, band: HeadBand, scale: float) -> torch.T
     return ((wavelength >= band.lo * scale) & (wavelength <= band.hi * scale)).nonzero().flatten()
 
 
+def check_bands(spec: StructuredModelSpec, inv_freq: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each band's RoPE pairs (``inv_freq``: the model's rotary frequencies); ValueError if a band
+    holds none or overlaps the sink/content pairs."""
+    order = torch.argsort(inv_freq.double())
+    reserved = set(order[: 1 + spec.content_pairs].tolist())
+    bands = {b.name: _band_pairs(inv_freq, b, spec.band_scale) for b in spec.bands}
+    for name, pairs in bands.items():
+        if pairs.numel() == 0:
+            raise ValueError(f"bands: band {name!r} holds no RoPE pair at band_scale {spec.band_scale}")
+        if set(pairs.tolist()) & reserved:
+            raise ValueError(f"bands: band {name!r} overlaps the sink/content pairs; shrink it or content_pairs")
+    return bands
+
+
 @torch.no_grad()
 def build_structured_llama(
     spec: StructuredModelSpec, *, device="cpu", dtype=torch.bfloat16,
@@ -167,12 +204,7 @@ def build_structured_llama(
     sink_pair = int(order[0])
     content_pairs = order[1 : 1 + spec.content_pairs]
     content_dims = torch.cat([content_pairs, content_pairs + half])
-    bands = {b.name: _band_pairs(inv_freq, b, spec.band_scale) for b in spec.bands}
-    for name, pairs in bands.items():
-        if pairs.numel() == 0:
-            raise ValueError(f"bands: band {name!r} holds no RoPE pair at band_scale {spec.band_scale}")
-        if set(pairs.tolist()) & (set(content_pairs.tolist()) | {sink_pair}):
-            raise ValueError(f"bands: band {name!r} overlaps the sink/content pairs; shrink it or content_pairs")
+    bands = check_bands(spec, inv_freq)
 
     # Embeddings: RMS 1, shared DC direction u0 (dim 0), BOS direction u1, token part in dims 2..
     cos_t = 0.5

@@ -199,10 +199,19 @@ class PrefillServer:
 
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
-        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.prefill_pages)
+        self._tp_actors: list = []
+        if self.config.prefill.tensor_parallel_size > 1:  # serving/tp_group.py: rank 0 here, the rest actors
+            from serving.runtime import resolve_device
+            from serving.tp_group import end_replica, start_group
+
+            lock, self._tp_actors = start_group(self.config, "prefill", num_pages=self.config.kv.prefill_pages,
+                                                host=node_ip(), on_failure=end_replica,
+                                                name_prefix=f"fptp_rank:{replica_id()}")
+            self.runtime = WorkerRuntime(self.config, None, lock.pool, lock, resolve_device(self.config))
+        else:
+            self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.prefill_pages)
         self.pool = self.runtime.pool
-        self.cost_model = PrefillCostModel(dense_below=self.config.sparse.dense_below,
-                                           expected_density=self.config.sparse.expected_density)
+        self.cost_model = PrefillCostModel.for_config(self.config)
         self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.prefill.max_batch_tokens,
                                     chunk_size=self.config.prefill.chunk_size,
                                     prefix_cache=self.config.prefill.prefix_caching,
@@ -214,6 +223,11 @@ class PrefillServer:
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
         self.object_store = ObjectStoreTransport(fetch_timeout_s=self.config.transfer.object_store.fetch_timeout_s)
+        if self._tp_actors:  # frames of every rank's heads, merged; TP replicas ship over the object store
+            from serving.tp_group import make_tp_exporter
+
+            self.object_store = make_tp_exporter(self.runtime.runner, self._tp_actors,
+                                                 self.config.transfer.object_store.fetch_timeout_s)
         self.transport = self._make_transport()
         self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
@@ -224,7 +238,7 @@ class PrefillServer:
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
         kind = select_transport(transfer.transport, device=self.pool.device)
-        if kind == "object_store":
+        if kind == "object_store" or self._tp_actors:
             return self.object_store
         channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):
@@ -342,6 +356,8 @@ class PrefillServer:
             "queued_tokens": self.loop.queued_tokens,
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
+            "tp_ranks": 1 + len(self._tp_actors),
+            "kv_heads": int(self.pool.num_kv_heads),
             "leased": len(self.leases),
             "leases_ended": dict(self.leases.ended),
             "active": self.active,
@@ -370,6 +386,10 @@ class PrefillServer:
         task = self.loop._task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"prefill batching loop died: {task.exception()!r}")
+        if self._tp_actors:
+            from serving.tp_group import check_ranks
+
+            check_ranks(self._tp_actors)
 
     def __del__(self):
         """Serve calls it when the replica stops, after its ongoing calls have drained, and
@@ -418,4 +438,8 @@ def make_prefill_deployment(config: ServiceConfig, **options: Any):
     if autoscaling is not None and "num_replicas" not in options:
         defaults["autoscaling_config"] = autoscaling
     defaults.update(options)
+    if config.prefill.tensor_parallel_size > 1 and "placement_group_bundles" not in defaults:
+        from serving.tp_group import placement_options
+
+        defaults.update(placement_options(config, "prefill", defaults.get("ray_actor_options")))
     return serve.deployment(PrefillServer).options(**defaults)

@@ -139,7 +139,7 @@ class DisaggregatedPipeline:
         # ends the lease of an attempt abandoned before a decode replica took its ticket
         self._release_lease = release_lease
         self._decode = decode_handle.options(stream=True)
-        self.cost_model = PrefillCostModel(dense_below=config.sparse.dense_below, expected_density=config.sparse.expected_density)
+        self.cost_model = PrefillCostModel.for_config(config)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
     def _pages(self, tokens: int) -> int:

@@ -26,7 +26,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticUndefined
 
 from kernels.config import KV_TILE, SparseConfig
@@ -70,7 +71,8 @@ class ModelOptions(_Section):
     section: typing.ClassVar[str] = "model"
 
     model: str = Field("builtin:tiny", min_length=1, description=(
-        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` (the structured '
+        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` / `"builtin:structured-32b"` / '
+        '`"builtin:structured-70b"` (the structured '
         "benchmark models: token-id prompts, built from `model.seed` on each replica's device; "
         "`model_executor/loading.py`) or a local Hugging Face directory (read offline)."))
     served_model_name: str | None = Field(None, min_length=1, description=(
@@ -153,6 +155,10 @@ class PrefillOptions(_Section):
         "for long prompts), where a prompt waiting `prefill.max_wait_s` or more goes ahead of all younger ones."))
     max_wait_s: float = Field(30.0, ge=0.0, le=86400.0, description=(
         '"shortest_first": a prompt waiting this long goes ahead of all younger ones.'))
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Ranks (GPUs) of one prefill replica, tensor parallel (`model_executor/parallel.py`): must divide "
+        "the model's query heads and divide its KV heads or be a multiple of them (KV heads replicated), "
+        "and fit `runtime.devices_per_node` (the ranks are packed on one node)."))
     prefix_caching: bool = Field(True, description=(
         "Prefill replicas keep the full KV pages of prompts they prefilled and let a later prompt that "
         "starts with the same tokens reuse them (least recently used pages evicted first); "
@@ -203,6 +209,9 @@ class DecodeOptions(_Section):
         "`decode.max_running`, for sequences up to `ingress.max_model_len` tokens "
         "(`model_executor/cuda_graphs.py`); a capture that fails or does not reproduce the eager step "
         "leaves the replica eager, with a warning."))
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Ranks (GPUs) of one decode replica, tensor parallel; the same rules as "
+        "`prefill.tensor_parallel_size`, and may differ from it (KV moves between groups of any sizes)."))
     adopt_wait_s: float = Field(5.0, ge=0.0, le=3600.0, description=(
         'How long a decode replica waits for free pages before it refuses a transfer as "pool exhausted" '
         "(bounded queueing, then 429)."))
@@ -332,6 +341,10 @@ class RuntimeOptions(_Section):
         "On CUDA, run the model's RMSNorms and SiLU MLPs as fused Triton kernels "
         "(`model_executor/fused.py`); false: transformers' eager modules."))
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per worker replica (0: torch's default).")
+    devices_per_node: int | None = Field(None, ge=1, description=(
+        "Devices one node offers a replica (GPUs per node): a tensor-parallel replica's ranks are one "
+        "STRICT_PACK placement group on one node, so neither `prefill.tensor_parallel_size` nor "
+        "`decode.tensor_parallel_size` may exceed it (null: not checked before Ray starts)."))
 
 
 class FaultInjection(_Section):
@@ -370,6 +383,11 @@ class ServiceConfig(_Section):
     def __init__(self, **data: Any) -> None:
         super().__init__(**nest(data))
 
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> "ServiceConfig":
+        check_tensor_parallel(self)
+        return self
+
     @property
     def model_id(self) -> str:
         return self.model.served_model_name or self.model.model
@@ -404,6 +422,27 @@ class ServiceConfig(_Section):
         return type(self)(**merge(self.to_dict(), nest({**(changes or {}), **more})))
 
 
+def check_tensor_parallel(config: "ServiceConfig") -> None:
+    """``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` against the model's head
+    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option."""
+    from model_executor.loading import model_shape
+    from model_executor.parallel import layout_of
+
+    limit = config.runtime.devices_per_node
+    shape = None
+    for side in ("prefill", "decode"):
+        size = getattr(config, side).tensor_parallel_size
+        if size == 1:
+            continue
+        name = f"{side}.tensor_parallel_size"
+        if limit is not None and size > limit:
+            raise ValueError(f"{name}: {size} ranks do not fit runtime.devices_per_node ({limit}): a replica's "
+                             "ranks are packed on one node; lower it or use bigger nodes")
+        shape = shape or model_shape(config.model.model)
+        if shape is not None:
+            layout_of(shape, size, name=name)
+
+
 # ------------------------------------------------------------------------- flat names (aliases)
 OPTION_ALIASES: dict[str, str] = {
     # the flat ServiceConfig field names before the sections -> their dotted paths
@@ -434,6 +473,8 @@ OPTION_ALIASES: dict[str, str] = {
     "max_running": "decode.max_running",
     "cuda_graphs": "decode.cuda_graphs",
     "adopt_wait_s": "decode.adopt_wait_s",
+    "prefill_tensor_parallel_size": "prefill.tensor_parallel_size",
+    "decode_tensor_parallel_size": "decode.tensor_parallel_size",
     "transport": "transfer.transport",
     "transfer_retries": "transfer.retries",
     "lease_timeout_s": "transfer.lease_timeout_s",

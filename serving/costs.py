@@ -30,6 +30,8 @@ class PrefillCostModel:
     token_weight: float = 256.0
     dense_below: int = 1024
     expected_density: float = 0.3
+    tensor_parallel_size: int = 1
+    allreduce_weight: float = 16.0
 
     def __post_init__(self) -> None:
         if self.token_weight < 0 or not 0.0 <= self.expected_density <= 1.0 or self.dense_below < 0:
@@ -37,6 +39,16 @@ class PrefillCostModel:
                 "PrefillCostModel: expected token_weight >= 0, expected_density in [0, 1], dense_below >= 0; "
                 f"got {self.token_weight}, {self.expected_density}, {self.dense_below}"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1 or self.allreduce_weight < 0:
+            raise ValueError("tensor_parallel_size, allreduce_weight: expected an int >= 1 and a weight >= 0, got "
+                             f"{self.tensor_parallel_size!r}, {self.allreduce_weight!r}")
+
+    @classmethod
+    def for_config(cls, config: Any) -> "PrefillCostModel":
+        """The cost model of a ``ServiceConfig``'s prefill replicas."""
+        return cls(dense_below=config.sparse.dense_below, expected_density=config.sparse.expected_density,
+                   tensor_parallel_size=config.prefill.tensor_parallel_size)
 
     def density(self, prompt_len: int, alpha: float | None = None) -> float:
         """``alpha``: a request's own sparsity (0: dense, so density 1); None: the service's."""
@@ -49,7 +61,11 @@ class PrefillCostModel:
             raise ValueError(f"cached_prefix: expected 0 <= cached_prefix <= prompt_len ({prompt_len}), got {cached_prefix}")
         new = prompt_len - cached_prefix
         pairs = new * (cached_prefix + prompt_len + 1) / 2.0
-        return self.token_weight * new + pairs * self.density(prompt_len, alpha)
+        work = self.token_weight * new + pairs * self.density(prompt_len, alpha)
+        n = self.tensor_parallel_size
+        if n == 1:
+            return work
+        return work / n + self.allreduce_weight * new * (n - 1) / n
 
 
 # How long a call pinned to a replica this router does not (yet) list waits for it, before any

@@ -425,7 +425,7 @@ def test_structured_model_and_tokenizer_errors():
     from model_executor.tokenizer import IdTokenizer
 
     for call in (lambda: load_model("builtin:nope"), lambda: load_tokenizer("builtin:nope"),
-                 lambda: ServiceConfig.from_dict({"model": "builtin:structured-70b"})):
+                 lambda: ServiceConfig.from_dict({"model": "builtin:structured-405b"})):
         with pytest.raises(ValueError, match="model: expected one of"):
             call()
     for call in (lambda: structured_spec("builtin:tiny"), lambda: build_structured_model("builtin:tiny")):

@@ -1,0 +1,137 @@
+"""Which tensor-parallel rank holds which attention heads, and which heads a KV transfer between
+two TP groups moves from which prefill rank to which decode rank.
+
+Megatron-style head split over ``tp_size`` ranks (the layout ``model_executor.parallel`` shards
+the projections by, and the KV pool of each rank holds):
+- query heads: rank ``r`` holds the contiguous ``num_q_heads / tp_size`` heads starting at
+  ``r * num_q_heads / tp_size``;
+- KV heads, ``tp_size <= num_kv_heads``: rank ``r`` holds ``num_kv_heads / tp_size`` contiguous heads;
+  ``tp_size > num_kv_heads``: each KV head is *replicated* on ``tp_size / num_kv_heads`` consecutive
+  ranks (rank ``r`` holds head ``r // (tp_size / num_kv_heads)``), as vLLM does. Either way a rank's
+  query heads all read its own KV heads: attention needs no communication.
+
+A transfer from a prefill group of ``P`` ranks to a decode group of ``D`` ranks (any sizes) is a
+list of :class:`HeadRoute`: for every decode rank and every KV head it holds, the prefill rank
+that sends it (a replicated head is sent by one of its holders, spread over the decode ranks) and
+the head's position in both pools. :func:`transfer_routes` groups them by (source, destination)
+pair: each pair is one frame of whole pages restricted to those heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def check_tp_size(tp_size: object, num_q_heads: int, num_kv_heads: int, *,
+                  name: str = "tensor_parallel_size") -> int:
+    """``tp_size`` as an int, or ValueError naming ``name``: it must divide the query heads, and
+    divide the KV heads or be a multiple of them (replicated KV heads)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {tp_size!r}")
+    if num_q_heads % tp_size:
+        raise ValueError(f"{name}: {tp_size} ranks must divide the model's {num_q_heads} query heads; "
+                         f"use one of {divisors(num_q_heads, num_kv_heads)}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"{name}: {tp_size} ranks must divide the model's {num_kv_heads} KV heads or be a "
+                         f"multiple of them (KV heads replicated); use one of {divisors(num_q_heads, num_kv_heads)}")
+    return tp_size
+
+
+def divisors(num_q_heads: int, num_kv_heads: int) -> list[int]:
+    """The TP sizes a model with these head counts supports."""
+    return [n for n in range(1, num_q_heads + 1)
+            if num_q_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The heads of a model over ``tp_size`` ranks (validated: see :func:`check_tp_size`)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_q_heads", "num_kv_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads ({self.num_q_heads}), "
+                             f"got {self.num_kv_heads}")
+        check_tp_size(self.tp_size, self.num_q_heads, self.num_kv_heads)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks holding each KV head (1 unless ``tp_size > num_kv_heads``)."""
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    @property
+    def local_q_heads(self) -> int:
+        return self.num_q_heads // self.tp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def _check_rank(self, rank: object) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank: expected an int in [0, {self.tp_size}), got {rank!r}")
+        return rank
+
+    def q_heads(self, rank: int) -> range:
+        """Global query heads of ``rank``."""
+        n = self.local_q_heads
+        return range(self._check_rank(rank) * n, (rank + 1) * n)
+
+    def kv_heads(self, rank: int) -> range:
+        """Global KV heads of ``rank`` (one, shared with other ranks, when replicated)."""
+        self._check_rank(rank)
+        if self.kv_replicas > 1:
+            h = rank // self.kv_replicas
+            return range(h, h + 1)
+        n = self.local_kv_heads
+        return range(rank * n, (rank + 1) * n)
+
+    def holders(self, kv_head: int) -> list[int]:
+        """Ranks whose pools hold ``kv_head``."""
+        if isinstance(kv_head, bool) or not isinstance(kv_head, int) or not 0 <= kv_head < self.num_kv_heads:
+            raise ValueError(f"kv_head: expected an int in [0, {self.num_kv_heads}), got {kv_head!r}")
+        return [r for r in range(self.tp_size) if kv_head in self.kv_heads(r)]
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """One KV head moving from ``src_rank`` (its local head ``src_local``) to ``dst_rank``
+    (``dst_local``)."""
+
+    kv_head: int
+    src_rank: int
+    src_local: int
+    dst_rank: int
+    dst_local: int
+
+
+def head_routes(src: HeadLayout, dst: HeadLayout) -> list[HeadRoute]:
+    """Every KV head every destination rank needs, with the source rank that sends it. A head
+    held by several source ranks is sent by holder ``dst_rank % holders`` (spreading the load)."""
+    if not isinstance(src, HeadLayout) or not isinstance(dst, HeadLayout):
+        raise ValueError("src, dst: expected HeadLayout objects")
+    if (src.num_q_heads, src.num_kv_heads) != (dst.num_q_heads, dst.num_kv_heads):
+        raise ValueError(f"dst: expected the source model's heads {src.num_q_heads}/{src.num_kv_heads} "
+                         f"(query/KV), got {dst.num_q_heads}/{dst.num_kv_heads}")
+    routes = []
+    for d in range(dst.tp_size):
+        for j, h in enumerate(dst.kv_heads(d)):
+            holders = src.holders(h)
+            s = holders[d % len(holders)]
+            routes.append(HeadRoute(h, s, src.kv_heads(s).index(h), d, j))
+    return routes
+
+
+def transfer_routes(src: HeadLayout, dst: HeadLayout) -> dict[tuple[int, int], list[HeadRoute]]:
+    """:func:`head_routes` grouped by ``(src_rank, dst_rank)``, heads in destination order."""
+    out: dict[tuple[int, int], list[HeadRoute]] = {}
+    for r in head_routes(src, dst):
+        out.setdefault((r.src_rank, r.dst_rank), []).append(r)
+    return out
