@@ -250,7 +250,7 @@ class ModelRunner:
             mode=mode,
             sparse_config=sparse,
             max_seqlen_kv=max(seqlens_kv),
-            dense=max(seqlens_kv) < self.dense_below or sparse.alpha == 0,
+            dense=max(seqlens_kv) < self.dense_below or (sparse_config is not None and sparse.alpha == 0),
             backend=self.backend,
             calibrate_kv=calibrate_kv,
         )

@@ -216,7 +216,7 @@ class PrefillServer:
                                     chunk_size=self.config.prefill.chunk_size,
                                     prefix_cache=self.config.prefill.prefix_caching,
                                     policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
-                                    cost=self.cost_model.cost, tokenizer=self.runtime.loaded.tokenizer)
+                                    cost=self.cost_model.cost, tokenizer=self._tokenizer())
         self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
@@ -234,6 +234,16 @@ class PrefillServer:
         self.leases = LeaseTable(self.config.transfer.lease_timeout_s, self._end_lease)
         self.active = 0  # prefill() calls in progress (queued or prefilling)
         self.completed = 0
+
+    def _tokenizer(self) -> Any:
+        """The model's tokenizer (guided decoding of the first token): the loaded model's, or
+        on a TP replica (whose rank 0 holds no whole model) loaded on its own."""
+        loaded = self.runtime.loaded
+        if loaded is not None:
+            return loaded.tokenizer
+        from model_executor.loading import load_tokenizer
+
+        return load_tokenizer(self.config.model.model)
 
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
