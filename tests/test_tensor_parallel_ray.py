@@ -4,6 +4,8 @@ a killed follower fails the leader's next step with RankFailed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -42,6 +44,13 @@ def test_a_ray_tp_group_equals_tp1_and_a_dead_rank_fails_the_leader():
         assert want["cached"][1] == 128
         assert got["used_pages"] == 0 and ray.get(actors[0].used_pages.remote()) == 0
         ray.kill(actors[0])
+        # ray.kill is asynchronous: wait until the actor is gone, so the step below meets a dead rank
+        for _ in range(600):
+            try:
+                ray.get(actors[0].used_pages.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - RayActorError once it is dead
+                break
+            time.sleep(0.05)
         with pytest.raises(parallel.RankFailed, match="TP rank 1"):
             lock.ensure_capacity("late", 20)  # the follower is gone: the group is out of step
     finally:
