@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kernels import fp8, fp8_gemm, ops, reference
-from kernels.config import SparseConfig
+from kernels.config import KV_TILE, SparseConfig
 from kernels.plan import PrefillPlan
 
 # No "flash" (transformers would treat it as FlashAttention) and no "/" (a hub kernel).
@@ -55,6 +55,26 @@ class ForwardState:
     plans: dict[tuple, tuple[PrefillPlan, SparseConfig]] = field(default_factory=dict)
     layers_called: int = 0
     masks_seen: int = 0
+    # what the sparse layers attended (:meth:`count_index`): per sequence of the batch, the
+    # selected (query tile, key tile) pairs over every KV head and sparse layer (int64 device
+    # tensor, read once after the forward), and the causal pairs of the same layers (host)
+    selected_tiles: torch.Tensor | None = None
+    causal_tiles: list[int] | None = None
+    _causal_of: dict[int, list[int]] = field(default_factory=dict)
+
+    def count_index(self, plan: PrefillPlan, index: Any) -> None:
+        """Add one layer's index to :attr:`selected_tiles` / :attr:`causal_tiles`: a few small
+        device ops (segment lengths summed per sequence), no host sync."""
+        seg = index.seg_offsets.long()
+        per_tile = (seg[1:] - seg[:-1]).view(plan.num_kv_heads, plan.total_tiles).sum(0)
+        if self.selected_tiles is None:
+            self.selected_tiles = torch.zeros(plan.batch_size, dtype=torch.int64, device=per_tile.device)
+            self.causal_tiles = [0] * plan.batch_size
+        self.selected_tiles.index_add_(0, plan.tile_seq.long(), per_tile)
+        causal = self._causal_of.get(id(plan))
+        if causal is None:
+            causal = self._causal_of[id(plan)] = [plan.num_kv_heads * n for n in causal_tile_pairs(plan)]
+        self.causal_tiles = [a + b for a, b in zip(self.causal_tiles, causal)]
 
     def plan_for(
         self, key: tuple, build: Any
@@ -62,6 +82,16 @@ class ForwardState:
         if key not in self.plans:
             self.plans[key] = build()
         return self.plans[key]
+
+
+def causal_tile_pairs(plan: PrefillPlan) -> list[int]:
+    """Per sequence of ``plan``: the (query tile, 64-key tile) pairs of one KV head that causal
+    attention touches at all, i.e. the tiles a dense prefill computes (host arithmetic)."""
+    out = []
+    for b in range(plan.batch_size):
+        prefix = plan.prefix(b)
+        out.append(sum((plan.tile_rows(b, t)[3] + prefix) // KV_TILE + 1 for t in range(plan.qtiles[b])))
+    return out
 
 
 @dataclass(frozen=True)
@@ -132,6 +162,7 @@ def _prefill(
         out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out
     index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+    batch.state.count_index(plan, index)
     # the unresolved choice: attention_planned is where "auto" picks the CUTLASS kernel (a
     # resolved "auto" is "triton" and would never reach it)
     out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=batch.backend, descales=descales)

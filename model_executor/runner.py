@@ -116,6 +116,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
         self.vocab_size = int(model.config.vocab_size)
         self.last_state: ForwardState | None = None  # of the latest eager forward (a graph step keeps none), for tests
+        self._last_rids: list[str] = []
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
         self.memory = self.memory_report()
         logger.info(
@@ -258,7 +259,20 @@ class ModelRunner:
         for rid, n in zip(request_ids, seqlens_kv):
             self.pool.set_seq_len(rid, n)
         self.last_state = batch.state
+        self._last_rids = request_ids
         return logits
+
+    def index_tile_counts(self) -> dict[str, tuple[int, int]]:
+        """Of the latest eager prefill forward: per request id, ``(selected, causal)`` (query
+        tile, 64-key tile) pairs summed over its sparse layers and KV heads (this rank's heads
+        under TP); empty when it ran dense (no index was built). ``selected / causal`` is the
+        block density the forward ran at. Reads a device tensor (one host sync): call it after
+        the forward's logits are read anyway."""
+        state = self.last_state
+        if state is None or state.selected_tiles is None:
+            return {}
+        selected = state.selected_tiles.tolist()
+        return {rid: (int(s), int(c)) for rid, s, c in zip(self._last_rids, selected, state.causal_tiles)}
 
     def run_model(
         self, batch: ForwardBatch, input_ids: torch.Tensor, position_ids: torch.Tensor,

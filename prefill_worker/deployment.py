@@ -300,7 +300,8 @@ class PrefillServer:
                 return Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
                                  cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
                                  queue_s=queue_s, prefill_s=prefill_s, export_s=export_s,
-                                 first_logprob=result.first_logprob, prompt_logprobs=result.prompt_logprobs)
+                                 first_logprob=result.first_logprob, prompt_logprobs=result.prompt_logprobs,
+                                 block_density=result.block_density)
             finally:
                 if not leased:  # a frame (or nothing) was shipped, or the export failed / was cancelled
                     if ticket is not None and exporter.reads_pages_after_export:

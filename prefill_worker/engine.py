@@ -84,6 +84,15 @@ class PrefillResult:
     first_logprob: TokenLogprob | None = None  # with params.logprobs
     # with params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # selected over causal (query tile, 64-key tile) pairs of the prompt's sparse forwards, over
+    # every layer and KV head (this rank's under TP); None: no chunk of it ran sparse (dense
+    # below sparse.dense_below, alpha 0, or every token came from the prefix cache)
+    block_density: float | None = None
+
+
+def _block_density(seq: PromptState) -> float | None:
+    selected, causal = seq.extra.get("tiles", (0, 0))
+    return selected / causal if causal else None
 
 
 @dataclass(frozen=True)
@@ -203,20 +212,31 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
         alphas = [self._own_alpha(c.seq.payload) for c in chunks]
         if all(a is None for a in alphas):
-            if not any(keep):
-                return self.runner.prefill(items), {}
-            return self.runner.prefill_keeping(items, keep)
+            out = (self.runner.prefill(items), {}) if not any(keep) else self.runner.prefill_keeping(items, keep)
+            self._count_tiles(chunks)
+            return out
         logits: torch.Tensor | None = None
         kept: dict = {}
         for alpha in dict.fromkeys(alphas):
             idx = [i for i, a in enumerate(alphas) if a == alpha]
             config = None if alpha is None else dataclasses.replace(self.runner.sparse_config, alpha=alpha)
             part, part_kept = self.runner.prefill_keeping([items[i] for i in idx], [keep[i] for i in idx], config)
+            self._count_tiles([chunks[i] for i in idx])
             if logits is None:
                 logits = part.new_empty((len(items), part.shape[-1]))
             logits[idx] = part
             kept.update({idx[j]: v for j, v in part_kept.items()})
         return logits, kept
+
+    def _count_tiles(self, chunks: list) -> None:
+        """Add the latest forward's index counts to each chunk's prompt (its block density)."""
+        counts = self.runner.index_tile_counts()
+        for c in chunks:
+            got = counts.get(c.request_id)
+            if got is not None:
+                tiles = c.seq.extra.setdefault("tiles", [0, 0])
+                tiles[0] += got[0]
+                tiles[1] += got[1]
 
     def _admit(self, seq: PromptState) -> bool:
         from kv_transfer.pool import PoolExhausted
@@ -335,7 +355,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 self.pool.cache_prefix(rid, seq.extra["digests"])
             out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
                                               kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens,
-                                              first_logprob=first_lp[rid],
+                                              first_logprob=first_lp[rid], block_density=_block_density(seq),
                                               prompt_logprobs=(tuple(seq.extra["prompt_logprobs"])
                                                                if "prompt_logprobs" in seq.extra else None)))
         return out

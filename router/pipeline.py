@@ -422,6 +422,10 @@ class DisaggregatedPipeline:
             attempt.lease = event
         attempt.timing.update(queue_s=event.queue_s, prefill_s=event.prefill_s, export_s=event.export_s,
                               cached_tokens=event.cached_tokens)
+        # what the prefill measured: the fraction of causal (query tile, key tile) pairs attended
+        sparse = attempt.timing["sparse_attention"]
+        sparse["density"] = 1.0 if sparse["dense"] else (
+            None if event.block_density is None else round(float(event.block_density), 6))
         attempt.routing["prefill_replica"] = event.replica_id
         return event
 

@@ -458,7 +458,9 @@ class RequestParser:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
           sparse_attention: dict | None = None) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prefix cache;
-    ``sparse_attention`` (extension): how the prefill ran (``{"alpha", "dense"}``)."""
+    ``sparse_attention`` (extension): how the prefill ran (``{"alpha", "dense", "density"}``:
+    ``density`` is the measured fraction of causal (query tile, 64-key tile) pairs attended,
+    1.0 when dense)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
     if sparse_attention is not None:

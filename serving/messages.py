@@ -51,6 +51,7 @@ class Prefilled:
     export_s: float
     first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
     prompt_logprobs: Any = None  # with params.prompt_logprobs: one per prompt token (None first)
+    block_density: float | None = None  # the prefill's measured block density (PrefillResult's); None: dense
 
 
 @dataclass(frozen=True, slots=True)

@@ -525,8 +525,9 @@ def test_grpc_echo_with_prompt_logprobs(service):
 
 
 # ----------------------------------------------------------------------------- per-request sparsity
-def _offline_prompt_logprobs(prompt: list[int], alpha: float) -> list[float]:
-    """The single-process prefill engine at ``alpha``: the oracle for a sparse request."""
+def _offline_prefill(prompt: list[int], alpha: float) -> tuple[list[float], float | None]:
+    """The single-process prefill engine at ``alpha``, the oracle for a sparse request: its
+    prompt logprobs and block density."""
     import dataclasses
 
     from model_executor import ModelRunner, SamplingParams, build_tiny_model
@@ -537,7 +538,7 @@ def _offline_prompt_logprobs(prompt: list[int], alpha: float) -> list[float]:
     pool = make_pool(tiny, num_pages=64, page_size=CONFIG.kv.page_size)
     runner = ModelRunner(tiny.model, pool, dataclasses.replace(CONFIG.sparse_config, alpha=alpha), dense_below=0)
     res = PrefillEngine(runner).prefill([PrefillRequest("o", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))])
-    return [e.logprob for e in res[0].prompt_logprobs[1:]]
+    return [e.logprob for e in res[0].prompt_logprobs[1:]], res[0].block_density
 
 
 def test_per_request_sparse_attention_over_http_and_grpc(service):
@@ -556,10 +557,13 @@ def test_per_request_sparse_attention_over_http_and_grpc(service):
     assert "sparse_attention" not in plain.usage.model_extra
     forced_dense, lp = echo(False)
     assert lp == pytest.approx(dense_lp, abs=1e-5)
-    assert forced_dense.usage.model_extra["sparse_attention"] == {"alpha": 0.0, "dense": True}
+    assert forced_dense.usage.model_extra["sparse_attention"] == {"alpha": 0.0, "dense": True, "density": 1.0}
     sparse, sparse_lp = echo({"alpha": 0.95})
-    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False}
-    assert sparse_lp == pytest.approx(_offline_prompt_logprobs(prompt, 0.95), abs=1e-4)
+    want_lp, want_density = _offline_prefill(prompt, 0.95)
+    assert 0.0 < want_density < 1.0
+    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False,
+                                                            "density": pytest.approx(want_density, abs=1e-6)}
+    assert sparse_lp == pytest.approx(want_lp, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(sparse_lp, dense_lp)) > 1e-2  # what sparsity costs, per request
 
     req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=0,
