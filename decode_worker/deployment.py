@@ -63,6 +63,7 @@ class _Add:
     first_token: int
     params: Any
     outbox: asyncio.Queue
+    history: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,10 @@ class DecodeLoop:
     def num_streams(self) -> int:
         return len(self._outboxes) + sum(isinstance(c, _Add) for c in self._inbox)
 
-    def submit(self, request_id: str, prompt_len: int, first_token: int, params: Any) -> asyncio.Queue:
+    def submit(self, request_id: str, prompt_len: int, first_token: int, params: Any,
+               history: tuple[int, ...] = ()) -> asyncio.Queue:
         outbox: asyncio.Queue = asyncio.Queue()
-        self._inbox.append(_Add(request_id, prompt_len, first_token, params, outbox))
+        self._inbox.append(_Add(request_id, prompt_len, first_token, params, outbox, tuple(history)))
         self._ensure_running()
         self._wake.set()
         return outbox
@@ -141,7 +143,8 @@ class DecodeLoop:
             cmd = self._inbox.popleft()
             if isinstance(cmd, _Add):
                 try:
-                    req = self.engine.add_request(cmd.request_id, cmd.prompt_len, cmd.first_token, cmd.params)
+                    req = self.engine.add_request(cmd.request_id, cmd.prompt_len, cmd.first_token, cmd.params,
+                                                  history=cmd.history)
                 except Exception as exc:  # never registered: free the adopted pages here
                     if self.engine.pool.has(cmd.request_id):
                         self.engine.pool.release(cmd.request_id)
@@ -320,7 +323,8 @@ class DecodeServer:
         rid = call.request_id
         ticket = call.ticket
         t0 = time.monotonic()
-        footprint = self.pool.pages_for(call.kv_len + call.params.max_new_tokens)
+        # the history's K/V are in kv_len already and count against max_new_tokens
+        footprint = self.pool.pages_for(call.kv_len + call.params.max_new_tokens - len(call.history))
         if not await self._admit(rid, footprint):
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
@@ -356,7 +360,7 @@ class DecodeServer:
             self.metrics.observe("kv_transfer_seconds", time.monotonic() - t0)
             yield Adopted(replica_id=self.replica_id, transfer_s=time.monotonic() - t0,
                           num_pages=len(self.pool.pages(rid)))
-            outbox = self.loop.submit(rid, call.kv_len, call.first_token, call.params)
+            outbox = self.loop.submit(rid, call.kv_len, call.first_token, call.params, call.history)
             submitted = True
             t_submit, first_step_s = time.monotonic(), None
             while not finished:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from model_executor.runner import ModelRunner
 from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
@@ -84,9 +84,13 @@ class DecodeEngine:
 
     # -- request life -------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_len: int, first_token: int, params: SamplingParams
+        self, request_id: str, prompt_len: int, first_token: int, params: SamplingParams,
+        history: Sequence[int] = (),
     ) -> DecodeRequest:
-        """Register a request whose ``prompt_len`` tokens of K/V are in the pool already."""
+        """Register a request whose ``prompt_len`` tokens of K/V are in the pool already.
+        ``history``: tokens it generated before ``first_token`` (a resumed request; their K/V
+        are part of the ``prompt_len``): they count as output for penalties, the guide, the
+        seeded draw's token index, ``min_tokens`` and ``max_new_tokens``, and are not emitted."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already known to this engine")
         if not isinstance(params, SamplingParams):
@@ -100,10 +104,18 @@ class DecodeEngine:
             )
         if not (0 <= int(first_token) < self.runner.vocab_size):
             raise ValueError(f"first_token: expected an id in [0, {self.runner.vocab_size}), got {first_token}")
+        if isinstance(history, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.runner.vocab_size for t in history):
+            raise ValueError(f"history: expected token ids in [0, {self.runner.vocab_size}), got {list(history)[:8]!r}")
+        if len(history) >= prompt_len:
+            raise ValueError(f"history: {len(history)} tokens cannot follow a prompt_len of {prompt_len} "
+                             "(their K/V are part of it)")
+        output = [*history, int(first_token)]
         guide = make_guide(params, self.tokenizer)
         if guide is not None:
-            guide.accept(int(first_token))  # sampled under the prefill side's own guide
-        req = DecodeRequest(request_id, prompt_len, params, [int(first_token)], guide=guide)
+            for tok in output:  # the history, then the first token (sampled under the prefill's own guide)
+                guide.accept(tok)
+        req = DecodeRequest(request_id, prompt_len, params, output, guide=guide)
         self._requests[request_id] = req
         reason = self._finish_reason(req)
         if reason is not None:

@@ -300,7 +300,10 @@ class DisaggregatedPipeline:
                         yield delta
                     life.to(RequestPhase.TRANSFERRING)
                     try:
-                        event = await self._start_decode(attempt, req, step_params, generated[-1], event)
+                        # the decode side continues the whole output: penalties, the guide, min/max
+                        # tokens and seeded draws see what was generated before a resume too
+                        event = await self._start_decode(attempt, req, dataclasses.replace(params, prompt_logprobs=None),
+                                                         generated[-1], event, history=tuple(generated[:-1]))
                     except Exception as exc:
                         self._close(attempt)
                         if _is_replica_failure(exc) and n < self.config.transfer.retries:
@@ -430,9 +433,9 @@ class DisaggregatedPipeline:
         return event
 
     async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: SamplingParams,
-                            first_token: int, prefilled: Prefilled) -> Adopted | TransferFailed:
+                            first_token: int, prefilled: Prefilled, history: tuple[int, ...] = ()) -> Adopted | TransferFailed:
         payload = DecodeCall(request_id=attempt.worker_request_id, ticket=prefilled.ticket, kv_len=prefilled.kv_len,
-                             first_token=first_token, params=params)
+                             first_token=first_token, params=params, history=history)
         attempt.decode_stream = self._decode.generate.remote(
             payload, routing=routing_hint(pages=self._pages(req.prompt_len + req.max_tokens))
         )

@@ -56,13 +56,17 @@ class Prefilled:
 
 @dataclass(frozen=True, slots=True)
 class DecodeCall:
-    """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``."""
+    """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``.
+    ``history``: the tokens a resumed request generated before ``first_token`` (the client has
+    them; their K/V are in the pages): penalties, the guide, ``min_tokens``/``max_new_tokens``
+    and seeded draws go on over them as if the request had never stopped."""
 
     request_id: str
     ticket: Any
     kv_len: int
     first_token: int
     params: SamplingParams
+    history: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

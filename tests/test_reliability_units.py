@@ -327,7 +327,7 @@ def _decode(payload, n, die_after=None, full=False):
         return _Stream([TransferFailed(reason="pool_exhausted", retryable=True, message="full", replica_id=f"d{n}")])
     seq = list(payload.ticket) + [payload.first_token]
     events = [Adopted(replica_id=f"d{n}", transfer_s=0.0, num_pages=1)]
-    for _ in range(payload.params.max_new_tokens - 1):
+    for _ in range(payload.params.max_new_tokens - 1 - len(payload.history)):  # the history counts as output
         seq.append(_nxt(seq))
         events.append(Tokens(tokens=(seq[-1],), finished=False))
     events[-1] = Tokens(tokens=events[-1].tokens, finished=True, finish_reason="length")
@@ -378,7 +378,9 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
     sent = tokens[:5]  # first token + 4 decoded before the death
     assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
-    assert decodes[1].first_token == sent[-1] and decodes[1].params.max_new_tokens == 12 - 5 + 1
+    # the resumed decode continues the whole output: the tokens before its first are its history
+    assert decodes[1].first_token == sent[-1] and decodes[1].history == tuple(sent[:-1])
+    assert decodes[1].params.max_new_tokens == 12 and decodes[0].history == ()
     # both decode replicas took their tickets: the ingress ends no lease (the decode side does)
     assert len(prefills) == 2 and pipe.released == []
 
