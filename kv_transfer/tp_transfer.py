@@ -22,6 +22,9 @@ All or nothing, over the whole group:
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
 ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
 prefill replica can feed a TP=1 decode replica over the existing single-frame transports.
+:func:`split_frame` is its converse on the receive side of a TP decode replica: one ordinary
+frame, verified whole, cut into each decode rank's frame of exactly its KV heads
+(:func:`adopt_rank_frame` adopts one, :func:`settle` is the driver's all-or-nothing tally).
 """
 
 from __future__ import annotations
