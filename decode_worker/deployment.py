@@ -1,6 +1,9 @@
 """The decode deployment: dense-decode replicas with their own KV pool.
 
 One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
+With ``decode.tensor_parallel_size > 1`` the replica is rank 0 of a TP group (its engine drives
+the other ranks in lockstep and samples alone; frames are split by KV head over the ranks, all
+or nothing): ``serving/tp_group.py``.
 
 ``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
 1. fetches the shipped pages through the KV transport the ticket names (the object store; a
@@ -223,11 +226,15 @@ class DecodeServer:
 
     def __init__(self, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
-        self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.decode_pages)
-        self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
+        self._tp_actors: list = []
+        if self.config.decode.tensor_parallel_size > 1:  # serving/tp_group.py: rank 0 here, the rest actors
+            self.runtime = self._start_tp_group()
+        else:
+            self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.decode_pages)
+            self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running,
-                                   tokenizer=self.runtime.loaded.tokenizer)
+                                   tokenizer=self._tokenizer())
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
@@ -245,8 +252,40 @@ class DecodeServer:
         self._release_caller: PrefillCaller | None = None  # ends prefill leases (release_pages)
         self._background: set[asyncio.Task] = set()
 
+    def _start_tp_group(self) -> WorkerRuntime:
+        """TP decode: this process is rank 0; the engine gets the ``LockstepRunner`` (sampling on
+        this rank only). A failed rank ends the replica (``end_replica``): its streams fail as a
+        dead replica's and the ingress resumes them elsewhere."""
+        from serving.runtime import resolve_device
+        from serving.tp_group import TP_DECODE_GRAPHS, end_replica, start_group
+
+        lock, self._tp_actors = start_group(self.config, "decode", num_pages=self.config.kv.decode_pages,
+                                            host=node_ip(), on_failure=end_replica,
+                                            name_prefix=f"fptp_decode_rank:{replica_id()}")
+        runtime = WorkerRuntime(self.config, None, lock.pool, lock, resolve_device(self.config))
+        runtime.decode_graphs = TP_DECODE_GRAPHS
+        if self.config.decode.cuda_graphs and runtime.device.type == "cuda":
+            logger.warning("decode CUDA graphs: %s", TP_DECODE_GRAPHS)
+        return runtime
+
+    def _tokenizer(self) -> Any:
+        """Structured output's tokenizer: the loaded model's, or (TP: rank 0 holds no whole
+        model) loaded on its own."""
+        if self.runtime.loaded is not None:
+            return self.runtime.loaded.tokenizer
+        from model_executor.loading import load_tokenizer
+
+        return load_tokenizer(self.config.model.model)
+
     def _make_receivers(self) -> dict[str, KVTransport]:
         transfer = self.config.transfer
+        if self._tp_actors:  # TP decode receives object-store frames only (prefill ships those to it)
+            from serving.tp_group import make_tp_receiver
+
+            fi = self.config.fault_injection
+            return {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
+                                                     transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
+                                                     faults=fi.corrupt_rank_frames)}
         receivers: dict[str, KVTransport] = {
             "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
         kind = select_transport(transfer.transport, device=self.pool.device)
@@ -402,6 +441,8 @@ class DecodeServer:
             "waiting": self.engine.num_waiting,
             "streams": self.loop.num_streams,
             "max_running": self.engine.max_running,
+            "tp_ranks": 1 + len(self._tp_actors),
+            "kv_heads": int(self.pool.num_kv_heads),  # this rank's (all of them at TP=1)
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
             "room_pages": self.pool.num_pages - self.committed_pages,
@@ -448,6 +489,10 @@ class DecodeServer:
                 # Serve's health-check period is also the clock that closes mappings of prefill
                 # replicas that went away (a mapping can keep a dead replica's pool allocated)
                 receiver.sweep()
+        if self._tp_actors:
+            from serving.tp_group import check_ranks
+
+            check_ranks(self._tp_actors)
 
     def __del__(self) -> None:  # Serve calls it when the replica stops: close channels
         for receiver in getattr(self, "receivers", {}).values():
@@ -468,4 +513,8 @@ def make_decode_deployment(config: ServiceConfig, **options: Any):
     if autoscaling is not None and "num_replicas" not in options:
         defaults["autoscaling_config"] = autoscaling
     defaults.update(options)
+    if config.decode.tensor_parallel_size > 1 and "placement_group_bundles" not in defaults:
+        from serving.tp_group import placement_options
+
+        defaults.update(placement_options(config, "decode", defaults.get("ray_actor_options")))
     return serve.deployment(DecodeServer).options(**defaults)

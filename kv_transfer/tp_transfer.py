@@ -22,6 +22,9 @@ All or nothing, over the whole group:
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
 ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
 prefill replica can feed a TP=1 decode replica over the existing single-frame transports.
+:func:`split_frame` is its converse on the receive side of a TP decode replica: one ordinary
+frame, verified whole, cut into each decode rank's frame of exactly its KV heads
+(:func:`adopt_rank_frame` adopts one, :func:`settle` is the driver's all-or-nothing tally).
 """
 
 from __future__ import annotations
@@ -291,3 +294,76 @@ def merge_frames(frames: Mapping[int, Any], src: HeadLayout) -> np.ndarray:
                                  k_scale=tuple(k_scale) if k_scale else None, v_scale=tuple(v_scale) if v_scale else None)
     raw = header.encode()
     return np.concatenate([np.frombuffer(_PREFIX.pack(FRAME_MAGIC, len(raw)) + raw, dtype=np.uint8), payload])
+
+
+# ---------------------------------------------------------------------------------------------
+# receive side of a TP decode replica: one ordinary frame in, split by KV heads over its ranks
+# ---------------------------------------------------------------------------------------------
+def rank_routes(dst: HeadLayout, rank: int) -> list[HeadRoute]:
+    """The routes decode rank ``rank`` of ``dst`` takes from an ordinary (TP=1) frame: its KV
+    heads in its own order (source rank 0, source local head = the global head)."""
+    src = HeadLayout(dst.num_q_heads, dst.num_kv_heads, 1)
+    return list(transfer_routes(src, dst).get((0, dst._check_rank(rank)), []))
+
+
+def split_frame(frame: Any, dst: HeadLayout, *, request_id: str | None = None) -> dict[int, np.ndarray]:
+    """An ordinary frame of every KV head (what ``pack_pages`` or :func:`merge_frames` gives)
+    cut into the frames of a decode group ``dst``: ``{decode rank: frame of exactly its KV
+    heads}`` (a replicated head goes to each rank holding it), each with its own CRC-32 and its
+    heads' FP8 scales. The whole frame is verified first (``read_frame``: TransferError), so a
+    damaged frame never reaches a rank; ``request_id``: the request it must carry."""
+    if not isinstance(dst, HeadLayout):
+        raise ValueError(f"dst: expected a HeadLayout, got {type(dst).__name__}")
+    header, payload = read_frame(frame)
+    if request_id is not None and header.request_id != request_id:
+        raise TransferError(TransferFailure.REQUEST_MISMATCH,
+                            f"expected the pages of {request_id!r}, got those of {header.request_id!r}", request_id)
+    if header.num_kv_heads != dst.num_kv_heads:
+        raise TransferError(TransferFailure.SHAPE, f"num_kv_heads: this decode group holds {dst.num_kv_heads} KV "
+                            f"heads, the frame {header.num_kv_heads}", header.request_id)
+    one = header.payload_bytes // 2
+    token_major_v = header.dtype == "float8_e4m3fn"  # FP8 pools keep V token-major (as merge_frames)
+    h = header
+    blocks = []
+    for part in (0, 1):
+        raw = np.frombuffer(payload, dtype=np.uint8)[part * one:(part + 1) * one]
+        if part == 1 and token_major_v:
+            blocks.append((2, raw.reshape(h.num_layers, h.num_pages, h.num_kv_heads, h.head_dim, -1)))
+        else:
+            blocks.append((3, raw.reshape(h.num_layers, h.num_pages, h.page_size, h.num_kv_heads, -1)))
+    out = {}
+    for rank in range(dst.tp_size):
+        heads = [r.src_local for r in rank_routes(dst, rank)]
+        body = np.concatenate([np.take(block, heads, axis=axis).reshape(-1) for axis, block in blocks])
+        k_scale = v_scale = None
+        if h.k_scale is not None:
+            k_scale = tuple(float(x) for x in np.asarray(h.k_scale).reshape(h.num_layers, -1)[:, heads].flatten())
+            v_scale = tuple(float(x) for x in np.asarray(h.v_scale).reshape(h.num_layers, -1)[:, heads].flatten())
+        sub = dataclasses.replace(h, num_kv_heads=len(heads), payload_bytes=len(body),
+                                  checksum=zlib.crc32(memoryview(body)), k_scale=k_scale, v_scale=v_scale)
+        raw_header = sub.encode()
+        out[rank] = np.concatenate([np.frombuffer(_PREFIX.pack(FRAME_MAGIC, len(raw_header)) + raw_header,
+                                                  dtype=np.uint8), body])
+    return out
+
+
+def adopt_rank_frame(pool: KVPool, frame: Any, dst: HeadLayout, rank: int, request_id: str) -> TransferError | None:
+    """Decode rank ``rank``'s side of :func:`split_frame`: verify and adopt its frame (nothing
+    stays allocated on a failure); the failure is *returned* (the driver tallies every rank's
+    outcome: :func:`settle`), never raised."""
+    try:
+        adopt_head_frames(pool, {0: frame}, rank_routes(dst, rank), request_id)
+    except TransferError as exc:
+        return exc
+    return None
+
+
+def settle(outcomes: Sequence[TransferError | None], release: Any) -> None:
+    """The driver's tally of a decode group's receive (all or nothing): if any rank failed,
+    ``release()`` (every rank lets the request's pages go; a rank that took none releases
+    nothing) and raise the lowest-numbered rank's failure (retryable as its reason is)."""
+    failed = next((e for e in outcomes if e is not None), None)
+    if failed is None:
+        return
+    release()
+    raise failed

@@ -515,6 +515,14 @@ class ObjectStoreTransport(KVTransport):
     async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
         import asyncio
 
+        frame = await self.fetch(ticket)
+        # checksum + scatter off the event loop (large frames take a while)
+        return await asyncio.to_thread(adopt_frame, pool, frame, request_id=ticket.request_id)
+
+    async def fetch(self, ticket: TransferTicket) -> np.ndarray:
+        """The ticket's frame out of the object store (not verified yet: see ``read_frame``)."""
+        import asyncio
+
         import ray
 
         refs = ticket.handle
@@ -530,8 +538,7 @@ class ObjectStoreTransport(KVTransport):
             # frames are plain uint8 arrays (Ray stores numpy arrays as raw buffers, no pickle)
             raise TransferError(TransferFailure.MALFORMED, f"frame: expected a 1-D uint8 array, got {type(frame).__name__}",
                                 ticket.request_id)
-        # checksum + scatter off the event loop (large frames take a while)
-        return await asyncio.to_thread(adopt_frame, pool, frame, request_id=ticket.request_id)
+        return frame
 
 
 def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle: Any) -> TransferTicket:

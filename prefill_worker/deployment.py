@@ -248,7 +248,8 @@ class PrefillServer:
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
         kind = select_transport(transfer.transport, device=self.pool.device)
-        if kind == "object_store" or self._tp_actors:
+        # TP groups (this one, or the decode replicas') exchange KV over the object store only
+        if kind == "object_store" or self._tp_actors or self.config.decode.tensor_parallel_size > 1:
             return self.object_store
         channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):

@@ -358,6 +358,10 @@ class FaultInjection(_Section):
     mode: Literal[FAULT_MODES] = Field("flip", description=(
         '"flip" a byte, "truncate" the frame (object store only) or "break" the channel instead of '
         "sending (channels) or the ticket's GPU (cuda_ipc: the receiver finds no usable route)."))
+    corrupt_rank_frames: int = Field(0, ge=0, description=(
+        "TP decode replicas: damage (as `fault_injection.mode` says: flip or truncate) the last rank's part of "
+        "the first this many frames they split by KV head, after the whole frame was verified (drills of the "
+        "all-or-nothing receive: every rank lets the request go, the ingress prefills again)."))
     prefill_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description=(
         "Hold every prefill call this long before it queues (a window to kill a replica mid-request)."))
     decode_step_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description="Hold every decode step this long.")

@@ -4,10 +4,16 @@
 a gloo (CPU) / NCCL (GPU) process group built on a TCP store the leader hosts (no default
 group: the replica's KV channels build their own groups next to it). The leader's engine drives
 them through ``model_executor.parallel.LockstepRunner`` with one :class:`RayRankLink` per
-follower; a dead follower is ``RankFailed``: the replica must be replaced.
+follower; a dead follower is ``RankFailed``: the replica must be replaced (:func:`end_replica`).
 
-Used by the prefill deployment (``prefill.tensor_parallel_size > 1``); the decode deployment
-does not use it yet (docs/ARCHITECTURE.md "Tensor parallelism").
+Used by both deployments (docs/ARCHITECTURE.md "Tensor parallelism"):
+- prefill (``prefill.tensor_parallel_size > 1``): ships one object-store frame merged from every
+  rank's KV heads (:func:`make_tp_exporter`), so decode replicas of any TP receive it;
+- decode (``decode.tensor_parallel_size > 1``): the replica's ``DecodeEngine`` (one scheduler,
+  sampling on the leader only: the followers' logits, equal by construction, are dropped) drives
+  the ranks through the ``LockstepRunner``; an incoming frame is verified once, split by KV head
+  (``kv_transfer.tp_transfer.split_frame``) and adopted by every rank, all or nothing
+  (:func:`make_tp_receiver`). Decode CUDA graphs stay off under TP (:data:`TP_DECODE_GRAPHS`).
 """
 
 from __future__ import annotations
@@ -100,6 +106,15 @@ class RankActor:
 
     def used_pages(self) -> int:
         return int(self.runner.pool.used_pages)
+
+    def adopt_frame(self, request_id: str, frame: Any) -> Any:
+        """TP decode: verify and adopt this rank's split of a request's frame; returns the
+        ``TransferError`` (the leader tallies every rank's outcome) or None. Nothing stays
+        allocated here on a failure."""
+        from kv_transfer.tp_transfer import adopt_rank_frame
+
+        shard = self.runner.model._fpv2_tp
+        return adopt_rank_frame(self.runner.pool, frame, shard.layout, shard.tp.rank, request_id)
 
 
 class RayRankLink:
@@ -200,6 +215,69 @@ def make_tp_exporter(lock: Any, actors: list, fetch_timeout_s: float):
             return _ticket(self.name, leader.pool, request_id, frame, [ray.put(frame)])
 
     return TPObjectStoreTransport(fetch_timeout_s=fetch_timeout_s)
+
+
+# Why a TP decode replica runs its steps eagerly (its routing stats' ``decode_graphs``). Capture
+# would have to happen on every rank at once (the NCCL all-reduces inside the graphs pair up
+# across ranks), and the runner's per-batch-size capture, its eager check and its fallback to
+# eager decide per rank: a rank that fell back while another replays would still pair its
+# all-reduces, but one whose capture failed midway would leave the others blocked inside a
+# captured collective. Untested without GPUs, so not done: the GPU-run issue measures it.
+TP_DECODE_GRAPHS = ("off: tensor-parallel decode runs eager (capture and replay would have to run in lockstep "
+                    "on every rank; not validated on GPUs yet)")
+
+
+def make_tp_receiver(lock: Any, actors: list, fetch_timeout_s: float, *, fault_mode: str | None = None,
+                     faults: int = 0):
+    """The object-store receiver of a TP decode replica: fetch the ordinary frame (as TP=1),
+    verify it and split it by KV head over the ranks (``split_frame``), adopt on every rank at
+    once (the leader here, each follower its ``adopt_frame``), then settle all or nothing: a
+    failure on any rank releases the request on every rank and raises that rank's
+    ``TransferError`` (the ingress prefills again when it is retryable). A follower that does not
+    answer is ``RankFailed`` (the replica's ``on_failure`` ends it). ``fault_mode``/``faults``:
+    damage the last rank's split frame of the first ``faults`` transfers (drills)."""
+    import asyncio
+
+    import ray
+
+    from kv_transfer.transfer import ObjectStoreTransport, corrupt_frame
+    from kv_transfer.tp_transfer import adopt_rank_frame, settle, split_frame
+    from model_executor.parallel import RankFailed, shard_of
+
+    leader = lock._runner
+    layout = shard_of(leader.model).layout
+
+    class TPObjectStoreReceiver(ObjectStoreTransport):
+        faults_left = faults if fault_mode in ObjectStoreTransport.fault_modes else 0
+
+        async def receive(self, ticket, pool):
+            frame = await self.fetch(ticket)
+            return await asyncio.to_thread(self.adopt, ticket.request_id, frame)
+
+        def adopt(self, request_id: str, frame: Any) -> list[int]:
+            frames = split_frame(frame, layout, request_id=request_id)
+            if self.faults_left > 0:
+                self.faults_left -= 1
+                last = layout.tp_size - 1
+                frames[last] = corrupt_frame(frames[last], fault_mode)
+            refs = [a.adopt_frame.remote(request_id, frames[r]) for r, a in enumerate(actors, start=1)]
+            try:
+                outcomes = [adopt_rank_frame(leader.pool, frames[0], layout, 0, request_id)]
+            except BaseException:  # not a transfer failure (a bug): nothing may stay on any rank
+                ray.wait(refs, num_returns=len(refs), timeout=RANK_TIMEOUT_S)
+                lock.pool.release(request_id)
+                raise
+            try:
+                outcomes += ray.get(refs, timeout=RANK_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
+                failed = RankFailed(f"TP receive of {request_id!r}: {type(exc).__name__}: {str(exc)[:300]}")
+                if lock._group.on_failure is not None:
+                    lock._group.on_failure(failed)
+                raise failed from None
+            settle(outcomes, lambda: lock.pool.release(request_id))  # release: every rank, in lockstep
+            return leader.pool.pages(request_id)
+
+    return TPObjectStoreReceiver(fetch_timeout_s=fetch_timeout_s)
 
 
 def end_replica(exc: BaseException) -> None:

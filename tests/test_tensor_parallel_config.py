@@ -84,3 +84,33 @@ def test_the_tp_example_config_is_valid_and_its_bundles_match_the_sizes():
         assert len(deps[name]["placement_group_bundles"]) == side.tensor_parallel_size
         assert deps[name]["placement_group_strategy"] == "STRICT_PACK"
         assert side.tensor_parallel_size <= config.runtime.devices_per_node
+
+
+def test_the_tp_example_bundles_are_each_rank_s_gpu_with_bundle_0_the_replica_itself():
+    from pathlib import Path
+
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).parents[1] / "examples" / "serve_config_tp.yaml").read_text())
+    (app,) = raw["applications"]
+    for dep in app["deployments"]:
+        opts, bundles = dep["ray_actor_options"], dep["placement_group_bundles"]
+        first = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+        assert bundles[0] == first, dep["name"]  # rank 0 is the replica: its own resources
+        assert all(b["GPU"] == 1 and set(b) == set(first) for b in bundles), dep["name"]
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_tp_deployments_get_one_strict_pack_bundle_per_rank_unless_given(side):
+    from decode_worker.deployment import make_decode_deployment
+    from prefill_worker.deployment import make_prefill_deployment
+
+    make = make_prefill_deployment if side == "prefill" else make_decode_deployment
+    cfg = ServiceConfig(**{side: {"tensor_parallel_size": 2}})
+    dep = make(cfg, ray_actor_options={"num_cpus": 2})
+    replica = dep._replica_config  # Serve keeps the placement group options there
+    assert replica.placement_group_strategy == "STRICT_PACK"
+    assert replica.placement_group_bundles == [{"CPU": 2.0}, {"CPU": 1.0}]
+    given = make(cfg, placement_group_bundles=[{"CPU": 3}, {"CPU": 3}], placement_group_strategy="STRICT_PACK")
+    assert given._replica_config.placement_group_bundles == [{"CPU": 3}, {"CPU": 3}]
+    assert make(ServiceConfig())._replica_config.placement_group_bundles is None  # TP=1: no placement group
