@@ -771,10 +771,38 @@ def _request_schema(kind: str) -> dict:
         props["best_of"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]}
         required = ["model", "prompt"]
     else:
+        call = {"type": "object", "required": ["id", "type", "function"], "additionalProperties": False, "properties": {
+            "id": {"type": "string", "minLength": 1}, "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                         "properties": {"name": {"type": "string", "minLength": 1},
+                                        "arguments": {"type": "string", "description": "a JSON object"}}}}}
         props["messages"] = {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": {"type": "string"},
-                           "name": {"type": "string"}}}}
+            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
+                           "content": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                       "description": "null only in an assistant message with tool_calls"},
+                           "name": {"type": "string"},
+                           "tool_calls": {"type": "array", "minItems": 1, "items": call,
+                                          "description": "assistant messages only"},
+                           "tool_call_id": {"type": "string", "minLength": 1,
+                                            "description": "tool messages only (required there)"}}}}
+        function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"},
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON Schema (absent: no arguments)"},
+            "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
+        props["tools"] = {"anyOf": [{"type": "array", "maxItems": 128, "items": {
+            "type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}}, {"type": "null"}],
+            "description": "functions the model may call (400 naming tools for a model whose chat template takes none)"}
+        props["tool_choice"] = {"anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                         "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}], "description": "with tools: auto (default), none, required, or a named function"}
+        props["parallel_tool_calls"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
         props["logprobs"] = {"type": "boolean"}
         props["top_logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
                                            {"type": "null"}]}
