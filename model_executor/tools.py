@@ -193,15 +193,30 @@ def _call_schema(fn: dict, args_key: str) -> dict:
     }
 
 
+def hermes_tag_tokens(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has ``<tool_call>`` and ``</tool_call>`` as single tokens (Qwen2.5's
+    added tokens). llguidance counts every added token as special, so a grammar's text literal
+    cannot produce them: the forcing grammar must name them as tokens instead
+    (``tools_to_guided(..., tag_tokens=True)``)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return False
+    tok = tokenizer.hf_tokenizer
+    added = getattr(tok, "get_added_vocab", dict)()
+    return "<tool_call>" in added and "</tool_call>" in added
+
+
 def tools_to_guided(
-    tools: list, tool_choice: object = None, *, model_type: str = "qwen2", parallel_tool_calls: bool = True
+    tools: list, tool_choice: object = None, *, model_type: str = "qwen2", parallel_tool_calls: bool = True,
+    tag_tokens: bool = False,
 ) -> dict | None:
     """The grammar spec (``model_executor.grammar``) that forces the call ``tool_choice`` asks
     for, in ``model_type``'s format: ``None`` for ``"none"``/``"auto"``/absent (free decoding);
     for ``"required"`` a call of any of the tools (Hermes: one or more when
     ``parallel_tool_calls``), for a named function a single call of it. Arguments are
     constrained by each function's ``parameters`` schema (lenient unless every forced function
-    is ``strict``). ``ValueError`` naming the field for a bad request."""
+    is ``strict``). ``tag_tokens`` (Hermes): the call tags are the tokenizer's single
+    ``<tool_call>`` / ``</tool_call>`` tokens (see ``hermes_tag_tokens``), not their characters.
+    ``ValueError`` naming the field for a bad request."""
     validate_tools(tools, tool_choice, parallel_tool_calls)
     fmt = _format_of(model_type)
     forced = _chosen(tools, tool_choice)
@@ -216,11 +231,9 @@ def tools_to_guided(
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
     repeat = ' ("\\n" call)*' if parallel_tool_calls and tool_choice == "required" else ""
-    lark = (
-        f"start: call{repeat}\n"
-        'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-        f"body: %json {json.dumps(schema, ensure_ascii=False)}\n"
-    )
+    call = ('call: <tool_call> "\\n" body "\\n" </tool_call>\n' if tag_tokens
+            else 'call: "<tool_call>\\n" body "\\n</tool_call>"\n')
+    lark = f"start: call{repeat}\n{call}body: %json {json.dumps(schema, ensure_ascii=False)}\n"
     guided = {"type": "lark", "grammar": lark}
     validate_guided(guided)
     return guided

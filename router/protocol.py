@@ -380,7 +380,7 @@ class RequestParser:
             return None, None, None, parallel is not False
         try:
             from model_executor.grammar import compile_guide
-            from model_executor.tools import require_tool_support, tools_to_guided, validate_tools
+            from model_executor.tools import hermes_tag_tokens, require_tool_support, tools_to_guided, validate_tools
         except ImportError as exc:  # the grammar library is an optional dependency
             raise bad("tools", f"tool calling is not available on this server ({exc.name} is not installed)") from None
         try:
@@ -388,7 +388,8 @@ class RequestParser:
             validate_tools(tools, choice, parallel)
             if choice == "none":
                 return None, None, None, parallel is not False
-            guided = tools_to_guided(tools, choice, model_type=fmt, parallel_tool_calls=parallel is not False)
+            guided = tools_to_guided(tools, choice, model_type=fmt, parallel_tool_calls=parallel is not False,
+                                     tag_tokens=fmt == "hermes" and hermes_tag_tokens(self.tokenizer))
             if guided is not None:
                 compile_guide(guided, self.tokenizer)
         except ValueError as exc:

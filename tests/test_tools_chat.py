@@ -307,3 +307,24 @@ def test_streamed_tool_calls_come_one_per_chunk_then_the_finish():
     plain = tool_call_chunks(req, "no calls", [4], "length")
     assert len(plain) == 1 and plain[0]["choices"][0]["delta"] == {"content": "no calls"}
     assert plain[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_hf_tokenizer_with_tool_call_tokens_forces_and_parses_a_call():
+    """A Qwen2.5-like tokenizer: ``<tool_call>`` / ``</tool_call>`` are added tokens that are not
+    special (as in Qwen2.5's tokenizer_config), so the grammar's literals may use them and a
+    decode that skips special tokens keeps them for the parser."""
+    tok = _hf(TEMPLATE_WITH_TOOLS)
+    tok.hf_tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    req = _parser(tok, "qwen2").parse(_chat(tools=TOOLS, tool_choice={"type": "function",
+                                                                        "function": {"name": "get_weather"}}), "chat")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 7, "unit": "C"}}\n</tool_call>'
+    ids = tok.encode(text, add_bos=False)
+    assert tok.hf_tokenizer.convert_tokens_to_ids("<tool_call>") in ids  # the added token, not its characters
+    guide = compile_guide(req.guided, tok)
+    for t in ids:
+        guide.accept(t)
+    guide.accept(tok.eos_token_id)
+    assert guide.is_terminated()
+    content, calls, finish = split_tool_calls(req, tok.decode(ids), "stop")
+    assert content is None and finish == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 7, "unit": "C"}
