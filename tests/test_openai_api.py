@@ -668,6 +668,24 @@ def test_tool_calls_with_the_openai_client(service):
         assert streamed[0].id.startswith("call_") and streamed[0].type == "function"
         assert [ch.finish_reason for k in chunks for ch in k.choices if ch.finish_reason] == ["tool_calls"]
         assert not any(ch.delta.content for k in chunks for ch in k.choices)
+    # n choices streamed: each choice's reply is held back on its own (chunks of both interleave)
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=200, temperature=1.0,
+                  seed=11, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    for ch in whole.choices:
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        streamed = [(tc.function.name, tc.function.arguments) for k in chunks for c in k.choices
+                    if c.index == ch.index for tc in (c.delta.tool_calls or [])]
+        assert streamed == _calls(ch.message.tool_calls)
+        jsonschema.validate(json.loads(streamed[0][1]), schemas["lookup"])
+    # auto: free decoding (the random tiny model writes no call); streamed content is the whole content
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, max_tokens=12, temperature=1.0, seed=12)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
+    assert "".join(c.delta.content or "" for k in chunks for c in k.choices) == whole.message.content
+    assert [c.finish_reason for k in chunks for c in k.choices if c.finish_reason] == [whole.finish_reason]
     # the follow-up turn: the assistant's message as the client got it, then the tool's result
     follow = messages + [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "id 7: found"}]
     f = client.chat.completions.create(model=MODEL, messages=follow, tools=tools, max_tokens=4, temperature=0,
