@@ -328,3 +328,15 @@ def test_hf_tokenizer_with_tool_call_tokens_forces_and_parses_a_call():
     content, calls, finish = split_tool_calls(req, tok.decode(ids), "stop")
     assert content is None and finish == "tool_calls"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 7, "unit": "C"}
+
+
+def test_the_ingress_reads_model_type_from_config_json(tmp_path):
+    pytest.importorskip("ray.serve")
+    from router.app import _model_type
+    from serving.config import ServiceConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 4,
+                                                      "hidden_size": 64, "intermediate_size": 128}))
+    assert _model_type(ServiceConfig.from_dict({"model": str(tmp_path)})) == "qwen2"
+    assert _model_type(ServiceConfig.from_dict({"model": str(tmp_path / "absent")})) is None
+    assert _model_type(ServiceConfig.from_dict({})) == "llama"  # builtin:tiny (its tokenizer's hermes wins)
