@@ -10,10 +10,46 @@ Interface (what the engines and the service use):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+# The tool preamble of the byte tokenizer's chat template (Hermes / Qwen2.5-style tool calling;
+# the wording is ours). ``{tools}``: one JSON object per tool, one per line.
+TOOLS_PREAMBLE = (
+    "# Tools\n\n"
+    "You can call the functions described below. Their signatures, one JSON object per line, "
+    "are inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call a function, answer with one block per call, each a JSON object holding the "
+    "function's name and its arguments:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n</tool_call>'
+)
+
+
+def render_tool_call(name: str, arguments: Any) -> str:
+    """One call in the Hermes format the byte template writes and ``model_executor.tools``
+    parses: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (JSON with
+    ``", "`` / ``": "`` separators, as the tool grammar generates it)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _call_of(i: int, j: int, call: Any) -> tuple[str, Any]:
+    """``(name, arguments)`` of ``messages[i].tool_calls[j]`` (OpenAI's ``{"function": {name,
+    arguments}}`` or a bare ``{name, arguments}``); arguments given as a JSON string are parsed."""
+    at = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"{at}.function.name: expected a non-empty string")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ValueError(f"{at}.function.arguments: expected a JSON object (as a string), got invalid JSON") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{at}.function.arguments: expected a JSON object, got {type(args).__name__}")
+    return fn["name"], args
 
 
 class ByteTokenizer:
@@ -25,7 +61,17 @@ class ByteTokenizer:
 
     Chat template: ``<|bos|>`` then, per message, ``<|role|>`` + UTF-8 content + ``<|end|>``;
     with ``add_generation_prompt`` a final ``<|assistant|>``.
+
+    Tools (Hermes / Qwen2.5 style, ``tool_call_format = "hermes"``): with ``tools``, a first
+    ``<|system|>`` turn holds the system message (if the first message is one), a blank line and
+    ``TOOLS_PREAMBLE`` listing each tool as a JSON line. An assistant message's ``tool_calls``
+    follow its content, each as ``render_tool_call`` writes it (joined by newlines). Messages of
+    role ``tool`` are tool results: consecutive ones form one ``<|user|>`` turn of
+    ``<tool_response>\\n{content}\\n</tool_response>`` blocks joined by newlines. Without tools
+    and tool messages the prompt is exactly the plain template's.
     """
+
+    tool_call_format = "hermes"
 
     NUM_BYTES = 256
     SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -84,18 +130,57 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *, tools: Sequence[dict] | None = None
     ) -> list[int]:
-        ids = [self.bos_token_id]
-        for i, message in enumerate(messages):
+        """The prompt ids (see the class docstring); ``ValueError`` naming ``messages[i].<field>``
+        or ``tools``."""
+        turns: list[tuple[str, str]] = []  # (role, text)
+        messages = list(messages)
+        if tools:
+            if not isinstance(tools, (list, tuple)):
+                raise ValueError(f"tools: expected a list, got {type(tools).__name__}")
+            lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+            system = TOOLS_PREAMBLE.format(tools=lines)
+            first = messages[0] if messages else None
+            if isinstance(first, dict) and first.get("role") == "system" and isinstance(first.get("content"), str):
+                system = first["content"] + "\n\n" + system
+                messages = messages[1:]
+                offset = 1
+            else:
+                offset = 0
+            turns.append(("system", system))
+        else:
+            offset = 0
+        responses: list[str] = []
+        for k, message in enumerate(messages):
+            i = k + offset
             role = message.get("role") if isinstance(message, dict) else None
             if role not in _ROLES:
                 raise ValueError(f"messages[{i}].role: expected one of {_ROLES}, got {role!r}")
             content = message.get("content", "")
+            calls = message.get("tool_calls") if role == "assistant" else None
+            if content is None and (calls or role == "assistant"):
+                content = ""
             if not isinstance(content, str):
                 raise ValueError(f"messages[{i}].content: expected a str, got {type(content).__name__}")
+            if role == "tool":
+                responses.append(f"<tool_response>\n{content}\n</tool_response>")
+                continue
+            if responses:
+                turns.append(("user", "\n".join(responses)))
+                responses = []
+            if calls is not None:
+                if not isinstance(calls, (list, tuple)):
+                    raise ValueError(f"messages[{i}].tool_calls: expected a list, got {type(calls).__name__}")
+                rendered = [render_tool_call(*_call_of(i, j, c)) for j, c in enumerate(calls)]
+                content = "\n".join(([content] if content else []) + rendered)
+            turns.append((role, content))
+        if responses:
+            turns.append(("user", "\n".join(responses)))
+        ids = [self.bos_token_id]
+        for role, text in turns:
             ids.append(self._special_ids[f"<|{role}|>"])
-            ids.extend(content.encode("utf-8"))
+            ids.extend(text.encode("utf-8"))
             ids.append(self.end_of_turn_id)
         if add_generation_prompt:
             ids.append(self._special_ids["<|assistant|>"])

@@ -10,9 +10,12 @@ Formats (by ``config.model_type``, the architectures ``model_executor.loading`` 
   {...}}``, optionally after ``<|python_tag|>``; several separated by ``;``. (The pythonic
   ``[f(a=1)]`` form of Llama 3.2's examples is not parsed: it is returned as content.)
 
-A model takes tools only when its chat template reads a ``tools`` variable; otherwise
-``require_tool_support`` raises a ``ValueError`` naming ``tools`` (the built-in tiny model's
-byte tokenizer has no such template).
+A model takes tools only when its chat template reads a ``tools`` variable (a Hugging Face
+tokenizer), or its tokenizer declares a ``tool_call_format`` (the built-in tiny model's byte
+tokenizer: Hermes, see ``ByteTokenizer``); otherwise ``require_tool_support`` raises a
+``ValueError`` naming ``tools``. The declared format wins over the architecture's (the tiny
+model is Llama-shaped but its template teaches Hermes calls). Wherever a ``model_type`` is
+taken, a format name (``hermes``, ``llama3_json``) is accepted too.
 
 ``tool_choice``: ``"none"`` and ``"auto"`` (the default) leave decoding free and the reply is
 parsed afterwards; ``"required"`` and a named function constrain decoding to the model's call
@@ -30,6 +33,7 @@ from .grammar import JSON_STYLE, field_name, short_repr, validate_guided
 from .tokenizer import HFTokenizer
 
 TOOL_FORMATS = {"llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes"}
+FORMATS = ("hermes", "llama3_json")
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -40,6 +44,8 @@ _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fa
 
 
 def _format_of(model_type: object) -> str:
+    if model_type in FORMATS:
+        return model_type  # type: ignore[return-value]
     if model_type not in TOOL_FORMATS:
         raise ValueError(f"model_type: no tool-call format for {short_repr(model_type)}; expected one of {sorted(TOOL_FORMATS)}")
     return TOOL_FORMATS[model_type]
@@ -120,9 +126,10 @@ def _chosen(tools: list, tool_choice: object) -> list[dict] | None:
 
 def chat_template_supports_tools(tokenizer: Any) -> bool:
     """Whether ``tokenizer``'s chat template reads a ``tools`` variable (Hugging Face
-    ``chat_template``: a string, or named templates). Our byte and id tokenizers: no."""
+    ``chat_template``: a string, or named templates), or the tokenizer declares a
+    ``tool_call_format`` (our byte tokenizer: yes; the id tokenizer: no)."""
     if not isinstance(tokenizer, HFTokenizer):
-        return False
+        return getattr(tokenizer, "tool_call_format", None) in FORMATS
     template = getattr(tokenizer.hf_tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = " ".join(str(t) for t in template.values())
@@ -131,32 +138,43 @@ def chat_template_supports_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and bool(_TEMPLATE_TOOLS.search(template))
 
 
-def require_tool_support(tokenizer: Any, model_type: object) -> None:
-    """``ValueError`` naming ``tools`` unless the model's chat template takes tools and its
-    architecture has a tool-call format here."""
+def require_tool_support(tokenizer: Any, model_type: object) -> str:
+    """The tool-call format (``hermes`` or ``llama3_json``) of the model: the tokenizer's
+    declared ``tool_call_format``, else its architecture's. ``ValueError`` naming ``tools``
+    unless the model's chat template takes tools and there is a format for it."""
     if not chat_template_supports_tools(tokenizer):
         raise ValueError(
             "tools: this model's chat template does not take tools (no 'tools' in its chat_template); "
             "send the request without tools, or serve a model whose template supports them"
         )
+    declared = getattr(tokenizer, "tool_call_format", None)
+    if declared in FORMATS:
+        return declared
     if model_type not in TOOL_FORMATS:
         raise ValueError(f"tools: no tool-call parser for model_type {short_repr(model_type)} (have: {sorted(TOOL_FORMATS)})")
+    return TOOL_FORMATS[model_type]
 
 
 def apply_chat_template_with_tools(
-    tokenizer: HFTokenizer, messages: list[dict], tools: list[dict], *, add_generation_prompt: bool = True
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool = True
 ) -> list[int]:
     """The prompt ids of ``messages`` with ``tools`` rendered by the model's own template
-    (``tools`` checked by ``validate_tools`` and ``require_tool_support`` first). A template that
+    (``tools`` checked by ``validate_tools`` and ``require_tool_support`` first; ``None`` or
+    empty: no tools in the prompt, e.g. for ``tool_choice: "none"``, while ``tool`` messages and
+    assistant ``tool_calls`` in the history are still rendered). Assistant ``tool_calls`` should
+    carry ``arguments`` as an object (what Hugging Face templates expect). A template that
     rejects the messages (e.g. raises on a role order it does not allow) is a ``ValueError``
     naming ``messages``."""
     if not chat_template_supports_tools(tokenizer):
         raise ValueError("tools: this model's chat template does not take tools")
+    if not isinstance(tokenizer, HFTokenizer):  # our byte template (its errors name the field)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt, tools=list(tools or ()) or None)
     from jinja2 import TemplateError
 
     try:
         ids = tokenizer.hf_tokenizer.apply_chat_template(
-            list(messages), tools=list(tools), add_generation_prompt=add_generation_prompt, tokenize=True
+            list(messages), tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
+            tokenize=True,
         )
     except (TemplateError, TypeError, KeyError, ValueError) as e:  # a template's raise_exception is a TemplateError
         raise ValueError(f"messages: the chat template rejected them: {e}") from None
@@ -175,15 +193,30 @@ def _call_schema(fn: dict, args_key: str) -> dict:
     }
 
 
+def hermes_tag_tokens(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has ``<tool_call>`` and ``</tool_call>`` as single tokens (Qwen2.5's
+    added tokens). llguidance counts every added token as special, so a grammar's text literal
+    cannot produce them: the forcing grammar must name them as tokens instead
+    (``tools_to_guided(..., tag_tokens=True)``)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return False
+    tok = tokenizer.hf_tokenizer
+    added = getattr(tok, "get_added_vocab", dict)()
+    return "<tool_call>" in added and "</tool_call>" in added
+
+
 def tools_to_guided(
-    tools: list, tool_choice: object = None, *, model_type: str = "qwen2", parallel_tool_calls: bool = True
+    tools: list, tool_choice: object = None, *, model_type: str = "qwen2", parallel_tool_calls: bool = True,
+    tag_tokens: bool = False,
 ) -> dict | None:
     """The grammar spec (``model_executor.grammar``) that forces the call ``tool_choice`` asks
     for, in ``model_type``'s format: ``None`` for ``"none"``/``"auto"``/absent (free decoding);
     for ``"required"`` a call of any of the tools (Hermes: one or more when
     ``parallel_tool_calls``), for a named function a single call of it. Arguments are
     constrained by each function's ``parameters`` schema (lenient unless every forced function
-    is ``strict``). ``ValueError`` naming the field for a bad request."""
+    is ``strict``). ``tag_tokens`` (Hermes): the call tags are the tokenizer's single
+    ``<tool_call>`` / ``</tool_call>`` tokens (see ``hermes_tag_tokens``), not their characters.
+    ``ValueError`` naming the field for a bad request."""
     validate_tools(tools, tool_choice, parallel_tool_calls)
     fmt = _format_of(model_type)
     forced = _chosen(tools, tool_choice)
@@ -198,11 +231,9 @@ def tools_to_guided(
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
     repeat = ' ("\\n" call)*' if parallel_tool_calls and tool_choice == "required" else ""
-    lark = (
-        f"start: call{repeat}\n"
-        'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-        f"body: %json {json.dumps(schema, ensure_ascii=False)}\n"
-    )
+    call = ('call: <tool_call> "\\n" body "\\n" </tool_call>\n' if tag_tokens
+            else 'call: "<tool_call>\\n" body "\\n</tool_call>"\n')
+    lark = f"start: call{repeat}\n{call}body: %json {json.dumps(schema, ensure_ascii=False)}\n"
     guided = {"type": "lark", "grammar": lark}
     validate_guided(guided)
     return guided

@@ -35,6 +35,7 @@ from .protocol import (
     models_response,
     openapi_extra,
     stream_chunk,
+    tool_call_chunks,
     usage,
     usage_chunk,
 )
@@ -87,6 +88,17 @@ def _as_request_error(exc: BaseException) -> RequestError:
     return RequestError(f"internal error: {type(exc).__name__}", status=500, code="internal_error")
 
 
+def _model_type(config: ServiceConfig) -> str | None:
+    """config.json's ``model_type`` of the served model (the tool-call format of a Hugging Face
+    template), without loading weights; ``None`` where it cannot be read here."""
+    from model_executor.loading import model_shape
+
+    try:
+        return getattr(model_shape(config.model.model), "model_type", None)
+    except (OSError, ValueError):
+        return None
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -100,7 +112,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(self.config)
         self.parser = RequestParser(
             self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.ingress.max_model_len,
-            default_max_tokens=self.config.ingress.default_max_tokens,
+            default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
                                               release_lease=LeaseReleaser(prefill))
@@ -223,6 +235,7 @@ class OpenAIIngress:
 
     async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
         completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
+        held: dict[int, tuple[list, list, list]] = {}  # chat with tools: per choice, text, token ids, logprobs
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
         try:
             index, delta = first
@@ -237,14 +250,25 @@ class OpenAIIngress:
                     text = (delta.prompt_text or "") + text
                     if logprobs is not None:
                         logprobs = (delta.prompt_logprobs or []) + logprobs
-                chunk = stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
-                                     logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)
-                text_offset[index] = text_offset.get(index, 0) + sum(len(e.token) for e in logprobs or ())
+                if req.tool_format is not None:  # calls are parsed from the whole reply: hold it back
+                    texts, ids, lps = held.setdefault(index, ([], [], []))
+                    texts.append(text)
+                    ids.extend(delta.token_ids)
+                    lps.extend(logprobs or ())
+                    chunks = [stream_chunk(req, None, [], None, first=True, index=index)] if delta.first else []
+                    if delta.finish_reason is not None:
+                        chunks += tool_call_chunks(req, "".join(texts), ids, delta.finish_reason,
+                                                   logprobs=lps if req.logprobs is not None else None, index=index)
+                else:
+                    chunks = [stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
+                                           logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)]
+                    text_offset[index] = text_offset.get(index, 0) + sum(len(e.token) for e in logprobs or ())
                 if delta.finish_reason is not None:
-                    chunk["timing"] = delta.timing
+                    chunks[-1]["timing"] = delta.timing
                     if delta.routing is not None:
-                        chunk["routing"] = delta.routing
-                yield _sse(chunk)
+                        chunks[-1]["routing"] = delta.routing
+                for chunk in chunks:
+                    yield _sse(chunk)
                 if delta.finish_reason is not None:
                     left -= 1
                     if not left:

@@ -43,8 +43,11 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stre
            "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
            "sparse_attention", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL)
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat takes them (neutral in completions)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# message fields the openai client may echo back from a response message: accepted when null
+_NULL_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 # roles the chat templates do not know, and the role they are rendered as
 _ROLE_AS = {"developer": "system"}
 
@@ -82,7 +85,9 @@ class GenerationRequest:
     batch: tuple[tuple[int, ...], ...] = ()  # every prompt of a list of prompts (() : just this one)
     echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the output
     sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
-    guided: dict | None = None  # structured output (response_format): model_executor.grammar's spec
+    guided: dict | None = None  # structured output (response_format or forced tool calls): model_executor.grammar's spec
+    tool_format: str | None = None  # chat with tools: the reply is parsed for calls in this format (tools.FORMATS)
+    parallel_tool_calls: bool = True  # False: at most one call is returned
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -204,14 +209,14 @@ def _check_text(name: str, value: str) -> str:
     return value
 
 
-def _check_fields(body: Any, allowed: set[str]) -> dict:
+def _check_fields(body: Any, allowed: set[str], *, skip_neutral: tuple[str, ...] = ()) -> dict:
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
     unknown = sorted(set(body) - allowed)
     if unknown:  # a name with a lone surrogate is escaped: the error must render as JSON
         raise bad(unknown[0].encode("utf-8", "backslashreplace").decode("utf-8"), "unrecognized request argument")
     for name, neutral in _NEUTRAL.items():
-        if name not in body:
+        if name not in body or name in skip_neutral:
             continue
         value = body[name]
         if neutral is None:
@@ -226,8 +231,10 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
 class RequestParser:
     """Turns OpenAI request bodies into GenerationRequests for one served model."""
 
-    def __init__(self, tokenizer: Any, *, model_id: str, max_model_len: int, default_max_tokens: int) -> None:
+    def __init__(self, tokenizer: Any, *, model_id: str, max_model_len: int, default_max_tokens: int,
+                 model_type: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.model_type = model_type  # config.json's model_type: the tool-call format where the tokenizer declares none
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
@@ -261,11 +268,12 @@ class RequestParser:
             return [self._one_prompt("prompt" if len(prompt) == 1 else f"prompt[{i}]", p) for i, p in enumerate(prompt)]
         return [self._one_prompt("prompt", prompt)]
 
-    def _messages(self, body: dict) -> list[int]:
+    def _messages(self, body: dict, tools: list | None = None) -> list[int]:
+        """The chat prompt; ``tools``: rendered into it by the template (already checked)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "expected a non-empty list of {role, content} objects")
-        clean = []
+        clean, tool_turn = [], None  # tool_turn: the first field that needs a tool-capable template
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise bad(f"messages[{i}]", "expected an object with role and content")
@@ -279,19 +287,118 @@ class RequestParser:
                         raise bad(f"messages[{i}].content[{j}]", "only {'type': 'text', 'text': str} parts are supported")
                     parts.append(_check_text(f"messages[{i}].content[{j}].text", part["text"]))
                 content = "".join(parts)
+            calls = m.get("tool_calls") if role == "assistant" else None
+            if content is None and role == "assistant" and calls is not None:
+                content = ""  # an assistant turn of calls only
             if not isinstance(content, str):
                 raise bad(f"messages[{i}].content", f"expected a string, got {type(content).__name__}")
             _check_text(f"messages[{i}].content", content)
             if isinstance(m.get("name"), str):
                 _check_text(f"messages[{i}].name", m["name"])
-            extra = sorted(set(m) - {"role", "content", "name"})
+            allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+            extra = sorted(k for k in set(m) - allowed if not (k in _NULL_MESSAGE_FIELDS and m[k] in (None, [])))
             if extra:
-                raise bad(f"messages[{i}].{extra[0]}", "unrecognized message field")
-            clean.append({"role": _ROLE_AS.get(role, role), "content": content})
+                raise bad(f"messages[{i}].{extra[0]}", "unrecognized message field"
+                          + (" (only in assistant messages)" if extra[0] == "tool_calls" else "")
+                          + (" (only in tool messages)" if extra[0] == "tool_call_id" else ""))
+            out: dict[str, Any] = {"role": _ROLE_AS.get(role, role), "content": content}
+            if role == "tool":
+                call_id = m.get("tool_call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise bad(f"messages[{i}].tool_call_id", f"expected the id of the call this answers, got {call_id!r}"[:200])
+                out["tool_call_id"] = _check_text(f"messages[{i}].tool_call_id", call_id)
+                tool_turn = tool_turn or f"messages[{i}].role"
+            if calls is not None:
+                out["tool_calls"] = self._history_calls(f"messages[{i}].tool_calls", calls)
+                tool_turn = tool_turn or f"messages[{i}].tool_calls"
+            clean.append(out)
         try:
+            if tools is not None or tool_turn is not None:
+                from model_executor.tools import apply_chat_template_with_tools, chat_template_supports_tools
+
+                if not chat_template_supports_tools(self.tokenizer):
+                    raise bad(tool_turn or "tools", "this model's chat template does not take tools, so it cannot "
+                                                    "render tool calls and tool messages")
+                return apply_chat_template_with_tools(self.tokenizer, clean, tools)
             return self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
         except ValueError as exc:
-            raise bad("messages", str(exc)) from None
+            message = str(exc)
+            param = message.split(":", 1)[0] if message.startswith("messages[") else "messages"
+            raise bad(param, message[len(param) + 2:] if param != "messages" else message) from None
+
+    @staticmethod
+    def _history_calls(at: str, calls: Any) -> list[dict]:
+        """An assistant message's ``tool_calls`` (OpenAI's shape, ``arguments`` a JSON string) for
+        the template: ``arguments`` as an object, as Hugging Face templates expect."""
+        import json
+
+        if not isinstance(calls, list) or not calls:
+            raise bad(at, "expected a non-empty list of {id, type: 'function', function: {name, arguments}}")
+        out = []
+        for j, call in enumerate(calls):
+            here = f"{at}[{j}]"
+            if not isinstance(call, dict):
+                raise bad(here, f"expected an object, got {type(call).__name__}")
+            extra = sorted(set(call) - {"id", "type", "function"})
+            if extra:
+                raise bad(f"{here}.{extra[0]}"[:200], "unrecognized field (fields: function, id, type)")
+            if not isinstance(call.get("id"), str) or not call["id"]:
+                raise bad(f"{here}.id", f"expected a non-empty string, got {call.get('id')!r}"[:200])
+            _check_text(f"{here}.id", call["id"])
+            if call.get("type", "function") != "function":
+                raise bad(f"{here}.type", f"expected 'function', got {call.get('type')!r}"[:200])
+            fn = call.get("function")
+            if not isinstance(fn, dict) or set(fn) - {"name", "arguments"}:
+                raise bad(f"{here}.function", "expected {name, arguments}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad(f"{here}.function.name", f"expected a non-empty string, got {fn.get('name')!r}"[:200])
+            _check_text(f"{here}.function.name", fn["name"])
+            args = fn.get("arguments")
+            if not isinstance(args, str):
+                raise bad(f"{here}.function.arguments", f"expected a JSON object as a string, got {type(args).__name__}")
+            try:
+                parsed = json.loads(_check_text(f"{here}.function.arguments", args))
+            except (ValueError, RecursionError):
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise bad(f"{here}.function.arguments", "expected a JSON object as a string")
+            out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": parsed}})
+        return out
+
+    def _tools(self, body: dict) -> tuple[list | None, dict | None, str | None, bool]:
+        """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat request: ``(tools for
+        the prompt, grammar spec forcing the call, format to parse the reply in, parallel)``.
+        ``tool_choice``: ``auto`` (default with tools: the tools in the prompt, free decoding, the
+        reply parsed), ``required`` / a named function (also forced by a grammar), ``none``
+        (no tools in the prompt, the reply is plain content)."""
+        tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise bad("parallel_tool_calls", f"expected true or false, got {parallel!r}"[:200])
+        if tools is None or tools == []:
+            if choice is not None and choice != "none":
+                raise bad("tool_choice", "only allowed with tools (send a non-empty tools list)")
+            return None, None, None, parallel is not False
+        try:
+            from model_executor.grammar import compile_guide
+            from model_executor.tools import hermes_tag_tokens, require_tool_support, tools_to_guided, validate_tools
+        except ImportError as exc:  # the grammar library is an optional dependency
+            raise bad("tools", f"tool calling is not available on this server ({exc.name} is not installed)") from None
+        try:
+            fmt = require_tool_support(self.tokenizer, self.model_type)
+            validate_tools(tools, choice, parallel)
+            if choice == "none":
+                return None, None, None, parallel is not False
+            guided = tools_to_guided(tools, choice, model_type=fmt, parallel_tool_calls=parallel is not False,
+                                     tag_tokens=fmt == "hermes" and hermes_tag_tokens(self.tokenizer))
+            if guided is not None:
+                compile_guide(guided, self.tokenizer)
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(":", 1)[0]
+            if not param.startswith(_TOOL_FIELDS):
+                param, message = "tools", f"tools: {message}"
+            raise bad(param, message[len(param) + 2:]) from None
+        return tools, guided, fmt, parallel is not False
 
     # -- whole requests ---------------------------------------------------------------
     def _model(self, body: dict) -> str:
@@ -309,9 +416,14 @@ class RequestParser:
     def parse(self, body: Any, kind: str, *, request_id: str | None = None) -> GenerationRequest:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind: expected 'completion' or 'chat', got {kind!r}")
-        body = _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
+        body = _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS,
+                             skip_neutral=_TOOL_FIELDS if kind == "chat" else ())
         model = self._model(body)
-        prompts = self._prompts(body) if kind == "completion" else [self._messages(body)]
+        tools, tool_guided, tool_format, parallel = self._tools(body) if kind == "chat" else (None, None, None, True)
+        if tool_format is not None and body.get("response_format") not in (None, {"type": "text"}):
+            raise bad("response_format", "cannot be combined with tools (unless tool_choice is 'none'): "
+                                         "a tool call's arguments are constrained by its parameters schema")
+        prompts = self._prompts(body) if kind == "completion" else [self._messages(body, tools)]
         ids = max(prompts, key=len)  # the room below is the longest prompt's
         if kind == "chat" and body.get("max_completion_tokens") is not None:
             if body.get("max_tokens") is not None:
@@ -367,7 +479,9 @@ class RequestParser:
             best_of=best_of,
             echo=echo,
             sparse_alpha=_sparse_attention(body),
-            guided=self._guided(body),
+            guided=tool_guided or self._guided(body),
+            tool_format=tool_format,
+            parallel_tool_calls=parallel,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -493,6 +607,49 @@ def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: i
                         for e in entries], "refusal": None}
 
 
+def split_tool_calls(req: GenerationRequest, text: str, finish_reason: str | None
+                     ) -> tuple[str | None, list[dict] | None, str | None]:
+    """``(content, tool_calls, finish_reason)`` of a chat reply: for a request with tools
+    (``req.tool_format``), the calls parsed out of ``text`` in OpenAI's shape (``id``
+    ``call_...``, ``type: "function"``, ``function.arguments`` a JSON string), ``content`` the
+    text outside them (``None`` when there is none) and ``finish_reason`` ``"tool_calls"``
+    (``"length"`` stays: the calls that were complete are returned). Without calls, or without
+    tools: ``(text, None, finish_reason)``. A malformed call is content, never an error. With
+    ``parallel_tool_calls: false`` only the first call is returned. (gRPC can render a
+    ``Completion`` the same way.)"""
+    if req.tool_format is None:
+        return text, None, finish_reason
+    from model_executor.tools import extract_tool_calls
+
+    content, calls = extract_tool_calls(text, req.tool_format)
+    if not calls:
+        return text, None, finish_reason
+    if not req.parallel_tool_calls:
+        calls = calls[:1]
+    return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def tool_call_chunks(req: GenerationRequest, text: str, token_ids: list[int], finish_reason: str,
+                     *, logprobs: list | None = None, index: int = 0) -> list[dict]:
+    """The chunks that end a streamed chat choice with tools, whose reply was held back until
+    it finished (calls are parsed from the whole reply): the content (if any), then one chunk
+    per call (``delta.tool_calls: [{index, id, type, function: {name, arguments}}]``, a whole
+    call per chunk), then ``delta: {}`` with the finish reason, the held-back ``logprobs`` and,
+    with ``return_token_ids``, the ``token_ids``."""
+    content, calls, finish = split_tool_calls(req, text, finish_reason)
+    chunks = []
+    if calls is None:
+        return [stream_chunk(req, content, token_ids, finish, logprobs=logprobs, index=index)]
+    if content:
+        chunks.append(stream_chunk(req, content, [], None, index=index))
+    for k, call in enumerate(calls):
+        chunk = stream_chunk(req, None, [], None, index=index)
+        chunk["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call}]
+        chunks.append(chunk)
+    chunks.append(stream_chunk(req, None, token_ids, finish, logprobs=logprobs, index=index))
+    return chunks
+
+
 def completion_response(req: GenerationRequest, result: Any, *, choices: list | None = None,
                         completion_tokens: int | None = None) -> dict:
     """``result``: a ``router.pipeline.Completion`` (with ``n``, a list of prompts or
@@ -506,8 +663,11 @@ def completion_response(req: GenerationRequest, result: Any, *, choices: list | 
         if req.kind == "completion":
             choice = {"index": index, "text": (res.prompt_text or "") + res.text if req.echo else res.text, "finish_reason": res.finish_reason, "logprobs": lp}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": res.text},
-                      "finish_reason": res.finish_reason, "logprobs": lp}
+            content, calls, finish = split_tool_calls(req, res.text, res.finish_reason)
+            message = {"role": "assistant", "content": content}
+            if calls is not None:
+                message["tool_calls"] = calls
+            choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
         if req.return_token_ids:
             choice["token_ids"] = list(res.token_ids)
             choice["prompt_token_ids"] = list(prompt_ids)
@@ -614,10 +774,38 @@ def _request_schema(kind: str) -> dict:
         props["best_of"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]}
         required = ["model", "prompt"]
     else:
+        call = {"type": "object", "required": ["id", "type", "function"], "additionalProperties": False, "properties": {
+            "id": {"type": "string", "minLength": 1}, "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                         "properties": {"name": {"type": "string", "minLength": 1},
+                                        "arguments": {"type": "string", "description": "a JSON object"}}}}}
         props["messages"] = {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": {"type": "string"},
-                           "name": {"type": "string"}}}}
+            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
+                           "content": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                       "description": "null only in an assistant message with tool_calls"},
+                           "name": {"type": "string"},
+                           "tool_calls": {"type": "array", "minItems": 1, "items": call,
+                                          "description": "assistant messages only"},
+                           "tool_call_id": {"type": "string", "minLength": 1,
+                                            "description": "tool messages only (required there)"}}}}
+        function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"},
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON Schema (absent: no arguments)"},
+            "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
+        props["tools"] = {"anyOf": [{"type": "array", "maxItems": 128, "items": {
+            "type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}}, {"type": "null"}],
+            "description": "functions the model may call (400 naming tools for a model whose chat template takes none)"}
+        props["tool_choice"] = {"anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                         "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}], "description": "with tools: auto (default), none, required, or a named function"}
+        props["parallel_tool_calls"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
         props["logprobs"] = {"type": "boolean"}
         props["top_logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
                                            {"type": "null"}]}

@@ -618,3 +618,92 @@ def test_structured_output_through_response_format(service):
             client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"response_format": bad_format})
         assert info.value.status_code == 400 and info.value.body["param"].startswith(param), info.value.body
     wait_pools_idle(APP)
+
+
+# ----------------------------------------------------------------------------- tool calls
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the forecast for a city", "strict": True,
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                  "unit": {"type": "string", "enum": ["C", "F"]}}}}}
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "additionalProperties": False, "required": ["id", "exact"],
+                                     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                    "exact": {"type": "boolean"}}}}}
+
+
+def _calls(message_calls):
+    return [(c.function.name, c.function.arguments) for c in message_calls]
+
+
+def test_tool_calls_with_the_openai_client(service):
+    """``tool_choice`` required (one call) and named: the reply is a tool call whose arguments
+    validate (jsonschema) against the tool's parameters; streaming with the same seed yields the
+    same call, in ``delta.tool_calls`` chunks; the follow-up turn with the ``tool`` result is
+    accepted and rendered into the prompt; bad tool fields are 400s naming them."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    client = service["client"]
+    tools = [WEATHER_TOOL, LOOKUP_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "lookup"}}
+    for seed, choice, parallel in ((1, "required", False), (2, "required", False), (3, named, None)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice=choice, max_tokens=200,
+                      temperature=1.0, seed=seed, **extra)
+        r = client.chat.completions.create(**kwargs)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        assert c.message.content is None and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        if choice is named:
+            assert call.function.name == "lookup"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        # streamed: the same call (same seed), a whole call in one delta.tool_calls chunk
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        streamed = [tc for k in chunks for ch in k.choices for tc in (ch.delta.tool_calls or [])]
+        assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
+            [(0, call.function.name, call.function.arguments)]
+        assert streamed[0].id.startswith("call_") and streamed[0].type == "function"
+        assert [ch.finish_reason for k in chunks for ch in k.choices if ch.finish_reason] == ["tool_calls"]
+        assert not any(ch.delta.content for k in chunks for ch in k.choices)
+    # n choices streamed: each choice's reply is held back on its own (chunks of both interleave)
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=200, temperature=1.0,
+                  seed=11, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    for ch in whole.choices:
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        streamed = [(tc.function.name, tc.function.arguments) for k in chunks for c in k.choices
+                    if c.index == ch.index for tc in (c.delta.tool_calls or [])]
+        assert streamed == _calls(ch.message.tool_calls)
+        jsonschema.validate(json.loads(streamed[0][1]), schemas["lookup"])
+    # auto: free decoding (the random tiny model writes no call); streamed content is the whole content
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, max_tokens=12, temperature=1.0, seed=12)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
+    assert "".join(c.delta.content or "" for k in chunks for c in k.choices) == whole.message.content
+    assert [c.finish_reason for k in chunks for c in k.choices if c.finish_reason] == [whole.finish_reason]
+    # the follow-up turn: the assistant's message as the client got it, then the tool's result
+    follow = messages + [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "id 7: found"}]
+    f = client.chat.completions.create(model=MODEL, messages=follow, tools=tools, max_tokens=4, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert f.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = bytes(t for t in f.choices[0].model_extra["prompt_token_ids"] if t < 256).decode()
+    assert prompt.endswith("<tool_response>\nid 7: found\n</tool_response>")
+    assert f'{{"name": "lookup", "arguments": {call.function.arguments}}}' in prompt
+    for kwargs, param in (({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+                          ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                           "tool_choice.function.name"),
+                          ({"tool_choice": "required"}, "tool_choice"),
+                          ({"tools": tools, "response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **kwargs)
+        assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+    wait_pools_idle(APP)

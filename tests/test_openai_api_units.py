@@ -90,7 +90,8 @@ def test_bad_fields_name_the_field(body, param):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 1}, "top_logprobs"),
     ({"logprobs": 2}, "logprobs"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),  # tool results name their call
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
 ])
 def test_bad_chat_fields(body, param):
     with pytest.raises(RequestError) as info:

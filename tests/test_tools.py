@@ -212,10 +212,12 @@ def test_template_support_and_the_400_for_models_without():
     assert chat_template_supports_tools(with_tools)
     assert not chat_template_supports_tools(without)
     assert not chat_template_supports_tools(_hf(None))
-    assert not chat_template_supports_tools(ByteTokenizer())  # the built-in tiny model
-    assert not chat_template_supports_tools(IdTokenizer(512))
-    require_tool_support(with_tools, "qwen2")
-    for tok in (without, ByteTokenizer(), IdTokenizer(512)):
+    assert chat_template_supports_tools(ByteTokenizer())  # the built-in tiny model: Hermes
+    assert not chat_template_supports_tools(IdTokenizer(512))  # the structured models: no chat at all
+    assert require_tool_support(with_tools, "qwen2") == "hermes"
+    assert require_tool_support(with_tools, "llama") == "llama3_json"
+    assert require_tool_support(ByteTokenizer(), "llama") == "hermes"  # the declared format wins
+    for tok in (without, IdTokenizer(512)):
         with pytest.raises(ValueError, match="^tools: this model's chat template does not take tools"):
             require_tool_support(tok, "llama")
     with pytest.raises(ValueError, match="^tools: no tool-call parser"):
