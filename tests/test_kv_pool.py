@@ -448,7 +448,7 @@ def test_prefix_digests_module_takes_any_int_sequence_and_checks_page_size():
 
 
 # ---------------------------------------------------------------- forks (n choices, copy-on-write)
-def _filled(pool: KVPool, rid: str, n_tokens: int, gen: torch.Generator) -> None:
+def _written(pool: KVPool, rid: str, n_tokens: int, gen: torch.Generator) -> None:
     pool.reserve(rid, n_tokens)
     slots = pool.slot_mapping([rid], [0], [n_tokens])
     for layer in range(pool.num_layers):
@@ -467,7 +467,7 @@ def _page_bytes(pool: KVPool, page: int) -> list[bytes]:
 def test_fork_shares_full_pages_and_copies_the_partial_one(dtype):
     gen = torch.Generator().manual_seed(11)
     pool = make_pool(dtype=dtype)
-    _filled(pool, "p", 10, gen)  # pages 0, 1 full, page 2 holds 2 tokens
+    _written(pool, "p", 10, gen)  # pages 0, 1 full, page 2 holds 2 tokens
     pool.reserve("p", 14)  # reserved past seq_len: 10 tokens -> 3 pages, 14 -> 4 pages
     parent = pool.pages("p")
     assert len(parent) == 4
@@ -496,7 +496,7 @@ def test_fork_release_in_any_order_keeps_accounting_exact(order):
     gen = torch.Generator().manual_seed(5)
     pool = make_pool()
     start = pool.free_pages
-    _filled(pool, "p", 9, gen)  # 2 full pages + 1 partial
+    _written(pool, "p", 9, gen)  # 2 full pages + 1 partial
     pool.fork("p", ["c0", "c1"])
     pool.reserve("c0", 13)  # a child grows on its own
     held = {"p": 3, "c0": 4, "c1": 3}
@@ -513,7 +513,7 @@ def test_fork_release_in_any_order_keeps_accounting_exact(order):
 def test_fork_of_a_page_aligned_request_copies_nothing():
     gen = torch.Generator().manual_seed(2)
     pool = make_pool()
-    _filled(pool, "p", 8, gen)
+    _written(pool, "p", 8, gen)
     free = pool.free_pages
     kids = pool.fork("p", ["a", "b", "c"])
     assert pool.free_pages == free and all(k == pool.pages("p") for k in kids)
@@ -526,7 +526,7 @@ def test_fork_of_a_page_aligned_request_copies_nothing():
 def test_fork_exhaustion_takes_nothing_and_errors():
     gen = torch.Generator().manual_seed(3)
     pool = make_pool(num_pages=4)
-    _filled(pool, "p", 6, gen)  # 2 pages, the second partial: 2 free
+    _written(pool, "p", 6, gen)  # 2 pages, the second partial: 2 free
     refs, free = dict(pool._refs), pool.free_pages
     with pytest.raises(PoolExhausted) as info:
         pool.fork("p", ["a", "b", "c"])
