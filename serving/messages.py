@@ -10,6 +10,12 @@ A request's trip (``docs/ARCHITECTURE.md``): the ingress calls ``PrefillServer.p
 ingress calls ``DecodeServer.generate`` with a :class:`DecodeCall`; that stream yields
 :class:`Adopted` (the pages are in the decode pool) or :class:`TransferFailed`, then
 :class:`Tokens` until one says ``finished``.
+
+A group (the ``n`` / ``best_of`` choices of one prompt) makes the same trip once: its
+:class:`PrefillCall` lists every choice's sampling params and its :class:`Prefilled` one first
+token per choice; its :class:`DecodeCall` lists (first token, params) per choice, the decode
+replica adopts the pages once and forks them per choice, and each :class:`Tokens` names its
+choice; the stream ends when every choice has had its ``finished`` event.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class PrefillCall:
     skip_transfer: bool = False
     transport: str | None = None
     sparse_alpha: float | None = None  # this prompt's FlashPrefill V2 alpha (0: dense); None: the replica's
+    choices: tuple[SamplingParams, ...] = ()  # a group: one first token per entry (``params``: prompt logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +58,29 @@ class Prefilled:
     export_s: float
     first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
     prompt_logprobs: Any = None  # with params.prompt_logprobs: one per prompt token (None first)
+    first_tokens: tuple[int, ...] = ()  # a group: one per choice (first_token is choice 0's)
+    first_logprobs: tuple = ()  # a group: one TokenLogprob (or None) per choice
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeCall:
-    """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``."""
+    """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``.
+    ``choices``: a group, ``(first token, params)`` per choice, each decoded on its own fork of
+    the pages (``first_token`` / ``params`` then are choice 0's)."""
 
     request_id: str
     ticket: Any
     kv_len: int
     first_token: int
     params: SamplingParams
+    choices: tuple[tuple[int, SamplingParams], ...] = ()
+
+    def footprint(self, page_size: int) -> int:
+        """Pages this call may grow to on a decode replica: the prompt's full pages once, plus each
+        choice's own (its copy of the partial last page and its growth to ``max_new_tokens``)."""
+        shared = self.kv_len // page_size
+        params = [p for _, p in self.choices] or [self.params]
+        return shared + sum(-(-(self.kv_len + p.max_new_tokens) // page_size) - shared for p in params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +116,7 @@ class Tokens:
     finish_reason: str | None = None
     first_step_s: float | None = None
     logprobs: tuple | None = None  # one TokenLogprob per token, with params.logprobs
+    choice: int = 0  # a group's choice these tokens are of
 
 
 __all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]
