@@ -307,8 +307,8 @@ class DisaggregatedPipeline:
                     first_sent = True
                     life.mark_first_token()
                     firsts = list(event.first_tokens) or [event.first_token]
-                    lps = list(event.first_logprobs) or [event.first_logprob]
-                    if len(firsts) != n or len(lps) != n:
+                    lps = list(event.first_logprobs) if len(event.first_logprobs) == n else [None] * n
+                    if len(firsts) != n:
                         raise RequestError(f"the prefill sampled {len(firsts)} first tokens for {n} choices",
                                            status=502, code="prefill_failed")
                     prompt_text = self.tokenizer.decode(list(base.prompt_token_ids)) if base.echo else None
