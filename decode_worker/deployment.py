@@ -435,8 +435,10 @@ class DecodeServer:
         if not isinstance(rid, str) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
             return {"cancelled": False, "message": f"request: expected {{'request_id': str, 'choice': int >= 0}}, got {request!r}"}
         cid = f"{rid}#{k}"
-        live = cid in self.loop._outboxes or any(isinstance(c, _Add) and any(x[0] == cid for x in c.choices)
-                                                 for c in self.loop._inbox)
+        inbox = list(self.loop._inbox)
+        live = (cid in self.loop._outboxes or any(isinstance(c, _Add) and any(x[0] == cid for x in c.choices)
+                                                  for c in inbox)) and not any(
+            isinstance(c, _Cancel) and c.request_id == cid for c in inbox)  # not already being cancelled
         if live:
             self.loop.cancel(cid)
         return {"cancelled": live}

@@ -152,3 +152,18 @@ def test_prefill_choices_share_one_forward_and_match_single_prefills(tiny):
         assert res.first_tokens[k] == one.first_token
         assert res.first_logprobs[k].token == one.first_logprob.token
         assert res.first_logprobs[k].logprob == pytest.approx(one.first_logprob.logprob, abs=1e-6)
+
+
+@pytest.mark.parametrize("kv_len, news, want", [
+    (21, [10, 10, 10], 1 + 3 * (2 - 1)),  # one shared full page; each choice: its copy (31 tokens: page 2)
+    (32, [1, 1], 2 + 2 * 1),  # page-aligned: all shared, each choice one page for its token
+    (21, [40], 4),  # one choice: as a single request, ceil(61 / 16)
+    (5, [3, 30], 0 + 1 + 3),  # no full page: nothing shared
+])
+def test_decode_call_footprint_counts_shared_pages_once(kv_len, news, want):
+    from serving.messages import DecodeCall
+
+    choices = tuple((1, SamplingParams(max_new_tokens=m)) for m in news)
+    call = DecodeCall(request_id="g", ticket=None, kv_len=kv_len, first_token=1, params=choices[0][1],
+                      choices=choices if len(news) > 1 else ())
+    assert call.footprint(PAGE) == want
