@@ -666,3 +666,31 @@ def test_a_stop_string_in_one_choice_cancels_it_alone_on_its_decode_replica():
     rid = pipe._decode.generate.calls[0].request_id
     assert sorted(c[0]["choice"] for c in cancels) == stopped_early
     assert all(c[0]["request_id"] == rid and c[1]["replica"] == "d1" for c in cancels)
+
+
+def test_a_group_records_each_choice_and_its_prompt_once():
+    import asyncio
+
+    from serving.metrics import Metrics
+    from tests.helpers import FakeMetricsBackend
+
+    backend = FakeMetricsBackend()
+    pipe = _pipeline(_group_prefill, _group_decode, metrics=Metrics(backend))
+    out, error = _run_choices(pipe, NREQ)
+    assert error is None
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["length"] * 3
+    assert backend.calls("prompt_tokens_total") == [("inc", 3, None)]  # once per prompt, as OpenAI's usage
+    assert backend.calls("generation_tokens_total") == [("inc", 9, None)] * 3
+
+    backend = FakeMetricsBackend()
+    pipe = _pipeline(_group_prefill, _group_decode, metrics=Metrics(backend))
+
+    async def first_then_leave():
+        stream = pipe.stream_choices(NREQ)
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(first_then_leave())
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["cancelled"] * 3
+    # gone after the first tokens, before a decode replica took the ticket: the ingress ends the one lease
+    assert pipe._decode.generate.calls == [] and len(pipe.released) == 1
