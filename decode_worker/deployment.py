@@ -18,6 +18,13 @@ One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`
 4. if the stream is closed early (client gone, stop string matched at the ingress), its
    ``finally`` cancels the request in the engine, which frees its pages.
 
+A group (``DecodeCall.choices``: the ``n`` / ``best_of`` choices of one prompt) is admitted
+with its footprint (``DecodeCall.footprint``: shared pages once), adopted once, then forked into
+one engine request per choice (``<request id>#<k>``, ``DecodeEngine.add_group``); its
+``Tokens`` name their ``choice`` and the stream ends when every choice has ended.
+``cancel_choice`` (a unary call pinned to this replica) stops one choice: its own pages go back,
+the shared ones stay with its siblings.
+
 Only the DecodeLoop task touches the DecodeEngine: adds and cancels are queued and applied
 between steps, and each ``step()`` runs in a worker thread so the event loop keeps serving.
 """
