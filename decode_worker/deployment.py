@@ -21,6 +21,13 @@ or nothing): ``serving/tp_group.py``.
 4. if the stream is closed early (client gone, stop string matched at the ingress), its
    ``finally`` cancels the request in the engine, which frees its pages.
 
+A group (``DecodeCall.choices``: the ``n`` / ``best_of`` choices of one prompt) is admitted
+with its footprint (``DecodeCall.footprint``: shared pages once), adopted once, then forked into
+one engine request per choice (``<request id>#<k>``, ``DecodeEngine.add_group``); its
+``Tokens`` name their ``choice`` and the stream ends when every choice has ended.
+``cancel_choice`` (a unary call pinned to this replica) stops one choice: its own pages go back,
+the shared ones stay with its siblings.
+
 Only the DecodeLoop task touches the DecodeEngine: adds and cancels are queued and applied
 between steps, and each ``step()`` runs in a worker thread so the event loop keeps serving.
 """
@@ -36,7 +43,7 @@ from typing import Any
 
 from ray import serve
 
-from decode_worker.engine import DecodeEngine, StepOutput
+from decode_worker.engine import DecodeEngine, FinishReason, StepOutput
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
 from kv_transfer.transfer import (
@@ -67,6 +74,7 @@ class _Add:
     params: Any
     outbox: asyncio.Queue
     history: tuple[int, ...] = ()
+    choices: tuple = ()  # a group: ((choice id, first token, params), ...), forked from request_id's pages
 
 
 @dataclass(frozen=True)
@@ -125,9 +133,14 @@ class DecodeLoop:
         return len(self._outboxes) + sum(isinstance(c, _Add) for c in self._inbox)
 
     def submit(self, request_id: str, prompt_len: int, first_token: int, params: Any,
-               history: tuple[int, ...] = ()) -> asyncio.Queue:
+               history: tuple[int, ...] = (), choices: tuple = ()) -> asyncio.Queue:
+        """Queue a request for the engine; its StepOutputs (and a failure, as an exception) come
+        through the returned queue. ``history``: tokens a resumed request generated before
+        ``first_token`` (``DecodeEngine.add_request``). ``choices`` ((choice id, first token,
+        params), ...): the request is a group (``DecodeEngine.add_group``); the outputs of every
+        choice share the queue, told apart by their request ids."""
         outbox: asyncio.Queue = asyncio.Queue()
-        self._inbox.append(_Add(request_id, prompt_len, first_token, params, outbox, tuple(history)))
+        self._inbox.append(_Add(request_id, prompt_len, first_token, params, outbox, tuple(history), tuple(choices)))
         self._ensure_running()
         self._wake.set()
         return outbox
@@ -145,21 +158,34 @@ class DecodeLoop:
         while self._inbox:
             cmd = self._inbox.popleft()
             if isinstance(cmd, _Add):
+                ids = [c[0] for c in cmd.choices] or [cmd.request_id]
                 try:
-                    req = self.engine.add_request(cmd.request_id, cmd.prompt_len, cmd.first_token, cmd.params,
-                                                  history=cmd.history)
-                except Exception as exc:  # never registered: free the adopted pages here
-                    if self.engine.pool.has(cmd.request_id):
-                        self.engine.pool.release(cmd.request_id)
+                    if cmd.choices:
+                        reqs = self.engine.add_group(cmd.request_id, cmd.prompt_len, list(cmd.choices))
+                    else:
+                        reqs = [self.engine.add_request(cmd.request_id, cmd.prompt_len, cmd.first_token, cmd.params,
+                                                         history=cmd.history)]
+                except Exception as exc:  # never registered (or partly): free the adopted pages here
+                    for rid in dict.fromkeys([cmd.request_id, *ids]):
+                        try:
+                            self.engine.cancel(rid)
+                            self.engine.pop_finished(rid)
+                        except ValueError:  # not registered
+                            pass
+                        if self.engine.pool.has(rid):
+                            self.engine.pool.release(rid)
                     cmd.outbox.put_nowait(exc)
                     continue
-                if req.is_done:  # the first token already ended it
-                    self.engine.pop_finished(cmd.request_id)
-                    cmd.outbox.put_nowait(StepOutput(cmd.request_id, None, True, req.finish_reason))
-                else:
-                    self._outboxes[cmd.request_id] = cmd.outbox
+                for req in reqs:
+                    if req.is_done:  # the first token already ended it
+                        self.engine.pop_finished(req.request_id)
+                        cmd.outbox.put_nowait(StepOutput(req.request_id, None, True, req.finish_reason))
+                    else:
+                        self._outboxes[req.request_id] = cmd.outbox
             elif cmd.request_id in self._outboxes:
-                self._outboxes.pop(cmd.request_id)
+                # the stream learns of it (a group's stream waits for each of its choices to end)
+                self._outboxes.pop(cmd.request_id).put_nowait(
+                    StepOutput(cmd.request_id, None, True, FinishReason.CANCELLED))
                 self.engine.cancel(cmd.request_id)
                 self.engine.pop_finished(cmd.request_id)
 
@@ -362,8 +388,7 @@ class DecodeServer:
         rid = call.request_id
         ticket = call.ticket
         t0 = time.monotonic()
-        # the history's K/V are in kv_len already and count against max_new_tokens
-        footprint = self.pool.pages_for(call.kv_len + call.params.max_new_tokens - len(call.history))
+        footprint = call.footprint(self.pool.page_size)  # a group: shared pages once, each choice's own; a resume: less its history
         if not await self._admit(rid, footprint):
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
@@ -399,40 +424,73 @@ class DecodeServer:
             self.metrics.observe("kv_transfer_seconds", time.monotonic() - t0)
             yield Adopted(replica_id=self.replica_id, transfer_s=time.monotonic() - t0,
                           num_pages=len(self.pool.pages(rid)))
-            outbox = self.loop.submit(rid, call.kv_len, call.first_token, call.params, call.history)
+            # a group: choice k decodes as its own request (``rid#k``) over a fork of the pages
+            ids = [f"{rid}#{k}" for k in range(len(call.choices))] or [rid]
+            index = {cid: k for k, cid in enumerate(ids)}
+            outbox = self.loop.submit(rid, call.kv_len, call.first_token, call.params, call.history,
+                                      tuple((cid, tok, p) for cid, (tok, p) in zip(ids, call.choices)))
             submitted = True
+            live = set(ids)  # choices without their finished event yet
             t_submit, first_step_s = time.monotonic(), None
-            while not finished:
+            while live:
                 item = await outbox.get()
                 batch = [item]
-                while not outbox.empty():  # coalesce what is ready into one event
+                while not outbox.empty():  # coalesce what is ready into one event per choice
                     batch.append(outbox.get_nowait())
-                tokens, reason, logprobs = [], None, []
+                per_choice: dict[int, tuple[list, list, list]] = {}  # choice -> tokens, logprobs, [reason]
                 for out in batch:
                     if isinstance(out, Exception):
-                        finished = True
+                        live.clear()
                         raise out
+                    k = index.get(out.request_id)
+                    if k is None or ids[k] not in live and not out.finished:
+                        continue
+                    tokens, logprobs, reason = per_choice.setdefault(k, ([], [], []))
                     if out.token is not None:
                         tokens.append(int(out.token))
                         logprobs.append(out.logprob)
-                    if out.finished:
-                        finished = True
-                        reason = out.finish_reason.value if out.finish_reason is not None else None
+                    if out.finished and ids[k] in live:
+                        live.discard(ids[k])
+                        reason.append(out.finish_reason.value if out.finish_reason is not None else None)
                 step_s = None
                 if first_step_s is None:
                     # admission into the running batch + the step that decoded this request's first token
                     first_step_s = step_s = time.monotonic() - t_submit
-                yield Tokens(tokens=tuple(tokens), finished=finished, finish_reason=reason, first_step_s=step_s,
-                             logprobs=tuple(logprobs) if call.params.logprobs is not None else None)
+                for k, (tokens, logprobs, reason) in sorted(per_choice.items()):
+                    yield Tokens(tokens=tuple(tokens), finished=bool(reason), finish_reason=reason[0] if reason else None,
+                                 first_step_s=step_s, logprobs=tuple(logprobs) if call.params.logprobs is not None else None,
+                                 choice=k)
+            finished = True
         finally:
             if not sent:
                 self._release_sender(ticket)
             if submitted and not finished:
-                self.loop.cancel(rid)  # client gone or stop string: the engine frees the pages
-            elif not submitted and self.pool.has(rid):
-                self.pool.release(rid)
+                for cid in (ids if submitted else ()):  # client gone or stop string: the engine frees the pages
+                    self.loop.cancel(cid)
+            elif not submitted:
+                for cid in dict.fromkeys([rid, *(f"{rid}#{k}" for k in range(len(call.choices)))]):
+                    if self.pool.has(cid):
+                        self.pool.release(cid)
             self.completed += 1
             await self._leave(rid)
+
+    async def cancel_choice(self, request: dict, routing: dict | None = None) -> dict:
+        """Stop one choice of a group this replica decodes (the ingress found a stop string in
+        it): its own pages go back now, the pages its siblings share stay theirs; the group's
+        stream carries on with a ``cancelled`` finish for it. Called pinned to this replica.
+        Unknown or ended choices: ``{"cancelled": False}``."""
+        rid = request.get("request_id") if isinstance(request, dict) else None
+        k = request.get("choice") if isinstance(request, dict) else None
+        if not isinstance(rid, str) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            return {"cancelled": False, "message": f"request: expected {{'request_id': str, 'choice': int >= 0}}, got {request!r}"}
+        cid = f"{rid}#{k}"
+        inbox = list(self.loop._inbox)
+        live = (cid in self.loop._outboxes or any(isinstance(c, _Add) and any(x[0] == cid for x in c.choices)
+                                                  for c in inbox)) and not any(
+            isinstance(c, _Cancel) and c.request_id == cid for c in inbox)  # not already being cancelled
+        if live:
+            self.loop.cancel(cid)
+        return {"cancelled": live}
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:

@@ -124,6 +124,37 @@ class DecodeEngine:
             self._waiting.append(request_id)
         return req
 
+    def add_group(self, request_id: str, prompt_len: int,
+                  choices: "list[tuple[str, int, SamplingParams]]") -> list[DecodeRequest]:
+        """Register the choices of one prompt (``n`` / ``best_of``) as separate requests over one
+        copy of its K/V: ``request_id`` holds the ``prompt_len`` adopted tokens; each choice
+        ``(choice_id, first_token, params)`` becomes a request of its own that shares the full
+        pages and owns a copy of the last partial one (``KVPool.fork``); the first choice takes
+        ``request_id``'s pages over (no copy), so ``request_id`` holds nothing afterwards.
+        Everything is checked before anything changes; ``PoolExhausted`` (no page for the
+        copies) leaves ``request_id`` holding its pages and registers nothing."""
+        if not choices:
+            raise ValueError("choices: expected at least one (choice_id, first_token, params)")
+        ids = [c[0] for c in choices]
+        if len(set(ids)) != len(ids) or request_id in ids[1:]:
+            raise ValueError(f"choices: expected distinct choice ids, got {ids!r}")
+        if not self.pool.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} holds no pages in this engine's pool")
+        if self.pool.seq_len(request_id) != prompt_len:
+            raise ValueError(f"prompt_len: expected {self.pool.seq_len(request_id)} (the KV length of "
+                             f"{request_id!r} in the pool), got {prompt_len}")
+        for cid, first_token, params in choices:
+            if cid in self._requests or (cid != request_id and self.pool.has(cid)):
+                raise ValueError(f"choices: choice id {cid!r} is already in use")
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"choices: expected SamplingParams for {cid!r}, got {type(params).__name__}")
+            if not (0 <= int(first_token) < self.runner.vocab_size):
+                raise ValueError(f"choices: first token of {cid!r} not in [0, {self.runner.vocab_size}): {first_token}")
+        self.pool.fork(request_id, ids[1:])  # all or nothing
+        if ids[0] != request_id:
+            self.pool.rename(request_id, ids[0])
+        return [self.add_request(cid, prompt_len, first_token, params) for cid, first_token, params in choices]
+
     def cancel(self, request_id: str) -> bool:
         """Cancel a waiting or running request and release its pages; False if it had ended."""
         req = self._requests.get(request_id)

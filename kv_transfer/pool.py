@@ -24,7 +24,9 @@ is still one contiguous block per layer; transfers copy ``k_raw``/``v_raw`` page
 both ends of a transfer hold the same layout (it follows from the dtype).
 
 Bookkeeping per request: its page list and ``seq_len`` (tokens written/committed). Pages
-only grow (``reserve``) until ``release``. Allocation is all-or-nothing and raises the typed
+only grow (``reserve``) until ``release``. ``fork`` makes copy-on-write children of a request
+(the ``n`` choices of one prompt on a decode replica): they share its full pages by reference
+and each gets its own copy of its last, partial page. Allocation is all-or-nothing and raises the typed
 ``PoolExhausted`` that the scheduler acts on (preempt, queue, or spill).
 
 Prefix cache (prefill replicas, ``PrefillEngine(prefix_cache=True)``): a full page of prompt
@@ -286,6 +288,51 @@ class KVPool:
                 else:
                     self._free.append(page)
             return len(req.pages)
+
+    # ------------------------------------------------------------------ forks (n choices)
+    def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[list[int]]:
+        """Copy-on-write forks of ``parent_id`` (the choices of one prompt: ``n`` / ``best_of``).
+        Each child gets the parent's ``seq_len`` and holds the parent's *full* pages within it by
+        reference (one more holder each); the parent's last, partial page (``seq_len`` not a
+        multiple of ``page_size``) is copied into a fresh page per child, since each one appends
+        into its slots. Pages the parent reserved past ``seq_len`` are not shared. Returns each
+        child's page list. All-or-nothing: ``PoolExhausted`` (one page per child when the last
+        page is partial) takes nothing. ``release`` of the parent and the children in any order
+        keeps the accounting exact: a shared page goes back with its last holder.
+        ``KeyError`` if the parent holds no pages, ``ValueError`` for a child id in use or given
+        twice."""
+        child_ids = list(child_ids)
+        if len(set(child_ids)) != len(child_ids) or parent_id in child_ids:
+            raise ValueError(f"child_ids: expected distinct new ids, got {child_ids!r}")
+        with self._lock:
+            parent = self._get(parent_id)
+            for cid in child_ids:
+                if cid in self._requests:
+                    raise ValueError(f"child_ids: {cid!r} already holds pages in this pool")
+            full, partial = divmod(parent.seq_len, self.page_size)
+            need = len(child_ids) if partial else 0
+            if need > self.free_pages:
+                raise PoolExhausted(need, self.free_pages, child_ids[0] if child_ids else parent_id)
+            shared = parent.pages[:full]
+            out = []
+            for cid in child_ids:
+                own = self._take(1) if partial else []
+                for page in shared:
+                    self._refs[page] += 1
+                self._requests[cid] = _Request(pages=shared + own, seq_len=parent.seq_len)
+                out.append(shared + own)
+            src = parent.pages[full] if partial else None
+        if src is not None:  # the copies: pages the caller owns, outside the lock (as ``write``)
+            dst = torch.tensor([p[-1] for p in out], dtype=torch.long, device=self.device)
+            for raw in (self.k_raw, self.v_raw):  # every layer; V token-major or not, a page is one block
+                words = raw.view(torch.uint8).view(self.num_layers, self.num_pages, -1)
+                words[:, dst] = words[:, src].unsqueeze(1)
+        return out
+
+    def page_holders(self, page: int) -> int:
+        """How many requests hold ``page`` (0: free or evictable)."""
+        with self._lock:
+            return self._refs.get(page, 0)
 
     # ------------------------------------------------------------------ prefix cache
     def prefix_digests(self, token_ids: Sequence[int]) -> list[bytes]:

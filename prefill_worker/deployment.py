@@ -281,7 +281,8 @@ class PrefillServer:
             if self.config.fault_injection.prefill_delay_ms:  # drills: a window to kill us mid-prefill
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
             result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params,
-                                                                               sparse_alpha=call.sparse_alpha))
+                                                                               sparse_alpha=call.sparse_alpha,
+                                                                               choices=tuple(call.choices)))
             # a retry after a failed channel transfer asks for the object store
             exporter = self.object_store if call.transport == "object_store" else self.transport
             ticket, leased = None, False
@@ -302,6 +303,8 @@ class PrefillServer:
                                  cached_tokens=int(result.cached_tokens), ticket=ticket, replica_id=self.replica_id,
                                  queue_s=queue_s, prefill_s=prefill_s, export_s=export_s,
                                  first_logprob=result.first_logprob, prompt_logprobs=result.prompt_logprobs,
+                                 first_tokens=tuple(int(t) for t in result.first_tokens),
+                                 first_logprobs=tuple(result.first_logprobs),
                                  block_density=result.block_density)
             finally:
                 if not leased:  # a frame (or nothing) was shipped, or the export failed / was cancelled

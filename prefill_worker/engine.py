@@ -63,12 +63,16 @@ class PrefillState(enum.Enum):
 class PrefillRequest:
     """``sparse_alpha``: this prompt's FlashPrefill V2 threshold instead of the runner's (0:
     dense); None: the runner's. A prompt run at another alpha than the runner's neither reuses
-    nor fills the prefix cache (its K/V differ from the cached pages')."""
+    nor fills the prefix cache (its K/V differ from the cached pages').
+    ``choices``: the sampling params of each choice of a group (``n`` / ``best_of``): one first
+    token per choice, each drawn with its own params from the same last-position logits
+    (``params`` still decides prompt logprobs); empty: one first token, with ``params``."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     sparse_alpha: float | None = None
+    choices: tuple[SamplingParams, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class PrefillResult:
     # every layer and KV head (this rank's under TP); None: no chunk of it ran sparse (dense
     # below sparse.dense_below, alpha 0, or every token came from the prefix cache)
     block_density: float | None = None
+    # one per choice (``PrefillRequest.choices``; one entry without): first_token is the first
+    first_tokens: tuple[int, ...] = ()
+    first_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 def _block_density(seq: PromptState) -> float | None:
@@ -176,6 +183,8 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 raise ValueError(f"{at}: expected a PrefillRequest, got {type(r).__name__}")
             if not isinstance(r.params, SamplingParams):
                 raise ValueError(f"{at}.params: expected SamplingParams, got {type(r.params).__name__}")
+            if not isinstance(r.choices, tuple) or not all(isinstance(c, SamplingParams) for c in r.choices):
+                raise ValueError(f"{at}.choices: expected a tuple of SamplingParams, got {r.choices!r}")
             if len(r.prompt_token_ids) == 0:
                 raise ValueError(f"{at}.prompt_token_ids: expected a non-empty prompt")
             a = r.sparse_alpha
@@ -324,11 +333,13 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 entries.extend(prompt_logprobs(chunk_logits, targets, c.seq.payload.params.prompt_logprobs))
             self.forward_batches += 1
             rows = [i for i, c in enumerate(chunks) if c.last and not c.seq.aborted]
+            # one sampled row per choice: a group's choices draw from the same logits row
+            draws = [(i, p) for i in rows for p in (chunks[i].seq.payload.choices or (chunks[i].seq.payload.params,))]
             tokens, logprobs = [], []
-            if rows:
-                params = [chunks[i].seq.payload.params for i in rows]
+            if draws:
+                params = [p for _, p in draws]
                 guides = [make_guide(p, self.tokenizer) for p in params]
-                sampled = self.sampler.sample(logits[rows], params, [0] * len(rows),
+                sampled = self.sampler.sample(logits[[i for i, _ in draws]], params, [0] * len(draws),
                                               guides=guides if any(g is not None for g in guides) else None)
                 tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs
         except BaseException as exc:
@@ -344,8 +355,11 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             return out
         with self._lock:
             finished, aborted = self.scheduler.commit(chunks)
-        first = {chunks[i].request_id: int(t) for i, t in zip(rows, tokens)}
-        first_lp = {chunks[i].request_id: lp for i, lp in zip(rows, logprobs)}
+        first: dict[str, list[int]] = {}
+        first_lp: dict[str, list] = {}
+        for (i, _), t, lp in zip(draws, tokens, logprobs):
+            first.setdefault(chunks[i].request_id, []).append(int(t))
+            first_lp.setdefault(chunks[i].request_id, []).append(lp)
         for seq in aborted:
             if self.pool.has(seq.request_id):
                 self.pool.release(seq.request_id)
@@ -353,11 +367,12 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             rid = seq.request_id
             if seq.extra.get("digests"):  # its full pages serve the prompts that start like it
                 self.pool.cache_prefix(rid, seq.extra["digests"])
-            out.finished.append(PrefillResult(request_id=rid, first_token=first[rid], pages=tuple(self.pool.pages(rid)),
+            out.finished.append(PrefillResult(request_id=rid, first_token=first[rid][0], pages=tuple(self.pool.pages(rid)),
                                               kv_len=seq.prompt_len, cached_tokens=seq.cached_tokens,
-                                              first_logprob=first_lp[rid], block_density=_block_density(seq),
+                                              first_logprob=first_lp[rid][0], block_density=_block_density(seq),
                                               prompt_logprobs=(tuple(seq.extra["prompt_logprobs"])
-                                                               if "prompt_logprobs" in seq.extra else None)))
+                                                               if "prompt_logprobs" in seq.extra else None),
+                                              first_tokens=tuple(first[rid]), first_logprobs=tuple(first_lp[rid])))
         return out
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:

@@ -120,6 +120,40 @@ def _own_serve_request(suffix: str) -> None:
         ctx, _internal_request_id=f"{ctx._internal_request_id or uuid.uuid4().hex}:{suffix}"))
 
 
+async def _merge(streams: dict, serve_ids: dict) -> AsyncIterator[tuple[Any, Any]]:
+    """``(key, item)`` of several async iterators as they come, each pumped by its own task (its
+    calls go out as their own Serve request, ``serve_ids[key]``). The first failure is raised;
+    closing this iterator cancels every pump (their streams close)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(key: Any, it: Any) -> None:
+        _own_serve_request(serve_ids[key])
+        try:
+            async for item in it:
+                await queue.put((key, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((key, exc))
+        else:
+            await queue.put((key, done))
+
+    tasks = [asyncio.create_task(pump(key, it)) for key, it in streams.items()]
+    try:
+        running = len(tasks)
+        while running:
+            key, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield key, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _is_replica_failure(exc: BaseException) -> bool:
     import ray.exceptions
     from ray.serve.exceptions import ReplicaUnavailableError
@@ -139,6 +173,8 @@ class DisaggregatedPipeline:
         # ends the lease of an attempt abandoned before a decode replica took its ticket
         self._release_lease = release_lease
         self._decode = decode_handle.options(stream=True)
+        self._decode_calls = decode_handle  # unary calls pinned to a replica (cancel_choice)
+        self._background: set[asyncio.Task] = set()
         self.cost_model = PrefillCostModel.for_config(config)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
@@ -163,17 +199,20 @@ class DisaggregatedPipeline:
     # -- several choices: n, best_of, a list of prompts ---------------------------------
     async def complete_choices(self, req: GenerationRequest) -> tuple[list, int]:
         """Every choice of ``req`` at once: ``([(index, prompt_token_ids, Completion)], tokens
-        generated)``. ``best_of``: per prompt the ``n`` of highest summed logprob, best first.
-        One choice failing cancels the others (their streams close, their pages are freed)."""
+        generated)``. The choices of one prompt are one group (:meth:`stream_group`: one
+        prefill, one transfer, forks of the pages on one decode replica); a list of prompts
+        runs a group per prompt. ``best_of``: per prompt the ``n`` of highest summed logprob,
+        best first. One group failing cancels the others (their streams close, their pages
+        are freed)."""
         groups = req.choices()
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [[tg.create_task(self._complete_apart(sub)) for sub in row] for row in groups]
+                tasks = [tg.create_task(self._complete_group(row)) for row in groups]
         except BaseExceptionGroup as group:  # the first failure, as a single request would raise it
             raise group.exceptions[0] from None
         out, generated = [], 0
-        for i, (row, subs) in enumerate(zip(tasks, groups)):
-            results = [t.result() for t in row]
+        for i, (task, subs) in enumerate(zip(tasks, groups)):
+            results = task.result()
             generated += sum(len(r.token_ids) for r in results)
             if req.best_of is not None:
                 results = sorted(results, key=lambda r: -sum(e.logprob for e in r.logprobs or ()))[: req.n]
@@ -182,43 +221,240 @@ class DisaggregatedPipeline:
             out.extend((i * req.n + j, subs[0].prompt_token_ids, r) for j, r in enumerate(results))
         return out, generated
 
-    async def _complete_apart(self, sub: GenerationRequest) -> Completion:
-        _own_serve_request(sub.request_id)
-        return await self.complete(sub)
+    async def _complete_group(self, subs: list[GenerationRequest]) -> list[Completion]:
+        _own_serve_request(subs[0].request_id)
+        acc = [{"text": [], "ids": [], "reason": "length", "timing": {}, "routing": None, "prompt": (None, None),
+                "logprobs": [] if sub.logprobs is not None else None} for sub in subs]
+        async for k, d in self.stream_group(subs):
+            a = acc[k]
+            if d.first:
+                a["prompt"] = (d.prompt_text, d.prompt_logprobs)
+            a["text"].append(d.text)
+            a["ids"].extend(d.token_ids)
+            if a["logprobs"] is not None:
+                a["logprobs"].extend(d.logprobs or ())
+            if d.finish_reason is not None:
+                a["reason"], a["timing"], a["routing"] = d.finish_reason, d.timing or {}, d.routing
+        return [Completion("".join(a["text"]), a["ids"], a["reason"], a["timing"], a["routing"], a["logprobs"],
+                           *a["prompt"]) for a in acc]
 
     async def stream_choices(self, req: GenerationRequest) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, Delta)`` of every choice as they come (no ``best_of`` > n: the
-        parser refuses to stream it); each choice's last delta has its ``finish_reason``.
-        Closing this iterator (or one choice failing) cancels every choice still running."""
-        subs = [sub for row in req.choices() for sub in row]
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
+        parser refuses to stream it); each choice's last delta has its ``finish_reason``. One
+        group per prompt (:meth:`stream_group`). Closing this iterator (or one choice failing)
+        cancels every choice still running."""
+        groups = req.choices()
+        if len(groups) == 1:
+            async for item in self.stream_group(groups[0]):
+                yield item
+            return
+        width = len(groups[0])
+        streams = {i: self.stream_group(row) for i, row in enumerate(groups)}
+        async for i, (k, delta) in _merge(streams, {i: row[0].request_id for i, row in enumerate(groups)}):
+            yield i * width + k, delta
 
-        async def pump(index: int, sub: GenerationRequest) -> None:
-            _own_serve_request(sub.request_id)
-            try:
-                async for delta in self.stream(sub):
-                    await queue.put((index, delta))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer
-                await queue.put((index, exc))
-            else:
-                await queue.put((index, done))
-
-        tasks = [asyncio.create_task(pump(k, sub)) for k, sub in enumerate(subs)]
+    async def stream_group(self, subs: list[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
+        """The choices of one prompt (``req.choices()``'s row: each choice's own seed, logprobs
+        and request id), as ``(choice, Delta)``: ONE prefill samples every choice's first token
+        from the same logits, ONE transfer ships the pages, the decode replica forks them
+        (shared full pages, a copy of the partial last one per choice) and decodes the choices
+        as separate sequences of its batch; its events name the choice. A stop string found
+        here ends that choice alone (``cancel_choice`` to the decode replica frees its own pages;
+        the shared ones go with the last choice). Closing this iterator cancels them all.
+        Retries as :meth:`stream` (tokens sent are kept; the decode side continues each choice
+        from its first token). A decode replica dying mid-stream: each unfinished choice resumes
+        on its own through :meth:`stream`'s per-request resume path."""
+        if len(subs) == 1:
+            async for d in self.stream(subs[0]):
+                yield 0, d
+            return
+        base, n = subs[0], len(subs)
+        life = RequestLifecycle(base.request_id)
+        texts = [TextStream(self.tokenizer, sub.stop) for sub in subs]
+        params = [sub.sampling_params() for sub in subs]
+        nonce = uuid.uuid4().hex[:8]
+        generated: list[list[int]] = [[] for _ in subs]
+        outcomes: list[str | None] = [None] * n
+        first_sent = False
+        resumed: list[int] = []  # choices handed to the per-request resume path (they record their own metrics)
+        attempt: _Attempt | None = None
+        attempts = 0
+        transport: str | None = None
+        failure = "cancelled"
         try:
-            running = len(tasks)
-            while running:
-                index, item = await queue.get()
-                if item is done:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield index, item
+            context = list(base.prompt_token_ids)
+            cost = self.cost_model.cost(len(context), alpha=base.sparse_alpha)
+            for r in range(self.config.transfer.retries + 1):
+                attempt = _Attempt(f"{base.request_id}:{nonce}:{attempts}")
+                attempts += 1
+                life.to(RequestPhase.PREFILLING)
+                try:
+                    # a retry (first tokens sent) prefills the prompt again for its pages only
+                    event = await self._start_prefill(
+                        attempt, base, context, params[0] if not first_sent else dataclasses.replace(params[0], prompt_logprobs=None),
+                        cost, skip_transfer=base.max_tokens <= 1, transport=transport,
+                        choices=tuple(params) if not first_sent else ())
+                except Exception as exc:
+                    self._close(attempt)
+                    if _is_replica_failure(exc) and r < self.config.transfer.retries:
+                        logger.warning("prefill replica failed for %s (%s); prefilling again",
+                                       base.request_id, type(exc).__name__)
+                        continue
+                    if _is_replica_failure(exc):
+                        raise self._unavailable("prefill", exc) from exc
+                    raise
+                if not first_sent:
+                    first_sent = True
+                    life.mark_first_token()
+                    firsts = list(event.first_tokens) or [event.first_token]
+                    lps = list(event.first_logprobs) if len(event.first_logprobs) == n else [None] * n
+                    if len(firsts) != n:
+                        raise RequestError(f"the prefill sampled {len(firsts)} first tokens for {n} choices",
+                                           status=502, code="prefill_failed")
+                    prompt_text = self.tokenizer.decode(list(base.prompt_token_ids)) if base.echo else None
+                    prompt_lps = self._prompt_logprobs(base, event.prompt_logprobs) if base.echo else None
+                    for k, sub in enumerate(subs):
+                        if sub.max_tokens == 0:  # echo of the prompt alone: its token is not output
+                            delta = Delta("", [], first=True, logprobs=[] if sub.logprobs is not None else None)
+                            reason = "length"
+                        else:
+                            generated[k].append(firsts[k])
+                            delta = Delta(texts[k].push([firsts[k]]), [firsts[k]], first=True,
+                                          logprobs=self._logprobs(sub, [lps[k]]))
+                            reason = self._finish_after_first(sub, firsts[k], texts[k])
+                        if sub.echo:
+                            delta.prompt_text, delta.prompt_logprobs = prompt_text, prompt_lps
+                        if reason is not None:
+                            delta.text += texts[k].finish()
+                            delta.finish_reason = outcomes[k] = reason
+                            delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+                        yield k, delta
+                live = [k for k in range(n) if outcomes[k] is None]
+                if not live:
+                    life.to(RequestPhase.FINISHED)
+                    return
+                life.to(RequestPhase.TRANSFERRING)
+                try:
+                    event = await self._start_decode(attempt, base, params[live[0]], generated[live[0]][-1], event,
+                                                     choices=tuple((generated[k][-1], params[k]) for k in live))
+                except Exception as exc:
+                    self._close(attempt)
+                    if _is_replica_failure(exc) and r < self.config.transfer.retries:
+                        logger.warning("decode replica failed before adopting %s (%s); prefilling again",
+                                       base.request_id, type(exc).__name__)
+                        continue
+                    if _is_replica_failure(exc):
+                        raise self._unavailable("decode", exc) from exc
+                    raise
+                if isinstance(event, Adopted):
+                    attempt.lease = None
+                    life.to(RequestPhase.DECODING)
+                    break
+                self._close(attempt)
+                if event.fallback == "object_store":
+                    transport = "object_store"
+                if not (event.retryable and r < self.config.transfer.retries):
+                    raise self._transfer_error(event)
+                logger.warning("KV transfer of %s failed (%s); prefilling again", base.request_id, event.reason)
+            else:
+                raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
+                                   retry_after_s=self.config.ingress.retry_after_s or 1)
+
+            # -- decode: one stream, the choices' events interleaved (decode choice j = live[j])
+            ended_there = 0  # choices the decode replica ended itself (the rest: cancelled from here)
+            try:
+                async for event in attempt.decode_stream:
+                    if not 0 <= event.choice < len(live):
+                        raise RequestError(f"decode event for choice {event.choice} of {len(live)}",
+                                           status=502, code="decode_failed")
+                    k = live[event.choice]
+                    if outcomes[k] is not None:  # ended here before (stop string): its cancellation's echo
+                        continue
+                    if event.first_step_s is not None:
+                        attempt.timing["first_decode_s"] = event.first_step_s
+                    tokens = list(event.tokens)
+                    generated[k].extend(tokens)
+                    delta = Delta(texts[k].push(tokens), tokens, logprobs=self._logprobs(subs[k], event.logprobs))
+                    if texts[k].stopped:
+                        reason = "stop"
+                    elif event.finished:
+                        reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "abort")
+                        delta.text += texts[k].finish()
+                    else:
+                        reason = None
+                    if reason is not None:
+                        outcomes[k] = delta.finish_reason = reason
+                        if event.finished:
+                            ended_there += 1
+                        else:
+                            self._cancel_choice(attempt, event.choice)
+                        if all(o is not None for o in outcomes):
+                            life.to(RequestPhase.FINISHED)
+                            if ended_there == len(live):
+                                attempt.decode_stream = None  # ended on its own: nothing to cancel
+                        delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+                        yield k, delta
+                        if all(o is not None for o in outcomes):
+                            return
+                        continue
+                    yield k, delta
+                raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+            except RequestError:
+                raise
+            except Exception as exc:
+                self._close(attempt)
+                if not (_is_replica_failure(exc) and self.config.ingress.decode_resumes > 0):
+                    raise RequestError(
+                        f"decode replica failed mid-stream ({type(exc).__name__}) after "
+                        f"{sum(map(len, generated))} tokens", status=502, code="decode_failed") from exc
+                logger.warning("decode replica failed mid-stream for %s (%s); resuming %d choices one by one",
+                               base.request_id, type(exc).__name__, sum(o is None for o in outcomes))
+            # -- resume: every unfinished choice on its own (the per-request path)
+            resumed = [k for k in range(n) if outcomes[k] is None]
+            streams = {k: self.stream(subs[k], resume=(generated[k], texts[k])) for k in resumed}
+            async for k, delta in _merge(streams, {k: subs[k].request_id for k in resumed}):
+                if delta.finish_reason is not None:
+                    outcomes[k] = delta.finish_reason
+                yield k, delta
+            life.to(RequestPhase.FINISHED)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not life.done:
+                life.to(RequestPhase.CANCELLED)
+            raise
+        except Exception:
+            failure = "failed"
+            if not life.done:
+                life.to(RequestPhase.FAILED)
+            raise
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if attempt is not None:
+                self._close(attempt)
+            prompt_counted = False
+            for k in range(n):
+                if k in resumed:
+                    continue
+                self._record(subs[k], life, outcomes[k] or failure, len(generated[k]), 0,
+                             count_prompt=not prompt_counted)
+                prompt_counted = True
+
+    def _cancel_choice(self, attempt: _Attempt, choice: int) -> None:
+        """Ask the decode replica of ``attempt`` to stop one choice (fire and forget: if it is lost
+        the choice decodes on to its end and its pages go then)."""
+        replica = attempt.routing.get("decode_replica")
+        request_id = attempt.worker_request_id
+
+        async def call() -> None:
+            _own_serve_request(f"cancel-{choice}")  # its own Serve request: the stream's ledger entry stays
+            try:
+                await asyncio.wait_for(self._decode_calls.cancel_choice.remote(
+                    {"request_id": request_id, "choice": choice}, routing=routing_hint(replica=replica)),
+                    RELEASE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the choice then ends on the decode replica by itself
+                logger.info("cancelling choice %d of %s failed: %r", choice, request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(call())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _prompt_logprobs(self, req: GenerationRequest, entries: Any) -> list | None:
         if req.logprobs is None:
@@ -238,14 +474,18 @@ class DisaggregatedPipeline:
         return [Logprob(e.token, self._token_str(e.token), e.logprob,
                         tuple((t, self._token_str(t), lp) for t, lp in e.top)) for e in entries or () if e is not None]
 
-    async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+    async def stream(self, req: GenerationRequest, *,
+                     resume: tuple[list[int], TextStream] | None = None) -> AsyncIterator[Delta]:
+        """One request's deltas. ``resume``: (tokens already sent, their TextStream): continue a
+        request whose decode replica died (a group's choice, :meth:`stream_group`), as a resume."""
         life = RequestLifecycle(req.request_id)
-        text = TextStream(self.tokenizer, req.stop)
+        text = TextStream(self.tokenizer, req.stop) if resume is None else resume[1]
         params = req.sampling_params()
         nonce = uuid.uuid4().hex[:8]
-        generated: list[int] = []  # every token the client has been sent, in order
+        generated: list[int] = [] if resume is None else list(resume[0])  # every token the client has been sent
         attempt: _Attempt | None = None
-        attempts = resumes = 0
+        attempts = 0
+        resumes = 0 if resume is None else 1
         transport: str | None = None  # "object_store" once a channel transfer of this request failed
         outcome: str | None = None  # the finish reason once the last delta is decided (metrics)
         try:
@@ -381,15 +621,17 @@ class DisaggregatedPipeline:
             self._record(req, life, outcome or "cancelled", len(generated), resumes)
 
     def _record(self, req: GenerationRequest, life: RequestLifecycle, outcome: str, output_tokens: int,
-                resumes: int) -> None:
-        """The request's metrics (``serving/metrics.py``); never raises."""
+                resumes: int, *, count_prompt: bool = True) -> None:
+        """The request's metrics (``serving/metrics.py``); never raises. ``count_prompt``: False
+        for the choices of a group after the first (a prompt is counted once, as OpenAI's usage)."""
         try:
             end = life.finished_at if life.finished_at is not None else time.monotonic()
             tpot = None
             if life.first_token_at is not None and output_tokens > 1:
                 tpot = (end - life.first_token_at) / (output_tokens - 1)
             self.metrics.request_ended(
-                finish_reason=outcome, prompt_tokens=req.prompt_len if life.first_token_at is not None else None,
+                finish_reason=outcome,
+                prompt_tokens=req.prompt_len if life.first_token_at is not None and count_prompt else None,
                 output_tokens=output_tokens, ttft_s=life.ttft_s, latency_s=end - life.received_at, tpot_s=tpot,
                 prefill_retries=max(life.prefill_attempts - 1 - resumes, 0), resumes=resumes)
         except Exception:  # noqa: BLE001 - metrics never fail a request
@@ -408,9 +650,11 @@ class DisaggregatedPipeline:
 
     # -- steps -------------------------------------------------------------------------
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
-                             cost: float, *, skip_transfer: bool, transport: str | None = None) -> Prefilled:
+                             cost: float, *, skip_transfer: bool, transport: str | None = None,
+                             choices: tuple = ()) -> Prefilled:
         payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
-                              skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha)
+                              skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha,
+                              choices=choices)
         alpha = self.config.sparse.alpha if req.sparse_alpha is None else req.sparse_alpha
         own_alpha = alpha != self.config.sparse.alpha  # such a prompt uses no cached prefix
         # how this prefill runs (usage.sparse_attention): dense below sparse.dense_below or at alpha 0
@@ -433,12 +677,13 @@ class DisaggregatedPipeline:
         return event
 
     async def _start_decode(self, attempt: _Attempt, req: GenerationRequest, params: SamplingParams,
-                            first_token: int, prefilled: Prefilled, history: tuple[int, ...] = ()) -> Adopted | TransferFailed:
+                            first_token: int, prefilled: Prefilled, choices: tuple = (),
+                            history: tuple[int, ...] = ()) -> Adopted | TransferFailed:
         payload = DecodeCall(request_id=attempt.worker_request_id, ticket=prefilled.ticket, kv_len=prefilled.kv_len,
-                             first_token=first_token, params=params, history=history)
-        attempt.decode_stream = self._decode.generate.remote(
-            payload, routing=routing_hint(pages=self._pages(req.prompt_len + req.max_tokens))
-        )
+                             first_token=first_token, params=params, choices=choices, history=history)
+        # a group: its shared pages once plus each choice's own (DecodeCall.footprint)
+        pages = payload.footprint(self.page_size) if choices else self._pages(req.prompt_len + req.max_tokens)
+        attempt.decode_stream = self._decode.generate.remote(payload, routing=routing_hint(pages=pages))
         event = await attempt.decode_stream.__anext__()
         # the decode replica took the ticket: it ends the lease (adopted or not)
         attempt.lease = None

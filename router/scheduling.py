@@ -25,7 +25,9 @@ Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
   KV pages to send them over a channel) goes to that replica only.
 
 :class:`DecodeRequestRouter` ranks decode replicas by free KV pages (they must hold the
-prompt plus ``max_tokens``) and running + waiting requests relative to ``max_running``.
+prompt plus ``max_tokens``; a group of ``n`` choices: its shared pages once plus each choice's
+own) and running + waiting requests relative to ``max_running``; a call whose hint names a
+``replica`` (the ingress stopping one choice of a group) goes to that replica only.
 """
 
 from __future__ import annotations
@@ -232,7 +234,10 @@ class DecodeRequestRouter(RequestRouter):
         return min(reported, total - self._ledger.pages(replica.replica_id))
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
-        need = int(_hint(pending_request).get("pages", 0))
+        hint = _hint(pending_request)
+        if hint.get("replica") is not None:  # a call for one replica (cancel_choice of a group it decodes)
+            return PrefillRequestRouter._pinned(candidate_replicas, str(hint["replica"]), pending_request)
+        need = int(hint.get("pages", 0))
         fits, tight = [], []
         for r in candidate_replicas:
             (fits if self.free_pages(r) >= need else tight).append((self.load(r), r))

@@ -10,6 +10,12 @@ A request's trip (``docs/ARCHITECTURE.md``): the ingress calls ``PrefillServer.p
 ingress calls ``DecodeServer.generate`` with a :class:`DecodeCall`; that stream yields
 :class:`Adopted` (the pages are in the decode pool) or :class:`TransferFailed`, then
 :class:`Tokens` until one says ``finished``.
+
+A group (the ``n`` / ``best_of`` choices of one prompt) makes the same trip once: its
+:class:`PrefillCall` lists every choice's sampling params and its :class:`Prefilled` one first
+token per choice; its :class:`DecodeCall` lists (first token, params) per choice, the decode
+replica adopts the pages once and forks them per choice, and each :class:`Tokens` names its
+choice; the stream ends when every choice has had its ``finished`` event.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class PrefillCall:
     skip_transfer: bool = False
     transport: str | None = None
     sparse_alpha: float | None = None  # this prompt's FlashPrefill V2 alpha (0: dense); None: the replica's
+    choices: tuple[SamplingParams, ...] = ()  # a group: one first token per entry (``params``: prompt logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,8 @@ class Prefilled:
     first_logprob: Any = None  # model_executor.sampling.TokenLogprob, with params.logprobs
     prompt_logprobs: Any = None  # with params.prompt_logprobs: one per prompt token (None first)
     block_density: float | None = None  # the prefill's measured block density (PrefillResult's); None: dense
+    first_tokens: tuple[int, ...] = ()  # a group: one per choice (first_token is choice 0's)
+    first_logprobs: tuple = ()  # a group: one TokenLogprob (or None) per choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +68,9 @@ class DecodeCall:
     """Adopt the pages of ``ticket`` (``kv_len`` tokens) and decode after ``first_token``.
     ``history``: the tokens a resumed request generated before ``first_token`` (the client has
     them; their K/V are in the pages): penalties, the guide, ``min_tokens``/``max_new_tokens``
-    and seeded draws go on over them as if the request had never stopped."""
+    and seeded draws go on over them as if the request had never stopped. ``choices``: a group,
+    ``(first token, params)`` per choice, each decoded on its own fork of the pages
+    (``first_token`` / ``params`` then are choice 0's; a group has no history)."""
 
     request_id: str
     ticket: Any
@@ -67,6 +78,15 @@ class DecodeCall:
     first_token: int
     params: SamplingParams
     history: tuple[int, ...] = ()
+    choices: tuple[tuple[int, SamplingParams], ...] = ()
+
+    def footprint(self, page_size: int) -> int:
+        """Pages this call may grow to on a decode replica: the prompt's full pages once, plus each
+        choice's own (its copy of the partial last page and its growth to ``max_new_tokens``)."""
+        shared = self.kv_len // page_size
+        if not self.choices:  # the history's K/V are in kv_len already and count against max_new_tokens
+            return -(-(self.kv_len + self.params.max_new_tokens - len(self.history)) // page_size)
+        return shared + sum(-(-(self.kv_len + p.max_new_tokens) // page_size) - shared for _, p in self.choices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +122,7 @@ class Tokens:
     finish_reason: str | None = None
     first_step_s: float | None = None
     logprobs: tuple | None = None  # one TokenLogprob per token, with params.logprobs
+    choice: int = 0  # a group's choice these tokens are of
 
 
 __all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]

@@ -445,3 +445,101 @@ def test_prefix_digests_module_takes_any_int_sequence_and_checks_page_size():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="page_size: expected an int >= 1"):
             prefix_digests(tokens, bad)
+
+
+# ---------------------------------------------------------------- forks (n choices, copy-on-write)
+def _written(pool: KVPool, rid: str, n_tokens: int, gen: torch.Generator) -> None:
+    pool.reserve(rid, n_tokens)
+    slots = pool.slot_mapping([rid], [0], [n_tokens])
+    for layer in range(pool.num_layers):
+        k = torch.randn(n_tokens, pool.num_kv_heads, pool.head_dim, generator=gen)
+        v = torch.randn(n_tokens, pool.num_kv_heads, pool.head_dim, generator=gen)
+        pool.write(layer, slots, k, v, backend="reference")
+    pool.set_seq_len(rid, n_tokens)
+
+
+def _page_bytes(pool: KVPool, page: int) -> list[bytes]:
+    return [bytes(raw[layer, page].contiguous().view(torch.uint8).flatten().tolist())
+            for raw in (pool.k_raw, pool.v_raw) for layer in range(pool.num_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_fork_shares_full_pages_and_copies_the_partial_one(dtype):
+    gen = torch.Generator().manual_seed(11)
+    pool = make_pool(dtype=dtype)
+    _written(pool, "p", 10, gen)  # pages 0, 1 full, page 2 holds 2 tokens
+    pool.reserve("p", 14)  # reserved past seq_len: 10 tokens -> 3 pages, 14 -> 4 pages
+    parent = pool.pages("p")
+    assert len(parent) == 4
+    free = pool.free_pages
+    kids = pool.fork("p", ["c0", "c1"])
+    assert pool.free_pages == free - 2  # one copied page per child, nothing else
+    for kid in kids:
+        assert kid[:2] == parent[:2] and kid[2] not in parent and len(kid) == 3
+    assert kids[0][2] != kids[1][2]
+    assert [pool.page_holders(p) for p in parent] == [3, 3, 1, 1]
+    assert pool.seq_len("c0") == pool.seq_len("c1") == 10
+    for kid in kids:  # the copy holds the parent's bytes, in every layer, K and V
+        assert _page_bytes(pool, kid[2]) == _page_bytes(pool, parent[2])
+    # a write into a child's partial page leaves the parent's and the sibling's as they were
+    before_parent, before_sibling = _page_bytes(pool, parent[2]), _page_bytes(pool, kids[1][2])
+    slots = pool.slot_mapping(["c0"], [10], [1])
+    for layer in range(pool.num_layers):
+        pool.write(layer, slots, torch.full((1, 2, 8), 3.0), torch.full((1, 2, 8), -3.0), backend="reference")
+    assert _page_bytes(pool, kids[0][2]) != before_parent
+    assert _page_bytes(pool, parent[2]) == before_parent and _page_bytes(pool, kids[1][2]) == before_sibling
+    assert torch.equal(pool.k[:, kids[0][2], :2].float(), pool.k[:, parent[2], :2].float())  # its first slots kept
+
+
+@pytest.mark.parametrize("order", [("p", "c0", "c1"), ("c0", "p", "c1"), ("c1", "c0", "p"), ("c0", "c1", "p")])
+def test_fork_release_in_any_order_keeps_accounting_exact(order):
+    gen = torch.Generator().manual_seed(5)
+    pool = make_pool()
+    start = pool.free_pages
+    _written(pool, "p", 9, gen)  # 2 full pages + 1 partial
+    pool.fork("p", ["c0", "c1"])
+    pool.reserve("c0", 13)  # a child grows on its own
+    held = {"p": 3, "c0": 4, "c1": 3}
+    own = {"p": 1, "c0": 2, "c1": 1}  # pages only that request holds
+    for i, rid in enumerate(order):
+        free = pool.free_pages
+        assert pool.release(rid) == held[rid]
+        last = i == len(order) - 1
+        assert pool.free_pages == free + own[rid] + (2 if last else 0)  # shared pages go with the last holder
+    assert pool.free_pages == start and pool.stats()["requests"] == 0
+    assert sorted(pool._free) == list(range(pool.num_pages)) and not pool._refs
+
+
+def test_fork_of_a_page_aligned_request_copies_nothing():
+    gen = torch.Generator().manual_seed(2)
+    pool = make_pool()
+    _written(pool, "p", 8, gen)
+    free = pool.free_pages
+    kids = pool.fork("p", ["a", "b", "c"])
+    assert pool.free_pages == free and all(k == pool.pages("p") for k in kids)
+    assert pool.reserve("a", 9)[-1] not in pool.pages("p")  # the first new token: a page of its own
+    for rid in ("p", "a", "b", "c"):
+        pool.release(rid)
+    assert pool.free_pages == pool.num_pages
+
+
+def test_fork_exhaustion_takes_nothing_and_errors():
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool(num_pages=4)
+    _written(pool, "p", 6, gen)  # 2 pages, the second partial: 2 free
+    refs, free = dict(pool._refs), pool.free_pages
+    with pytest.raises(PoolExhausted) as info:
+        pool.fork("p", ["a", "b", "c"])
+    assert info.value.requested == 3 and info.value.free == 2
+    assert pool.free_pages == free and pool._refs == refs and not pool.has("a")
+    with pytest.raises(KeyError, match="request_id"):
+        pool.fork("nope", ["a"])
+    with pytest.raises(ValueError, match="child_ids"):
+        pool.fork("p", ["a", "a"])
+    with pytest.raises(ValueError, match="child_ids"):
+        pool.fork("p", ["p"])
+    pool.reserve("x", 1)
+    with pytest.raises(ValueError, match="child_ids"):
+        pool.fork("p", ["x"])
+    pool.release("x")
+    assert pool.fork("p", ["a", "b"]) and pool.free_pages == 0

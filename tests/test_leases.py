@@ -288,3 +288,59 @@ def test_decode_admission_waits_on_its_ledger_and_wakes_when_a_request_leaves():
     finally:
         for r in dec.receivers.values():
             r.close()
+
+
+def test_a_group_is_adopted_once_forked_per_choice_and_one_choice_cancelled_alone(prefill_server, monkeypatch):
+    """n choices through the replicas: one prefill samples each choice's first token, the decode
+    replica adopts the pages once, decodes the choices as forks and stops one on request; the
+    others equal the single-process oracle of each choice alone; every page comes back."""
+    from decode_worker.deployment import DecodeServer
+    from model_executor.loading import load_model
+    from router.offline import generate
+    from serving.config import ServiceConfig
+
+    pre = prefill_server
+    dec = DecodeServer(OPTS)
+    _wire(monkeypatch, pre)
+    cfg = ServiceConfig.from_dict(OPTS)
+    prompt = _prompt(11)
+    choices = tuple(SamplingParams(temperature=1.0, seed=70 + k, max_new_tokens=12) for k in range(3))
+    try:
+        event = asyncio.run(pre.prefill(PrefillCall(request_id="g", prompt_token_ids=prompt, params=choices[0],
+                                                    choices=choices)))
+        assert pre.completed == 1 and len(event.first_tokens) == 3
+        call = DecodeCall(request_id="g", ticket=event.ticket, kv_len=event.kv_len, first_token=event.first_tokens[0],
+                          params=choices[0], choices=tuple(zip(event.first_tokens, choices)))
+
+        async def go():
+            out = {k: [tok] for k, tok in enumerate(event.first_tokens)}
+            reasons, replies = {}, []
+            async for e in dec.generate(call):
+                if isinstance(e, Adopted):
+                    assert dec.committed_pages == call.footprint(dec.pool.page_size)
+                    continue
+                out[e.choice].extend(e.tokens)
+                if e.finished:
+                    reasons[e.choice] = e.finish_reason
+                if e.choice == 1 and not replies:
+                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 1}))
+                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 1}))  # ended: no-op
+                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 7}))
+                    replies.append(await dec.cancel_choice({"request_id": 3, "choice": 0}))
+            await asyncio.gather(*dec._background)
+            return out, reasons, replies
+
+        out, reasons, replies = asyncio.run(go())
+        assert [r["cancelled"] for r in replies] == [True, False, False, False] and "request_id" in replies[-1]["message"]
+        assert reasons == {0: "length", 1: "cancelled", 2: "length"}
+        model = load_model(None)
+        for k in (0, 2):
+            [want] = generate([prompt], choices[k], model=model, sparse_config=cfg.sparse_config,
+                              dense_below=cfg.sparse.dense_below, page_size=cfg.kv.page_size)
+            assert out[k] == list(want.output_token_ids)
+        assert len(out[1]) < 12
+        assert dec.pool.free_pages == dec.pool.num_pages and dec.committed_pages == 0 and dec.loop.num_streams == 0
+        assert pre.pool.free_pages == pre.pool.num_pages
+    finally:
+        for r in dec.receivers.values():
+            r.close()

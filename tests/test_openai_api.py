@@ -15,7 +15,7 @@ grpc = pytest.importorskip("grpc")
 torch = pytest.importorskip("torch")
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, prompt_of, wait_pools_idle  # noqa: E402
+from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 APP = "api"
@@ -290,7 +290,10 @@ def test_n_greedy_equals_n1_and_sampled_choices_differ(service):
     prompt = prompt_of(13, seed=6)
     extra = {"return_token_ids": True, "ignore_eos": True}
     one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+    calls = lambda: [sum(s["completed"] for s in replica_stats(APP, d)) for d in ("PrefillServer", "DecodeServer")]  # noqa: E731
+    before = calls()
     many = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3, extra_body=extra)
+    assert [b - a for a, b in zip(before, calls())] == [1, 1]  # one prefill, one decode stream for the group
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert all(_ids(c) == _ids(one.choices[0]) for c in many.choices)
     assert many.usage.completion_tokens == 18 and many.usage.prompt_tokens == 13
@@ -310,6 +313,24 @@ def test_n_greedy_equals_n1_and_sampled_choices_differ(service):
     assert [tuple(streamed[i]) for i in range(3)] == answers
     finals = [c for k in chunks for c in k.choices if c.finish_reason is not None]
     assert sorted(c.index for c in finals) == [0, 1, 2] and all(c.finish_reason == "length" for c in finals)
+    wait_pools_idle(APP)
+
+
+def test_a_stop_string_ends_one_choice_of_a_group_alone(service):
+    """A stop string found at the ingress ends that choice (its pages freed on the decode replica);
+    the others run on. Reference: each choice's answer without the stop, cut at its first match."""
+    client = service["client"]
+    prompt = prompt_of(17, seed=4)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=21, n=3,
+                  extra_body={"ignore_eos": True})
+    free = client.completions.create(**kwargs)
+    texts = [c.text for c in free.choices]
+    stop = texts[0][3:5]  # found in choice 0 early; the others end where (if) they contain it
+    assert stop
+    stopped = client.completions.create(**kwargs, stop=[stop])
+    for c, t in zip(stopped.choices, texts):
+        cut = t.find(stop)
+        assert (c.text, c.finish_reason) == ((t[:cut], "stop") if cut >= 0 else (t, "length"))
     wait_pools_idle(APP)
 
 

@@ -530,3 +530,169 @@ def test_pipeline_records_each_request_once_with_its_outcome():
     assert ("inc", 1, {"kind": "resume"}) in retries  # the decode death
     assert ("inc", 2, {"kind": "prefill"}) in retries  # the prefill tried three times
 
+
+
+# ----------------------------------------------------------------------------- n choices as one group
+def _group_prefill(payload, n):
+    ctx = list(payload.prompt_token_ids)
+    k = len(payload.choices) or 1
+    firsts = tuple(65 + (_nxt(ctx) - 65 + j) % 26 for j in range(k))  # choice j: its own first token
+    return _Stream([Prefilled(request_id=payload.request_id, first_token=firsts[0], kv_len=len(ctx), cached_tokens=0,
+                              ticket=ctx, replica_id=f"p{n}", queue_s=0.0, prefill_s=0.0, export_s=0.0,
+                              first_tokens=firsts if payload.choices else ())])
+
+
+def _group_decode(payload, n, die_after=None, full_first=False):
+    """A group's decode stream: per step one Tokens event per choice (``choice`` = its place in
+    ``payload.choices``); ``die_after`` steps, then the replica dies."""
+    from ray.exceptions import ActorDiedError
+
+    if full_first and n == 1:
+        return _Stream([TransferFailed(reason="pool_exhausted", retryable=True, message="full", replica_id="d1")])
+    if not payload.choices:
+        return _decode(payload, n)
+    seqs = [list(payload.ticket) + [tok] for tok, _ in payload.choices]
+    events = [Adopted(replica_id=f"d{n}", transfer_s=0.0, num_pages=1)]
+    steps = payload.choices[0][1].max_new_tokens - 1
+    for step in range(steps):
+        if die_after is not None and step == die_after:
+            return _Stream(events, ActorDiedError())
+        for j, seq in enumerate(seqs):
+            seq.append(_nxt(seq))
+            last = step == steps - 1
+            events.append(Tokens(tokens=(seq[-1],), finished=last, finish_reason="length" if last else None, choice=j))
+    return _Stream(events)
+
+
+def _group_reference(prompt, first, max_tokens):
+    seq = list(prompt) + [first]
+    while len(seq) < len(prompt) + max_tokens:
+        seq.append(_nxt(seq))
+    return seq[len(prompt):]
+
+
+def _run_choices(pipeline, req):
+    import asyncio
+
+    out, error = {}, None
+
+    async def go():
+        nonlocal error
+        try:
+            async for k, d in pipeline.stream_choices(req):
+                out.setdefault(k, []).append(d)
+        except RequestError as err:
+            error = err
+
+    asyncio.run(go())
+    return out, error
+
+
+NREQ = PARSER.parse({"model": "m", "prompt": [256, 72, 105], "max_tokens": 9, "temperature": 0, "n": 3, "seed": 7},
+                    "completion")
+
+
+def _cancel_handle(pipe):
+    cancels = []
+
+    class _Cancels:
+        def remote(self, request, routing=None):
+            cancels.append((request, routing))
+
+            async def answer():
+                return {"cancelled": True}
+            return answer()
+
+    pipe._decode_calls.cancel_choice = _Cancels()
+    return cancels
+
+
+def test_a_group_is_one_prefill_one_decode_call_and_each_choice_its_own_stream():
+    pipe = _pipeline(_group_prefill, _group_decode)
+    out, error = _run_choices(pipe, NREQ)
+    assert error is None and sorted(out) == [0, 1, 2]
+    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    assert len(prefills) == 1 and len(decodes) == 1 and len(prefills[0].choices) == 3
+    firsts = [65 + (_nxt(list(NREQ.prompt_token_ids)) - 65 + j) % 26 for j in range(3)]
+    assert [tok for tok, _ in decodes[0].choices] == firsts
+    for k in range(3):
+        tokens = [t for d in out[k] for t in d.token_ids]
+        assert tokens == _group_reference(NREQ.prompt_token_ids, firsts[k], 9)
+        assert out[k][0].first and out[k][-1].finish_reason == "length"
+        assert [d.finish_reason is not None for d in out[k]].count(True) == 1
+    # choice k's sampling params are its own: seeds seed, seed + 1, ... (choice 0 is the n=1 answer)
+    assert [p.seed for p in prefills[0].choices] == [7, 8, 9] and prefills[0].params.seed == 7
+
+
+def test_group_decode_death_resumes_every_choice_on_its_own():
+    pipe = _pipeline(_group_prefill, lambda p, n: _group_decode(p, n, die_after=3 if n == 1 else None))
+    out, error = _run_choices(pipe, NREQ)
+    assert error is None
+    firsts = [tok for tok, _ in pipe._decode.generate.calls[0].choices]
+    for k in range(3):
+        assert [t for d in out[k] for t in d.token_ids] == _group_reference(NREQ.prompt_token_ids, firsts[k], 9)
+        assert out[k][-1].finish_reason == "length" and out[k][-1].timing["decode_resumes"] == 1
+    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    assert len(prefills) == 4 and all(not p.choices for p in prefills[1:])  # the group, then one per choice
+    sent = {tuple(p.prompt_token_ids[3:]) for p in prefills[1:]}  # each choice's first + 3 decoded, less the last
+    assert sent == {tuple(_group_reference(NREQ.prompt_token_ids, f, 4)[:-1]) for f in firsts}
+    assert all(not d.choices and d.params.max_new_tokens == 9 - 4 + 1 for d in decodes[1:])
+
+
+def test_group_transfer_retry_keeps_the_first_tokens_sent():
+    pipe = _pipeline(_group_prefill, lambda p, n: _group_decode(p, n, full_first=True))
+    out, error = _run_choices(pipe, NREQ)
+    assert error is None
+    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    assert len(prefills) == 2 and len(prefills[0].choices) == 3 and prefills[1].choices == ()
+    assert decodes[1].choices == decodes[0].choices  # the first tokens the client already has
+    assert all(len([t for d in out[k] for t in d.token_ids]) == 9 for k in range(3))
+
+
+def test_a_stop_string_in_one_choice_cancels_it_alone_on_its_decode_replica():
+    firsts = [65 + (_nxt([256, 72, 105]) - 65 + j) % 26 for j in range(3)]
+    texts = ["".join(map(chr, _group_reference([256, 72, 105], f, 9))) for f in firsts]
+    stop = texts[1][2:4]
+    req = PARSER.parse({"model": "m", "prompt": [256, 72, 105], "max_tokens": 9, "temperature": 0, "n": 3,
+                        "stop": [stop]}, "completion")
+    pipe = _pipeline(_group_prefill, _group_decode)
+    cancels = _cancel_handle(pipe)
+    out, error = _run_choices(pipe, req)
+    assert error is None
+    for k in range(3):
+        text = "".join(d.text for d in out[k])
+        cut = texts[k].find(stop)
+        assert (text, out[k][-1].finish_reason) == ((texts[k][:cut], "stop") if cut >= 0 else (texts[k], "length"))
+    stopped_early = [k for k in range(3) if 0 <= texts[k].find(stop) < len(texts[k]) - len(stop)]
+    assert 1 in stopped_early
+    rid = pipe._decode.generate.calls[0].request_id
+    assert sorted(c[0]["choice"] for c in cancels) == stopped_early
+    assert all(c[0]["request_id"] == rid and c[1]["replica"] == "d1" for c in cancels)
+
+
+def test_a_group_records_each_choice_and_its_prompt_once():
+    import asyncio
+
+    from serving.metrics import Metrics
+    from tests.helpers import FakeMetricsBackend
+
+    backend = FakeMetricsBackend()
+    pipe = _pipeline(_group_prefill, _group_decode, metrics=Metrics(backend))
+    out, error = _run_choices(pipe, NREQ)
+    assert error is None
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["length"] * 3
+    assert backend.calls("prompt_tokens_total") == [("inc", 3, None)]  # once per prompt, as OpenAI's usage
+    assert backend.calls("generation_tokens_total") == [("inc", 9, None)] * 3
+
+    backend = FakeMetricsBackend()
+    pipe = _pipeline(_group_prefill, _group_decode, metrics=Metrics(backend))
+
+    async def first_then_leave():
+        stream = pipe.stream_choices(NREQ)
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(first_then_leave())
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["cancelled"] * 3
+    # gone after the first tokens, before a decode replica took the ticket: the ingress ends the one lease
+    assert pipe._decode.generate.calls == [] and len(pipe.released) == 1

@@ -224,6 +224,20 @@ def test_decode_router_prefers_room_then_low_load():
     assert ranked[0][0].name == "busy"  # only busy has 50 pages
 
 
+def test_decode_router_pins_calls_for_one_replica():
+    """cancel_choice: stopping one choice of a group goes to the replica decoding the group."""
+    import time
+
+    router = _router(DecodeRequestRouter)
+    roomy = FakeReplica("roomy", {"free_pages": 90, "num_pages": 100, "running": 0, "max_running": 8})
+    held = FakeReplica("held", {"free_pages": 0, "num_pages": 100, "running": 8, "max_running": 8})
+    call = SimpleNamespace(args=[], kwargs={"routing": routing_hint(replica="held")}, created_at=time.time(),
+                           metadata=SimpleNamespace(internal_request_id="cancel"))
+    assert asyncio.run(router.choose_replicas([roomy, held], call)) == [[held]]
+    call.created_at -= 10.0  # gone for good: anyone answers (and finds no such choice)
+    assert asyncio.run(router.choose_replicas([roomy], call)) == [[roomy]]
+
+
 # ----------------------------------------------------------------------------- state, config
 def test_request_lifecycle():
     life = RequestLifecycle("r")
