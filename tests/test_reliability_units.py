@@ -636,7 +636,10 @@ def test_group_decode_death_resumes_every_choice_on_its_own():
     assert len(prefills) == 4 and all(not p.choices for p in prefills[1:])  # the group, then one per choice
     sent = {tuple(p.prompt_token_ids[3:]) for p in prefills[1:]}  # each choice's first + 3 decoded, less the last
     assert sent == {tuple(_group_reference(NREQ.prompt_token_ids, f, 4)[:-1]) for f in firsts}
-    assert all(not d.choices and d.params.max_new_tokens == 9 - 4 + 1 for d in decodes[1:])
+    # each resumed choice carries the tokens it had before its first as history
+    assert all(not d.choices and d.params.max_new_tokens == 9 and len(d.history) == 3 for d in decodes[1:])
+    assert {tuple(d.history) for d in decodes[1:]} == {tuple(_group_reference(NREQ.prompt_token_ids, f, 4)[:-1])
+                                                      for f in firsts}
 
 
 def test_group_transfer_retry_keeps_the_first_tokens_sent():
