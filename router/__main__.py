@@ -94,10 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _gen_proto(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    import grpc_tools
     from grpc_tools import protoc
 
     root = Path(__file__).resolve().parent.parent
-    return protoc.main(["protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}",
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/struct.proto
+    return protoc.main(["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={root}", f"--grpc_python_out={root}",
                         str(root / "router" / "proto" / "flashprefill.proto")])
 
 
