@@ -91,16 +91,23 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(config, local)
 
 
-def _gen_proto(args: argparse.Namespace) -> int:
+def gen_proto(out: str | None = None) -> int:
+    """Regenerates ``router/proto/flashprefill_pb2*.py`` from the ``.proto`` (grpcio-tools, the
+    ``dev`` extra); ``out``: another root to write ``router/proto/`` under (the freshness test)."""
     from pathlib import Path
 
     import grpc_tools
     from grpc_tools import protoc
 
     root = Path(__file__).resolve().parent.parent
+    out = out or str(root)
     well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/struct.proto
-    return protoc.main(["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={root}", f"--grpc_python_out={root}",
+    return protoc.main(["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
                         str(root / "router" / "proto" / "flashprefill.proto")])
+
+
+def _gen_proto(args: argparse.Namespace) -> int:
+    return gen_proto()
 
 
 def main(argv: list[str] | None = None) -> int:
