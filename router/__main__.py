@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--stream", action="store_true")
     c.add_argument("--chat", action="store_true", help="chat completions instead of completions")
     c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--n", type=int, default=None, help="choices (each printed as '[i] text' when more than one)")
     c.add_argument("--temperature", type=float, default=None)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--model", default=None, help="default: the served model (GET /v1/models)")

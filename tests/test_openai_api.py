@@ -39,7 +39,8 @@ def service():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused",
                                timeout=120.0, max_retries=0)
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        yield {"client": client, "channel": channel}
+        yield {"client": client, "channel": channel, "grpc_target": f"127.0.0.1:{grpc_port}",
+               "http_base": f"http://127.0.0.1:{http_port}/{APP}"}
         channel.close()
 
 
@@ -815,4 +816,20 @@ def test_grpc_bad_choices_and_formats_are_invalid_argument_naming_the_field(serv
                     list(call)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
             assert info.value.details().startswith(param + ":"), (param, info.value.details())
+    wait_pools_idle(APP)
+
+
+def test_cli_client_prints_every_choice_over_grpc_and_http(service, capsys):
+    from router.__main__ import main
+    from router.proto import flashprefill_pb2 as pb
+
+    one = _stub(service["channel"]).Generate(pb.GenerateRequest(model=MODEL, prompt="hello", max_tokens=4, temperature=0),
+                                             metadata=META, timeout=120)
+    common = ["hello", "--n", "2", "--temperature", "0", "--max-tokens", "4", "--model", MODEL]
+    for extra in (["--grpc", "--grpc-target", service["grpc_target"], "--application", APP],
+                  ["--url", service["http_base"]]):
+        for stream in ([], ["--stream"]):
+            capsys.readouterr()
+            assert main(["client", *common, *extra, *stream]) == 0
+            assert capsys.readouterr().out == f"[0] {one.text}\n[1] {one.text}\n", (extra, stream)  # any bytes
     wait_pools_idle(APP)
