@@ -495,8 +495,9 @@ class OpenAIIngress:
 
         if isinstance(request, MalformedMessage):
             self._grpc_fail(grpc_context, RequestError(
+                f"{request.field}: invalid UTF-8 (a lone surrogate or a broken byte sequence)" if request.field else
                 f"request: {request.size} bytes are not a grpc.health.v1.HealthCheckRequest ({request.reason})",
-                param="request", status=400, code="invalid_message"))
+                param=request.field or "request", status=400, code="invalid_message"))
             return health_pb2.HealthCheckResponse()
         status = await self._grpc_health(request)
         if status is None:

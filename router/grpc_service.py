@@ -90,7 +90,8 @@ def parse_health_request(raw: bytes):
     try:
         return health_pb2.HealthCheckRequest.FromString(raw)
     except Exception as exc:
-        return MalformedMessage(len(raw), type(exc).__name__)
+        return MalformedMessage(len(raw), type(exc).__name__,
+                                bad_utf8_field(raw, health_pb2.HealthCheckRequest.DESCRIPTOR))
 
 
 def _register(server, service: str, handlers: dict) -> None:

@@ -22,7 +22,14 @@ PROTO_DIR = ROOT / "router" / "proto"
 
 def test_committed_stubs_are_what_the_proto_generates(tmp_path):
     pytest.importorskip("grpc_tools")  # the dev extra
+    from importlib.metadata import version
+
     from router.__main__ import gen_proto
+
+    pinned = re.search(r'"grpcio-tools==([^"]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pinned, "pyproject.toml's dev extra pins no grpcio-tools version"
+    if version("grpcio-tools") != pinned.group(1):  # another generator writes other bytes (and version guard)
+        pytest.skip(f"grpcio-tools {version('grpcio-tools')} is not the pinned {pinned.group(1)}")
 
     assert gen_proto(str(tmp_path)) == 0
     for name in ("flashprefill_pb2.py", "flashprefill_pb2_grpc.py"):
@@ -161,3 +168,13 @@ def test_bytes_that_are_no_message_name_no_field():
     assert isinstance(bad, MalformedMessage) and bad.field is None
     # an unknown field number holding non-UTF-8 bytes is not ours to name
     assert bad_utf8_field(b"\xfa\x3e\x03" + _SURROGATE) is None
+
+
+def test_health_request_that_is_not_utf8_names_the_service_field():
+    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
+    from router.grpc_service import parse_health_request
+
+    raw = health_pb2.HealthCheckRequest(service="a" + _MARK).SerializeToString().replace(_MARK.encode(), _SURROGATE)
+    bad = parse_health_request(raw)
+    assert isinstance(bad, MalformedMessage) and bad.field == "service"
+    assert parse_health_request(b"\xff\xff\xff").field is None
