@@ -784,6 +784,8 @@ def test_grpc_bad_choices_and_formats_are_invalid_argument_naming_the_field(serv
             name="x", schema_json="{"))), "response_format.json_schema.schema_json"),
         (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
             name="x", schema_json="[1]"))), "response_format.json_schema.schema_json"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(  # JSON's escape
+            name="x", schema_json='{"enum": ["\\ud800"]}'))), "response_format.json_schema.schema_json"),
         (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
             schema_json="{}"))), "response_format.json_schema.name"),
     ]
