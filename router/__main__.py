@@ -91,14 +91,23 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(config, local)
 
 
-def _gen_proto(args: argparse.Namespace) -> int:
+def gen_proto(out: str | None = None) -> int:
+    """Regenerates ``router/proto/flashprefill_pb2*.py`` from the ``.proto`` (grpcio-tools, the
+    ``dev`` extra); ``out``: another root to write ``router/proto/`` under (the freshness test)."""
     from pathlib import Path
 
+    import grpc_tools
     from grpc_tools import protoc
 
     root = Path(__file__).resolve().parent.parent
-    return protoc.main(["protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}",
+    out = out or str(root)
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/struct.proto
+    return protoc.main(["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
                         str(root / "router" / "proto" / "flashprefill.proto")])
+
+
+def _gen_proto(args: argparse.Namespace) -> int:
+    return gen_proto()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--stream", action="store_true")
     c.add_argument("--chat", action="store_true", help="chat completions instead of completions")
     c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--n", type=int, default=None, help="choices (each printed as '[i] text' when more than one)")
     c.add_argument("--temperature", type=float, default=None)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--model", default=None, help="default: the served model (GET /v1/models)")

@@ -285,34 +285,119 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- gRPC (router/proto/flashprefill.proto) -------------------------------------------
-    def _grpc_request(self, message: Any, grpc_context: Any = None) -> GenerationRequest:
+    def _grpc_request(self, message: Any, grpc_context: Any = None, *, stream: bool = False) -> GenerationRequest:
         from router.grpc_service import MalformedMessage
 
         if not self.auth.check(grpc_authorization(grpc_context)):
             raise UNAUTHORIZED
         if isinstance(message, MalformedMessage):
+            if message.field is not None:  # proto3 refuses a string that is not UTF-8 (a lone surrogate)
+                raise RequestError(f"{message.field}: invalid UTF-8 (a lone surrogate or a broken byte sequence)",
+                                   param=message.field, status=400, code="invalid_value")
             raise RequestError(f"request: {message.size} bytes are not a flashprefill.v1.GenerateRequest ({message.reason})",
                                param="request", status=400, code="invalid_message")
         size = message.ByteSize()
         if size > self.config.ingress.max_request_bytes:
             raise RequestError(f"request: {size} bytes, larger than ingress.max_request_bytes {self.config.ingress.max_request_bytes}",
                                param="request", status=413, code="request_too_large")
-        req = self._grpc_parse(message)
-        self._check_capacity(req)
+        req = self._grpc_parse(message, stream=stream)
+        try:
+            self._check_capacity(req)
+        except RequestError as err:
+            raise self._grpc_field_error(message, err) from None
         return req
 
-    def _grpc_parse(self, message: Any) -> GenerationRequest:
+    @staticmethod
+    def _grpc_prompt_field(message: Any, i: int) -> str:
+        return f"prompts[{i}].{'text' if message.prompts[i].text else 'token_ids'}"
+
+    def _grpc_field_error(self, message: Any, err: RequestError) -> RequestError:
+        """The parser names HTTP's fields; a few have other names in the proto."""
+        param = err.param or ""
+        rename = None
+        if param == "prompt" and message.prompt_token_ids:
+            rename = "prompt_token_ids"
+        elif param.startswith("prompt") and len(message.prompts):  # prompt, prompt[i]
+            if param == "prompt":
+                rename = self._grpc_prompt_field(message, 0) if len(message.prompts) == 1 else "prompts"
+            elif param.startswith("prompt[") and param.endswith("]") and param[7:-1].isdigit():
+                rename = self._grpc_prompt_field(message, int(param[7:-1]))
+        elif param == "top_logprobs":  # the proto has one field for both
+            rename = "logprobs"
+        elif param.startswith("response_format.json_schema.schema") and \
+                message.response_format.json_schema.WhichOneof("schema_source") == "schema_json":
+            rename = "response_format.json_schema.schema_json" + param[len("response_format.json_schema.schema"):]
+        if rename is None or not err.message.startswith(param):
+            return err
+        return RequestError(rename + err.message[len(param):], param=rename, status=err.status, code=err.code)
+
+    @staticmethod
+    def _grpc_response_format(rf: Any) -> dict:
+        """A ``ResponseFormat`` message as HTTP's ``response_format`` object (only the fields
+        set: the parser then refuses a field the type does not take, as over HTTP)."""
+        from google.protobuf import json_format
+
+        def integral(value: Any) -> Any:  # Struct numbers are doubles: 3.0 -> 3 (maxLength, minItems, ...)
+            if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+                return int(value)
+            if isinstance(value, dict):
+                return {k: integral(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [integral(v) for v in value]
+            return value
+
+        out: dict[str, Any] = {"type": rf.type}
+        if rf.HasField("json_schema"):
+            js = rf.json_schema
+            body: dict[str, Any] = {"name": js.name}
+            if js.HasField("description"):
+                body["description"] = js.description
+            source = js.WhichOneof("schema_source")
+            if source == "schema_json":
+                try:
+                    body["schema"] = json.loads(js.schema_json)
+                except (ValueError, RecursionError) as exc:
+                    raise RequestError(f"response_format.json_schema.schema_json: expected JSON text ({exc})"[:300],
+                                       param="response_format.json_schema.schema_json", status=400,
+                                       code="invalid_value") from None
+            elif source == "schema":
+                body["schema"] = integral(json_format.MessageToDict(js.schema))
+            if js.HasField("strict"):
+                body["strict"] = js.strict
+            out["json_schema"] = body
+        if rf.HasField("pattern"):
+            out["pattern"] = rf.pattern
+        if rf.choices:
+            out["choices"] = list(rf.choices)
+        return out
+
+    def _grpc_parse(self, message: Any, *, stream: bool = False) -> GenerationRequest:
         body: dict[str, Any] = {"model": message.model}
-        given = [name for name in ("prompt", "prompt_token_ids", "messages") if
+        given = [name for name in ("prompt", "prompt_token_ids", "prompts", "messages") if
                  (getattr(message, name) if name == "prompt" else len(getattr(message, name)))]
         if len(given) != 1:
-            raise RequestError(f"prompt: expected exactly one of prompt, prompt_token_ids, messages; got {given or 'none'}",
+            raise RequestError(f"prompt: expected exactly one of prompt, prompt_token_ids, prompts, messages; got {given or 'none'}",
                                param="prompt", status=400)
         kind = "chat" if given[0] == "messages" else "completion"
         if kind == "chat":
             body["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
+        elif given[0] == "prompts":
+            prompts = []
+            for i, p in enumerate(message.prompts):
+                if bool(p.text) == bool(p.token_ids):
+                    raise RequestError(f"prompts[{i}]: expected exactly one of text, token_ids", param=f"prompts[{i}]",
+                                       status=400, code="invalid_value")
+                prompts.append(p.text or list(p.token_ids))
+            body["prompt"] = prompts
         else:
             body["prompt"] = message.prompt if given[0] == "prompt" else list(message.prompt_token_ids)
+        if stream:  # the parser refuses what cannot be streamed (best_of > n)
+            body["stream"] = True
+        for name in ("n", "best_of"):
+            if message.HasField(name):
+                body[name] = getattr(message, name)
+        if message.HasField("response_format"):
+            body["response_format"] = self._grpc_response_format(message.response_format)
         floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in ("max_tokens", "top_k", "seed", "min_tokens", *floats):
             if message.HasField(name):
@@ -347,13 +432,7 @@ class OpenAIIngress:
         try:
             return self.parser.parse(body, kind)
         except RequestError as err:
-            if err.param == "prompt" and given[0] == "prompt_token_ids":  # name the proto field
-                raise RequestError("prompt_token_ids" + err.message[len("prompt"):], param="prompt_token_ids",
-                                   status=err.status, code=err.code) from None
-            if err.param == "top_logprobs":  # the proto has one field for both
-                raise RequestError("logprobs" + err.message[len("top_logprobs"):], param="logprobs",
-                                   status=err.status, code=err.code) from None
-            raise
+            raise self._grpc_field_error(message, err) from None
 
     @staticmethod
     def _grpc_fail(grpc_context: Any, err: RequestError) -> None:
@@ -366,20 +445,29 @@ class OpenAIIngress:
                 grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after_s))])
 
     @staticmethod
-    def _grpc_extras(pb: Any, msg: Any, req: GenerationRequest, timing: dict | None, routing: dict | None,
-                     completion_tokens: int) -> None:
-        u = usage(req.prompt_len, completion_tokens, (timing or {}).get("cached_tokens"))  # as HTTP reports it
+    def _grpc_usage(pb: Any, msg: Any, req: GenerationRequest, completion_tokens: int, cached_tokens: int | None,
+                    sparse: dict | None) -> None:
+        """``usage`` as HTTP reports it: every prompt once, every choice's tokens."""
+        u = usage(req.prompt_len, completion_tokens, cached_tokens)
         cached = u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
                                     total_tokens=u["total_tokens"], cached_tokens=cached,
                                     prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
-        sparse = (timing or {}).get("sparse_attention")
         if sparse and req.sparse_alpha is not None:
             msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"]))
+
+    @staticmethod
+    def _grpc_timing(pb: Any, msg: Any, timing: dict | None, routing: dict | None) -> None:
         fields = pb.Timing.DESCRIPTOR.fields_by_name
         msg.timing.CopyFrom(pb.Timing(**{k: float(v) for k, v in (timing or {}).items() if k in fields and v is not None}))
         if routing:
             msg.routing.CopyFrom(pb.Routing(**{k: v or "" for k, v in routing.items()}))
+
+    def _grpc_choice(self, pb: Any, req: GenerationRequest, index: int, result: Any) -> Any:
+        return pb.Choice(index=index, text=(result.prompt_text or "") + result.text if req.echo else result.text,
+                         token_ids=result.token_ids, finish_reason=result.finish_reason,
+                         logprobs=self._grpc_logprobs(pb, result.logprobs),
+                         prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]))
 
     @staticmethod
     def _grpc_logprobs(pb: Any, entries: list | None) -> list:
@@ -392,17 +480,24 @@ class OpenAIIngress:
 
         try:
             req = self._grpc_request(request, grpc_context)
-            result = await self.pipeline.complete(req)
+            if req.single:
+                result = await self.pipeline.complete(req)
+                choices, generated = [(0, req.prompt_token_ids, result)], len(result.token_ids)
+            else:  # n, best_of, a list of prompts: the pipeline runs the choices (as for HTTP)
+                choices, generated = await self.pipeline.complete_choices(req)
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
             return pb.GenerateResponse()
-        out = pb.GenerateResponse(request_id=req.request_id, model=req.model,
-                                  text=(result.prompt_text or "") + result.text if req.echo else result.text,
-                                  token_ids=result.token_ids, finish_reason=result.finish_reason,
-                                  logprobs=self._grpc_logprobs(pb, result.logprobs),
-                                  prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]),
-                                  system_fingerprint=SYSTEM_FINGERPRINT)
-        self._grpc_extras(pb, out, req, result.timing, result.routing, len(result.token_ids))
+        out_choices = [self._grpc_choice(pb, req, index, res) for index, _, res in choices]
+        first, result = out_choices[0], choices[0][2]
+        out = pb.GenerateResponse(request_id=req.request_id, model=req.model, text=first.text, token_ids=first.token_ids,
+                                  finish_reason=first.finish_reason, logprobs=first.logprobs,
+                                  prompt_logprobs=first.prompt_logprobs, system_fingerprint=SYSTEM_FINGERPRINT,
+                                  choices=out_choices)
+        cached = [(res.timing or {}).get("cached_tokens") for _, _, res in choices]
+        self._grpc_usage(pb, out, req, generated, None if None in cached else sum(cached),
+                         (result.timing or {}).get("sparse_attention"))
+        self._grpc_timing(pb, out, result.timing, result.routing)
         return out
 
     # -- gRPC health (grpc.health.v1.Health, registered by router/grpc_service.py) --------------
@@ -424,8 +519,9 @@ class OpenAIIngress:
 
         if isinstance(request, MalformedMessage):
             self._grpc_fail(grpc_context, RequestError(
+                f"{request.field}: invalid UTF-8 (a lone surrogate or a broken byte sequence)" if request.field else
                 f"request: {request.size} bytes are not a grpc.health.v1.HealthCheckRequest ({request.reason})",
-                param="request", status=400, code="invalid_message"))
+                param=request.field or "request", status=400, code="invalid_message"))
             return health_pb2.HealthCheckResponse()
         status = await self._grpc_health(request)
         if status is None:
@@ -454,21 +550,25 @@ class OpenAIIngress:
         from router.proto import flashprefill_pb2 as pb
 
         try:
-            req = self._grpc_request(request, grpc_context)
+            req = self._grpc_request(request, grpc_context, stream=True)
         except RequestError as err:
             # Serve ends a stream with the status set on grpc_context only when the method raises
             self._grpc_fail(grpc_context, err)
             raise
         completion_tokens = 0
-        cached_tokens = None  # as the HTTP stream: from whichever message carried timing
-        deltas = self.pipeline.stream(req)
+        cached: dict[int, int] = {}  # per choice, from whichever message carried timing; summed as HTTP
+        sparse = None
+        left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
+        deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
         try:
-            async for delta in deltas:
+            async for index, delta in deltas:
                 completion_tokens += len(delta.token_ids)
                 if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
-                    cached_tokens = delta.timing["cached_tokens"]
+                    cached[index] = delta.timing["cached_tokens"]
+                if delta.timing is not None:
+                    sparse = delta.timing.get("sparse_attention") or sparse
                 echo = req.echo and delta.first
-                msg = pb.GenerateStreamResponse(request_id=req.request_id,
+                msg = pb.GenerateStreamResponse(request_id=req.request_id, index=index,
                                                 text=(delta.prompt_text or "") + delta.text if echo else delta.text,
                                                 token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
                                                 logprobs=self._grpc_logprobs(pb, delta.logprobs),
@@ -476,9 +576,14 @@ class OpenAIIngress:
                                                     pb, (delta.prompt_logprobs or [])[1:] if echo else []),
                                                 system_fingerprint=SYSTEM_FINGERPRINT)
                 if delta.finish_reason is not None:
-                    timing = {**(delta.timing or {}), "cached_tokens": cached_tokens}
-                    self._grpc_extras(pb, msg, req, timing, delta.routing, completion_tokens)
+                    self._grpc_timing(pb, msg, delta.timing, delta.routing)
+                    left -= 1
+                    if not left:  # the stream's last message: usage of every choice
+                        self._grpc_usage(pb, msg, req, completion_tokens, sum(cached.values()) if cached else None,
+                                         sparse)
                 yield msg
+                if not left:
+                    break
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
             raise

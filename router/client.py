@@ -23,6 +23,7 @@ class ClientResult:
     usage: dict | None = None
     timing: dict | None = None
     routing: dict | None = None
+    choices: list[dict] = field(default_factory=list)  # every choice: index, text, token_ids, finish_reason
 
 
 class HttpClient:
@@ -43,10 +44,11 @@ class HttpClient:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         with self._post(path, {**body, "stream": False}) as resp:
             obj = json.load(resp)
-        choice = obj["choices"][0]
-        text = choice["message"]["content"] if chat else choice["text"]
-        return ClientResult(text, choice.get("token_ids", []), choice["finish_reason"], obj.get("usage"),
-                            obj.get("timing"), obj.get("routing"))
+        choices = [{"index": c["index"], "text": c["message"]["content"] if chat else c["text"],
+                    "token_ids": c.get("token_ids", []), "finish_reason": c["finish_reason"]} for c in obj["choices"]]
+        first = choices[0]
+        return ClientResult(first["text"], first["token_ids"], first["finish_reason"], obj.get("usage"),
+                            obj.get("timing"), obj.get("routing"), choices)
 
     def stream(self, body: dict, *, chat: bool = False) -> Iterator[tuple[str, dict]]:
         """Yields (text delta, raw chunk); the last chunks carry finish_reason / usage."""
@@ -91,7 +93,9 @@ class GrpcClient:
     def generate(self, **fields: Any) -> ClientResult:
         resp = self.stub.Generate(self.request(**fields), metadata=self.metadata, timeout=self.timeout_s)
         return ClientResult(resp.text, list(resp.token_ids), resp.finish_reason,
-                            _msg_dict(resp.usage), _msg_dict(resp.timing), _msg_dict(resp.routing))
+                            _msg_dict(resp.usage), _msg_dict(resp.timing), _msg_dict(resp.routing),
+                            [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                              "finish_reason": c.finish_reason} for c in resp.choices])
 
     def stream(self, **fields: Any):
         return self.stub.GenerateStream(self.request(**fields), metadata=self.metadata, timeout=self.timeout_s)
@@ -111,23 +115,38 @@ def run_client(args: Any) -> int:
         fields["temperature"] = args.temperature
     if args.seed is not None:
         fields["seed"] = args.seed
+    n = getattr(args, "n", None)
+    if n is not None:
+        fields["n"] = n
+    several = (n or 1) > 1  # each choice printed apart: '[i] text'
     try:
         if args.grpc:
             client = GrpcClient(args.grpc_target, args.application)
             model = args.model or "builtin:tiny"
             prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
             if args.stream:
-                last = None
+                last, texts = None, {}
                 for msg in client.stream(model=model, **prompt, **fields):
-                    sys.stdout.write(msg.text)
-                    sys.stdout.flush()
+                    if several:  # choices interleave: print each whole at the end
+                        texts[msg.index] = texts.get(msg.index, "") + msg.text
+                    else:
+                        sys.stdout.write(msg.text)
+                        sys.stdout.flush()
                     last = msg
-                print()
+                if several:
+                    for i in sorted(texts):
+                        print(f"[{i}] {texts[i]}")
+                else:
+                    print()
                 if last is not None:
                     print(f"[{last.finish_reason}] usage={_msg_dict(last.usage)} timing={_msg_dict(last.timing)}", file=sys.stderr)
             else:
                 res = client.generate(model=model, **prompt, **fields)
-                print(res.text)
+                if several:
+                    for c in res.choices:
+                        print(f"[{c['index']}] {c['text']}")
+                else:
+                    print(res.text)
                 print(f"[{res.finish_reason}] usage={res.usage} timing={res.timing}", file=sys.stderr)
             client.close()
             return 0
@@ -138,18 +157,30 @@ def run_client(args: Any) -> int:
         if args.stream:
             body["stream_options"] = {"include_usage": True}
             finish = usage = timing = None
+            texts: dict[int, str] = {}
             for delta, chunk in client.stream(body, chat=chat):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+                if not several:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
                 for choice in chunk.get("choices", []):
                     finish = choice.get("finish_reason") or finish
+                    piece = (choice.get("delta", {}).get("content") or "") if chat else choice.get("text", "")
+                    texts[choice["index"]] = texts.get(choice["index"], "") + piece
                 usage = chunk.get("usage") or usage
                 timing = chunk.get("timing") or timing
-            print()
+            if several:
+                for i in sorted(texts):
+                    print(f"[{i}] {texts[i]}")
+            else:
+                print()
             print(f"[{finish}] usage={usage} timing={timing}", file=sys.stderr)
         else:
             res = client.generate(body, chat=chat)
-            print(res.text)
+            if several:
+                for c in res.choices:
+                    print(f"[{c['index']}] {c['text']}")
+            else:
+                print(res.text)
             print(f"[{res.finish_reason}] usage={res.usage} timing={res.timing}", file=sys.stderr)
         return 0
     except urllib.error.HTTPError as exc:

@@ -30,17 +30,58 @@ HEALTH_SERVICES = ("", SERVICE)  # names a health check may ask about: the serve
 @dataclass(frozen=True)
 class MalformedMessage:
     """Stands in for a request whose bytes did not parse (picklable: it travels to the
-    ingress replica like a parsed message)."""
+    ingress replica like a parsed message). ``field``: the path of a string field whose bytes
+    are not valid UTF-8 (``prompts[1].text``, ``messages[0].content``, ``stop[2]``), when that
+    is why it did not parse."""
 
     size: int
     reason: str
+    field: str | None = None
+
+
+def bad_utf8_field(raw: bytes, descriptor=pb.GenerateRequest.DESCRIPTOR, prefix: str = "") -> str | None:
+    """The path of the first string field of ``raw`` (a ``descriptor`` message on the wire)
+    whose bytes are not valid UTF-8, nested messages and map entries included; None when there
+    is none or the bytes are not a message at all. proto3 refuses such a string while parsing
+    the whole message, without saying which: this walks the fields as unknown ones to find it."""
+    from google.protobuf import empty_pb2, unknown_fields
+
+    try:
+        fields = unknown_fields.UnknownFieldSet(empty_pb2.Empty.FromString(raw))
+    except Exception:
+        return None
+    seen: dict[int, int] = {}
+    for entry in fields:
+        if entry.wire_type != 2:  # length-delimited: strings, bytes, messages, packed scalars
+            continue
+        fd = descriptor.fields_by_number.get(entry.field_number)
+        if fd is None:
+            continue
+        k = seen[entry.field_number] = seen.get(entry.field_number, -1) + 1
+        repeated = fd.is_repeated and not (fd.message_type and fd.message_type.GetOptions().map_entry)
+        path = f"{prefix}{fd.name}[{k}]" if repeated else f"{prefix}{fd.name}"
+        if fd.type == fd.TYPE_STRING:
+            try:
+                bytes(entry.data).decode("utf-8")
+            except UnicodeDecodeError:
+                return path
+        elif fd.type == fd.TYPE_MESSAGE:
+            if fd.message_type.GetOptions().map_entry or fd.message_type.full_name.startswith("google.protobuf."):
+                inner = bad_utf8_field(entry.data, fd.message_type, path + ".")
+                if inner is not None:
+                    return path  # a map's key or value, a Struct's content: the field itself
+            else:
+                inner = bad_utf8_field(entry.data, fd.message_type, path + ".")
+                if inner is not None:
+                    return inner
+    return None
 
 
 def parse_generate_request(raw: bytes) -> pb.GenerateRequest | MalformedMessage:
     try:
         return pb.GenerateRequest.FromString(raw)
     except Exception as exc:  # DecodeError, RuntimeWarning-as-error, ...
-        return MalformedMessage(len(raw), type(exc).__name__)
+        return MalformedMessage(len(raw), type(exc).__name__, bad_utf8_field(raw))
 
 
 def parse_health_request(raw: bytes):
@@ -49,7 +90,8 @@ def parse_health_request(raw: bytes):
     try:
         return health_pb2.HealthCheckRequest.FromString(raw)
     except Exception as exc:
-        return MalformedMessage(len(raw), type(exc).__name__)
+        return MalformedMessage(len(raw), type(exc).__name__,
+                                bad_utf8_field(raw, health_pb2.HealthCheckRequest.DESCRIPTOR))
 
 
 def _register(server, service: str, handlers: dict) -> None:

@@ -160,6 +160,9 @@ def test_grpc_health_unknown_service_and_bad_bytes(service):
     with pytest.raises(grpc.RpcError) as info:
         raw(b"\xff\xff\xff", metadata=(("application", APP),), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "HealthCheckRequest" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:  # a service name that is not UTF-8 (a lone surrogate)
+        raw(b"\x0a\x04a\xed\xa0\x80", metadata=(("application", APP),), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("service:")
 
 
 def test_killing_the_only_prefill_replica_makes_the_service_unready_until_replaced(service):

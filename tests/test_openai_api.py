@@ -39,7 +39,8 @@ def service():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused",
                                timeout=120.0, max_retries=0)
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        yield {"client": client, "channel": channel}
+        yield {"client": client, "channel": channel, "grpc_target": f"127.0.0.1:{grpc_port}",
+               "http_base": f"http://127.0.0.1:{http_port}/{APP}"}
         channel.close()
 
 
@@ -727,4 +728,223 @@ def test_tool_calls_with_the_openai_client(service):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **kwargs)
         assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+
+
+# ----------------------------------------------------------------------------- gRPC: choices, prompt lists, formats
+def _random_prompt(rng, n: int) -> list[int]:
+    return [256] + [rng.randrange(256) for _ in range(n - 1)]  # <|bos|> + bytes
+
+
+def _grpc_raw(channel, method: str):
+    """The method with the request as bytes: for what a Python client cannot build."""
+    return channel.unary_unary(f"/flashprefill.v1.FlashPrefill/{method}", request_serializer=None,
+                               response_deserializer=None) if method == "Generate" else \
+        channel.unary_stream(f"/flashprefill.v1.FlashPrefill/{method}", request_serializer=None,
+                             response_deserializer=None)
+
+
+def test_grpc_n_greedy_equals_the_single_answer_and_streams_carry_indices(service, reference):
+    import random
+
+    from router.proto import flashprefill_pb2 as pb
+
+    stub = _stub(service["channel"])
+    prompt = _random_prompt(random.Random(31), 12)
+    want = _greedy_reference(reference, prompt, 5)
+    base = dict(model=MODEL, prompt_token_ids=prompt, max_tokens=5, ignore_eos=True)
+    one = stub.Generate(pb.GenerateRequest(**base, temperature=0), metadata=META, timeout=120)
+    assert list(one.token_ids) == want and [c.index for c in one.choices] == [0]
+    assert list(one.choices[0].token_ids) == want and one.choices[0].text == one.text
+    two = stub.Generate(pb.GenerateRequest(**base, temperature=0, n=2), metadata=META, timeout=120)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(list(c.token_ids) == want and c.finish_reason == "length" for c in two.choices)
+    assert list(two.token_ids) == want and two.text == two.choices[0].text  # choice 0 for old clients
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens, two.usage.total_tokens) == (12, 10, 22)
+
+    # sampled with a seed: choice j draws with seed + j, streamed or not
+    sampled = stub.Generate(pb.GenerateRequest(**base, temperature=1.0, seed=9, n=2), metadata=META, timeout=120)
+    seeded = [stub.Generate(pb.GenerateRequest(**base, temperature=1.0, seed=s), metadata=META, timeout=120)
+              for s in (9, 10)]
+    assert [list(c.token_ids) for c in sampled.choices] == [list(r.token_ids) for r in seeded]
+    msgs = list(stub.GenerateStream(pb.GenerateRequest(**base, temperature=1.0, seed=9, n=2), metadata=META, timeout=120))
+    assert {m.index for m in msgs} == {0, 1}
+    streamed = {i: [t for m in msgs if m.index == i for t in m.token_ids] for i in (0, 1)}
+    assert [streamed[0], streamed[1]] == [list(c.token_ids) for c in sampled.choices]
+    finals = [m for m in msgs if m.finish_reason]
+    assert sorted(m.index for m in finals) == [0, 1] and all(m.finish_reason == "length" for m in finals)
+    assert all(m.timing.total_s > 0 for m in finals)
+    with_usage = [m for m in msgs if m.HasField("usage")]
+    assert with_usage == [msgs[-1]] and msgs[-1].usage.completion_tokens == 10 and msgs[-1].usage.prompt_tokens == 12
+    wait_pools_idle(APP)
+
+
+def test_grpc_prompt_list_answers_every_prompt_in_order(service, reference):
+    import random
+
+    from model_executor.tokenizer import ByteTokenizer
+    from router.proto import flashprefill_pb2 as pb
+
+    stub = _stub(service["channel"])
+    rng = random.Random(7)
+    text = "".join(rng.choice("abcdefgh ") for _ in range(6))
+    ids = [ByteTokenizer().encode(text), _random_prompt(rng, 9)]
+    want = [_greedy_reference(reference, p, 4) for p in ids]
+    req = pb.GenerateRequest(model=MODEL, prompts=[pb.Prompt(text=text), pb.Prompt(token_ids=ids[1])], max_tokens=4,
+                             temperature=0, ignore_eos=True)
+    r = stub.Generate(req, metadata=META, timeout=120)
+    assert [c.index for c in r.choices] == [0, 1] and [list(c.token_ids) for c in r.choices] == want
+    assert r.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and r.usage.completion_tokens == 8
+    req.n = 2
+    msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+    streamed = {i: [t for m in msgs if m.index == i for t in m.token_ids] for i in range(4)}
+    assert [streamed[i] for i in range(4)] == [want[0], want[0], want[1], want[1]]  # choice i * n + j
+    assert sorted(m.index for m in msgs if m.finish_reason) == [0, 1, 2, 3]
+    assert msgs[-1].usage.completion_tokens == 16 and msgs[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    # chat takes n too
+    chat = pb.GenerateRequest(model=MODEL, max_tokens=3, temperature=0.8, seed=1, n=2)
+    chat.messages.add(role="user", content="hi")
+    assert [c.index for c in stub.Generate(chat, metadata=META, timeout=120).choices] == [0, 1]
+    wait_pools_idle(APP)
+
+
+def test_grpc_best_of_returns_the_highest_logprob_choices(service):
+    import random
+
+    from router.proto import flashprefill_pb2 as pb
+
+    stub = _stub(service["channel"])
+    base = dict(model=MODEL, prompt_token_ids=_random_prompt(random.Random(5), 10), max_tokens=5, temperature=1.0,
+                seed=11, ignore_eos=True)
+    every = stub.Generate(pb.GenerateRequest(**base, n=4, logprobs=0), metadata=META, timeout=120)
+    score = {tuple(c.token_ids): sum(e.logprob for e in c.logprobs) for c in every.choices}
+    best = stub.Generate(pb.GenerateRequest(**base, n=2, best_of=4), metadata=META, timeout=120)
+    assert [tuple(c.token_ids) for c in best.choices] == sorted(score, key=lambda k: -score[k])[:2]
+    assert [c.index for c in best.choices] == [0, 1] and all(not c.logprobs for c in best.choices)
+    assert best.usage.completion_tokens == 20  # all four were generated
+    wait_pools_idle(APP)
+
+
+def test_grpc_response_format_outputs_validate(service):
+    import json
+    import re
+
+    from google.protobuf import struct_pb2
+
+    from router.proto import flashprefill_pb2 as pb
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    stub = _stub(service["channel"])
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+              "properties": {"name": {"type": "string", "maxLength": 4}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}}}
+    as_struct = struct_pb2.Struct()
+    as_struct.update(schema)  # its numbers travel as doubles
+    for js in (pb.JsonSchema(name="thing", schema_json=json.dumps(schema), strict=True),
+               pb.JsonSchema(name="thing", schema=as_struct, strict=True)):
+        req = pb.GenerateRequest(model=MODEL, max_tokens=80, temperature=1.0, seed=3, n=2,
+                                 response_format=pb.ResponseFormat(type="json_schema", json_schema=js))
+        req.messages.add(role="user", content="a thing")
+        r = stub.Generate(req, metadata=META, timeout=120)
+        for c in r.choices:
+            jsonschema.validate(json.loads(c.text), schema)
+            assert c.finish_reason == "stop"
+        msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+        for i in (0, 1):
+            jsonschema.validate(json.loads("".join(m.text for m in msgs if m.index == i)), schema)
+    r = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="yes or no?", max_tokens=10, temperature=1.0, seed=2, n=2,
+                                         response_format=pb.ResponseFormat(type="choice", choices=["yes", "no"])),
+                      metadata=META, timeout=120)
+    assert all(c.text in ("yes", "no") for c in r.choices)
+    r = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="digits", max_tokens=10, temperature=1.0, seed=4,
+                                         response_format=pb.ResponseFormat(type="regex", pattern=r"[0-9]{2,4}")),
+                      metadata=META, timeout=120)
+    assert re.fullmatch(r"[0-9]{2,4}", r.text) and r.finish_reason == "stop"
+    r = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="j", max_tokens=30, temperature=1.0, seed=4,
+                                         response_format=pb.ResponseFormat(type="json_object")), metadata=META, timeout=120)
+    assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
+    wait_pools_idle(APP)
+
+
+def test_grpc_bad_choices_and_formats_are_invalid_argument_naming_the_field(service):
+    from google.protobuf import struct_pb2
+
+    from router.proto import flashprefill_pb2 as pb
+
+    stub = _stub(service["channel"])
+    G, RF = pb.GenerateRequest, pb.ResponseFormat
+    bad_struct = struct_pb2.Struct()
+    bad_struct.update({"type": 7})
+    chat = G(model=MODEL, best_of=2)
+    chat.messages.add(role="user", content="hi")
+    cases = [
+        (G(model=MODEL, prompt="hi", n=0), "n"), (G(model=MODEL, prompt="hi", n=17), "n"),
+        (G(model=MODEL, prompt="hi", n=3, best_of=2), "best_of"), (G(model=MODEL, prompt="hi", best_of=0), "best_of"),
+        (chat, "best_of"),
+        (G(model=MODEL, prompts=[pb.Prompt(text="a"), pb.Prompt(text="b", token_ids=[1])]), "prompts[1]"),
+        (G(model=MODEL, prompts=[pb.Prompt(text="a"), pb.Prompt()]), "prompts[1]"),
+        (G(model=MODEL, prompts=[pb.Prompt(text="a"), pb.Prompt(token_ids=[999])]), "prompts[1].token_ids"),
+        (G(model=MODEL, prompts=[pb.Prompt(token_ids=[-1])]), "prompts[0].token_ids"),
+        (G(model=MODEL, prompts=[pb.Prompt(text="a")] * 33), "prompts"),
+        (G(model=MODEL, prompt="a", prompts=[pb.Prompt(text="a")]), "prompt"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="yaml")), "response_format.type"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_object", pattern="a")), "response_format.pattern"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="regex", pattern="(")), "response_format.pattern"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="choice")), "response_format.choices"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
+            name="x", schema=bad_struct))), "response_format.json_schema.schema"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
+            name="x", schema_json="{"))), "response_format.json_schema.schema_json"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
+            name="x", schema_json="[1]"))), "response_format.json_schema.schema_json"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(  # JSON's escape
+            name="x", schema_json='{"enum": ["\\ud800"]}'))), "response_format.json_schema.schema_json"),
+        (G(model=MODEL, prompt="x", response_format=RF(type="json_schema", json_schema=pb.JsonSchema(
+            schema_json="{}"))), "response_format.json_schema.name"),
+    ]
+    for req, param in cases:
+        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, metadata=META, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
+            assert info.value.details().startswith(param + ":"), (param, info.value.details())
+    # best_of > n cannot be streamed (the best are known at the end); unary takes it
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(G(model=MODEL, prompt="hi", max_tokens=2, n=1, best_of=2), metadata=META, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("best_of:")
+    assert len(stub.Generate(G(model=MODEL, prompt="hi", max_tokens=2, n=1, best_of=2), metadata=META,
+                             timeout=60).choices) == 1
+
+    # strings that are not UTF-8 (a lone surrogate, as a non-Python client may send it): U+0800 is
+    # E0 A0 80 in UTF-8, a surrogate U+D800 would be ED A0 80: same length, so the bytes swap in place
+    marked = "q\u0800q"
+    req = G(model=MODEL, prompts=[pb.Prompt(text="fine"), pb.Prompt(text=marked)], max_tokens=2)
+    chat = G(model=MODEL, max_tokens=2, stop=["ok", marked])
+    chat.messages.add(role="user", content="hi")
+    fmt = G(model=MODEL, prompt="x", response_format=RF(type="choice", choices=["a", marked]))
+    for msg, param in ((req, "prompts[1].text"), (chat, "stop[1]"), (fmt, "response_format.choices[1]")):
+        raw = msg.SerializeToString().replace(marked.encode(), b"q\xed\xa0\x80q")
+        for method in ("Generate", "GenerateStream"):
+            with pytest.raises(grpc.RpcError) as info:
+                call = _grpc_raw(service["channel"], method)(raw, metadata=META, timeout=60)
+                if method == "GenerateStream":
+                    list(call)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
+            assert info.value.details().startswith(param + ":"), (param, info.value.details())
+    wait_pools_idle(APP)
+
+
+def test_cli_client_prints_every_choice_over_grpc_and_http(service, capsys):
+    from router.__main__ import main
+    from router.proto import flashprefill_pb2 as pb
+
+    one = _stub(service["channel"]).Generate(pb.GenerateRequest(model=MODEL, prompt="hello", max_tokens=4, temperature=0),
+                                             metadata=META, timeout=120)
+    common = ["hello", "--n", "2", "--temperature", "0", "--max-tokens", "4", "--model", MODEL]
+    for extra in (["--grpc", "--grpc-target", service["grpc_target"], "--application", APP],
+                  ["--url", service["http_base"]]):
+        for stream in ([], ["--stream"]):
+            capsys.readouterr()
+            assert main(["client", *common, *extra, *stream]) == 0
+            assert capsys.readouterr().out == f"[0] {one.text}\n[1] {one.text}\n", (extra, stream)  # any bytes
     wait_pools_idle(APP)

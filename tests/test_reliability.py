@@ -432,7 +432,7 @@ def _proto_requests():
     @st.composite
     def build(draw):
         req = G(model=draw(st.sampled_from([MODEL, MODEL, "", "other"])), request_id=draw(st.sampled_from(["", "r-1", "\x07"])))
-        which = draw(st.sampled_from(["prompt", "ids", "messages", "none", "both"]))
+        which = draw(st.sampled_from(["prompt", "ids", "messages", "none", "both", "prompts"]))
         if which in ("prompt", "both"):
             req.prompt = draw(st.text(max_size=40))
         if which in ("ids", "both"):
@@ -445,6 +445,22 @@ def _proto_requests():
             if draw(st.booleans()):
                 setattr(req, name, draw(strat))
         req.stop.extend(draw(st.lists(st.text(max_size=6), max_size=5)))
+        if which == "prompts":  # each Prompt: text, token ids, both or neither
+            for text, ids in draw(st.lists(st.tuples(st.text(max_size=8), st.lists(st.one_of(st.integers(0, 258), i32),
+                                                                                  max_size=4)), min_size=1, max_size=3)):
+                req.prompts.add(text=text, token_ids=ids)
+        for name in ("n", "best_of"):
+            if draw(st.booleans()):
+                setattr(req, name, draw(st.sampled_from([0, 1, 2, 3, 17, 2**32 - 1])))
+        if draw(st.booleans()):
+            rf = req.response_format
+            rf.type = draw(st.sampled_from(["text", "json_object", "json_schema", "regex", "choice", "", "yaml"]))
+            if draw(st.booleans()):
+                rf.pattern = draw(st.sampled_from(["[ab]{1,3}", "(", "", "\\d+"]))
+            rf.choices.extend(draw(st.lists(st.text(max_size=4), max_size=3)))
+            if draw(st.booleans()):
+                rf.json_schema.name = draw(st.sampled_from(["s", "", "bad name"]))
+                rf.json_schema.schema_json = draw(st.sampled_from(["{}", "{", '{"type": "integer"}', "[]", '{"type": 7}']))
         return req
 
     return st.one_of(valid(), build())

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frouter/proto/flashprefill.proto\x12\x0f\x66lashprefill.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa1\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08messages\x18\x04 \x03(\x0b\x32\x1c.flashprefill.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0f \x03(\x0b\x32/.flashprefill.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nignore_eos\x18\x12 \x01(\x08\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x14 \x01(\x08\x12:\n\x10sparse_attention\x18\x15 \x01(\x0b\x32 .flashprefill.v1.SparseAttention\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\">\n\x0fSparseAttention\x12\r\n\x05\x64\x65nse\x18\x01 \x01(\x08\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"4\n\x14SparseAttentionUsage\x12\r\n\x05\x61lpha\x18\x01 \x01(\x02\x12\r\n\x05\x64\x65nse\x18\x02 \x01(\x08\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1b.flashprefill.v1.TopLogprob\",\n\x13PromptTokensDetails\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"\xec\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x43\n\x15prompt_tokens_details\x18\x05 \x01(\x0b\x32$.flashprefill.v1.PromptTokensDetails\x12?\n\x10sparse_attention\x18\x06 \x01(\x0b\x32%.flashprefill.v1.SparseAttentionUsage\"\x8b\x01\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08\x65xport_s\x18\x06 \x01(\x01\x12\x16\n\x0e\x66irst_decode_s\x18\x07 \x01(\x01\":\n\x07Routing\x12\x17\n\x0fprefill_replica\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x02 \x01(\t\"\xed\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x07 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.flashprefill.v1.Routing\x12/\n\x08logprobs\x18\t \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\x1a\n\x12system_fingerprint\x18\n \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\"\xe4\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x06 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x07 \x01(\x0b\x32\x18.flashprefill.v1.Routing\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\x1a\n\x12system_fingerprint\x18\t \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob2\xbe\x01\n\x0c\x46lashPrefill\x12O\n\x08Generate\x12 .flashprefill.v1.GenerateRequest\x1a!.flashprefill.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .flashprefill.v1.GenerateRequest\x1a\'.flashprefill.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frouter/proto/flashprefill.proto\x12\x0f\x66lashprefill.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbd\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08messages\x18\x04 \x03(\x0b\x32\x1c.flashprefill.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0f \x03(\x0b\x32/.flashprefill.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nignore_eos\x18\x12 \x01(\x08\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x14 \x01(\x08\x12:\n\x10sparse_attention\x18\x15 \x01(\x0b\x32 .flashprefill.v1.SparseAttention\x12(\n\x07prompts\x18\x16 \x03(\x0b\x32\x17.flashprefill.v1.Prompt\x12\x0e\n\x01n\x18\x17 \x01(\rH\n\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x18 \x01(\rH\x0b\x88\x01\x01\x12\x38\n\x0fresponse_format\x18\x19 \x01(\x0b\x32\x1f.flashprefill.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\n\n\x08_best_of\")\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x83\x01\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x30\n\x0bjson_schema\x18\x02 \x01(\x0b\x32\x1b.flashprefill.v1.JsonSchema\x12\x14\n\x07pattern\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07\x63hoices\x18\x04 \x03(\tB\n\n\x08_pattern\"\xb7\x01\n\nJsonSchema\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x15\n\x0bschema_json\x18\x03 \x01(\tH\x00\x12)\n\x06schema\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x13\n\x06strict\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\x0f\n\rschema_sourceB\x0e\n\x0c_descriptionB\t\n\x07_strict\">\n\x0fSparseAttention\x12\r\n\x05\x64\x65nse\x18\x01 \x01(\x08\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"4\n\x14SparseAttentionUsage\x12\r\n\x05\x61lpha\x18\x01 \x01(\x02\x12\r\n\x05\x64\x65nse\x18\x02 \x01(\x08\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1b.flashprefill.v1.TopLogprob\",\n\x13PromptTokensDetails\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"\xec\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x43\n\x15prompt_tokens_details\x18\x05 \x01(\x0b\x32$.flashprefill.v1.PromptTokensDetails\x12?\n\x10sparse_attention\x18\x06 \x01(\x0b\x32%.flashprefill.v1.SparseAttentionUsage\"\x8b\x01\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08\x65xport_s\x18\x06 \x01(\x01\x12\x16\n\x0e\x66irst_decode_s\x18\x07 \x01(\x01\":\n\x07Routing\x12\x17\n\x0fprefill_replica\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x02 \x01(\t\"\xb8\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12/\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\"\x97\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\x05usage\x18\x06 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x07 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.flashprefill.v1.Routing\x12/\n\x08logprobs\x18\t \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\x1a\n\x12system_fingerprint\x18\n \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12(\n\x07\x63hoices\x18\x0c \x03(\x0b\x32\x17.flashprefill.v1.Choice\"\xf3\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.flashprefill.v1.Usage\x12\'\n\x06timing\x18\x06 \x01(\x0b\x32\x17.flashprefill.v1.Timing\x12)\n\x07routing\x18\x07 \x01(\x0b\x32\x18.flashprefill.v1.Routing\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\x1a\n\x12system_fingerprint\x18\t \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.flashprefill.v1.TokenLogprob\x12\r\n\x05index\x18\x0b \x01(\r2\xbe\x01\n\x0c\x46lashPrefill\x12O\n\x08Generate\x12 .flashprefill.v1.GenerateRequest\x1a!.flashprefill.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .flashprefill.v1.GenerateRequest\x1a\'.flashprefill.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=52
-  _globals['_CHATMESSAGE']._serialized_end=96
-  _globals['_GENERATEREQUEST']._serialized_start=99
-  _globals['_GENERATEREQUEST']._serialized_end=900
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=698
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=746
-  _globals['_SPARSEATTENTION']._serialized_start=902
-  _globals['_SPARSEATTENTION']._serialized_end=964
-  _globals['_SPARSEATTENTIONUSAGE']._serialized_start=966
-  _globals['_SPARSEATTENTIONUSAGE']._serialized_end=1018
-  _globals['_TOPLOGPROB']._serialized_start=1020
-  _globals['_TOPLOGPROB']._serialized_end=1082
-  _globals['_TOKENLOGPROB']._serialized_start=1084
-  _globals['_TOKENLOGPROB']._serialized_end=1199
-  _globals['_PROMPTTOKENSDETAILS']._serialized_start=1201
-  _globals['_PROMPTTOKENSDETAILS']._serialized_end=1245
-  _globals['_USAGE']._serialized_start=1248
-  _globals['_USAGE']._serialized_end=1484
-  _globals['_TIMING']._serialized_start=1487
-  _globals['_TIMING']._serialized_end=1626
-  _globals['_ROUTING']._serialized_start=1628
-  _globals['_ROUTING']._serialized_end=1686
-  _globals['_GENERATERESPONSE']._serialized_start=1689
-  _globals['_GENERATERESPONSE']._serialized_end=2054
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2057
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2413
-  _globals['_FLASHPREFILL']._serialized_start=2416
-  _globals['_FLASHPREFILL']._serialized_end=2606
+  _globals['_CHATMESSAGE']._serialized_start=82
+  _globals['_CHATMESSAGE']._serialized_end=126
+  _globals['_GENERATEREQUEST']._serialized_start=129
+  _globals['_GENERATEREQUEST']._serialized_end=1086
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=866
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=914
+  _globals['_PROMPT']._serialized_start=1088
+  _globals['_PROMPT']._serialized_end=1129
+  _globals['_RESPONSEFORMAT']._serialized_start=1132
+  _globals['_RESPONSEFORMAT']._serialized_end=1263
+  _globals['_JSONSCHEMA']._serialized_start=1266
+  _globals['_JSONSCHEMA']._serialized_end=1449
+  _globals['_SPARSEATTENTION']._serialized_start=1451
+  _globals['_SPARSEATTENTION']._serialized_end=1513
+  _globals['_SPARSEATTENTIONUSAGE']._serialized_start=1515
+  _globals['_SPARSEATTENTIONUSAGE']._serialized_end=1567
+  _globals['_TOPLOGPROB']._serialized_start=1569
+  _globals['_TOPLOGPROB']._serialized_end=1631
+  _globals['_TOKENLOGPROB']._serialized_start=1633
+  _globals['_TOKENLOGPROB']._serialized_end=1748
+  _globals['_PROMPTTOKENSDETAILS']._serialized_start=1750
+  _globals['_PROMPTTOKENSDETAILS']._serialized_end=1794
+  _globals['_USAGE']._serialized_start=1797
+  _globals['_USAGE']._serialized_end=2033
+  _globals['_TIMING']._serialized_start=2036
+  _globals['_TIMING']._serialized_end=2175
+  _globals['_ROUTING']._serialized_start=2177
+  _globals['_ROUTING']._serialized_end=2235
+  _globals['_CHOICE']._serialized_start=2238
+  _globals['_CHOICE']._serialized_end=2422
+  _globals['_GENERATERESPONSE']._serialized_start=2425
+  _globals['_GENERATERESPONSE']._serialized_end=2832
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2835
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=3206
+  _globals['_FLASHPREFILL']._serialized_start=3209
+  _globals['_FLASHPREFILL']._serialized_end=3399
 # @@protoc_insertion_point(module_scope)

@@ -57,8 +57,9 @@ class FlashPrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Server streaming: text deltas as tokens are produced; the last message carries
-        finish_reason, usage and timing.
+        """Server streaming: text deltas as tokens are produced, each message of one choice
+        (`index`); a choice's last message carries its finish_reason, timing and routing; the
+        stream's last message carries usage (of every choice).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
