@@ -454,7 +454,8 @@ class OpenAIIngress:
                                     total_tokens=u["total_tokens"], cached_tokens=cached,
                                     prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
         if sparse and req.sparse_alpha is not None:
-            msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"]))
+            msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"],
+                                                                        density=sparse.get("density")))
 
     @staticmethod
     def _grpc_timing(pb: Any, msg: Any, timing: dict | None, routing: dict | None) -> None:

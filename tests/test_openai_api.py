@@ -594,6 +594,7 @@ def test_per_request_sparse_attention_over_http_and_grpc(service):
     assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(sparse_lp, abs=1e-5)
     assert resp.usage.sparse_attention.dense is False
     assert resp.usage.sparse_attention.alpha == pytest.approx(0.95)
+    assert resp.usage.sparse_attention.density == pytest.approx(want_density, abs=1e-6)
     for bad_value in ({"alpha": 2}, {"beta": 1}, 0.5):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"sparse_attention": bad_value})
