@@ -36,6 +36,7 @@ from ray import serve
 from kernels.ops import attention_kernel_calls
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
+from kv_transfer.tp_transfer import TPChannelTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from prefill_worker.leases import Lease, LeaseTable
@@ -223,7 +224,7 @@ class PrefillServer:
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
         self.object_store = ObjectStoreTransport(fetch_timeout_s=self.config.transfer.object_store.fetch_timeout_s)
-        if self._tp_actors:  # frames of every rank's heads, merged; TP replicas ship over the object store
+        if self._tp_actors:  # frames of every rank's heads, merged (the object store and retries)
             from serving.tp_group import make_tp_exporter
 
             self.object_store = make_tp_exporter(self.runtime.runner, self._tp_actors,
@@ -248,8 +249,10 @@ class PrefillServer:
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
         kind = select_transport(transfer.transport, device=self.pool.device)
-        if kind == "object_store" or self._tp_actors:
+        if kind == "object_store":
             return self.object_store
+        if self._tp_actors:
+            return self._make_tp_transport(kind)
         channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):
             fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
@@ -262,6 +265,20 @@ class PrefillServer:
                                     max_workers=ipc.max_workers)
         return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
                                 config=channel.channel_config(), max_workers=channel.max_workers)
+
+    def _make_tp_transport(self, kind: str) -> KVTransport:
+        """A TP replica: its ranks send their own heads over their own channels (``nccl``,
+        ``gloo``; ``auto`` on CUDA too). CUDA IPC would need the decode replica on each rank's
+        GPU; a TP group is not exported over it (docs/ARCHITECTURE.md "Tensor parallelism"):
+        ``cuda_ipc`` alone ships over the object store."""
+        if kind == "cuda_ipc":
+            logger.warning("transfer.transport 'cuda_ipc': a TP prefill replica ships over the object store "
+                           "(use 'auto' or 'nccl' for channels from every rank)")
+            return self.object_store
+        from serving.tp_group import make_tp_channel_exporter
+
+        return make_tp_channel_exporter(self.runtime.runner, self._tp_actors, self.config,
+                                        identity=replica_identity(), host=node_ip())
 
     def _channel(self) -> ChannelTransport | None:
         """The channel this replica sends over: its transport, or the fallback of cuda_ipc."""
@@ -333,6 +350,13 @@ class PrefillServer:
         this replica (which holds them, under a lease) to send them over their channel. The
         lease ends with the send, whatever its outcome: a failed transfer is retried with a new
         prefill, never by sending these pages again."""
+        if isinstance(self.transport, TPChannelTransport):  # the rank named in the request sends its heads
+            reply = await self.transport.serve_send(request)
+            rid = request.get("request_id") if isinstance(request, dict) else None
+            if isinstance(rid, str) and rid in self.leases and \
+                    self.transport.sent(rid, request.get("rank"), bool(isinstance(reply, dict) and reply.get("ok"))):
+                self.leases.end(rid, "sent")  # every rank has sent, or one failed
+            return reply
         channel = self._channel()
         if channel is None:
             return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
