@@ -69,6 +69,13 @@ only) in processes that open NCCL channels, unless the environment already sets 
 
 Ownership is unchanged (docs/ARCHITECTURE.md): the sender's pages stay allocated until the
 decode side has adopted them and the lease stream is closed.
+
+TP groups (``kv_transfer.tp_transfer.TPChannelTransport``, docs/ARCHITECTURE.md "Tensor
+parallelism"): a TP prefill replica's ticket adds ``tp`` (its head layout and every rank's
+header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The receiver
+(``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
+rank holding some of its heads, the send request naming ``rank`` and that rank's local
+``heads``; chunks then hold only those heads (:func:`gather_heads` / :func:`scatter_heads`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ token sampled) exports the pages through the KV transport and returns one :class
   answered as failed (the pages may be reused by then).
 With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 ``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
-``send_pages``. Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
+``send_pages``. A TP replica (``prefill.tensor_parallel_size > 1``) ships over channels from every rank
+(``kv_transfer.tp_transfer.TPChannelTransport``: ``send_pages`` names the rank, the leader
+relays to it; the lease ends once every rank has sent) or the object store (one merged frame).
+Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
 its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """
 
@@ -53,6 +56,18 @@ logger = logging.getLogger("ray.serve")
 # How long a stopping replica waits for its open leases to be fetched before freeing them: a
 # transfer under way takes well under this; one that never comes ends at its deadline anyway.
 LEASE_DRAIN_S = 20.0
+
+
+def tp_transport_choice(kind: str) -> str:
+    """What a TP prefill replica exports with, for ``select_transport``'s ``kind``: ``"channel"``
+    (every rank sends its own heads: ``gloo``, ``nccl``, and ``auto`` on CUDA, whose IPC part
+    does not apply to a group spread over GPUs) or ``"object_store"`` (the merged frame: the
+    object store, and ``cuda_ipc`` alone, which has no channel to fall back on)."""
+    if kind in ("gloo", "nccl", IPC_OR_NCCL):
+        return "channel"
+    if kind in ("object_store", "cuda_ipc", "local"):
+        return "object_store"
+    raise ValueError(f"kind: expected a select_transport() result, got {kind!r}")
 
 
 @dataclass
@@ -271,9 +286,10 @@ class PrefillServer:
         ``gloo``; ``auto`` on CUDA too). CUDA IPC would need the decode replica on each rank's
         GPU; a TP group is not exported over it (docs/ARCHITECTURE.md "Tensor parallelism"):
         ``cuda_ipc`` alone ships over the object store."""
-        if kind == "cuda_ipc":
-            logger.warning("transfer.transport 'cuda_ipc': a TP prefill replica ships over the object store "
-                           "(use 'auto' or 'nccl' for channels from every rank)")
+        if tp_transport_choice(kind) == "object_store":
+            if kind == "cuda_ipc":
+                logger.warning("transfer.transport 'cuda_ipc': a TP prefill replica ships over the object store "
+                               "(use 'auto' or 'nccl' for channels from every rank)")
             return self.object_store
         from serving.tp_group import make_tp_channel_exporter
 

@@ -253,3 +253,20 @@ def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
         scatter_heads(other, pages, got[:-1], (1, 2), heads)
     with pytest.raises(ValueError, match="followers"):
         TPChannelTransport(ChannelTransport("cpu"), HeadLayout(HQ, HKV, 2), [], identity={}, host="h")
+
+
+def test_tp_prefill_transport_choice():
+    from kv_transfer.transfer import select_transport
+    from prefill_worker.deployment import tp_transport_choice
+
+    # CPU: gloo is the channel; auto means the object store
+    assert tp_transport_choice(select_transport("gloo", device="cpu")) == "channel"
+    assert tp_transport_choice(select_transport("auto", device="cpu")) == "object_store"
+    assert tp_transport_choice(select_transport("object_store", device="cpu")) == "object_store"
+    # CUDA (the choice only, no GPU needed): auto's IPC part does not apply to a TP group, its
+    # NCCL channel does; cuda_ipc alone has no channel and ships the merged frame
+    assert tp_transport_choice(select_transport("auto", device="cuda")) == "channel"
+    assert tp_transport_choice(select_transport("nccl", device="cuda")) == "channel"
+    assert tp_transport_choice(select_transport("cuda_ipc", device="cuda")) == "object_store"
+    with pytest.raises(ValueError, match="^kind"):
+        tp_transport_choice("carrier pigeon")
