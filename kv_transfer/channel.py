@@ -1090,8 +1090,15 @@ class ChannelTransport(KVTransport):
             raise TransferError(TransferFailure.SHAPE, f"(num_q_heads, num_kv_heads): the sender has "
                                 f"{(src.num_q_heads, src.num_kv_heads)}, this group "
                                 f"{(dst_layout.num_q_heads, dst_layout.num_kv_heads)}", rid)
+        if isinstance(dst_rank, bool) or not isinstance(dst_rank, int) or not 0 <= dst_rank < dst_layout.tp_size:
+            raise ValueError(f"dst_rank: expected a rank of the decode group in [0, {dst_layout.tp_size}), got "
+                             f"{dst_rank!r}")
         routes = transfer_routes(src, dst_layout)
         by_src = {s: rs for (s, d), rs in sorted(routes.items()) if d == dst_rank}
+        filled = sorted(r.dst_local for rs in by_src.values() for r in rs)
+        if filled != list(range(pool.num_kv_heads)):
+            raise TransferError(TransferFailure.SHAPE, f"the routes fill heads {filled} of this rank's "
+                                f"{pool.num_kv_heads}", rid)
         want = (pool.num_layers, pool.page_size, dst_layout.local_kv_heads, pool.head_dim, _DTYPE_NAMES[pool.dtype])
         got = (header.num_layers, header.page_size, pool.num_kv_heads, header.head_dim, header.dtype)
         if want != got:

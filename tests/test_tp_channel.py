@@ -93,6 +93,13 @@ def test_each_decode_rank_receives_only_its_heads(p, d):
         for r in range(d):
             run(g.receivers[r].receive_heads(ticket, g.dst_pools[r], dst_layout=g.dst, dst_rank=r))
             assert_rank_holds_its_heads(full, g.dst_pools[r], g.dst.kv_heads(r))
+        with pytest.raises(ValueError, match="^dst_rank"):
+            run(g.receivers[0].receive_heads(ticket, g.dst_pools[0], dst_layout=g.dst, dst_rank=d))
+        # a decode rank whose pool holds other heads than its layout says takes no page
+        wrong = rank_pool(full, range(HKV), with_request=False)
+        with pytest.raises(TransferError, match="the routes fill heads") as info:
+            run(g.receivers[0].receive_heads(ticket, wrong, dst_layout=g.dst, dst_rank=0))
+        assert info.value.reason is TransferFailure.SHAPE and wrong.used_pages == 0
         # bytes each decode rank pulled: its own heads only
         for r, t in enumerate(g.receivers):
             per_head = 2 * full.num_layers * len(full.pages(RID)) * full.page_size * full.head_dim * 2
