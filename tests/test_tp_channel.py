@@ -277,3 +277,46 @@ def test_tp_prefill_transport_choice():
     assert tp_transport_choice(select_transport("cuda_ipc", device="cuda")) == "object_store"
     with pytest.raises(ValueError, match="^kind"):
         tp_transport_choice("carrier pigeon")
+
+
+class _DeadRank:
+    """A follower whose process is gone: every call fails."""
+
+    def export(self, request_id, fault=None):
+        raise RuntimeError("rank actor died")
+
+    async def send(self, request):
+        raise RuntimeError("rank actor died")
+
+    def discard(self, request_id):
+        raise RuntimeError("rank actor died")
+
+
+def test_a_dead_rank_fails_the_export_and_leaves_no_export_behind():
+    full = full_pool(torch.float32, seed=13)
+    g = Group(full, 2)
+    try:
+        g.sender.followers[0] = _DeadRank()
+        with pytest.raises(RuntimeError, match="died"):
+            g.export()
+        assert g.rank_transports[0].counters()["channel_staged"] == 0  # the leader's record is gone too
+        assert RID not in g.sender._pending
+    finally:
+        g.close()
+
+
+def test_discard_reaches_every_live_rank_past_a_dead_one_and_a_dead_rank_send_is_lost():
+    full = full_pool(torch.float32, seed=14)
+    g = Group(full, 4)
+    try:
+        ticket = g.export()
+        live = g.sender.followers[1]
+        g.sender.followers[0] = _DeadRank()
+        reply = run(g.sender.serve_send({"rank": 1, "request_id": RID}))
+        assert reply["ok"] is False and reply["reason"] == "lost" and "TP rank 1" in reply["message"]
+        g.sender.discard(ticket)  # must not stop at the dead rank 1
+        assert live.transport.counters()["channel_staged"] == 0
+        assert g.rank_transports[0].counters()["channel_staged"] == 0
+        assert g.rank_transports[3].counters()["channel_staged"] == 0
+    finally:
+        g.close()
