@@ -19,6 +19,11 @@ All or nothing, over the whole group:
   on any rank after a failure; the prefill ranks keep their pages until the lease ends, so the
   retry ships the same pages again.
 
+:class:`TPChannelTransport` (sender side of channel transfers from a TP prefill group: every
+rank sends its own heads over its own channel; the receiver is
+``kv_transfer.channel.ChannelTransport.receive_heads``) and :class:`RankChannel` (a follower
+rank's end of it).
+
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
 ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
 prefill replica can feed a TP=1 decode replica over the existing single-frame transports.

@@ -609,8 +609,9 @@ def load_model_dir(
     """Load a local Hugging Face model directory (config.json, *.safetensors, tokenizer).
 
     ``tp``: load only rank ``tp.rank``'s shard (``model_executor.parallel``): each tensor's slice
-    is read from the file, no rank ever holds another rank's projections (float checkpoints;
-    ``weight_dtype`` then quantizes the shard).
+    is read from the file, no rank ever holds another rank's projections (float checkpoints,
+    which ``weight_dtype`` then quantizes shard by shard; FP8 checkpoints read each e4m3 weight
+    slice with the matching slice of its scale: :func:`fp8_scale_slice`).
 
     ``dtype`` defaults to the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent); for
     FP8 checkpoints it is the dtype of everything but the FP8 weights (bfloat16 if absent).
