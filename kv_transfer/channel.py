@@ -69,6 +69,13 @@ only) in processes that open NCCL channels, unless the environment already sets 
 
 Ownership is unchanged (docs/ARCHITECTURE.md): the sender's pages stay allocated until the
 decode side has adopted them and the lease stream is closed.
+
+TP groups (``kv_transfer.tp_transfer.TPChannelTransport``, docs/ARCHITECTURE.md "Tensor
+parallelism"): a TP prefill replica's ticket adds ``tp`` (its head layout and every rank's
+header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The receiver
+(``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
+rank holding some of its heads, the send request naming ``rank`` and that rank's local
+``heads``; chunks then hold only those heads (:func:`gather_heads` / :func:`scatter_heads`).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -90,8 +98,10 @@ from typing import Any
 
 import torch
 
+from .heads import HeadLayout, transfer_routes
 from .pool import KVPool, pool_page_words
 from .transfer import (
+    _DTYPE_NAMES,
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,
     KVTransport,
@@ -115,6 +125,9 @@ _SEND_REQUEST_KEYS = frozenset(
     {"request_id", "sender_id", "receiver_id", "host", "port", "prefix", "generation", "backend", "timeout_s",
      "layers_per_chunk"}
 )
+# A TP prefill group's send request also names the rank holding the pages and the rank's
+# local KV heads the receiver needs (kv_transfer.tp_transfer.TPChannelTransport).
+_TP_SEND_KEYS = frozenset({"rank", "heads"})
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 _MAX_RING_DEPTH = 8
 # How long a failing receive waits for a scatter under way (or queued on the device) to end,
@@ -293,6 +306,68 @@ def scatter_pages(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.
     index = _page_index(pages, pool.device)
     for part, dst in enumerate((k, v)):
         dst[l0:l1].index_copy_(1, index, block[part])
+
+
+def _head_dims(pool: KVPool) -> tuple[int, int]:
+    """The heads' dimension of ``k_raw`` and ``v_raw`` (FP8 V is token-major)."""
+    return 3, (2 if pool.config.v_token_major else 3)
+
+
+def _check_heads(pool: KVPool, heads: Any) -> list[int]:
+    if (not isinstance(heads, (list, tuple)) or not heads or len(set(heads)) != len(heads)
+            or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < pool.num_kv_heads for h in heads)):
+        raise ValueError(f"heads: expected distinct KV heads of the pool, in [0, {pool.num_kv_heads}), got {heads!r}")
+    return list(heads)
+
+
+def heads_bytes(pool: KVPool, layers: tuple[int, int], num_pages: int, num_heads: int) -> int:
+    """Bytes of K and V of ``num_heads`` heads of layers ``[l0, l1)`` of ``num_pages`` pages."""
+    return 2 * (layers[1] - layers[0]) * num_pages * pool.page_size * num_heads * pool.head_dim * pool.k.element_size()
+
+
+def gather_heads(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[int, int], heads: list[int],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gather_pages` restricted to the KV heads ``heads`` (in that order): for K then V,
+    ``[l1 - l0, len(pages)]`` pages of the pool's storage with only those heads, flat ``uint8``
+    (a TP group's transfers: a rank ships the heads a receiver needs). Bytes, not elements:
+    ``index_select`` has no FP8 kernels, and the copy is exact anyway."""
+    heads = _check_heads(pool, heads)
+    l0, l1, _, _ = _block_shape(pool, pool_page_words(pool)[0], layers, len(pages))
+    nbytes = heads_bytes(pool, (l0, l1), len(pages), len(heads))
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
+    else:
+        _check_bytes("out", out, pool.k_raw.device, at_least=nbytes)
+    out = out[:nbytes]
+    if len(pages):
+        index = _page_index(pages, pool.device)
+        head_index = torch.tensor(heads, dtype=torch.long).to(pool.device)
+        half = nbytes // 2
+        for part, (src, hd) in enumerate(zip((pool.k_raw, pool.v_raw), _head_dims(pool))):
+            block = src.view(torch.uint8)[l0:l1].index_select(1, index).index_select(hd, head_index)
+            out[part * half:(part + 1) * half].copy_(block.reshape(-1))
+    return out
+
+
+def scatter_heads(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.Tensor, layers: tuple[int, int],
+                  heads: list[int]) -> None:
+    """The inverse of :func:`gather_heads`: ``payload`` into heads ``heads`` (in that order) of
+    layers ``[l0, l1)`` of ``pages``; the pages' other heads are left as they are."""
+    heads = _check_heads(pool, heads)
+    l0, l1, _, _ = _block_shape(pool, pool_page_words(pool)[0], layers, len(pages))
+    nbytes = heads_bytes(pool, (l0, l1), len(pages), len(heads))
+    _check_bytes("payload", payload, pool.k_raw.device, exact=nbytes)
+    if not len(pages):
+        return
+    index = _page_index(pages, pool.device)
+    half = nbytes // 2
+    for part, (dst, hd) in enumerate(zip((pool.k_raw, pool.v_raw), _head_dims(pool))):
+        dst_bytes = dst.view(torch.uint8)[l0:l1]
+        shape = list(dst_bytes.shape)
+        shape[1], shape[hd] = len(pages), len(heads)
+        block = payload[part * half:(part + 1) * half].view(shape)
+        for j, h in enumerate(heads):
+            dst_bytes.select(hd, h).index_copy_(1, index, block.select(hd, j))
 
 
 def _clear_pages(pool: KVPool, pages: list[int]) -> None:
@@ -574,13 +649,27 @@ class _SendRequest:
     backend: str
     timeout_s: float
     layers_per_chunk: int
+    rank: int | None = None  # TP prefill groups: the rank holding the pages
+    heads: tuple[int, ...] | None = None  # ... and which of its local KV heads to send, in order
 
     @classmethod
     def parse(cls, obj: Any) -> "_SendRequest":
-        """Strict: exact key set, typed and bounded fields (``ValueError`` naming the field)."""
-        if not isinstance(obj, dict) or set(obj) != _SEND_REQUEST_KEYS:
+        """Strict: exact key set (optionally with both ``rank`` and ``heads``), typed and
+        bounded fields (``ValueError`` naming the field)."""
+        if not isinstance(obj, dict) or set(obj) not in (_SEND_REQUEST_KEYS, _SEND_REQUEST_KEYS | _TP_SEND_KEYS):
             got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)}, got {got}")
+            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)} (and, from a TP group, "
+                             f"{sorted(_TP_SEND_KEYS)}), got {got}")
+        extra = {}
+        if "rank" in obj:
+            rank, heads = obj["rank"], obj["heads"]
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
+                raise ValueError(f"rank: expected an int in [0, 65536), got {rank!r}")
+            if (not isinstance(heads, (list, tuple)) or not 0 < len(heads) <= 1 << 12 or len(set(heads)) != len(heads)
+                    or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 12 for h in heads)):
+                raise ValueError(f"heads: expected distinct local KV head indices, got {heads!r:.80}")
+            extra = {"rank": rank, "heads": tuple(heads)}
+            obj = {k: v for k, v in obj.items() if k not in _TP_SEND_KEYS}
         for key in ("request_id", "sender_id", "receiver_id", "host", "prefix", "backend"):
             value = obj[key]
             if not isinstance(value, str) or not value or len(value) > max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN) * 2:
@@ -594,7 +683,7 @@ class _SendRequest:
         timeout = obj["timeout_s"]
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise ValueError(f"timeout_s: expected a number in (0, 86400], got {timeout!r}")
-        return cls(**obj)
+        return cls(**obj, **extra)
 
 
 def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "",
@@ -778,6 +867,19 @@ class ChannelTransport(KVTransport):
         """Sender side of a transfer, called by the receiver (through ``call_sender``): send
         the exported pages over the requested channel. Returns ``{"ok", "reason", "message",
         "checksums"}``, the last the per-chunk checksums when ``ok``."""
+        checked = self._check_send(request)
+        if isinstance(checked, dict):
+            return checked
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._send_blocking, *checked)
+
+    def serve_send_blocking(self, request: dict) -> dict:
+        """:meth:`serve_send` in the calling thread (a TP rank actor's worker thread)."""
+        checked = self._check_send(request)
+        return checked if isinstance(checked, dict) else self._send_blocking(*checked)
+
+    def _check_send(self, request: dict) -> dict | tuple[_SendRequest, _Export]:
+        """The parsed request and its export, or the failure reply."""
         try:
             req = _SendRequest.parse(request)
         except ValueError as exc:
@@ -795,8 +897,10 @@ class ChannelTransport(KVTransport):
         if req.layers_per_chunk > exp.header.num_layers:
             return _reply(False, TransferFailure.UNAVAILABLE, f"bad send request: layers_per_chunk: expected at most "
                           f"the {exp.header.num_layers} layers, got {req.layers_per_chunk}")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._send_blocking, req, exp)
+        if req.heads is not None and max(req.heads) >= exp.header.num_kv_heads:
+            return _reply(False, TransferFailure.UNAVAILABLE, f"bad send request: heads: expected local KV heads in "
+                          f"[0, {exp.header.num_kv_heads}), got {list(req.heads)}")
+        return req, exp
 
     def _outbound_channel(self, req: _SendRequest) -> Channel:
         stale: list[Channel] = []
@@ -842,13 +946,16 @@ class ChannelTransport(KVTransport):
             channel.lock.release()
         with self._lock:
             lapsed = exp.discarded
-            if self._exports.get(req.request_id) is exp:  # sent: a retry goes over the object store
+            # sent: a retry goes over the object store. A TP group's send (``heads``) keeps the
+            # export: several decode ranks may need heads of this rank; its lease discards it.
+            if req.heads is None and self._exports.get(req.request_id) is exp:
                 del self._exports[req.request_id]
         if lapsed:  # released during the send: what was read may be another request's
             self._counts["channel_failures"] += 1
             return _reply(False, TransferFailure.LOST, "the lease on the pages ended during the send")
         self._counts["channel_sends"] += 1
-        self._counts["channel_bytes_sent"] += exp.header.payload_bytes
+        self._counts["channel_bytes_sent"] += (exp.header.payload_bytes if req.heads is None else
+                                               exp.header.payload_bytes // exp.header.num_kv_heads * len(req.heads))
         return _reply(True, checksums=checksums)
 
     def _send_chunks(self, channel: Channel, req: _SendRequest, exp: _Export, deadline: float) -> list[int]:
@@ -856,7 +963,10 @@ class ChannelTransport(KVTransport):
         staging buffers; returns the chunks' checksums."""
         pool, header = exp.pool, exp.header
         plan = chunk_layers(header.num_layers, req.layers_per_chunk)
+        heads = None if req.heads is None or list(req.heads) == list(range(header.num_kv_heads)) else list(req.heads)
         layer_bytes = header.payload_bytes // header.num_layers
+        if heads is not None:  # some of this rank's heads (TP groups)
+            layer_bytes = layer_bytes // header.num_kv_heads * len(heads)
         depth = min(self.config.ring_depth, len(plan))
         flip = len(plan) // 2 if exp.fault == "flip" else None  # a middle chunk
         channel.open()
@@ -871,7 +981,10 @@ class ChannelTransport(KVTransport):
             for i, layers in enumerate(plan):
                 if i >= depth:
                     channel.after(ops[i - depth], deadline)  # the slot's previous send has completed
-                chunk = gather_pages(pool, index, layers, out=ring[i % depth])
+                if heads is None:
+                    chunk = gather_pages(pool, index, layers, out=ring[i % depth])
+                else:
+                    chunk = gather_heads(pool, index, layers, heads, out=ring[i % depth])
                 sums[i] = _wsum64(chunk)
                 if i == flip and chunk.numel():
                     chunk[-1:].bitwise_xor_(0xFF)  # after its checksum: the receiver must notice
@@ -897,8 +1010,10 @@ class ChannelTransport(KVTransport):
                 f"{self.name!r} (its pool is on {self.device.type})", rid,
             )
         handle = ticket.handle
-        if not isinstance(handle, dict) or set(handle) != {"header", "sender"} or not isinstance(handle["header"], bytes):
-            raise TransferError(TransferFailure.MALFORMED, "ticket: expected a handle {header: bytes, sender: {...}}", rid)
+        if (not isinstance(handle, dict) or set(handle) - {"tp"} != {"header", "sender"}
+                or not isinstance(handle["header"], bytes)):
+            raise TransferError(TransferFailure.MALFORMED, "ticket: expected a handle {header: bytes, sender: {...}"
+                                "[, tp: {...}]}", rid)
         sender = handle["sender"]
         if (not isinstance(sender, dict) or not {"replica_id", "host"} <= set(sender) or len(sender) > 16
                 or not all(isinstance(k, str) and isinstance(v, str) and 0 < len(v) <= _MAX_NAME_LEN
@@ -913,8 +1028,117 @@ class ChannelTransport(KVTransport):
             )
         return header, dict(sender)
 
+    def _read_tp(self, ticket: TransferTicket, header: KVFrameHeader, num_q_heads: int | None
+                 ) -> tuple[HeadLayout, list[KVFrameHeader], bool]:
+        """The sender's head layout and its ranks' headers (``tp`` of a TP group's ticket; a
+        single replica's ticket is a group of one), and whether the ticket came from a group."""
+        rid = header.request_id
+        tp = ticket.handle.get("tp")
+        if tp is None:
+            if num_q_heads is None:
+                num_q_heads = header.num_kv_heads
+            try:
+                return HeadLayout(num_q_heads, header.num_kv_heads, 1), [header], False
+            except ValueError as exc:
+                raise TransferError(TransferFailure.SHAPE, f"ticket: {exc}", rid) from None
+        if (not isinstance(tp, dict) or set(tp) != {"num_q_heads", "num_kv_heads", "tp_size", "ranks"}
+                or not isinstance(tp["ranks"], list) or not all(isinstance(r, bytes) for r in tp["ranks"])):
+            raise TransferError(TransferFailure.MALFORMED, "ticket: tp: expected {num_q_heads, num_kv_heads, tp_size, "
+                                "ranks: [header bytes, one per rank]}", rid)
+        try:
+            src = HeadLayout(tp["num_q_heads"], tp["num_kv_heads"], tp["tp_size"])
+        except (ValueError, TypeError) as exc:
+            raise TransferError(TransferFailure.MALFORMED, f"ticket: tp: {exc}", rid) from None
+        if len(tp["ranks"]) != src.tp_size:
+            raise TransferError(TransferFailure.MALFORMED, f"ticket: tp: expected {src.tp_size} rank headers, got "
+                                f"{len(tp['ranks'])}", rid)
+        ranks = [KVFrameHeader.decode(raw) for raw in tp["ranks"]]
+        same = ("request_id", "num_tokens", "num_pages", "num_layers", "page_size", "head_dim", "dtype", "checksum_kind")
+        for s, h in enumerate(ranks):
+            if any(getattr(h, k) != getattr(header, k) for k in same) or h.num_kv_heads != src.local_kv_heads:
+                raise TransferError(TransferFailure.MALFORMED, f"ticket: tp: the header of rank {s} does not match the "
+                                    f"group's ({src.local_kv_heads} local KV heads)", rid)
+        return src, ranks, True
+
     async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
         header, sender = self._read_ticket(ticket)
+        if "tp" in ticket.handle:  # from a TP prefill group: this replica (TP 1) takes every head
+            tp = ticket.handle["tp"]
+            q = tp.get("num_q_heads") if isinstance(tp, dict) else None
+            q = q if isinstance(q, int) and not isinstance(q, bool) else None
+            kv = pool.num_kv_heads
+            dst = HeadLayout(q, kv, 1) if q and kv and q % kv == 0 else None
+            return await self.receive_heads(ticket, pool, dst_layout=dst, dst_rank=0)
+        return await self._receive_whole(header, sender, pool)
+
+    async def receive_heads(self, ticket: TransferTicket, pool: KVPool, *, dst_layout: HeadLayout | None,
+                            dst_rank: int = 0) -> list[int]:
+        """Receive into the pool of rank ``dst_rank`` of a decode group laid out as ``dst_layout``
+        exactly that rank's KV heads, from every rank of the sender's group that holds some
+        (:func:`kv_transfer.heads.transfer_routes`), one channel transfer per such rank, one
+        after the other into the one set of reserved pages. Every rank header is checked
+        (geometry, FP8 scales per head) before a page is taken; any failure releases the pages
+        and raises (all or nothing for this rank; a decode group agrees over its ranks with
+        ``kv_transfer.tp_transfer.agree``). A single replica's ticket is a group of one."""
+        header, sender = self._read_ticket(ticket)
+        rid = header.request_id
+        if dst_layout is None:
+            raise TransferError(TransferFailure.SHAPE, f"this pool's {pool.num_kv_heads} KV heads cannot take the "
+                                "group's heads", rid)
+        src, ranks, grouped = self._read_tp(ticket, header, dst_layout.num_q_heads)
+        if (src.num_q_heads, src.num_kv_heads) != (dst_layout.num_q_heads, dst_layout.num_kv_heads):
+            raise TransferError(TransferFailure.SHAPE, f"(num_q_heads, num_kv_heads): the sender has "
+                                f"{(src.num_q_heads, src.num_kv_heads)}, this group "
+                                f"{(dst_layout.num_q_heads, dst_layout.num_kv_heads)}", rid)
+        if isinstance(dst_rank, bool) or not isinstance(dst_rank, int) or not 0 <= dst_rank < dst_layout.tp_size:
+            raise ValueError(f"dst_rank: expected a rank of the decode group in [0, {dst_layout.tp_size}), got "
+                             f"{dst_rank!r}")
+        routes = transfer_routes(src, dst_layout)
+        by_src = {s: rs for (s, d), rs in sorted(routes.items()) if d == dst_rank}
+        filled = sorted(r.dst_local for rs in by_src.values() for r in rs)
+        if filled != list(range(pool.num_kv_heads)):
+            raise TransferError(TransferFailure.SHAPE, f"the routes fill heads {filled} of this rank's "
+                                f"{pool.num_kv_heads}", rid)
+        want = (pool.num_layers, pool.page_size, dst_layout.local_kv_heads, pool.head_dim, _DTYPE_NAMES[pool.dtype])
+        got = (header.num_layers, header.page_size, pool.num_kv_heads, header.head_dim, header.dtype)
+        if want != got:
+            raise TransferError(TransferFailure.SHAPE, "(num_layers, page_size, num_kv_heads, head_dim, dtype): "
+                                f"the transfer needs {want}, this rank's pool has {got}", rid)
+        for s, rs in by_src.items():
+            h = ranks[s]
+            if (h.k_scale is None) != (pool.k_scale is None):
+                raise TransferError(TransferFailure.SHAPE, f"FP8 scales: rank {s} of the sender and this pool "
+                                    "disagree on having them", rid)
+            if pool.k_scale is not None:
+                n = h.num_kv_heads
+                for r in rs:
+                    for name, table in (("k_scale", pool.k_scale), ("v_scale", pool.v_scale)):
+                        theirs = [getattr(h, name)[layer * n + r.src_local] for layer in range(h.num_layers)]
+                        mine = [float(x) for x in table[:, r.dst_local].tolist()]
+                        if theirs != mine:
+                            raise TransferError(TransferFailure.SHAPE, f"FP8 scales of KV head {r.kv_head} differ "
+                                                "between the sender's and the receiver's pool", rid)
+        if self.call_sender is None:
+            raise TransferError(TransferFailure.UNAVAILABLE, "this replica has no way to call the sender (call_sender)", rid)
+        if self._closed:
+            raise TransferError(TransferFailure.UNAVAILABLE, "the transport is closed (replica stopping)", rid)
+        if pool.device.type != self.device.type:
+            raise TransferError(TransferFailure.UNAVAILABLE, f"a {self.backend} channel cannot fill a pool on {pool.device}", rid)
+        pages = adopt_pages(pool, header)
+        try:
+            for s, rs in by_src.items():
+                h = ranks[s]
+                part = dataclasses.replace(h, num_kv_heads=len(rs), payload_bytes=h.payload_bytes // h.num_kv_heads * len(rs))
+                await self._pull(part, sender, pool, pages,
+                                 channel_id=f"{sender['replica_id']}:tp{s}" if grouped else None,
+                                 extra={"rank": s, "heads": [r.src_local for r in rs]},
+                                 heads=[r.dst_local for r in rs])
+        except BaseException:
+            pool.release(rid)
+            raise
+        return pages
+
+    async def _receive_whole(self, header: KVFrameHeader, sender: dict, pool: KVPool) -> list[int]:
         rid = header.request_id
         if pool.device.type != self.device.type:
             raise TransferError(TransferFailure.UNAVAILABLE, f"a {self.backend} channel cannot fill a pool on {pool.device}", rid)
@@ -931,10 +1155,14 @@ class ChannelTransport(KVTransport):
             raise
         return pages
 
-    async def _pull(self, header: KVFrameHeader, sender: dict, pool: KVPool, pages: list[int]) -> None:
+    async def _pull(self, header: KVFrameHeader, sender: dict, pool: KVPool, pages: list[int], *,
+                    channel_id: str | None = None, extra: dict | None = None, heads: list[int] | None = None) -> None:
+        """One channel transfer into ``pages``: ``header`` describes what arrives (its heads
+        only, for one rank of a TP group: ``heads`` are where they go in ``pool``, ``extra``
+        what the send request adds, ``channel_id`` the rank's channel name)."""
         loop = asyncio.get_running_loop()
         rid, cfg = header.request_id, self.config
-        sender_id = sender["replica_id"]
+        sender_id = channel_id or sender["replica_id"]
         budget = cfg.transfer_budget_s(header.payload_bytes)
         lock = self._inbound_locks.setdefault(sender_id, asyncio.Lock())
         try:
@@ -954,10 +1182,11 @@ class ChannelTransport(KVTransport):
                 "request_id": rid, "sender_id": sender_id, "receiver_id": self.replica_id, "host": self.host,
                 "port": int(self._store.port), "prefix": channel.prefix, "generation": channel.generation,
                 "backend": self.backend, "timeout_s": timeout, "layers_per_chunk": layers_per_chunk,
+                **(extra or {}),
             }
             reply = asyncio.ensure_future(self.call_sender(sender, request))
             recv = loop.run_in_executor(self._executor, self._receive_blocking, channel, sender_id, pool, pages,
-                                        plan, timeout, fence)
+                                        plan, timeout, fence, heads)
             recv.add_done_callback(_retrieve)  # a receive given up on may fail later, unread
             try:
                 await self._await_transfer(channel, sender_id, recv, reply, timeout, rid)
@@ -1004,12 +1233,13 @@ class ChannelTransport(KVTransport):
             lock.release()
 
     def _receive_blocking(self, channel: Channel, sender_id: str, pool: KVPool, pages: list[int],
-                          plan: list[tuple[int, int]], timeout: float, fence: _Fence) -> list[int]:
+                          plan: list[tuple[int, int]], timeout: float, fence: _Fence,
+                          heads: list[int] | None = None) -> list[int]:
         """Worker thread: the receiving end of one transfer; returns the chunks' checksums.
         Whatever happens, it leaves no write into ``pages`` queued behind it that it could
         have stopped, and frees them if the event loop handed them over."""
         try:
-            return self._recv_chunks(channel, sender_id, pool, pages, plan, timeout, fence)
+            return self._recv_chunks(channel, sender_id, pool, pages, plan, timeout, fence, heads)
         except BaseException:
             channel.mark_broken()
             if fence.pending():  # scatters queued behind receives that may never complete:
@@ -1022,11 +1252,13 @@ class ChannelTransport(KVTransport):
                 self._free_abandoned(fence, *handoff, pages)
 
     def _recv_chunks(self, channel: Channel, sender_id: str, pool: KVPool, pages: list[int],
-                     plan: list[tuple[int, int]], timeout: float, fence: _Fence) -> list[int]:
+                     plan: list[tuple[int, int]], timeout: float, fence: _Fence,
+                     heads: list[int] | None = None) -> list[int]:
         deadline = time.monotonic() + timeout
         channel.open()
         elem = pool.k.element_size()
-        layer_bytes = 2 * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * elem
+        nheads = pool.num_kv_heads if heads is None else len(heads)
+        layer_bytes = 2 * len(pages) * pool.page_size * nheads * pool.head_dim * elem
         sizes = [(l1 - l0) * layer_bytes for l0, l1 in plan]  # the first is the largest
         depth = min(self.config.ring_depth, len(plan))
         post, lane = self._lanes_for("recv", sender_id, pool.device, 2)
@@ -1046,7 +1278,10 @@ class ChannelTransport(KVTransport):
                     sums[j] = _wsum64(slot)
                     fence.begin_write()
                     try:
-                        scatter_pages(pool, index, slot, plan[j])
+                        if heads is None:
+                            scatter_pages(pool, index, slot, plan[j])
+                        else:
+                            scatter_heads(pool, index, slot, plan[j], heads)
                     finally:
                         freed[j % depth] = lane.mark()
                         fence.end_write(freed[j % depth])

@@ -19,6 +19,11 @@ All or nothing, over the whole group:
   on any rank after a failure; the prefill ranks keep their pages until the lease ends, so the
   retry ships the same pages again.
 
+:class:`TPChannelTransport` (sender side of channel transfers from a TP prefill group: every
+rank sends its own heads over its own channel; the receiver is
+``kv_transfer.channel.ChannelTransport.receive_heads``) and :class:`RankChannel` (a follower
+rank's end of it).
+
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
 ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
 prefill replica can feed a TP=1 decode replica over the existing single-frame transports.
@@ -46,6 +51,7 @@ from .transfer import (
     FRAME_MAGIC,
     MAX_HEADER_BYTES,
     KVFrameHeader,
+    KVTransport,
     TransferError,
     TransferFailure,
     adopt_pages,
@@ -367,3 +373,148 @@ def settle(outcomes: Sequence[TransferError | None], release: Any) -> None:
         return
     release()
     raise failed
+
+
+class TPChannelTransport(KVTransport):
+    """The channel transport of a TP prefill group (sender side): every rank ships its own KV
+    heads over its own channel to the receiving replica (one pairwise channel per (prefill
+    rank, decode replica) pair), so pages go from each rank's device straight to the decode
+    device, with no gather to the leader and no extra copy.
+
+    ``export`` (leader, after prefill) has every rank record its pages (``ChannelTransport.export``:
+    no copy; the follower ranks through ``followers``) and returns one ticket: the whole
+    request's header, the leader's Serve identity (where the receiver's send requests go) and
+    ``tp``: the group's head layout and each rank's header (its heads, its FP8 scales). The
+    receiver (``ChannelTransport.receive_heads``) computes which heads it needs from which rank
+    (``transfer_routes``), reserves its pages once, and asks the ranks one after the other
+    (``serve_send`` with ``rank`` and ``heads``: the leader relays to the rank). All or nothing:
+    a failure on any rank fails the receive, which releases its pages; the lease (one per
+    request, on the leader) ends when every rank has sent (``sent``), at the first failed send,
+    or on release / expiry, and ending it discards the export on every rank *before* the pages
+    are freed (``discard`` waits for the followers).
+
+    ``followers``: one object per rank ``1..N-1`` with ``export(request_id, fault) -> header
+    bytes`` (blocking), ``async send(request) -> reply`` and ``discard(request_id)`` (blocking).
+    ``fault`` (drills, tests) is injected on the last rank only: one rank failing must fail the
+    whole transfer."""
+
+    fault_modes = ("flip", "break")
+    reads_pages_after_export = True
+
+    def __init__(self, leader: Any, layout: HeadLayout, followers: Sequence[Any], *, identity: dict,
+                 host: str) -> None:
+        if len(followers) != layout.tp_size - 1:
+            raise ValueError(f"followers: expected {layout.tp_size - 1} (ranks 1..{layout.tp_size - 1}), got "
+                             f"{len(followers)}")
+        self.leader = leader
+        self.layout = layout
+        self.followers = list(followers)
+        self.identity = dict(identity)
+        self.host = host
+        self.name = leader.name
+        self._pending: dict[str, set[int]] = {}  # ranks whose send has not yet succeeded
+
+    @staticmethod
+    def rank_identity(replica_id: str, rank: int) -> dict:
+        """The channel identity of rank ``rank`` of the replica ``replica_id``."""
+        return {"replica_id": f"{replica_id}:tp{rank}"}
+
+    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> Any:
+        from .transfer import TransferTicket
+
+        if fault is not None and fault not in self.fault_modes:
+            raise ValueError(f"fault: channels inject one of {self.fault_modes}, got {fault!r}")
+        last = self.layout.tp_size - 1
+        ticket0 = self.leader.export(pool, request_id, fault=fault if last == 0 else None)
+        headers = [ticket0.handle["header"]]
+        try:
+            for rank, follower in enumerate(self.followers, start=1):
+                headers.append(follower.export(request_id, fault if rank == last else None))
+        except BaseException:
+            self._discard_ranks(request_id, len(headers))
+            raise
+        first = KVFrameHeader.decode(headers[0])
+        per_head = first.payload_bytes // first.num_kv_heads
+        whole = dataclasses.replace(first, num_kv_heads=self.layout.num_kv_heads,
+                                    payload_bytes=per_head * self.layout.num_kv_heads, k_scale=None, v_scale=None)
+        self._pending[request_id] = set(range(self.layout.tp_size))
+        handle = {"header": whole.encode(), "sender": {**self.identity, "host": self.host},
+                  "tp": {"num_q_heads": self.layout.num_q_heads, "num_kv_heads": self.layout.num_kv_heads,
+                         "tp_size": self.layout.tp_size, "ranks": headers}}
+        return TransferTicket(request_id, self.name, whole.num_tokens, whole.num_pages, whole.payload_bytes, handle)
+
+    def _discard_ranks(self, request_id: str, count: int) -> None:
+        from .transfer import TransferTicket
+
+        self.leader.discard(TransferTicket(request_id, self.name, 0, 0, 0))
+        for follower in self.followers[:max(count - 1, 0)]:
+            try:
+                follower.discard(request_id)
+            except Exception:  # noqa: BLE001 - a dead rank ends the replica anyway
+                pass
+
+    def discard(self, ticket: Any) -> None:
+        """The lease ended: every rank forgets the export (a send under way fails) before the
+        caller frees the pages."""
+        self._pending.pop(ticket.request_id, None)
+        self._discard_ranks(ticket.request_id, self.layout.tp_size)
+
+    async def serve_send(self, request: dict) -> dict:
+        """A receiver's send request for one rank (``request["rank"]``): the leader sends its
+        own heads, a follower's request is relayed to it."""
+        rank = request.get("rank") if isinstance(request, dict) else None
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.layout.tp_size:
+            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value, "checksums": None,
+                    "message": f"rank: expected a rank of this TP group in [0, {self.layout.tp_size}), got {rank!r}"}
+        if rank == 0:
+            return await self.leader.serve_send(request)
+        try:
+            return await self.followers[rank - 1].send(request)
+        except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
+            return {"ok": False, "reason": TransferFailure.LOST.value, "checksums": None,
+                    "message": f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}"}
+
+    def sent(self, request_id: str, rank: Any, ok: bool) -> bool:
+        """Record a send's outcome; True when the lease is to end now (every rank has sent, or a
+        send failed: the transfer is retried with a new prefill, never by sending again)."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return True
+        if not ok:
+            return True
+        pending.discard(rank)
+        return not pending
+
+    async def receive(self, ticket: Any, pool: KVPool) -> list[int]:
+        """Receiving is the decode side's ``ChannelTransport`` (it reads the ``tp`` ticket)."""
+        raise TransferError(TransferFailure.UNAVAILABLE, "a TP prefill group sends, it does not receive",
+                            getattr(ticket, "request_id", None))
+
+    def counters(self) -> dict[str, int]:
+        return self.leader.counters()
+
+    def close(self) -> None:
+        self.leader.close()
+
+
+class RankChannel:
+    """A follower rank's side of :class:`TPChannelTransport` over its own ``ChannelTransport``
+    and pool, in the rank's process (a TP rank actor's methods call it; tests use it in
+    process)."""
+
+    def __init__(self, transport: Any, pool: KVPool) -> None:
+        self.transport, self.pool = transport, pool
+
+    def export(self, request_id: str, fault: str | None = None) -> bytes:
+        return self.transport.export(self.pool, request_id, fault=fault).handle["header"]
+
+    def send_blocking(self, request: dict) -> dict:
+        return self.transport.serve_send_blocking(request)
+
+    async def send(self, request: dict) -> dict:
+        return await self.transport.serve_send(request)
+
+    def discard(self, request_id: str) -> None:
+        from .transfer import TransferTicket
+
+        self.transport.discard(TransferTicket(request_id, self.transport.name, 0, 0, 0))

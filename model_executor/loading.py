@@ -483,6 +483,119 @@ def _load_shard(path: Path, config: Any, files: list[Path], dtype: torch.dtype, 
     return model
 
 
+def fp8_scale_slice(name: str, fmt: "fp8_linear.CheckpointFormat", shape: tuple[int, int],
+                    sl: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+    """``(dim, start, length)`` of a rank's slice of an FP8 weight's scale tensor, for the weight
+    slice ``sl`` (``parallel.shard_slice``) of a ``[n, k]`` weight; ``None``: the whole scale.
+    Per tensor: whole; per channel: the rows of a column-parallel shard, whole for a row-parallel
+    one; 128x128 blocks: the tiles of the shard, whose boundaries must be multiples of 128 (a
+    ValueError naming ``tensor_parallel_size`` otherwise)."""
+    if sl is None or fmt.scheme == "tensor":
+        return None
+    dim, start, length = sl
+    if fmt.scheme == "channel":
+        return (0, start, length) if dim == 0 else None
+    block = fp8_linear.fp8_gemm.BLOCK
+    size = shape[dim]
+    if start % block or (length % block and start + length != size):
+        raise ValueError(f"tensor_parallel_size: the shard [{start}, {start + length}) of {name} (dim {dim} of "
+                         f"{list(shape)}) does not start and end on 128 boundaries, which its 128x128 block scales "
+                         "need; use a tensor_parallel_size that splits it into multiples of 128 (or TP 1)")
+    return (dim, start // block, -(-length // block))
+
+
+def _load_fp8_shard(path: Path, config: Any, files: list[Path], fmt: "fp8_linear.CheckpointFormat",
+                    dtype: torch.dtype, device: str | torch.device, attn_implementation: str,
+                    tp: "parallel.TensorParallel") -> Any:
+    """Rank ``tp.rank``'s shard of an FP8 checkpoint: as :func:`_load_shard`, with each FP8
+    projection read as its e4m3 weight slice and the matching slice of its scale
+    (:func:`fp8_scale_slice`), put in as an ``Fp8Linear`` of the shard's shape. Every tensor is
+    checked first (:func:`_fp8_headers`); no rank reads another rank's projections."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    fp8_modules = _fp8_headers(files, fmt, skeleton)
+    del skeleton
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    shard = parallel.shard_model(model, tp)
+    plan = {}
+    for module, (n, k) in fp8_modules.items():  # before any read: a bad block boundary fails first
+        sl = parallel.shard_slice(f"{module}.weight", config, shard.layout, tp.rank)
+        plan[module] = (sl, fp8_scale_slice(f"{module}.weight", fmt, (n, k), sl))
+    model.to_empty(device=device)
+    rotary = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    params = dict(model.named_parameters())
+
+    def read_slice(handle: Any, name: str, sl: tuple[int, int, int] | None) -> torch.Tensor:
+        if sl is None:
+            return handle.get_tensor(name)
+        src = handle.get_slice(name)
+        dim, start, length = sl
+        return src[start:start + length] if dim == 0 else src[:, start:start + length]
+
+    read, done = 0, set()
+    weights, scales, biases = {}, {}, {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                module, _, leaf = name.rpartition(".")
+                if module in fp8_modules:
+                    sl, scale_sl = plan[module]
+                    if leaf == "weight":
+                        t = weights[module] = read_slice(handle, name, sl)
+                    elif leaf == fmt.scale_suffix:
+                        t = scales[module] = read_slice(handle, name, scale_sl)
+                    elif leaf == "bias":  # column parallel: the rows; row parallel: added once, after the reduction
+                        row = sl is not None and sl[0] == 1
+                        t = biases[module] = read_slice(handle, name, None if row or sl is None else sl)
+                        if row:
+                            shard.row_bias[module] = t.to(device=device, dtype=dtype)
+                            del biases[module]
+                    else:  # activation_scale / input_scale: static activation scales, not used
+                        continue
+                    read += t.numel()
+                    done.add(name)
+                    continue
+                if module in shard.row_bias:
+                    target = shard.row_bias[module] = handle.get_tensor(name).to(device=device, dtype=dtype)
+                    read += target.numel()
+                    done.add(name)
+                    continue
+                if name not in params:
+                    continue
+                t = read_slice(handle, name, parallel.shard_slice(name, config, shard.layout, tp.rank))
+                with torch.no_grad():
+                    params[name].copy_(t)
+                read += t.numel()
+                done.add(name)
+    for module in fp8_modules:
+        w = weights.pop(module)
+        n, k = w.shape
+        scale = fp8_linear.convert_scale(fmt.scale_name(module), scales.pop(module), fmt, n, k).to(device)
+        bias = biases.pop(module, None)
+        layer = fp8_linear.Fp8Linear(w.to(device), scale, fmt.scheme,
+                                     bias=None if bias is None else bias.to(device=device, dtype=dtype),
+                                     name=f"{module}.weight")
+        model.set_submodule(module, layer)
+    fp8_params = {f"{m}.{leaf}" for m in fp8_modules for leaf in ("weight", "bias")}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [n for n in dict(model.named_parameters()) if n not in done and n not in fp8_params
+               and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
+    if tied:
+        model.tie_weights()
+    parallel.install_reductions(model)  # the Fp8Linear modules replaced the hooked shards
+    model._fpv2_loaded_elements = read
+    return model
+
+
 def load_model_dir(
     model_dir: str | Path,
     *,
@@ -496,8 +609,9 @@ def load_model_dir(
     """Load a local Hugging Face model directory (config.json, *.safetensors, tokenizer).
 
     ``tp``: load only rank ``tp.rank``'s shard (``model_executor.parallel``): each tensor's slice
-    is read from the file, no rank ever holds another rank's projections (float checkpoints;
-    ``weight_dtype`` then quantizes the shard).
+    is read from the file, no rank ever holds another rank's projections (float checkpoints,
+    which ``weight_dtype`` then quantizes shard by shard; FP8 checkpoints read each e4m3 weight
+    slice with the matching slice of its scale: :func:`fp8_scale_slice`).
 
     ``dtype`` defaults to the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent); for
     FP8 checkpoints it is the dtype of everything but the FP8 weights (bfloat16 if absent).
@@ -531,10 +645,9 @@ def load_model_dir(
             dtype = getattr(torch, dtype)
         if dtype is None or dtype == torch.float8_e4m3fn:
             dtype = torch.bfloat16 if fmt is not None else torch.float32
-    if tp is not None and tp.size > 1:
-        if fmt is not None:
-            raise ValueError(f"tp: FP8 checkpoints ({fmt.quant_method}) load on one rank only for now; {path} "
-                             "needs tensor_parallel_size 1 (or a float checkpoint with weight_dtype)")
+    if tp is not None and tp.size > 1 and fmt is not None:
+        model = _load_fp8_shard(path, config, files, fmt, dtype, device, attn_implementation, tp).eval()
+    elif tp is not None and tp.size > 1:
         model = _load_shard(path, config, files, dtype, device, attn_implementation, tp).eval()
         _quantize_loaded(model, weight_dtype)
         parallel.install_reductions(model)

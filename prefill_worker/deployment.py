@@ -19,7 +19,10 @@ token sampled) exports the pages through the KV transport and returns one :class
   answered as failed (the pages may be reused by then).
 With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 ``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
-``send_pages``. Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
+``send_pages``. A TP replica (``prefill.tensor_parallel_size > 1``) ships over channels from every rank
+(``kv_transfer.tp_transfer.TPChannelTransport``: ``send_pages`` names the rank, the leader
+relays to it; the lease ends once every rank has sent) or the object store (one merged frame).
+Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
 its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """
 
@@ -36,6 +39,7 @@ from ray import serve
 from kernels.ops import attention_kernel_calls
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
+from kv_transfer.tp_transfer import TPChannelTransport
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from prefill_worker.leases import Lease, LeaseTable
@@ -52,6 +56,18 @@ logger = logging.getLogger("ray.serve")
 # How long a stopping replica waits for its open leases to be fetched before freeing them: a
 # transfer under way takes well under this; one that never comes ends at its deadline anyway.
 LEASE_DRAIN_S = 20.0
+
+
+def tp_transport_choice(kind: str) -> str:
+    """What a TP prefill replica exports with, for ``select_transport``'s ``kind``: ``"channel"``
+    (every rank sends its own heads: ``gloo``, ``nccl``, and ``auto`` on CUDA, whose IPC part
+    does not apply to a group spread over GPUs) or ``"object_store"`` (the merged frame: the
+    object store, and ``cuda_ipc`` alone, which has no channel to fall back on)."""
+    if kind in ("gloo", "nccl", IPC_OR_NCCL):
+        return "channel"
+    if kind in ("object_store", "cuda_ipc", "local"):
+        return "object_store"
+    raise ValueError(f"kind: expected a select_transport() result, got {kind!r}")
 
 
 @dataclass
@@ -223,7 +239,7 @@ class PrefillServer:
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
         self.object_store = ObjectStoreTransport(fetch_timeout_s=self.config.transfer.object_store.fetch_timeout_s)
-        if self._tp_actors:  # frames of every rank's heads, merged; TP replicas ship over the object store
+        if self._tp_actors:  # frames of every rank's heads, merged (the object store and retries)
             from serving.tp_group import make_tp_exporter
 
             self.object_store = make_tp_exporter(self.runtime.runner, self._tp_actors,
@@ -248,9 +264,11 @@ class PrefillServer:
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
         kind = select_transport(transfer.transport, device=self.pool.device)
-        # TP groups (this one, or the decode replicas') exchange KV over the object store only
-        if kind == "object_store" or self._tp_actors or self.config.decode.tensor_parallel_size > 1:
+        # a TP decode group receives over the object store only (one frame, split by head there)
+        if kind == "object_store" or self.config.decode.tensor_parallel_size > 1:
             return self.object_store
+        if self._tp_actors:
+            return self._make_tp_transport(kind)
         channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):
             fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
@@ -263,6 +281,21 @@ class PrefillServer:
                                     max_workers=ipc.max_workers)
         return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
                                 config=channel.channel_config(), max_workers=channel.max_workers)
+
+    def _make_tp_transport(self, kind: str) -> KVTransport:
+        """A TP replica: its ranks send their own heads over their own channels (``nccl``,
+        ``gloo``; ``auto`` on CUDA too). CUDA IPC would need the decode replica on each rank's
+        GPU; a TP group is not exported over it (docs/ARCHITECTURE.md "Tensor parallelism"):
+        ``cuda_ipc`` alone ships over the object store."""
+        if tp_transport_choice(kind) == "object_store":
+            if kind == "cuda_ipc":
+                logger.warning("transfer.transport 'cuda_ipc': a TP prefill replica ships over the object store "
+                               "(use 'auto' or 'nccl' for channels from every rank)")
+            return self.object_store
+        from serving.tp_group import make_tp_channel_exporter
+
+        return make_tp_channel_exporter(self.runtime.runner, self._tp_actors, self.config,
+                                        identity=replica_identity(), host=node_ip())
 
     def _channel(self) -> ChannelTransport | None:
         """The channel this replica sends over: its transport, or the fallback of cuda_ipc."""
@@ -338,6 +371,13 @@ class PrefillServer:
         this replica (which holds them, under a lease) to send them over their channel. The
         lease ends with the send, whatever its outcome: a failed transfer is retried with a new
         prefill, never by sending these pages again."""
+        if isinstance(self.transport, TPChannelTransport):  # the rank named in the request sends its heads
+            reply = await self.transport.serve_send(request)
+            rid = request.get("request_id") if isinstance(request, dict) else None
+            if isinstance(rid, str) and rid in self.leases and \
+                    self.transport.sent(rid, request.get("rank"), bool(isinstance(reply, dict) and reply.get("ok"))):
+                self.leases.end(rid, "sent")  # every rank has sent, or one failed
+            return reply
         channel = self._channel()
         if channel is None:
             return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,

@@ -18,6 +18,7 @@ Used by both deployments (docs/ARCHITECTURE.md "Tensor parallelism"):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -162,6 +163,7 @@ def start_group(config: ServiceConfig, side: str, *, num_pages: int, host: str =
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
         if name_prefix is not None:
             opts["name"] = f"{name_prefix}:{rank}"
+        opts.setdefault("max_concurrency", CHANNEL_ACTOR_CONCURRENCY)  # channel sends next to steps
         actors.append(remote.options(**opts).remote(config.worker_dict(), side, rank, size, host, store.port, num_pages))
     group = _process_group(host, store.port, 0, size, is_master=True, device=device, timeout_s=RANK_TIMEOUT_S,
                            store=store)
@@ -299,3 +301,95 @@ def check_ranks(actors: list, timeout_s: float = 10.0) -> None:
         ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
     except Exception as exc:  # noqa: BLE001
         raise RuntimeError(f"a TP rank of this replica is gone: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+# -- channel transfers from a TP group (kv_transfer.tp_transfer.TPChannelTransport) ----------
+# Follower ranks send their own KV heads over their own channels. The methods below run in a
+# rank actor's worker threads (the actor is threaded: ``CHANNEL_ACTOR_CONCURRENCY``), next to
+# its lockstep steps: a send reads leased pages that no step writes.
+CHANNEL_ACTOR_CONCURRENCY = 4  # a step, a send, a discard and the health check at once
+RANK_CALL_TIMEOUT_S = 30.0  # a follower's export or discard (no data moves: bookkeeping only)
+
+
+def _rank_channel(self, setup: dict):
+    from kv_transfer.channel import ChannelConfig, ChannelTransport
+    from kv_transfer.tp_transfer import RankChannel
+
+    channel = getattr(self, "_tp_channel", None)
+    if channel is None:
+        transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                     config=ChannelConfig(**setup["config"]), max_workers=setup["max_workers"])
+        channel = self._tp_channel = RankChannel(transport, self.runner.pool)
+    return channel
+
+
+def _channel_export(self, request_id: str, fault: str | None, setup: dict) -> bytes:
+    return _rank_channel(self, setup).export(request_id, fault)
+
+
+def _channel_send(self, request: dict) -> dict:
+    channel = getattr(self, "_tp_channel", None)
+    if channel is None:
+        return {"ok": False, "reason": "lost", "message": "this rank exported nothing", "checksums": None}
+    return channel.send_blocking(request)
+
+
+def _channel_discard(self, request_id: str) -> None:
+    channel = getattr(self, "_tp_channel", None)
+    if channel is not None:
+        channel.discard(request_id)
+
+
+RankActor.channel_export = _channel_export
+RankActor.channel_send = _channel_send
+RankActor.channel_discard = _channel_discard
+
+
+class RayRankChannel:
+    """The leader's handle on a follower's channel (``TPChannelTransport``'s follower)."""
+
+    def __init__(self, actor: Any, rank: int, setup: dict) -> None:
+        self.actor, self.rank, self.setup = actor, rank, setup
+
+    def export(self, request_id: str, fault: str | None = None) -> bytes:
+        import ray
+
+        from model_executor.parallel import RankFailed
+
+        try:
+            return ray.get(self.actor.channel_export.remote(request_id, fault, self.setup), timeout=RANK_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
+            raise RankFailed(f"TP rank {self.rank}: channel export of {request_id!r}: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}") from None
+
+    async def send(self, request: dict) -> dict:
+        return await self.actor.channel_send.remote(request)
+
+    def discard(self, request_id: str) -> None:
+        import ray
+
+        ray.get(self.actor.channel_discard.remote(request_id), timeout=RANK_CALL_TIMEOUT_S)
+
+
+def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, identity: dict, host: str):
+    """The channel transport (``nccl`` on CUDA, ``gloo`` on CPU) of a TP prefill replica: every
+    rank sends its own heads over its own channel (``kv_transfer.tp_transfer.TPChannelTransport``).
+    ``identity``: the leader's Serve identity (where receivers send their requests)."""
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.tp_transfer import TPChannelTransport
+    from model_executor.parallel import shard_of
+
+    leader = lock._runner
+    layout = shard_of(leader.model).layout
+    channel = config.transfer.channel
+    cfg = channel.channel_config()
+    rid = identity["replica_id"]
+    transport = ChannelTransport(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
+                                 config=cfg, max_workers=channel.max_workers)
+    followers = []
+    for rank, actor in enumerate(actors, start=1):
+        setup = {"host": host, "identity": TPChannelTransport.rank_identity(rid, rank),
+                 "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+                 "max_workers": channel.max_workers}
+        followers.append(RayRankChannel(actor, rank, setup))
+    return TPChannelTransport(transport, layout, followers, identity=identity, host=host)

@@ -1,0 +1,322 @@
+"""Channel transfers from a TP prefill group (kv_transfer/tp_transfer.TPChannelTransport and
+ChannelTransport.receive_heads) over gloo, in process: every prefill rank sends its own heads
+over its own channel; the decode pool (TP 1, or one rank of a TP decode group) ends up holding
+exactly the unsharded pool's pages, bit for bit; a failure on any rank fails the whole transfer
+and leaves no page reserved; tickets and send requests are checked strictly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from kv_transfer.channel import ChannelConfig, ChannelTransport, gather_heads, scatter_heads
+from kv_transfer.heads import HeadLayout
+from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
+from kv_transfer.tp_transfer import RankChannel, TPChannelTransport
+from tests.test_tp_transfer import HKV, HQ, RID, assert_rank_holds_its_heads, full_pool, rank_pool
+
+FAST = ChannelConfig(connect_timeout_s=3.0, transfer_timeout_s=2.0, idle_reopen_s=60.0)
+
+
+class Group:
+    """A TP prefill group of ``p`` ranks (their pools cut from ``full``) and ``d`` decode
+    receivers (one transport per decode rank), wired in process."""
+
+    def __init__(self, full, p: int, d: int = 1, config: ChannelConfig = FAST) -> None:
+        self.src, self.dst = HeadLayout(HQ, HKV, p), HeadLayout(HQ, HKV, d)
+        self.src_pools = [rank_pool(full, self.src.kv_heads(r), with_request=True) for r in range(p)]
+        self.dst_pools = [rank_pool(full, self.dst.kv_heads(r), with_request=False) for r in range(d)]
+        ident = lambda r: TPChannelTransport.rank_identity("P", r)  # noqa: E731
+        self.rank_transports = [ChannelTransport("cpu", identity=ident(r), config=config) for r in range(p)]
+        self.followers = [RankChannel(t, pool) for t, pool in zip(self.rank_transports[1:], self.src_pools[1:])]
+        self.sender = TPChannelTransport(self.rank_transports[0], self.src, self.followers,
+                                         identity={"replica_id": "P", "app": "a", "deployment": "Prefill"},
+                                         host="127.0.0.1")
+        self.calls: list[dict] = []
+        self.lease_ended = False
+
+        async def call_sender(sender: dict, request: dict) -> dict:
+            assert sender["replica_id"] == "P"  # routed to the leader, which relays
+            self.calls.append(request)
+            reply = await self.sender.serve_send(request)
+            if self.sender.sent(request["request_id"], request.get("rank"), reply["ok"]):
+                self.lease_ended = True
+            return reply
+
+        self.receivers = [ChannelTransport("cpu", identity={"replica_id": f"D{r}"}, call_sender=call_sender,
+                                           config=config) for r in range(d)]
+
+    def export(self, fault=None):
+        return self.sender.export(self.src_pools[0], RID, fault=fault)
+
+    def close(self) -> None:
+        for t in self.rank_transports + self.receivers:
+            t.close()
+        time.sleep(0.1)  # see tests/test_kv_channel.py Pair.close
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("p", [2, 4])
+def test_tp_group_to_one_decode_replica_is_bit_exact(dtype, p):
+    full = full_pool(dtype, seed=11 + p)
+    g = Group(full, p)
+    try:
+        ticket = g.export()
+        assert ticket.transport == "gloo" and ticket.nbytes == sum(
+            2 * full.num_layers * len(full.pages(RID)) * full.page_size * full.head_dim * full.k.element_size()
+            for _ in range(HKV))
+        pages = run(g.receivers[0].receive(ticket, g.dst_pools[0]))
+        assert len(pages) == full.pages_for(full.seq_len(RID))
+        assert_rank_holds_its_heads(full, g.dst_pools[0], range(HKV))
+        assert sorted(c["rank"] for c in g.calls) == list(range(p))  # one send per rank, each its own heads
+        assert [c["sender_id"] for c in g.calls] == [f"P:tp{r}" for r in range(p)]
+        assert g.lease_ended  # every rank sent
+        assert all(t.counters()["channel_sends"] == 1 for t in g.rank_transports)
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("p,d", [(2, 2), (1, 2), (4, 2)])
+def test_each_decode_rank_receives_only_its_heads(p, d):
+    full = full_pool(torch.bfloat16, seed=5 * p + d)
+    g = Group(full, p, d)
+    try:
+        ticket = g.export()
+        for r in range(d):
+            run(g.receivers[r].receive_heads(ticket, g.dst_pools[r], dst_layout=g.dst, dst_rank=r))
+            assert_rank_holds_its_heads(full, g.dst_pools[r], g.dst.kv_heads(r))
+        with pytest.raises(ValueError, match="^dst_rank"):
+            run(g.receivers[0].receive_heads(ticket, g.dst_pools[0], dst_layout=g.dst, dst_rank=d))
+        # a decode rank whose pool holds other heads than its layout says takes no page
+        wrong = rank_pool(full, range(HKV), with_request=False)
+        with pytest.raises(TransferError, match="the routes fill heads") as info:
+            run(g.receivers[0].receive_heads(ticket, wrong, dst_layout=g.dst, dst_rank=0))
+        assert info.value.reason is TransferFailure.SHAPE and wrong.used_pages == 0
+        # bytes each decode rank pulled: its own heads only
+        for r, t in enumerate(g.receivers):
+            per_head = 2 * full.num_layers * len(full.pages(RID)) * full.page_size * full.head_dim * 2
+            assert t.counters()["channel_bytes_received"] == per_head * g.dst.local_kv_heads
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("fault", ["flip", "break"])
+def test_a_fault_on_one_rank_fails_the_whole_transfer_and_frees_every_page(fault):
+    full = full_pool(torch.float32, seed=3)
+    g = Group(full, 2)
+    try:
+        ticket = g.export(fault=fault)
+        with pytest.raises(TransferError) as info:
+            run(g.receivers[0].receive(ticket, g.dst_pools[0]))
+        assert info.value.retryable
+        assert info.value.reason is (TransferFailure.CHECKSUM if fault == "flip" else TransferFailure.LOST)
+        assert g.dst_pools[0].used_pages == 0 and not g.dst_pools[0].has(RID)
+        assert g.lease_ended  # the failed rank's send ended the lease (flip: both sent, the check failed)
+        # the lease's end discards every rank's export; the prefill pages then go back
+        g.sender.discard(ticket)
+        assert all(t.counters()["channel_staged"] == 0 for t in g.rank_transports)
+        # a later transfer of the same pages is refused (the ranks no longer export them)
+        with pytest.raises(TransferError) as again:
+            run(g.receivers[0].receive(ticket, g.dst_pools[0]))
+        assert again.value.reason is TransferFailure.LOST
+        assert g.dst_pools[0].used_pages == 0
+    finally:
+        g.close()
+
+
+def test_discard_before_a_send_fails_that_rank_and_the_transfer():
+    full = full_pool(torch.float32, seed=4)
+    g = Group(full, 2)
+    try:
+        ticket = g.export()
+        g.followers[0].discard(RID)  # rank 1's lease state gone (as after a release)
+        with pytest.raises(TransferError) as info:
+            run(g.receivers[0].receive(ticket, g.dst_pools[0]))
+        assert info.value.reason is TransferFailure.LOST and "no exported pages" in str(info.value)
+        assert g.dst_pools[0].used_pages == 0
+        assert [c["rank"] for c in g.calls] == [0, 1]
+    finally:
+        g.close()
+
+
+def test_lease_ends_only_when_every_rank_has_sent():
+    layout = HeadLayout(HQ, HKV, 4)
+    t = TPChannelTransport.__new__(TPChannelTransport)
+    t.layout, t._pending = layout, {RID: {0, 1, 2, 3}}
+    assert not t.sent(RID, 0, True) and not t.sent(RID, 2, True) and not t.sent(RID, 3, True)
+    assert t.sent(RID, 1, True)
+    t._pending = {RID: {0, 1, 2}}
+    assert t.sent(RID, 1, False)  # a failed send ends it at once
+    assert t.sent("unknown", 0, True)
+
+
+def _ticket(g: Group, **tp_changes):
+    ticket = g.export()
+    handle = dict(ticket.handle)
+    handle["tp"] = {**handle["tp"], **tp_changes}
+    return dataclasses.replace(ticket, handle=handle)
+
+
+def test_bad_tp_tickets_are_refused_before_any_page_is_taken():
+    full = full_pool(torch.float32, seed=6)
+    g = Group(full, 2)
+    try:
+        good = g.export()
+        hdr = KVFrameHeader.decode(good.handle["tp"]["ranks"][1])
+        wrong_tokens = dataclasses.replace(hdr, num_tokens=hdr.num_tokens - 1).encode()
+        cases = [
+            ({"tp_size": 4}, TransferFailure.MALFORMED, "rank headers"),
+            ({"tp_size": 3}, TransferFailure.MALFORMED, "must divide"),
+            ({"ranks": "x"}, TransferFailure.MALFORMED, "tp: expected"),
+            ({"ranks": [good.handle["tp"]["ranks"][0], wrong_tokens]}, TransferFailure.MALFORMED, "rank 1"),
+            ({"num_kv_heads": HKV * 2}, TransferFailure.MALFORMED, "rank 0"),
+        ]
+        for change, reason, words in cases:
+            g.calls.clear()
+            with pytest.raises(TransferError) as info:
+                run(g.receivers[0].receive(_ticket(g, **change), g.dst_pools[0]))
+            assert info.value.reason is reason and words in str(info.value), (change, info.value)
+            assert not g.calls and g.dst_pools[0].used_pages == 0
+        # a pool with other heads (here half of them) cannot take the group's heads
+        half = rank_pool(full, range(HKV // 2), with_request=False)
+        with pytest.raises(TransferError, match="num_kv_heads") as info:
+            run(g.receivers[0].receive(good, half))
+        assert info.value.reason is TransferFailure.SHAPE and half.used_pages == 0 and not g.calls
+        extra = dataclasses.replace(good, handle={**good.handle, "more": 1})
+        with pytest.raises(TransferError) as info:
+            run(g.receivers[0].receive(extra, g.dst_pools[0]))
+        assert info.value.reason is TransferFailure.MALFORMED
+        # FP8 scales that differ on one head are refused before any page is taken
+        f8 = full_pool(torch.float8_e4m3fn, seed=7)
+        g8 = Group(f8, 2)
+        try:
+            t8 = g8.export()
+            g8.dst_pools[0].set_scales(0, f8.k_scale[0] * 2, f8.v_scale[0])
+            with pytest.raises(TransferError, match="FP8 scales of KV head") as info:
+                run(g8.receivers[0].receive(t8, g8.dst_pools[0]))
+            assert info.value.reason is TransferFailure.SHAPE and not g8.calls
+        finally:
+            g8.close()
+    finally:
+        g.close()
+
+
+def test_leader_refuses_send_requests_for_no_rank():
+    full = full_pool(torch.float32, seed=8)
+    g = Group(full, 2)
+    try:
+        for rank in (None, -1, 2, True, "0"):
+            reply = run(g.sender.serve_send({"rank": rank}))
+            assert reply["ok"] is False and reply["reason"] == "unavailable" and "rank" in reply["message"]
+    finally:
+        g.close()
+
+
+def test_send_request_heads_are_checked():
+    full = full_pool(torch.float32, seed=9)
+    g = Group(full, 2)
+    try:
+        g.export()
+        base = {"request_id": RID, "sender_id": "P:tp0", "receiver_id": "D0", "host": "127.0.0.1", "port": 1,
+                "prefix": "fpkv/x/", "generation": 1, "backend": "gloo", "timeout_s": 1.0, "layers_per_chunk": 1}
+        for extra, words in (({"rank": 0}, "keys"), ({"rank": 0, "heads": []}, "heads"),
+                             ({"rank": 0, "heads": [0, 0]}, "heads"), ({"rank": 0, "heads": [True]}, "heads"),
+                             ({"rank": -1, "heads": [0]}, "rank"), ({"rank": 0, "heads": [HKV]}, "heads")):
+            reply = run(g.rank_transports[0].serve_send({**base, **extra}))
+            assert reply["ok"] is False and words in reply["message"], (extra, reply)
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
+    full = full_pool(dtype, seed=10)
+    pages = full.pages(RID)
+    heads = [3, 0, 2]
+    got = gather_heads(full, pages, (1, 2), heads)
+    hd = 2 if full.config.v_token_major else 3
+    idx = torch.tensor(pages)
+    want = torch.cat([src.view(torch.uint8)[1:2].index_select(1, idx).index_select(d, torch.tensor(heads)).reshape(-1)
+                      for src, d in ((full.k_raw, 3), (full.v_raw, hd))])
+    assert torch.equal(got, want)
+    other = full_pool(dtype, seed=12)
+    before_k = other.k_raw.clone()
+    scatter_heads(other, pages, got, (1, 2), heads)
+    assert torch.equal(gather_heads(other, pages, (1, 2), heads), want)
+    assert torch.equal(other.k_raw[:, :, :, 1], before_k[:, :, :, 1])  # an untouched head stays
+    with pytest.raises(ValueError, match="heads"):
+        gather_heads(full, pages, (0, 1), [0, 0])
+    with pytest.raises(ValueError, match="heads"):
+        gather_heads(full, pages, (0, 1), [HKV])
+    with pytest.raises(ValueError, match="payload"):
+        scatter_heads(other, pages, got[:-1], (1, 2), heads)
+    with pytest.raises(ValueError, match="followers"):
+        TPChannelTransport(ChannelTransport("cpu"), HeadLayout(HQ, HKV, 2), [], identity={}, host="h")
+
+
+def test_tp_prefill_transport_choice():
+    from kv_transfer.transfer import select_transport
+    from prefill_worker.deployment import tp_transport_choice
+
+    # CPU: gloo is the channel; auto means the object store
+    assert tp_transport_choice(select_transport("gloo", device="cpu")) == "channel"
+    assert tp_transport_choice(select_transport("auto", device="cpu")) == "object_store"
+    assert tp_transport_choice(select_transport("object_store", device="cpu")) == "object_store"
+    # CUDA (the choice only, no GPU needed): auto's IPC part does not apply to a TP group, its
+    # NCCL channel does; cuda_ipc alone has no channel and ships the merged frame
+    assert tp_transport_choice(select_transport("auto", device="cuda")) == "channel"
+    assert tp_transport_choice(select_transport("nccl", device="cuda")) == "channel"
+    assert tp_transport_choice(select_transport("cuda_ipc", device="cuda")) == "object_store"
+    with pytest.raises(ValueError, match="^kind"):
+        tp_transport_choice("carrier pigeon")
+
+
+class _DeadRank:
+    """A follower whose process is gone: every call fails."""
+
+    def export(self, request_id, fault=None):
+        raise RuntimeError("rank actor died")
+
+    async def send(self, request):
+        raise RuntimeError("rank actor died")
+
+    def discard(self, request_id):
+        raise RuntimeError("rank actor died")
+
+
+def test_a_dead_rank_fails_the_export_and_leaves_no_export_behind():
+    full = full_pool(torch.float32, seed=13)
+    g = Group(full, 2)
+    try:
+        g.sender.followers[0] = _DeadRank()
+        with pytest.raises(RuntimeError, match="died"):
+            g.export()
+        assert g.rank_transports[0].counters()["channel_staged"] == 0  # the leader's record is gone too
+        assert RID not in g.sender._pending
+    finally:
+        g.close()
+
+
+def test_discard_reaches_every_live_rank_past_a_dead_one_and_a_dead_rank_send_is_lost():
+    full = full_pool(torch.float32, seed=14)
+    g = Group(full, 4)
+    try:
+        ticket = g.export()
+        live = g.sender.followers[1]
+        g.sender.followers[0] = _DeadRank()
+        reply = run(g.sender.serve_send({"rank": 1, "request_id": RID}))
+        assert reply["ok"] is False and reply["reason"] == "lost" and "TP rank 1" in reply["message"]
+        g.sender.discard(ticket)  # must not stop at the dead rank 1
+        assert live.transport.counters()["channel_staged"] == 0
+        assert g.rank_transports[0].counters()["channel_staged"] == 0
+        assert g.rank_transports[3].counters()["channel_staged"] == 0
+    finally:
+        g.close()
