@@ -227,8 +227,8 @@ def shard_param_bytes(config: Any, tp_size: int, *, bytes_per_param: float = 2.0
 # broken and must be replaced (its in-flight requests are retried as for any dead replica).
 
 POOL_MUTATIONS = frozenset({"reserve", "adopt", "release", "reserve_with_prefix", "cache_prefix",
-                            "clear_prefix_cache", "set_seq_len", "rename", "set_scales"})
-RUNNER_STEPS = frozenset({"prefill", "decode", "calibrate_kv_scales", "ensure_capacity"})
+                            "clear_prefix_cache", "set_seq_len", "rename", "set_scales", "fork"})
+RUNNER_STEPS = frozenset({"prefill", "prefill_keeping", "decode", "calibrate_kv_scales", "ensure_capacity"})
 
 
 class RankFailed(RuntimeError):
@@ -336,6 +336,10 @@ class LockstepRunner:
 
     def prefill(self, items):
         return self._step("prefill", list(items))
+
+    def prefill_keeping(self, items, keep_all=None, sparse_config=None):
+        """Prompt logprobs and per-request sparsity (``PrefillEngine._forward``) run this one."""
+        return self._step("prefill_keeping", list(items), None if keep_all is None else list(keep_all), sparse_config)
 
     def decode(self, request_ids, last_token_ids):
         return self._step("decode", list(request_ids), list(last_token_ids))

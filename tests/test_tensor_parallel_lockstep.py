@@ -43,6 +43,15 @@ def serve(runner) -> dict:
         out["cached"].append(res.cached_tokens)
         reqs.append((res, decode))
     states = [decode.add_request(r.request_id, r.kv_len, r.first_token, params) for r, _ in reqs]
+    # prompt logprobs at a request's own alpha (the runner's prefill_keeping), then n = 2 seeded
+    # choices forked over one copy of the pages (KVPool.fork on every rank)
+    seeded = (SamplingParams(temperature=1.0, seed=3, max_new_tokens=6),
+              SamplingParams(temperature=1.0, seed=4, max_new_tokens=6))
+    (res,) = prefill.prefill([PrefillRequest("g", prompts()[0][:70], SamplingParams(temperature=0.0, prompt_logprobs=0),
+                                             sparse_alpha=0.5, choices=seeded)])
+    out["prompt_logprobs"] = [round(e.logprob, 4) for e in res.prompt_logprobs[1:]]
+    states += decode.add_group("g", res.kv_len, [(f"g#{k}", tok, p) for k, (tok, p) in
+                                                 enumerate(zip(res.first_tokens, seeded))])
     decode.run_until_done()
     out["tokens"] = [list(s.output_ids) for s in states]
     runner.pool.clear_prefix_cache()
@@ -151,6 +160,8 @@ def test_lockstep_engines_equal_tp1_and_leave_no_page(tmp_path):
     want = serve(make_runner(None))
     for key in ("first", "cached", "tokens"):
         assert got[key] == want[key] == got["again"][key], key
+    assert got["prompt_logprobs"] == pytest.approx(want["prompt_logprobs"], abs=2e-3)
+    assert len(want["tokens"]) == 5 and want["tokens"][3] != want["tokens"][4]  # the two seeded choices
     assert want["cached"][1] == 128  # the prefix cache was used
     assert got["used_pages"] == 0 and got["died"] is None
     assert got["follower_pages"] == 40 // PAGE + 1  # only the last request ("last") still holds pages
