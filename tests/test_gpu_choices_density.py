@@ -67,7 +67,7 @@ def test_a_group_decodes_through_cuda_graphs(kv):
     runner = ModelRunner(loaded.model, pool, SparseConfig(alpha=0.0), dense_below=0, device="cuda")
     if kv == "fp8":
         runner.calibrate_kv_scales()
-    graphs = runner.enable_decode_graphs(max_seqlen=512, batch_sizes=(1, 2, 4))
+    graphs = runner.enable_decode_graphs(max_seqlen=512, batch_sizes=(1, 2, 4, 8))  # both groups: 6 rows
     prefill, decode = PrefillEngine(runner), DecodeEngine(runner, max_running=8)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     seeded = tuple(SamplingParams(temperature=1.0, seed=s, max_new_tokens=12) for s in (1, 2, 3))
