@@ -133,7 +133,8 @@ def test_new_fields_exist_as_documented():
     assert not back.tools[0].function.HasField("strict") and not back.tools[0].function.HasField("description")
     assert not pb.ChatMessage(role="user").HasField("name")
     call = pb.ToolCall(id="call_1", type="function", function=pb.FunctionCall(name="f", arguments="{}"))
-    assert pb.GenerateResponse.FromString(pb.GenerateResponse(tool_calls=[call]).SerializeToString()).tool_calls[0] == call
+    resp = pb.GenerateResponse(tool_calls=[call], choices=[pb.Choice(tool_calls=[call])])
+    assert pb.GenerateResponse.FromString(resp.SerializeToString()) == resp
 
 
 # ----------------------------------------------------------------------------- invalid UTF-8
