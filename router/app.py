@@ -341,7 +341,7 @@ class OpenAIIngress:
         return RequestError(rename + err.message[len(param):], param=rename, status=err.status, code=err.code)
 
     @staticmethod
-    def _grpc_schema(message: Any, source: str | None, at: str) -> Any:
+    def _grpc_schema(message: Any, source: str, at: str) -> Any:
         """A JSON Schema sent as JSON text (``<at>_json``, or ``schema_json`` under
         ``response_format``) or as a ``google.protobuf.Struct`` (``at``), as HTTP's object."""
         from google.protobuf import json_format
