@@ -34,6 +34,7 @@ from .protocol import (
     completion_response,
     models_response,
     openapi_extra,
+    split_tool_calls,
     stream_chunk,
     tool_call_chunks,
     usage,
@@ -327,14 +328,22 @@ class OpenAIIngress:
         elif param.startswith("response_format.json_schema.schema") and \
                 message.response_format.json_schema.WhichOneof("schema_source") == "schema_json":
             rename = "response_format.json_schema.schema_json" + param[len("response_format.json_schema.schema"):]
+        elif param == "tool_choice" and message.tool_choice.WhichOneof("choice") == "mode":
+            rename = "tool_choice.mode"
+        elif param.startswith("tools[") and ".function.parameters" in param:
+            i = param[6:param.index("]")]
+            head = f"tools[{i}].function.parameters"
+            if i.isdigit() and int(i) < len(message.tools) and param.startswith(head) and \
+                    message.tools[int(i)].function.WhichOneof("parameters_source") == "parameters_json":
+                rename = head + "_json" + param[len(head):]
         if rename is None or not err.message.startswith(param):
             return err
         return RequestError(rename + err.message[len(param):], param=rename, status=err.status, code=err.code)
 
     @staticmethod
-    def _grpc_response_format(rf: Any) -> dict:
-        """A ``ResponseFormat`` message as HTTP's ``response_format`` object (only the fields
-        set: the parser then refuses a field the type does not take, as over HTTP)."""
+    def _grpc_schema(message: Any, source: str, at: str) -> Any:
+        """A JSON Schema sent as JSON text (``<at>_json``, or ``schema_json`` under
+        ``response_format``) or as a ``google.protobuf.Struct`` (``at``), as HTTP's object."""
         from google.protobuf import json_format
 
         def integral(value: Any) -> Any:  # Struct numbers are doubles: 3.0 -> 3 (maxLength, minItems, ...)
@@ -346,6 +355,19 @@ class OpenAIIngress:
                 return [integral(v) for v in value]
             return value
 
+        if source.endswith("_json"):
+            try:
+                return json.loads(getattr(message, source))
+            except (ValueError, RecursionError) as exc:
+                param = f"{at.rpartition('.')[0]}.{source}"
+                raise RequestError(f"{param}: expected JSON text ({exc})"[:300], param=param, status=400,
+                                   code="invalid_value") from None
+        return integral(json_format.MessageToDict(getattr(message, source)))
+
+    @classmethod
+    def _grpc_response_format(cls, rf: Any) -> dict:
+        """A ``ResponseFormat`` message as HTTP's ``response_format`` object (only the fields
+        set: the parser then refuses a field the type does not take, as over HTTP)."""
         out: dict[str, Any] = {"type": rf.type}
         if rf.HasField("json_schema"):
             js = rf.json_schema
@@ -353,15 +375,8 @@ class OpenAIIngress:
             if js.HasField("description"):
                 body["description"] = js.description
             source = js.WhichOneof("schema_source")
-            if source == "schema_json":
-                try:
-                    body["schema"] = json.loads(js.schema_json)
-                except (ValueError, RecursionError) as exc:
-                    raise RequestError(f"response_format.json_schema.schema_json: expected JSON text ({exc})"[:300],
-                                       param="response_format.json_schema.schema_json", status=400,
-                                       code="invalid_value") from None
-            elif source == "schema":
-                body["schema"] = integral(json_format.MessageToDict(js.schema))
+            if source is not None:
+                body["schema"] = cls._grpc_schema(js, source, "response_format.json_schema.schema")
             if js.HasField("strict"):
                 body["strict"] = js.strict
             out["json_schema"] = body
@@ -370,6 +385,48 @@ class OpenAIIngress:
         if rf.choices:
             out["choices"] = list(rf.choices)
         return out
+
+    @staticmethod
+    def _grpc_message(m: Any) -> dict:
+        """A ``ChatMessage`` as HTTP's message object (the fields set only: the parser refuses
+        ``tool_calls`` outside an assistant message, ``tool_call_id`` outside a tool message)."""
+        out: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.HasField("name"):
+            out["name"] = m.name
+        if m.tool_call_id:
+            out["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type or "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        return out
+
+    @classmethod
+    def _grpc_tools(cls, message: Any, body: dict) -> None:
+        """``tools``, ``tool_choice``, ``parallel_tool_calls`` into HTTP's body (the parser checks them)."""
+        if message.tools:
+            tools = []
+            for i, tool in enumerate(message.tools):
+                fn = tool.function
+                function: dict[str, Any] = {"name": fn.name}
+                if fn.HasField("description"):
+                    function["description"] = fn.description
+                source = fn.WhichOneof("parameters_source")
+                if source is not None:
+                    function["parameters"] = cls._grpc_schema(fn, source, f"tools[{i}].function.parameters")
+                if fn.HasField("strict"):
+                    function["strict"] = fn.strict
+                tools.append({"type": tool.type or "function", "function": function})
+            body["tools"] = tools
+        if message.HasField("tool_choice"):
+            which = message.tool_choice.WhichOneof("choice")
+            if which is None:
+                raise RequestError("tool_choice: expected mode or function", param="tool_choice", status=400,
+                                   code="invalid_value")
+            body["tool_choice"] = message.tool_choice.mode if which == "mode" else {
+                "type": "function", "function": {"name": message.tool_choice.function.name}}
+        if message.HasField("parallel_tool_calls"):
+            body["parallel_tool_calls"] = message.parallel_tool_calls
 
     def _grpc_parse(self, message: Any, *, stream: bool = False) -> GenerationRequest:
         body: dict[str, Any] = {"model": message.model}
@@ -380,7 +437,7 @@ class OpenAIIngress:
                                param="prompt", status=400)
         kind = "chat" if given[0] == "messages" else "completion"
         if kind == "chat":
-            body["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
+            body["messages"] = [self._grpc_message(m) for m in message.messages]
         elif given[0] == "prompts":
             prompts = []
             for i, p in enumerate(message.prompts):
@@ -398,6 +455,7 @@ class OpenAIIngress:
                 body[name] = getattr(message, name)
         if message.HasField("response_format"):
             body["response_format"] = self._grpc_response_format(message.response_format)
+        self._grpc_tools(message, body)  # completions refuse them (as HTTP's parser refuses tools there)
         floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in ("max_tokens", "top_k", "seed", "min_tokens", *floats):
             if message.HasField(name):
@@ -465,10 +523,17 @@ class OpenAIIngress:
             msg.routing.CopyFrom(pb.Routing(**{k: v or "" for k, v in routing.items()}))
 
     def _grpc_choice(self, pb: Any, req: GenerationRequest, index: int, result: Any) -> Any:
-        return pb.Choice(index=index, text=(result.prompt_text or "") + result.text if req.echo else result.text,
-                         token_ids=result.token_ids, finish_reason=result.finish_reason,
+        text = (result.prompt_text or "") + result.text if req.echo else result.text
+        content, calls, finish = split_tool_calls(req, text, result.finish_reason)  # chat with tools only
+        return pb.Choice(index=index, text=content or "", token_ids=result.token_ids, finish_reason=finish,
                          logprobs=self._grpc_logprobs(pb, result.logprobs),
-                         prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]))
+                         prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]),
+                         tool_calls=self._grpc_tool_calls(pb, calls))
+
+    @staticmethod
+    def _grpc_tool_calls(pb: Any, calls: list[dict] | None) -> list:
+        return [pb.ToolCall(id=c["id"], type=c["type"], function=pb.FunctionCall(
+            name=c["function"]["name"], arguments=c["function"]["arguments"])) for c in calls or ()]
 
     @staticmethod
     def _grpc_logprobs(pb: Any, entries: list | None) -> list:
@@ -494,7 +559,7 @@ class OpenAIIngress:
         out = pb.GenerateResponse(request_id=req.request_id, model=req.model, text=first.text, token_ids=first.token_ids,
                                   finish_reason=first.finish_reason, logprobs=first.logprobs,
                                   prompt_logprobs=first.prompt_logprobs, system_fingerprint=SYSTEM_FINGERPRINT,
-                                  choices=out_choices)
+                                  choices=out_choices, tool_calls=first.tool_calls)
         cached = [(res.timing or {}).get("cached_tokens") for _, _, res in choices]
         self._grpc_usage(pb, out, req, generated, None if None in cached else sum(cached),
                          (result.timing or {}).get("sparse_attention"))
@@ -560,6 +625,7 @@ class OpenAIIngress:
         cached: dict[int, int] = {}  # per choice, from whichever message carried timing; summed as HTTP
         sparse = None
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
+        held: dict[int, tuple[list, list, list]] = {}  # chat with tools: per choice, text, token ids, logprobs
         deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
         try:
             async for index, delta in deltas:
@@ -569,13 +635,24 @@ class OpenAIIngress:
                 if delta.timing is not None:
                     sparse = delta.timing.get("sparse_attention") or sparse
                 echo = req.echo and delta.first
-                msg = pb.GenerateStreamResponse(request_id=req.request_id, index=index,
-                                                text=(delta.prompt_text or "") + delta.text if echo else delta.text,
-                                                token_ids=delta.token_ids, finish_reason=delta.finish_reason or "",
-                                                logprobs=self._grpc_logprobs(pb, delta.logprobs),
+                text, token_ids, logprobs = (delta.prompt_text or "") + delta.text if echo else delta.text, \
+                    delta.token_ids, delta.logprobs
+                finish, calls = delta.finish_reason, None
+                if req.tool_format is not None:  # calls are parsed from the whole reply: hold it back (as HTTP)
+                    texts, token_ids, logprobs = held.setdefault(index, ([], [], []))
+                    texts.append(text)
+                    token_ids.extend(delta.token_ids)
+                    logprobs.extend(delta.logprobs or ())
+                    if finish is None:
+                        continue
+                    text, calls, finish = split_tool_calls(req, "".join(texts), finish)
+                msg = pb.GenerateStreamResponse(request_id=req.request_id, index=index, text=text or "",
+                                                token_ids=token_ids, finish_reason=finish or "",
+                                                logprobs=self._grpc_logprobs(pb, logprobs),
                                                 prompt_logprobs=self._grpc_logprobs(
                                                     pb, (delta.prompt_logprobs or [])[1:] if echo else []),
-                                                system_fingerprint=SYSTEM_FINGERPRINT)
+                                                system_fingerprint=SYSTEM_FINGERPRINT,
+                                                tool_calls=self._grpc_tool_calls(pb, calls))
                 if delta.finish_reason is not None:
                     self._grpc_timing(pb, msg, delta.timing, delta.routing)
                     left -= 1

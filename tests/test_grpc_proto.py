@@ -77,11 +77,33 @@ _OLD_FIELDS = {
               "total_tokens": (3, "uint32", False), "cached_tokens": (4, "uint32", False),
               "prompt_tokens_details": (5, "message", False), "sparse_attention": (6, "message", False)},
 }
+# fields added since (gRPC parity: choices, prompt lists, formats, tool calls), pinned as released
+_ADDED_FIELDS = {
+    "GenerateRequest": {"prompts": (22, "message", True), "n": (23, "uint32", False),
+                        "best_of": (24, "uint32", False), "response_format": (25, "message", False),
+                        "tools": (26, "message", True), "tool_choice": (27, "message", False),
+                        "parallel_tool_calls": (28, "bool", False)},
+    "ChatMessage": {"role": (1, "string", False), "content": (2, "string", False), "name": (3, "string", False),
+                    "tool_call_id": (4, "string", False), "tool_calls": (5, "message", True)},
+    "GenerateResponse": {"choices": (12, "message", True), "tool_calls": (13, "message", True)},
+    "GenerateStreamResponse": {"index": (11, "uint32", False), "tool_calls": (12, "message", True)},
+    "Choice": {"index": (1, "uint32", False), "text": (2, "string", False), "token_ids": (3, "int32", True),
+               "finish_reason": (4, "string", False), "logprobs": (5, "message", True),
+               "prompt_logprobs": (6, "message", True), "tool_calls": (7, "message", True)},
+    "ToolCall": {"id": (1, "string", False), "type": (2, "string", False), "function": (3, "message", False)},
+    "FunctionCall": {"name": (1, "string", False), "arguments": (2, "string", False)},
+    "Tool": {"type": (1, "string", False), "function": (2, "message", False)},
+    "FunctionDefinition": {"name": (1, "string", False), "description": (2, "string", False),
+                           "parameters_json": (3, "string", False), "parameters": (4, "message", False),
+                           "strict": (5, "bool", False)},
+    "ToolChoice": {"mode": (1, "string", False), "function": (2, "message", False)},
+    "NamedFunction": {"name": (1, "string", False)},
+}
 _TYPE_NAMES = {"string": 9, "int32": 5, "uint32": 13, "uint64": 4, "float": 2, "bool": 8, "message": 11}
 
 
 def test_existing_fields_keep_their_numbers_and_types():
-    for message, fields in _OLD_FIELDS.items():
+    for message, fields in [*_OLD_FIELDS.items(), *_ADDED_FIELDS.items()]:
         descriptor = getattr(pb, message).DESCRIPTOR
         for name, (number, type_name, repeated) in fields.items():
             fd = descriptor.fields_by_name[name]
@@ -100,6 +122,19 @@ def test_new_fields_exist_as_documented():
     resp = pb.GenerateResponse(choices=[pb.Choice(index=1, text="t", token_ids=[3], finish_reason="stop")])
     assert pb.GenerateResponse.FromString(resp.SerializeToString()).choices[0].index == 1
     assert pb.GenerateStreamResponse(index=3).index == 3
+    # tool calling: unset optional fields are HTTP's absent ones
+    req = pb.GenerateRequest(tools=[pb.Tool(function=pb.FunctionDefinition(name="f", parameters_json="{}"))],
+                             tool_choice=pb.ToolChoice(function=pb.NamedFunction(name="f")), parallel_tool_calls=False)
+    back = pb.GenerateRequest.FromString(req.SerializeToString())
+    assert back == req and back.HasField("parallel_tool_calls") and not back.parallel_tool_calls
+    assert not pb.GenerateRequest().HasField("parallel_tool_calls") and not pb.GenerateRequest().HasField("tool_choice")
+    assert back.tool_choice.WhichOneof("choice") == "function"
+    assert back.tools[0].function.WhichOneof("parameters_source") == "parameters_json"
+    assert not back.tools[0].function.HasField("strict") and not back.tools[0].function.HasField("description")
+    assert not pb.ChatMessage(role="user").HasField("name")
+    call = pb.ToolCall(id="call_1", type="function", function=pb.FunctionCall(name="f", arguments="{}"))
+    resp = pb.GenerateResponse(tool_calls=[call], choices=[pb.Choice(tool_calls=[call])])
+    assert pb.GenerateResponse.FromString(resp.SerializeToString()) == resp
 
 
 # ----------------------------------------------------------------------------- invalid UTF-8
@@ -123,8 +158,31 @@ def _random_request(rng: random.Random, where: str):
     n_prompts, n_msgs, n_stop, n_choices = (rng.randint(1, 3) for _ in range(4))
     for i in range(n_prompts):
         req.prompts.add(text=text(f"prompts[{i}].text"))
+    msg_places = []
     for i in range(n_msgs):
-        req.messages.add(role=text(f"messages[{i}].role"), content=text(f"messages[{i}].content"))
+        m = req.messages.add(role=text(f"messages[{i}].role"), content=text(f"messages[{i}].content"),
+                             name=text(f"messages[{i}].name"), tool_call_id=text(f"messages[{i}].tool_call_id"))
+        msg_places += [f"messages[{i}].{f}" for f in ("role", "content", "name", "tool_call_id")]
+        for j in range(rng.randint(0, 2)):
+            at = f"messages[{i}].tool_calls[{j}]"
+            m.tool_calls.add(id=text(f"{at}.id"), type=text(f"{at}.type"), function=pb.FunctionCall(
+                name=text(f"{at}.function.name"), arguments=text(f"{at}.function.arguments")))
+            msg_places += [f"{at}.{f}" for f in ("id", "type", "function.name", "function.arguments")]
+    tool_places = []
+    for i in range(rng.randint(1, 3)):
+        at = f"tools[{i}]"
+        fn = req.tools.add(type=text(f"{at}.type")).function
+        fn.name, fn.description = text(f"{at}.function.name"), text(f"{at}.function.description")
+        if rng.random() < 0.5:
+            fn.parameters_json = text(f"{at}.function.parameters_json")
+        else:
+            fn.parameters.update({"properties": {text(f"{at}.function.parameters"): {"maxLength": 3.0}}})
+        tool_places += [f"{at}.{f}" for f in ("type", "function.name", "function.description")]
+        tool_places.append(f"{at}.function.{fn.WhichOneof('parameters_source')}")
+    if rng.random() < 0.5:
+        req.tool_choice.mode = text("tool_choice.mode")
+    else:
+        req.tool_choice.function.name = text("tool_choice.function.name")
     req.stop.extend(text(f"stop[{i}]") for i in range(n_stop))
     req.logit_bias[rng.randrange(300)] = 1.5
     rf = req.response_format
@@ -138,7 +196,8 @@ def _random_request(rng: random.Random, where: str):
     else:
         rf.json_schema.schema.update({"k": [text("response_format.json_schema.schema"), {"d": 1.0}]})
     places = ["model", "request_id", *(f"prompts[{i}].text" for i in range(n_prompts)),
-              *(f"messages[{i}].{f}" for i in range(n_msgs) for f in ("role", "content")),
+              *msg_places, *tool_places,
+              "tool_choice." + ("mode" if req.tool_choice.WhichOneof("choice") == "mode" else "function.name"),
               *(f"stop[{i}]" for i in range(n_stop)), "response_format.type", "response_format.pattern",
               *(f"response_format.choices[{i}]" for i in range(n_choices)), "response_format.json_schema.name",
               "response_format.json_schema.description",
@@ -149,7 +208,7 @@ def _random_request(rng: random.Random, where: str):
 def test_a_string_that_is_not_utf8_is_traced_to_its_field():
     rng = random.Random(20261202)
     seen = set()
-    for _ in range(300):
+    for _ in range(600):
         seed = rng.randrange(2**32)
         _, places = _random_request(random.Random(seed), "")
         where = rng.choice(places)
@@ -158,7 +217,32 @@ def test_a_string_that_is_not_utf8_is_traced_to_its_field():
         assert isinstance(parsed, MalformedMessage) and parsed.field == where, (where, parsed)
         assert parse_generate_request(marked.SerializeToString()) == marked  # intact: parses
         seen.add(re.sub(r"\[\d+\]", "[]", where))
-    assert len(seen) >= 12, seen  # every kind of string field was hit
+    assert len(seen) == 26, seen  # every kind of string field was hit
+
+
+def test_a_tool_field_that_is_not_utf8_is_named():
+    """The fields of tool calling, as a client would fill them (the random test above mixes all)."""
+    tools = [pb.Tool(type="function", function=pb.FunctionDefinition(name="ok", parameters_json="{}")),
+             pb.Tool(function=pb.FunctionDefinition(name="f" + _MARK))]
+    req = pb.GenerateRequest(model="m", tools=tools, tool_choice=pb.ToolChoice(mode="required"))
+    req.messages.add(role="user", content="hi")
+    assert parse_generate_request(_corrupt(req)).field == "tools[1].function.name"
+    req.tools[1].function.name = "f"
+    req.tools[1].function.parameters.update({"properties": {"a" + _MARK: {"type": "string"}}})
+    assert parse_generate_request(_corrupt(req)).field == "tools[1].function.parameters"  # inside a Struct
+    req.tools[1].function.ClearField("parameters")
+    turn = req.messages.add(role="assistant")
+    turn.tool_calls.add(id="c1", function=pb.FunctionCall(name="ok", arguments='{"a": 1}'))
+    turn.tool_calls.add(id="c2", function=pb.FunctionCall(name="ok", arguments='{"a": "' + _MARK + '"}'))
+    assert parse_generate_request(_corrupt(req)).field == "messages[1].tool_calls[1].function.arguments"
+    turn.tool_calls[1].function.arguments = "{}"
+    req.messages.add(role="tool", content="r", tool_call_id="c" + _MARK)
+    assert parse_generate_request(_corrupt(req)).field == "messages[2].tool_call_id"
+    req.messages[2].tool_call_id = "c1"
+    req.tool_choice.function.name = "ok" + _MARK
+    assert parse_generate_request(_corrupt(req)).field == "tool_choice.function.name"
+    req.tool_choice.function.name = "ok"
+    assert parse_generate_request(req.SerializeToString()) == req
 
 
 def test_bytes_that_are_no_message_name_no_field():

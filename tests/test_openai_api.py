@@ -949,3 +949,202 @@ def test_cli_client_prints_every_choice_over_grpc_and_http(service, capsys):
             assert main(["client", *common, *extra, *stream]) == 0
             assert capsys.readouterr().out == f"[0] {one.text}\n[1] {one.text}\n", (extra, stream)  # any bytes
     wait_pools_idle(APP)
+
+
+# ----------------------------------------------------------------------------- gRPC: tool calls
+def _pb_tool(tool: dict, *, struct: bool = False):
+    """An HTTP ``tools[]`` entry as a ``Tool`` message (parameters as JSON text, or as a Struct)."""
+    import json
+
+    from router.proto import flashprefill_pb2 as pb
+
+    fn = tool["function"]
+    out = pb.Tool(type=tool["type"], function=pb.FunctionDefinition(name=fn["name"]))
+    if "description" in fn:
+        out.function.description = fn["description"]
+    if struct:
+        out.function.parameters.update(fn["parameters"])
+    else:
+        out.function.parameters_json = json.dumps(fn["parameters"])
+    if "strict" in fn:
+        out.function.strict = fn["strict"]
+    return out
+
+
+def _pb_calls(calls) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_grpc_tool_calls_equal_http_and_stream_the_same(service):
+    """required and named ``tool_choice`` over gRPC: the call validates (jsonschema) against the
+    tool's parameters and equals HTTP's answer with the same seed; GenerateStream gives the same
+    call whole in the choice's last message; the follow-up turn (the assistant's calls, a
+    ``tool`` message) renders as HTTP renders it (the same greedy answer)."""
+    import json
+
+    from router.proto import flashprefill_pb2 as pb
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    client, stub = service["client"], _stub(service["channel"])
+    # the fields in the order the gRPC conversion writes them (the prompt shows tools as JSON)
+    tools = [{"type": "function", "function": {k: t["function"][k] for k in ("name", "description", "parameters",
+                                                                              "strict") if k in t["function"]}}
+             for t in (WEATHER_TOOL, LOOKUP_TOOL)]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    user = {"role": "user", "content": "weather in Oslo?"}
+    for seed, choice, parallel in ((1, "required", False), (2, "required", False), (3, "lookup", None)):
+        req = pb.GenerateRequest(model=MODEL, tools=[_pb_tool(t) for t in tools], max_tokens=200, temperature=1.0,
+                                 seed=seed)
+        req.messages.add(**user)
+        http = dict(model=MODEL, messages=[user], tools=tools, max_tokens=200, temperature=1.0, seed=seed)
+        if choice == "required":
+            req.tool_choice.mode, http["tool_choice"] = "required", "required"
+        else:
+            req.tool_choice.function.name = choice
+            http["tool_choice"] = {"type": "function", "function": {"name": choice}}
+        if parallel is not None:
+            req.parallel_tool_calls, http["parallel_tool_calls"] = parallel, parallel
+        want = client.chat.completions.create(**http).choices[0]
+        r = stub.Generate(req, metadata=META, timeout=120)
+        assert r.finish_reason == "tool_calls" and r.choices[0].finish_reason == "tool_calls", r
+        assert r.text == "" and r.choices[0].text == ""  # HTTP's content null: no text outside the calls
+        assert list(r.tool_calls) == list(r.choices[0].tool_calls) and len(r.tool_calls) >= 1
+        assert _pb_calls(r.tool_calls) == _calls(want.message.tool_calls)
+        for call in r.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice != "required":
+            assert [c.function.name for c in r.tool_calls] == [choice]
+        if parallel is False:
+            assert len(r.tool_calls) == 1
+        msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+        assert len(msgs) == 1  # held back until the reply ended: one message with everything
+        last = msgs[0]
+        assert last.finish_reason == "tool_calls" and last.text == "" and last.index == 0
+        assert _pb_calls(last.tool_calls) == _pb_calls(r.tool_calls)
+        assert last.tool_calls[0].id.startswith("call_") and list(last.token_ids) == list(r.token_ids)
+        assert last.usage.completion_tokens == len(r.token_ids) == r.usage.completion_tokens
+
+    # the parameters as a Struct: the same grammar (integral numbers read as integers)
+    req.tools[1].CopyFrom(_pb_tool(LOOKUP_TOOL, struct=True))
+    r = stub.Generate(req, metadata=META, timeout=120)
+    assert [c.function.name for c in r.tool_calls] == ["lookup"]
+    jsonschema.validate(json.loads(r.tool_calls[0].function.arguments), schemas["lookup"])
+
+    # n = 2, logprobs: each choice's calls, streamed or not; the held-back logprobs come at the end
+    req.n, req.logprobs = 2, 1
+    whole = stub.Generate(req, metadata=META, timeout=120)
+    msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
+    assert sorted(m.index for m in msgs) == [0, 1]
+    for c in whole.choices:
+        (m,) = [m for m in msgs if m.index == c.index]
+        assert c.finish_reason == m.finish_reason == "tool_calls"
+        assert _pb_calls(m.tool_calls) == _pb_calls(c.tool_calls) and len(c.tool_calls) == 1
+        assert len(m.logprobs) == len(m.token_ids) == len(c.token_ids) == len(c.logprobs)
+        jsonschema.validate(json.loads(c.tool_calls[0].function.arguments), schemas["lookup"])
+
+    # auto (the default with tools): free decoding; the streamed text is the whole text
+    auto = pb.GenerateRequest(model=MODEL, tools=[_pb_tool(t) for t in tools], max_tokens=12, temperature=1.0,
+                              seed=12)
+    auto.messages.add(**user)
+    whole = stub.Generate(auto, metadata=META, timeout=120)
+    want = client.chat.completions.create(model=MODEL, messages=[user], tools=tools, max_tokens=12, temperature=1.0,
+                                          seed=12).choices[0]
+    assert (whole.text, whole.finish_reason) == (want.message.content or "", want.finish_reason)
+    assert _pb_calls(whole.tool_calls) == _calls(want.message.tool_calls or [])
+    msgs = list(stub.GenerateStream(auto, metadata=META, timeout=120))
+    assert "".join(m.text for m in msgs) == whole.text and [m.finish_reason for m in msgs][-1] == whole.finish_reason
+
+    # the follow-up turn: the assistant's calls and the tool's result, rendered as over HTTP
+    call = r.tool_calls[0]
+    follow = pb.GenerateRequest(model=MODEL, tools=[_pb_tool(t) for t in tools], max_tokens=4, temperature=0)
+    follow.messages.add(**user)
+    follow.messages.add(role="assistant", tool_calls=[call])
+    follow.messages.add(role="tool", tool_call_id=call.id, content="id 7: found")
+    got = stub.Generate(follow, metadata=META, timeout=120)
+    assert got.finish_reason in ("stop", "length", "tool_calls")
+    http_follow = [user, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "id 7: found"}]
+    want = client.chat.completions.create(model=MODEL, messages=http_follow, tools=tools, max_tokens=4, temperature=0,
+                                          extra_body={"return_token_ids": True}).choices[0]
+    assert list(got.token_ids) == want.model_extra["token_ids"]
+    assert got.usage.prompt_tokens == len(want.model_extra["prompt_token_ids"])
+    prompt = bytes(t for t in want.model_extra["prompt_token_ids"] if t < 256).decode()
+    assert prompt.endswith("<tool_response>\nid 7: found\n</tool_response>")
+    wait_pools_idle(APP)
+
+
+def test_grpc_bad_tool_fields_are_invalid_argument_naming_the_field(service):
+    from google.protobuf import struct_pb2
+
+    from router.proto import flashprefill_pb2 as pb
+
+    pytest.importorskip("llguidance")
+    stub = _stub(service["channel"])
+    T, F = pb.Tool, pb.FunctionDefinition
+    good = _pb_tool(LOOKUP_TOOL)
+    bad_struct = struct_pb2.Struct()
+    bad_struct.update({"type": 7})
+
+    def chat(*turns, **fields):
+        req = pb.GenerateRequest(model=MODEL, max_tokens=2, **fields)
+        req.messages.add(role="user", content="hi")
+        for turn in turns:
+            req.messages.add().CopyFrom(turn)
+        return req
+
+    def turn(**kw):
+        return pb.ChatMessage(**kw)
+
+    call = pb.ToolCall(id="c1", function=pb.FunctionCall(name="lookup", arguments='{"id": 1, "exact": true}'))
+    cases = [
+        (chat(tools=[T(function=F(name="a b"))]), "tools[0].function.name"),
+        (chat(tools=[good, T(function=F(name="lookup"))]), "tools[1].function.name"),  # twice
+        (chat(tools=[T(type="method", function=F(name="f"))]), "tools[0].type"),
+        (chat(tools=[T()]), "tools[0].function.name"),
+        (chat(tools=[T(function=F(name="f", parameters_json="{"))]), "tools[0].function.parameters_json"),
+        (chat(tools=[T(function=F(name="f", parameters_json="[1]"))]), "tools[0].function.parameters_json"),
+        (chat(tools=[good, T(function=F(name="f", parameters_json='{"type": 7}'))]),
+         "tools[1].function.parameters_json"),
+        (chat(tools=[T(function=F(name="f", parameters=bad_struct))]), "tools[0].function.parameters"),
+        (chat(tools=[good], tool_choice=pb.ToolChoice(mode="always")), "tool_choice.mode"),
+        (chat(tool_choice=pb.ToolChoice(mode="required")), "tool_choice.mode"),  # no tools
+        (chat(tools=[good], tool_choice=pb.ToolChoice()), "tool_choice"),  # neither mode nor function
+        (chat(tools=[good], tool_choice=pb.ToolChoice(function=pb.NamedFunction(name="nope"))),
+         "tool_choice.function.name"),
+        (chat(tools=[good], response_format=pb.ResponseFormat(type="json_object")), "response_format"),
+        (pb.GenerateRequest(model=MODEL, prompt="x", tools=[good]), "tools"),  # completions take no tools
+        (chat(turn(role="tool", content="r")), "messages[1].tool_call_id"),
+        (chat(turn(role="user", content="r", tool_call_id="c1")), "messages[1].tool_call_id"),
+        (chat(turn(role="user", content="r", tool_calls=[call])), "messages[1].tool_calls"),
+        (chat(turn(role="assistant", tool_calls=[call, pb.ToolCall(function=call.function)])),
+         "messages[1].tool_calls[1].id"),
+        (chat(turn(role="assistant", tool_calls=[pb.ToolCall(id="c", type="fn", function=call.function)])),
+         "messages[1].tool_calls[0].type"),
+        (chat(turn(role="assistant", tool_calls=[pb.ToolCall(id="c")])), "messages[1].tool_calls[0].function.name"),
+        (chat(turn(role="assistant", tool_calls=[pb.ToolCall(id="c", function=pb.FunctionCall(
+            name="lookup", arguments="[1]"))])), "messages[1].tool_calls[0].function.arguments"),
+        (chat(tools=[good], parallel_tool_calls=True, logprobs=21), "logprobs"),  # not every error is a tool's
+    ]
+    for req, param in cases:
+        for method in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as info:
+                method(req, metadata=META, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
+            assert info.value.details().startswith(param + ":"), (param, info.value.details())
+
+    # a lone surrogate in a tool field (as a non-Python client may send it) is named, not INTERNAL
+    marked = "f\u0800"
+    req = chat(tools=[good, T(function=F(name=marked))])
+    raw = req.SerializeToString().replace(marked.encode(), b"f\xed\xa0\x80")
+    for method in ("Generate", "GenerateStream"):
+        with pytest.raises(grpc.RpcError) as info:
+            answer = _grpc_raw(service["channel"], method)(raw, metadata=META, timeout=60)
+            if method == "GenerateStream":
+                list(answer)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("tools[1].function.name:"), info.value.details()
+    wait_pools_idle(APP)

@@ -58,8 +58,9 @@ class FlashPrefillServicer:
 
     def GenerateStream(self, request, context):
         """Server streaming: text deltas as tokens are produced, each message of one choice
-        (`index`); a choice's last message carries its finish_reason, timing and routing; the
-        stream's last message carries usage (of every choice).
+        (`index`); a choice's last message carries its finish_reason, timing and routing (and with
+        tools, the whole reply and its tool_calls); the stream's last message carries usage (of
+        every choice).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
