@@ -305,13 +305,25 @@ class DecodeServer:
 
     def _make_receivers(self) -> dict[str, KVTransport]:
         transfer = self.config.transfer
-        if self._tp_actors:  # TP decode receives object-store frames only (prefill ships those to it)
-            from serving.tp_group import make_tp_receiver
+        if self._tp_actors:
+            # TP decode: object-store frames (split by head over the ranks; the retry path), and
+            # channels into every rank (each pulls its own heads) unless the transport says
+            # otherwise (CUDA IPC does not reach a group: group_transport)
+            from kv_transfer.tp_transfer import group_transport
+            from serving.tp_group import make_tp_channel_receiver, make_tp_receiver
 
             fi = self.config.fault_injection
-            return {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
-                                                     transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
-                                                     faults=fi.corrupt_rank_frames)}
+            receivers = {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
+                                                          transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
+                                                          faults=fi.corrupt_rank_frames)}
+            kind = group_transport(select_transport(transfer.transport, device=self.pool.device),
+                                   self.config.prefill.tensor_parallel_size, self.config.decode.tensor_parallel_size)
+            if kind != "object_store":
+                channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
+                                                    identity=replica_identity(), host=node_ip(),
+                                                    call_sender=PrefillCaller())
+                receivers[channels.name] = channels
+            return receivers
         receivers: dict[str, KVTransport] = {
             "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
         kind = select_transport(transfer.transport, device=self.pool.device)
