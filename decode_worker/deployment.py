@@ -321,7 +321,7 @@ class DecodeServer:
             if kind != "object_store":
                 channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
                                                     identity=replica_identity(), host=node_ip(),
-                                                    call_sender=PrefillCaller())
+                                                    make_caller=PrefillCaller)
                 receivers[channels.name] = channels
             return receivers
         receivers: dict[str, KVTransport] = {

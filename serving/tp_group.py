@@ -422,7 +422,7 @@ def _rank_receiver(self, setup: dict):
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="kv-rank-receive", daemon=True).start()
             transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
-                                         call_sender=setup["call_sender"], config=ChannelConfig(**setup["config"]),
+                                         call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
                                          max_workers=setup["max_workers"])
             rx = self._tp_receiver = (transport, loop)
     return rx
@@ -459,16 +459,16 @@ RankActor.receiver_counters = _receiver_counters
 
 
 def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, identity: dict, host: str,
-                             call_sender: Any):
+                             make_caller: Any):
     """The channel receiver (``gloo`` on CPU, ``nccl`` on CUDA) of a TP decode replica: every
     rank pulls its own heads at once (rank 0 here, the followers through
     ``RankActor.channel_receive``), then the group settles all or nothing: any rank failing
     releases the request on every rank and raises that rank's retryable ``TransferError`` (the
     replica answers ``TransferFailed`` with ``fallback: object_store``). A follower that does not
     answer is ``RankFailed`` (the replica's ``on_failure`` ends it). ``identity``: the replica's
-    (rank r receives as ``<replica_id>:tp<r>``); ``call_sender``: how a rank reaches the prefill
-    replica holding the pages (a picklable ``async (sender, request) -> reply``; the followers
-    get a copy)."""
+    (rank r receives as ``<replica_id>:tp<r>``); ``make_caller()``: how a rank reaches the
+    prefill replica holding the pages (returns an ``async (sender, request) -> reply``; picklable
+    by reference: each follower makes its own, once)."""
     import asyncio
 
     from kv_transfer.channel import ChannelTransport
@@ -482,8 +482,8 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
     cfg = channel.channel_config()
     rid = identity["replica_id"]
     transport = ChannelTransport(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
-                                 call_sender=call_sender, config=cfg, max_workers=channel.max_workers)
-    setups = [{"host": host, "identity": TPChannelTransport.rank_identity(rid, rank), "call_sender": call_sender,
+                                 call_sender=make_caller(), config=cfg, max_workers=channel.max_workers)
+    setups = [{"host": host, "identity": TPChannelTransport.rank_identity(rid, rank), "make_caller": make_caller,
                "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
                "max_workers": channel.max_workers,
                "layout": (layout.num_q_heads, layout.num_kv_heads, layout.tp_size)}
