@@ -2,8 +2,9 @@
 
 One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
 With ``decode.tensor_parallel_size > 1`` the replica is rank 0 of a TP group (its engine drives
-the other ranks in lockstep and samples alone; frames are split by KV head over the ranks, all
-or nothing): ``serving/tp_group.py``.
+the other ranks in lockstep and samples alone; over channels every rank pulls its own KV heads,
+an object-store frame is split by KV head over the ranks; all or nothing either way):
+``serving/tp_group.py``.
 
 ``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
 1. fetches the shipped pages through the KV transport the ticket names (the object store; a

@@ -74,8 +74,12 @@ TP groups (``kv_transfer.tp_transfer.TPChannelTransport``, docs/ARCHITECTURE.md 
 parallelism"): a TP prefill replica's ticket adds ``tp`` (its head layout and every rank's
 header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The receiver
 (``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
-rank holding some of its heads, the send request naming ``rank`` and that rank's local
-``heads``; chunks then hold only those heads (:func:`gather_heads` / :func:`scatter_heads`).
+rank holding some of its heads, the send request naming ``rank``, that rank's local ``heads``
+and ``pulls`` (how many sends the receiving replica makes in all, so that the sender's lease
+outlives every one of them); chunks then hold only those heads (:func:`gather_heads` /
+:func:`scatter_heads`). A TP decode group runs ``receive_heads`` on every rank at once, each
+rank a receiver of its own (``<replica>:tp<rank>``, its own store): one channel per (prefill
+rank, decode rank) pair (``serving/tp_group.py`` ``make_tp_channel_receiver``).
 """
 
 from __future__ import annotations

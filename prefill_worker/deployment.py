@@ -21,7 +21,10 @@ With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 ``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
 ``send_pages``. A TP replica (``prefill.tensor_parallel_size > 1``) ships over channels from every rank
 (``kv_transfer.tp_transfer.TPChannelTransport``: ``send_pages`` names the rank, the leader
-relays to it; the lease ends once every rank has sent) or the object store (one merged frame).
+relays to it) or the object store (one merged frame). Into a TP decode group every decode rank
+pulls its own heads; the lease ends once every send the receiver announced (``pulls``) has
+succeeded, or at the first failure (``LeaseTable.sent``). CUDA IPC never joins a TP group
+(``kv_transfer.tp_transfer.group_transport``).
 Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
 its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """

@@ -7,13 +7,16 @@ them through ``model_executor.parallel.LockstepRunner`` with one :class:`RayRank
 follower; a dead follower is ``RankFailed``: the replica must be replaced (:func:`end_replica`).
 
 Used by both deployments (docs/ARCHITECTURE.md "Tensor parallelism"):
-- prefill (``prefill.tensor_parallel_size > 1``): ships one object-store frame merged from every
+- prefill (``prefill.tensor_parallel_size > 1``): every rank sends its own KV heads over its own
+  channels (:func:`make_tp_channel_exporter`), or one object-store frame merged from every
   rank's KV heads (:func:`make_tp_exporter`), so decode replicas of any TP receive it;
 - decode (``decode.tensor_parallel_size > 1``): the replica's ``DecodeEngine`` (one scheduler,
   sampling on the leader only: the followers' logits, equal by construction, are dropped) drives
-  the ranks through the ``LockstepRunner``; an incoming frame is verified once, split by KV head
-  (``kv_transfer.tp_transfer.split_frame``) and adopted by every rank, all or nothing
-  (:func:`make_tp_receiver`). Decode CUDA graphs stay off under TP (:data:`TP_DECODE_GRAPHS`).
+  the ranks through the ``LockstepRunner``; over channels every rank pulls its own KV heads at
+  once (:func:`make_tp_channel_receiver`), an object-store frame is verified once, split by KV
+  head (``kv_transfer.tp_transfer.split_frame``) and adopted by every rank
+  (:func:`make_tp_receiver`); all or nothing either way. Decode CUDA graphs stay off under TP
+  (:data:`TP_DECODE_GRAPHS`).
 """
 
 from __future__ import annotations
