@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import time
 
 import pytest
@@ -90,6 +91,10 @@ class Group:
         for t in self.rank_transports + self.receivers:
             t.close()
         time.sleep(0.1)  # see tests/test_kv_channel.py Pair.close
+        # collect the group's garbage (transports, loops' futures) now: collected later, inside some
+        # unrelated ast.parse (pytest's rewrite of a late import), its finalizers can trip CPython
+        # 3.11's "AST constructor recursion depth mismatch" SystemError
+        gc.collect()
 
 
 def run(coro):
