@@ -58,12 +58,19 @@ def complete(client, app: str, ids: list[int], max_tokens: int) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def followers(prefix: str) -> list:
+    """The follower rank actors whose names start with ``prefix``."""
+    import ray
+
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
 def follower_pages(prefix: str) -> list[int]:
     """Pages held by the follower rank actors whose names start with ``prefix``."""
     import ray
 
-    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    return ray.get([ray.get_actor(a["name"], namespace=a["namespace"]).used_pages.remote() for a in ranks], timeout=30)
+    return ray.get([a.used_pages.remote() for a in followers(prefix)], timeout=30)
 
 
 def settled_prefill(app: str) -> dict:
@@ -101,5 +108,11 @@ def test_tp2_decode_pulls_over_channels_equal_to_the_oracle_fault_retried_every_
     # decode rank 0 pulled its head cleanly in every channel transfer (the flip hit rank 1's pair)
     assert dec["channel_receives"] == len(CASES) and dec["channel_failures"] == 0
     assert follower_pages(f"fptp_decode_rank:{dec['replica_id']}:") == [0]
+    # decode rank 1 pulled its own head over its own channel (the flipped chunk: its checksum failed)
+    import ray
+
+    (rank1,) = followers(f"fptp_decode_rank:{dec['replica_id']}:")
+    got = ray.get(rank1.receiver_counters.remote(), timeout=30)
+    assert (got["channel_receives"], got["channel_failures"]) == (len(CASES) - faults, faults), got
     if app == "c22":
         assert pre["tp_ranks"] == 2 and follower_pages(f"fptp_rank:{pre['replica_id']}:") == [0]
