@@ -540,3 +540,28 @@ def test_send_request_pulls_are_checked():
         assert send_pulls(base) == 1 and send_pulls({"pulls": "x"}) == 1 and send_pulls(None) == 1
     finally:
         g.close()
+
+
+def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_never_cuda_ipc(monkeypatch):
+    """The prefill side of the choice (the CUDA kinds forced onto a CPU pool: the channel is then
+    gloo): with ``decode.tensor_parallel_size`` 2 the replica exports over its channel (before:
+    always the object store), ``auto`` on CUDA without its CUDA IPC part, ``cuda_ipc`` alone over
+    the object store."""
+    import prefill_worker.deployment as pd
+    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.transfer import IPC_OR_NCCL
+
+    opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,
+            "decode": {"tensor_parallel_size": 2}}
+    for kind, want in ((IPC_OR_NCCL, "channel"), ("gloo", "channel"), ("cuda_ipc", "object_store"),
+                       ("object_store", "object_store")):
+        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
+        pre = pd.PrefillServer(opts)
+        try:
+            assert not isinstance(pre.transport, CudaIpcTransport), kind
+            if want == "channel":
+                assert isinstance(pre.transport, ChannelTransport) and pre.transport.name == "gloo", kind
+            else:
+                assert pre.transport is pre.object_store, kind
+        finally:
+            pre.close()
