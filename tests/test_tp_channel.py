@@ -91,10 +91,16 @@ class Group:
         for t in self.rank_transports + self.receivers:
             t.close()
         time.sleep(0.1)  # see tests/test_kv_channel.py Pair.close
-        # collect the group's garbage (transports, loops' futures) now: collected later, inside some
-        # unrelated ast.parse (pytest's rewrite of a late import), its finalizers can trip CPython
-        # 3.11's "AST constructor recursion depth mismatch" SystemError
-        gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage():
+    """Collect each test's garbage (transports, replicas with ``__del__``) right after it: a
+    collection that happens later inside an unrelated ``ast.parse`` (pytest rewriting a late
+    import) runs those finalizers there and trips CPython 3.11's "AST constructor recursion depth
+    mismatch" SystemError."""
+    yield
+    gc.collect()
 
 
 def run(coro):
