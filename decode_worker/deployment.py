@@ -2,8 +2,9 @@
 
 One replica = one :class:`DecodeServer` = one model copy, one pool, one :class:`DecodeLoop`.
 With ``decode.tensor_parallel_size > 1`` the replica is rank 0 of a TP group (its engine drives
-the other ranks in lockstep and samples alone; frames are split by KV head over the ranks, all
-or nothing): ``serving/tp_group.py``.
+the other ranks in lockstep and samples alone; over channels every rank pulls its own KV heads,
+an object-store frame is split by KV head over the ranks; all or nothing either way):
+``serving/tp_group.py``.
 
 ``generate(request)`` (streaming) takes a request whose prompt was prefilled elsewhere:
 1. fetches the shipped pages through the KV transport the ticket names (the object store; a
@@ -305,13 +306,25 @@ class DecodeServer:
 
     def _make_receivers(self) -> dict[str, KVTransport]:
         transfer = self.config.transfer
-        if self._tp_actors:  # TP decode receives object-store frames only (prefill ships those to it)
-            from serving.tp_group import make_tp_receiver
+        if self._tp_actors:
+            # TP decode: object-store frames (split by head over the ranks; the retry path), and
+            # channels into every rank (each pulls its own heads) unless the transport says
+            # otherwise (CUDA IPC does not reach a group: group_transport)
+            from kv_transfer.tp_transfer import group_transport
+            from serving.tp_group import make_tp_channel_receiver, make_tp_receiver
 
             fi = self.config.fault_injection
-            return {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
-                                                     transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
-                                                     faults=fi.corrupt_rank_frames)}
+            receivers = {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
+                                                          transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
+                                                          faults=fi.corrupt_rank_frames)}
+            kind = group_transport(select_transport(transfer.transport, device=self.pool.device),
+                                   self.config.prefill.tensor_parallel_size, self.config.decode.tensor_parallel_size)
+            if kind != "object_store":
+                channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
+                                                    identity=replica_identity(), host=node_ip(),
+                                                    make_caller=PrefillCaller)
+                receivers[channels.name] = channels
+            return receivers
         receivers: dict[str, KVTransport] = {
             "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
         kind = select_transport(transfer.transport, device=self.pool.device)

@@ -74,8 +74,12 @@ TP groups (``kv_transfer.tp_transfer.TPChannelTransport``, docs/ARCHITECTURE.md 
 parallelism"): a TP prefill replica's ticket adds ``tp`` (its head layout and every rank's
 header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The receiver
 (``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
-rank holding some of its heads, the send request naming ``rank`` and that rank's local
-``heads``; chunks then hold only those heads (:func:`gather_heads` / :func:`scatter_heads`).
+rank holding some of its heads, the send request naming ``rank``, that rank's local ``heads``
+and ``pulls`` (how many sends the receiving replica makes in all, so that the sender's lease
+outlives every one of them); chunks then hold only those heads (:func:`gather_heads` /
+:func:`scatter_heads`). A TP decode group runs ``receive_heads`` on every rank at once, each
+rank a receiver of its own (``<replica>:tp<rank>``, its own store): one channel per (prefill
+rank, decode rank) pair (``serving/tp_group.py`` ``make_tp_channel_receiver``).
 """
 
 from __future__ import annotations
@@ -126,8 +130,13 @@ _SEND_REQUEST_KEYS = frozenset(
      "layers_per_chunk"}
 )
 # A TP prefill group's send request also names the rank holding the pages and the rank's
-# local KV heads the receiver needs (kv_transfer.tp_transfer.TPChannelTransport).
+# local KV heads the receiver needs (kv_transfer.tp_transfer.TPChannelTransport); a per-head
+# pull (``receive_heads``) adds ``pulls``: how many sends the receiving replica makes for the
+# request in all (one per (prefill rank, decode rank) route), so the sender's lease ends only
+# after the last of them (prefill_worker/leases.py ``LeaseTable.sent``).
 _TP_SEND_KEYS = frozenset({"rank", "heads"})
+_PULLS_KEY = "pulls"
+MAX_PULLS = 1 << 16
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 _MAX_RING_DEPTH = 8
 # How long a failing receive waits for a scatter under way (or queued on the device) to end,
@@ -651,16 +660,21 @@ class _SendRequest:
     layers_per_chunk: int
     rank: int | None = None  # TP prefill groups: the rank holding the pages
     heads: tuple[int, ...] | None = None  # ... and which of its local KV heads to send, in order
+    pulls: int | None = None  # per-head pulls: the sends the receiving replica makes for the request in all
 
     @classmethod
     def parse(cls, obj: Any) -> "_SendRequest":
-        """Strict: exact key set (optionally with both ``rank`` and ``heads``), typed and
-        bounded fields (``ValueError`` naming the field)."""
-        if not isinstance(obj, dict) or set(obj) not in (_SEND_REQUEST_KEYS, _SEND_REQUEST_KEYS | _TP_SEND_KEYS):
+        """Strict: exact key set (optionally with both ``rank`` and ``heads``, and then
+        optionally ``pulls``), typed and bounded fields (``ValueError`` naming the field)."""
+        tp = _SEND_REQUEST_KEYS | _TP_SEND_KEYS
+        if not isinstance(obj, dict) or set(obj) not in (_SEND_REQUEST_KEYS, tp, tp | {_PULLS_KEY}):
             got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)} (and, from a TP group, "
-                             f"{sorted(_TP_SEND_KEYS)}), got {got}")
+            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)} (and, per head, "
+                             f"{sorted(_TP_SEND_KEYS)}, optionally {_PULLS_KEY!r}), got {got}")
         extra = {}
+        if _PULLS_KEY in obj:
+            extra["pulls"] = parse_pulls(obj[_PULLS_KEY])
+            obj = {k: v for k, v in obj.items() if k != _PULLS_KEY}
         if "rank" in obj:
             rank, heads = obj["rank"], obj["heads"]
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
@@ -668,7 +682,7 @@ class _SendRequest:
             if (not isinstance(heads, (list, tuple)) or not 0 < len(heads) <= 1 << 12 or len(set(heads)) != len(heads)
                     or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 12 for h in heads)):
                 raise ValueError(f"heads: expected distinct local KV head indices, got {heads!r:.80}")
-            extra = {"rank": rank, "heads": tuple(heads)}
+            extra.update(rank=rank, heads=tuple(heads))
             obj = {k: v for k, v in obj.items() if k not in _TP_SEND_KEYS}
         for key in ("request_id", "sender_id", "receiver_id", "host", "prefix", "backend"):
             value = obj[key]
@@ -684,6 +698,23 @@ class _SendRequest:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise ValueError(f"timeout_s: expected a number in (0, 86400], got {timeout!r}")
         return cls(**obj, **extra)
+
+
+def parse_pulls(value: Any) -> int:
+    """A send request's ``pulls`` (ValueError naming it unless an int in [1, MAX_PULLS])."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PULLS:
+        raise ValueError(f"pulls: expected an int in [1, {MAX_PULLS}], got {value!r:.80}")
+    return value
+
+
+def send_pulls(request: Any) -> int:
+    """How many sends the receiver of ``request`` (a send request, possibly malformed) makes
+    for its request in all: its ``pulls``, 1 when it names none (a whole-replica pull) or a bad
+    value (the send itself is refused then)."""
+    try:
+        return parse_pulls(request[_PULLS_KEY]) if isinstance(request, dict) and _PULLS_KEY in request else 1
+    except ValueError:
+        return 1
 
 
 def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "",
@@ -1129,9 +1160,10 @@ class ChannelTransport(KVTransport):
             for s, rs in by_src.items():
                 h = ranks[s]
                 part = dataclasses.replace(h, num_kv_heads=len(rs), payload_bytes=h.payload_bytes // h.num_kv_heads * len(rs))
+                # pulls: every route of the transfer is one send, whichever decode rank asks for it
                 await self._pull(part, sender, pool, pages,
                                  channel_id=f"{sender['replica_id']}:tp{s}" if grouped else None,
-                                 extra={"rank": s, "heads": [r.src_local for r in rs]},
+                                 extra={"rank": s, "heads": [r.src_local for r in rs], _PULLS_KEY: len(routes)},
                                  heads=[r.dst_local for r in rs])
         except BaseException:
             pool.release(rid)

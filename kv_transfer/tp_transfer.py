@@ -34,10 +34,12 @@ frame, verified whole, cut into each decode rank's frame of exactly its KV heads
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,7 @@ import torch
 from .heads import HeadLayout, HeadRoute, transfer_routes
 from .pool import KVPool
 from .transfer import (
+    IPC_OR_NCCL,
     _DTYPE_NAMES,
     _PREFIX,
     FRAME_MAGIC,
@@ -375,6 +378,82 @@ def settle(outcomes: Sequence[TransferError | None], release: Any) -> None:
     raise failed
 
 
+def tp_transport_choice(kind: str) -> str:
+    """How KV moves when either side is a TP group, for ``select_transport``'s ``kind``:
+    ``"channel"`` (pairwise channels per (prefill rank, decode rank) pair: ``gloo``, ``nccl``,
+    and ``auto`` on CUDA, whose CUDA IPC part does not apply to groups spread over GPUs) or
+    ``"object_store"`` (one merged frame, split by head on a TP decode replica: the object
+    store, and ``cuda_ipc`` alone, which has no channel to fall back on)."""
+    if kind in ("gloo", "nccl", IPC_OR_NCCL):
+        return "channel"
+    if kind in ("object_store", "cuda_ipc", "local"):
+        return "object_store"
+    raise ValueError(f"kind: expected a select_transport() result, got {kind!r}")
+
+
+def group_transport(kind: str, prefill_tp: int, decode_tp: int) -> str:
+    """The transport a deployment uses for ``select_transport``'s ``kind`` given both sides'
+    TP sizes: ``kind`` itself when neither side is a group; else ``"object_store"`` or the
+    channel (``"nccl"`` for ``auto`` on CUDA, else ``kind``) as :func:`tp_transport_choice` says.
+    CUDA IPC never joins a group (docs/ARCHITECTURE.md "Tensor parallelism")."""
+    for name, size in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}: expected a TP size >= 1, got {size!r}")
+    if prefill_tp == 1 and decode_tp == 1:
+        return kind
+    if tp_transport_choice(kind) == "object_store":
+        return "object_store"
+    return "nccl" if kind == IPC_OR_NCCL else kind
+
+
+async def receive_group(receives: Sequence[Awaitable[Any]], release: Callable[[], Any]) -> None:
+    """Driver of a decode group's channel receive (``ChannelTransport.receive_heads`` on every
+    rank at once, each pulling its own heads): waits for *every* rank's receive, then settles
+    all or nothing. If any failed, ``release()`` (every rank lets the request's pages go; it
+    may return an awaitable) runs once no rank can still take or write pages, and the
+    lowest-numbered rank's ``TransferError`` is raised (retryable as its reason is); any other
+    exception (a dead rank, a bug) is raised after the release the same way, the
+    TransferErrors of other ranks aside. A rank's awaitable may also *return* its
+    ``TransferError`` (a follower whose outcome comes back as a value). Cancelled (the
+    request went away mid-transfer): the ranks' receives go on to their end in the background
+    (each is bounded by its channel's deadlines), then ``release()`` runs, so no rank keeps
+    the pages."""
+    gathered = asyncio.gather(*receives, return_exceptions=True)
+    try:
+        outcomes = await asyncio.shield(gathered)
+    except asyncio.CancelledError:
+        task = asyncio.ensure_future(_release_after(gathered, release))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        raise
+    errors = [o if isinstance(o, BaseException) else None for o in outcomes]  # raised or returned
+    failed = next((e for e in errors if e is not None and not isinstance(e, TransferError)), None)
+    failed = failed or next((e for e in errors if e is not None), None)
+    if failed is None:
+        return
+    await _release(release)
+    raise failed
+
+
+_BACKGROUND: set = set()  # receive_group's releases after a cancelled receive
+
+
+async def _release(release: Callable[[], Any]) -> None:
+    out = release()
+    if inspect.isawaitable(out):
+        await out
+
+
+async def _release_after(gathered: Any, release: Callable[[], Any]) -> None:
+    await asyncio.wait({gathered})
+    try:
+        await _release(release)
+    except Exception:  # noqa: BLE001 - nobody is left to tell; a dead rank ends its replica anyway
+        import logging
+
+        logging.getLogger(__name__).exception("releasing the pages of a cancelled group receive failed")
+
+
 class TPChannelTransport(KVTransport):
     """The channel transport of a TP prefill group (sender side): every rank ships its own KV
     heads over its own channel to the receiving replica (one pairwise channel per (prefill
@@ -389,9 +468,11 @@ class TPChannelTransport(KVTransport):
     (``transfer_routes``), reserves its pages once, and asks the ranks one after the other
     (``serve_send`` with ``rank`` and ``heads``: the leader relays to the rank). All or nothing:
     a failure on any rank fails the receive, which releases its pages; the lease (one per
-    request, on the leader) ends when every rank has sent (``sent``), at the first failed send,
-    or on release / expiry, and ending it discards the export on every rank *before* the pages
-    are freed (``discard`` waits for the followers).
+    request, on the leader: prefill_worker/leases.py) ends once every route's send has
+    succeeded (the receiver's ``pulls``; a rank may send to several decode ranks, so a rank
+    keeps its export across sends), at the first failed send, or on release / expiry, and
+    ending it discards the export on every rank *before* the pages are freed (``discard``
+    waits for the followers).
 
     ``followers``: one object per rank ``1..N-1`` with ``export(request_id, fault) -> header
     bytes`` (blocking), ``async send(request) -> reply`` and ``discard(request_id)`` (blocking).
@@ -412,7 +493,6 @@ class TPChannelTransport(KVTransport):
         self.identity = dict(identity)
         self.host = host
         self.name = leader.name
-        self._pending: dict[str, set[int]] = {}  # ranks whose send has not yet succeeded
 
     @staticmethod
     def rank_identity(replica_id: str, rank: int) -> dict:
@@ -437,7 +517,6 @@ class TPChannelTransport(KVTransport):
         per_head = first.payload_bytes // first.num_kv_heads
         whole = dataclasses.replace(first, num_kv_heads=self.layout.num_kv_heads,
                                     payload_bytes=per_head * self.layout.num_kv_heads, k_scale=None, v_scale=None)
-        self._pending[request_id] = set(range(self.layout.tp_size))
         handle = {"header": whole.encode(), "sender": {**self.identity, "host": self.host},
                   "tp": {"num_q_heads": self.layout.num_q_heads, "num_kv_heads": self.layout.num_kv_heads,
                          "tp_size": self.layout.tp_size, "ranks": headers}}
@@ -456,7 +535,6 @@ class TPChannelTransport(KVTransport):
     def discard(self, ticket: Any) -> None:
         """The lease ended: every rank forgets the export (a send under way fails) before the
         caller frees the pages."""
-        self._pending.pop(ticket.request_id, None)
         self._discard_ranks(ticket.request_id, self.layout.tp_size)
 
     async def serve_send(self, request: dict) -> dict:
@@ -473,17 +551,6 @@ class TPChannelTransport(KVTransport):
         except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
             return {"ok": False, "reason": TransferFailure.LOST.value, "checksums": None,
                     "message": f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}"}
-
-    def sent(self, request_id: str, rank: Any, ok: bool) -> bool:
-        """Record a send's outcome; True when the lease is to end now (every rank has sent, or a
-        send failed: the transfer is retried with a new prefill, never by sending again)."""
-        pending = self._pending.get(request_id)
-        if pending is None:
-            return True
-        if not ok:
-            return True
-        pending.discard(rank)
-        return not pending
 
     async def receive(self, ticket: Any, pool: KVPool) -> list[int]:
         """Receiving is the decode side's ``ChannelTransport`` (it reads the ``tp`` ticket)."""

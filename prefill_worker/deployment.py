@@ -21,7 +21,10 @@ With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 ``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
 ``send_pages``. A TP replica (``prefill.tensor_parallel_size > 1``) ships over channels from every rank
 (``kv_transfer.tp_transfer.TPChannelTransport``: ``send_pages`` names the rank, the leader
-relays to it; the lease ends once every rank has sent) or the object store (one merged frame).
+relays to it) or the object store (one merged frame). Into a TP decode group every decode rank
+pulls its own heads; the lease ends once every send the receiver announced (``pulls``) has
+succeeded, or at the first failure (``LeaseTable.sent``). CUDA IPC never joins a TP group
+(``kv_transfer.tp_transfer.group_transport``).
 Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
 its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """
@@ -39,7 +42,8 @@ from ray import serve
 from kernels.ops import attention_kernel_calls
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
-from kv_transfer.tp_transfer import TPChannelTransport
+from kv_transfer.channel import send_pulls
+from kv_transfer.tp_transfer import TPChannelTransport, group_transport, tp_transport_choice  # noqa: F401 (re-export)
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from prefill_worker.leases import Lease, LeaseTable
@@ -56,18 +60,6 @@ logger = logging.getLogger("ray.serve")
 # How long a stopping replica waits for its open leases to be fetched before freeing them: a
 # transfer under way takes well under this; one that never comes ends at its deadline anyway.
 LEASE_DRAIN_S = 20.0
-
-
-def tp_transport_choice(kind: str) -> str:
-    """What a TP prefill replica exports with, for ``select_transport``'s ``kind``: ``"channel"``
-    (every rank sends its own heads: ``gloo``, ``nccl``, and ``auto`` on CUDA, whose IPC part
-    does not apply to a group spread over GPUs) or ``"object_store"`` (the merged frame: the
-    object store, and ``cuda_ipc`` alone, which has no channel to fall back on)."""
-    if kind in ("gloo", "nccl", IPC_OR_NCCL):
-        return "channel"
-    if kind in ("object_store", "cuda_ipc", "local"):
-        return "object_store"
-    raise ValueError(f"kind: expected a select_transport() result, got {kind!r}")
 
 
 @dataclass
@@ -264,11 +256,20 @@ class PrefillServer:
     def _make_transport(self) -> KVTransport:
         transfer = self.config.transfer
         kind = select_transport(transfer.transport, device=self.pool.device)
-        # a TP decode group receives over the object store only (one frame, split by head there)
-        if kind == "object_store" or self.config.decode.tensor_parallel_size > 1:
+        if kind == "object_store":
             return self.object_store
         if self._tp_actors:
             return self._make_tp_transport(kind)
+        if self.config.decode.tensor_parallel_size > 1:
+            # a TP decode group: each rank pulls its own heads over its own channel; CUDA IPC
+            # does not reach a group spread over GPUs (auto on CUDA: the NCCL channel alone;
+            # cuda_ipc alone: the object store, one frame split by head there)
+            kind = group_transport(kind, 1, self.config.decode.tensor_parallel_size)
+            if kind == "object_store":
+                if transfer.transport == "cuda_ipc":
+                    logger.warning("transfer.transport 'cuda_ipc': a TP decode group receives over the object store "
+                                   "(use 'auto' or 'nccl' for channels to every rank)")
+                return self.object_store
         channel = transfer.channel
         if kind in ("cuda_ipc", IPC_OR_NCCL):
             fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
@@ -367,25 +368,24 @@ class PrefillServer:
         return {"ended": self.leases.end(rid, "released")}
 
     async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
-        """Channel transports: a decode replica that reserved room for a request's pages asks
-        this replica (which holds them, under a lease) to send them over their channel. The
-        lease ends with the send, whatever its outcome: a failed transfer is retried with a new
-        prefill, never by sending these pages again."""
+        """Channel transports: a decode replica (or one rank of a TP decode group) that
+        reserved room for a request's pages asks this replica (which holds them, under a lease)
+        to send them, or some of their KV heads, over their channel. A TP replica's rank named
+        in the request sends its own heads (the leader relays). The lease ends at the first
+        failed send (a failed transfer is retried with a new prefill, never by sending these
+        pages again) or once every send the receiver announced (``pulls``: one per (prefill
+        rank, decode rank) route) has succeeded (``LeaseTable.sent``)."""
         if isinstance(self.transport, TPChannelTransport):  # the rank named in the request sends its heads
             reply = await self.transport.serve_send(request)
-            rid = request.get("request_id") if isinstance(request, dict) else None
-            if isinstance(rid, str) and rid in self.leases and \
-                    self.transport.sent(rid, request.get("rank"), bool(isinstance(reply, dict) and reply.get("ok"))):
-                self.leases.end(rid, "sent")  # every rank has sent, or one failed
-            return reply
-        channel = self._channel()
-        if channel is None:
-            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
-                    "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
-        reply = await channel.serve_send(request)
+        else:
+            channel = self._channel()
+            if channel is None:
+                return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
+                        "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
+            reply = await channel.serve_send(request)
         rid = request.get("request_id") if isinstance(request, dict) else None
         if isinstance(rid, str):
-            self.leases.end(rid, "sent")
+            self.leases.sent(rid, bool(isinstance(reply, dict) and reply.get("ok")), send_pulls(request))
         return reply
 
     async def stage_pages(self, request: dict, routing: dict | None = None) -> dict:

@@ -6,8 +6,11 @@ replica asks; CUDA IPC lets the decode replica copy them in place). The replica 
 :class:`Lease` for the request: the ticket, the exporter that made it, and a deadline. A lease
 ends, and the pages are freed, at the first of
 
-- ``sent``: the channel send of the pages finished (whatever its outcome: a failed transfer
-  is retried with a new prefill, never by sending these pages again);
+- ``sent``: the channel sends of the pages finished (:meth:`LeaseTable.sent`): the first one
+  that failed (a failed transfer is retried with a new prefill, never by sending these pages
+  again), or the last of the ``pulls`` the receiver announced (one per (prefill rank, decode
+  rank) route: a TP decode group's ranks each pull their own heads, from every prefill rank
+  holding some; 1 for a whole-replica pull);
 - ``released``: the decode replica is done with them (its IPC copy finished or failed, or it
   gave up before fetching), or the ingress gave up on the attempt;
 - ``expired``: the deadline passed (a decode replica or ingress that died), found by the sweep.
@@ -38,6 +41,7 @@ class Lease:
     exporter: Any
     granted_at: float
     deadline: float
+    sends: int = 0  # channel sends of the pages that succeeded so far
 
 
 class LeaseTable:
@@ -85,6 +89,23 @@ class LeaseTable:
         except Exception:  # noqa: BLE001 - one lease's cleanup never stops the others'
             logger.exception("ending the lease of %s (%s) failed", request_id, reason)
         return True
+
+    def sent(self, request_id: str, ok: bool, pulls: int = 1) -> bool:
+        """A channel send of ``request_id``'s pages finished. ``pulls``: how many sends the
+        receiving replica makes for the request in all (a send request's ``pulls``). The lease
+        ends (``sent``) at the first failed send, or when ``pulls`` sends have succeeded; never
+        earlier, so every decode rank of a group gets its heads. Returns whether it ended now
+        (False: it goes on, or there was none)."""
+        if isinstance(pulls, bool) or not isinstance(pulls, int) or pulls < 1:
+            raise ValueError(f"pulls: expected an int >= 1, got {pulls!r}")
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        if ok:
+            lease.sends += 1
+            if lease.sends < pulls:
+                return False
+        return self.end(request_id, "sent")
 
     def sweep(self) -> list[str]:
         """End every lease past its deadline; returns their request ids, oldest first."""

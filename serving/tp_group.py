@@ -7,19 +7,23 @@ them through ``model_executor.parallel.LockstepRunner`` with one :class:`RayRank
 follower; a dead follower is ``RankFailed``: the replica must be replaced (:func:`end_replica`).
 
 Used by both deployments (docs/ARCHITECTURE.md "Tensor parallelism"):
-- prefill (``prefill.tensor_parallel_size > 1``): ships one object-store frame merged from every
+- prefill (``prefill.tensor_parallel_size > 1``): every rank sends its own KV heads over its own
+  channels (:func:`make_tp_channel_exporter`), or one object-store frame merged from every
   rank's KV heads (:func:`make_tp_exporter`), so decode replicas of any TP receive it;
 - decode (``decode.tensor_parallel_size > 1``): the replica's ``DecodeEngine`` (one scheduler,
   sampling on the leader only: the followers' logits, equal by construction, are dropped) drives
-  the ranks through the ``LockstepRunner``; an incoming frame is verified once, split by KV head
-  (``kv_transfer.tp_transfer.split_frame``) and adopted by every rank, all or nothing
-  (:func:`make_tp_receiver`). Decode CUDA graphs stay off under TP (:data:`TP_DECODE_GRAPHS`).
+  the ranks through the ``LockstepRunner``; over channels every rank pulls its own KV heads at
+  once (:func:`make_tp_channel_receiver`), an object-store frame is verified once, split by KV
+  head (``kv_transfer.tp_transfer.split_frame``) and adopted by every rank
+  (:func:`make_tp_receiver`); all or nothing either way. Decode CUDA graphs stay off under TP
+  (:data:`TP_DECODE_GRAPHS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 from typing import Any
 
 import torch
@@ -307,7 +311,10 @@ def check_ranks(actors: list, timeout_s: float = 10.0) -> None:
 # Follower ranks send their own KV heads over their own channels. The methods below run in a
 # rank actor's worker threads (the actor is threaded: ``CHANNEL_ACTOR_CONCURRENCY``), next to
 # its lockstep steps: a send reads leased pages that no step writes.
-CHANNEL_ACTOR_CONCURRENCY = 4  # a step, a send, a discard and the health check at once
+# A step, the health check, and channel work next to them: a prefill rank's sends (one per
+# decode rank pulling its heads) and discards, a decode rank's receives (one per request in
+# flight; each waits in its thread while the rank's receive loop moves the pages).
+CHANNEL_ACTOR_CONCURRENCY = 8
 RANK_CALL_TIMEOUT_S = 30.0  # a follower's export or discard (no data moves: bookkeeping only)
 
 
@@ -393,3 +400,129 @@ def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, 
                  "max_workers": channel.max_workers}
         followers.append(RayRankChannel(actor, rank, setup))
     return TPChannelTransport(transport, layout, followers, identity=identity, host=host)
+
+
+# -- channel transfers into a TP decode group -------------------------------------------------
+# Each decode rank pulls its own KV heads from the prefill ranks holding them
+# (``ChannelTransport.receive_heads(..., dst_rank=r)``) over its own channels: rank r is the
+# receiver ``<replica>:tp<r>`` and hosts its own store, so every (prefill rank, decode rank)
+# pair has its own channel, store prefix and generations. The leader runs rank 0's receive on
+# the replica's event loop and each follower's through ``RankActor.channel_receive``; it waits
+# for all of them and settles all or nothing (``kv_transfer.tp_transfer.receive_group``).
+_RX_LOCK = threading.Lock()
+
+
+def _rank_receiver(self, setup: dict):
+    """This decode rank's channel receiver and the event loop it runs on (a thread of its own:
+    the actor's methods are threaded and blocking)."""
+    import asyncio
+
+    from kv_transfer.channel import ChannelConfig, ChannelTransport
+
+    with _RX_LOCK:
+        rx = getattr(self, "_tp_receiver", None)
+        if rx is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="kv-rank-receive", daemon=True).start()
+            transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                         call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
+                                         max_workers=setup["max_workers"])
+            rx = self._tp_receiver = (transport, loop)
+    return rx
+
+
+def _channel_receive(self, ticket: Any, setup: dict) -> Any:
+    """TP decode: pull this rank's KV heads of ``ticket``'s request from the prefill ranks
+    holding them; returns the ``TransferError`` (the leader settles every rank's outcome) or
+    None. On a failure nothing stays allocated here (the channel receive frees its pages)."""
+    import asyncio
+
+    from kv_transfer.heads import HeadLayout
+    from kv_transfer.transfer import TransferError
+
+    transport, loop = _rank_receiver(self, setup)
+    shard = self.runner.model._fpv2_tp
+    layout = HeadLayout(*setup["layout"])
+    future = asyncio.run_coroutine_threadsafe(
+        transport.receive_heads(ticket, self.runner.pool, dst_layout=layout, dst_rank=shard.tp.rank), loop)
+    try:
+        future.result()
+    except TransferError as exc:
+        return exc
+    return None
+
+
+def _receiver_counters(self) -> dict:
+    rx = getattr(self, "_tp_receiver", None)
+    return rx[0].counters() if rx is not None else {}
+
+
+RankActor.channel_receive = _channel_receive
+RankActor.receiver_counters = _receiver_counters
+
+
+def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, identity: dict, host: str,
+                             make_caller: Any):
+    """The channel receiver (``gloo`` on CPU, ``nccl`` on CUDA) of a TP decode replica: every
+    rank pulls its own heads at once (rank 0 here, the followers through
+    ``RankActor.channel_receive``), then the group settles all or nothing: any rank failing
+    releases the request on every rank and raises that rank's retryable ``TransferError`` (the
+    replica answers ``TransferFailed`` with ``fallback: object_store``). A follower that does not
+    answer is ``RankFailed`` (the replica's ``on_failure`` ends it). ``identity``: the replica's
+    (rank r receives as ``<replica_id>:tp<r>``); ``make_caller()``: how a rank reaches the
+    prefill replica holding the pages (returns an ``async (sender, request) -> reply``; picklable
+    by reference: each follower makes its own, once)."""
+    import asyncio
+
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.transfer import KVTransport
+    from kv_transfer.tp_transfer import TPChannelTransport, receive_group
+    from model_executor.parallel import RankFailed, shard_of
+
+    leader = lock._runner
+    layout = shard_of(leader.model).layout
+    channel = config.transfer.channel
+    cfg = channel.channel_config()
+    rid = identity["replica_id"]
+    transport = ChannelTransport(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
+                                 call_sender=make_caller(), config=cfg, max_workers=channel.max_workers)
+    setups = [{"host": host, "identity": TPChannelTransport.rank_identity(rid, rank), "make_caller": make_caller,
+               "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+               "max_workers": channel.max_workers,
+               "layout": (layout.num_q_heads, layout.num_kv_heads, layout.tp_size)}
+              for rank in range(1, layout.tp_size)]
+
+    class TPChannelReceiver(KVTransport):
+        name = transport.name
+        fault_modes = ()
+
+        def export(self, pool, request_id, *, fault=None):
+            raise ValueError("pool: a decode replica receives KV pages, it does not export them")
+
+        async def receive(self, ticket, pool):
+            rid = getattr(ticket, "request_id", None)
+            refs = [a.channel_receive.remote(ticket, setup) for a, setup in zip(actors, setups)]
+
+            async def follower(rank: int, ref: Any) -> Any:
+                try:
+                    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), RANK_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
+                    failed = RankFailed(f"TP rank {rank}: channel receive of {rid!r}: {type(exc).__name__}: "
+                                        f"{str(exc)[:300]}")
+                    if lock._group.on_failure is not None:
+                        lock._group.on_failure(failed)
+                    raise failed from None
+
+            receives = [transport.receive_heads(ticket, leader.pool, dst_layout=layout, dst_rank=0)]
+            receives += [follower(r, ref) for r, ref in enumerate(refs, start=1)]
+            # release: every rank, in lockstep (blocking Ray calls: off the event loop)
+            await receive_group(receives, lambda: asyncio.to_thread(lock.pool.release, rid))
+            return leader.pool.pages(rid)
+
+        def counters(self) -> dict[str, int]:
+            return transport.counters()
+
+        def close(self) -> None:
+            transport.close()
+
+    return TPChannelReceiver()

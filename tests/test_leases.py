@@ -48,6 +48,25 @@ def test_leases_end_once_each_at_the_first_of_their_endings():
     assert set(END_REASONS) == set(table.ended)
 
 
+def test_a_lease_ends_after_the_last_announced_pull_or_the_first_failed_send():
+    table, ended, _ = _table()
+    table.grant("group", ticket=object(), exporter=None)  # a decode group pulls 4 times (2 ranks x 2 sources)
+    assert [table.sent("group", True, 4) for _ in range(3)] == [False] * 3
+    assert "group" in table and ended == []  # never before every decode rank has pulled
+    assert table.sent("group", True, 4) is True and ended == [("group", "sent")]
+    assert table.sent("group", True, 4) is False  # ended already: no second end
+    table.grant("broken", ticket=object(), exporter=None)
+    assert table.sent("broken", True, 3) is False
+    assert table.sent("broken", False, 3) is True and ended[-1] == ("broken", "sent")  # the first failure ends it
+    table.grant("one", ticket=object(), exporter=None)
+    assert table.sent("one", True) is True and ended[-1] == ("one", "sent")  # a whole-replica pull: one send
+    assert table.sent("never-granted", True, 2) is False
+    for bad in (0, -1, True, 1.0, None):
+        with pytest.raises(ValueError, match="^pulls"):
+            table.sent("x", True, bad)
+    assert table.ended["sent"] == 3
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, True, "10", None])
 def test_lease_timeout_must_be_positive_seconds(bad):
     with pytest.raises(ValueError, match="timeout_s"):
