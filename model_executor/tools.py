@@ -17,6 +17,10 @@ tokenizer: Hermes, see ``ByteTokenizer``); otherwise ``require_tool_support`` ra
 model is Llama-shaped but its template teaches Hermes calls). Wherever a ``model_type`` is
 taken, a format name (``hermes``, ``llama3_json``) is accepted too.
 
+A stream is parsed as it goes (``ToolCallStream``): content out as soon as it cannot begin a call
+marker, each call whole when it closes, the same content and calls as ``extract_tool_calls`` of
+the whole reply.
+
 ``tool_choice``: ``"none"`` and ``"auto"`` (the default) leave decoding free and the reply is
 parsed afterwards; ``"required"`` and a named function constrain decoding to the model's call
 format (``tools_to_guided``, a spec for ``model_executor.grammar.compile_guide``).
