@@ -17,6 +17,10 @@ tokenizer: Hermes, see ``ByteTokenizer``); otherwise ``require_tool_support`` ra
 model is Llama-shaped but its template teaches Hermes calls). Wherever a ``model_type`` is
 taken, a format name (``hermes``, ``llama3_json``) is accepted too.
 
+A stream is parsed as it goes (``ToolCallStream``): content out as soon as it cannot begin a call
+marker, each call whole when it closes, the same content and calls as ``extract_tool_calls`` of
+the whole reply.
+
 ``tool_choice``: ``"none"`` and ``"auto"`` (the default) leave decoding free and the reply is
 parsed afterwards; ``"required"`` and a named function constrain decoding to the model's call
 format (``tools_to_guided``, a spec for ``model_executor.grammar.compile_guide``).
@@ -257,23 +261,33 @@ def _call(name: object, arguments: object) -> dict | None:
     }
 
 
+def _hermes_call(body_text: str) -> dict | None:
+    """The call a ``<tool_call>`` block's body holds, ``None`` if it is malformed."""
+    try:
+        body = json.loads(body_text)
+    except ValueError:
+        return None
+    return _call(body.get("name"), body.get("arguments", {})) if isinstance(body, dict) else None
+
+
 def _hermes(text: str) -> tuple[str | None, list[dict] | None]:
     calls, kept, last = [], [], 0
     for m in _HERMES_CALL.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-        except ValueError:
-            continue  # not a call: stays in the content
-        call = _call(body.get("name"), body.get("arguments", {})) if isinstance(body, dict) else None
+        call = _hermes_call(m.group(1))
         if call is None:
-            continue
+            continue  # not a call: stays in the content
         calls.append(call)
         kept.append(text[last:m.start()])
         last = m.end()
     if not calls:
         return (text or None), None
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    # the whitespace the calls leave at the ends goes: all trailing whitespace, and the leading
+    # whitespace when a call comes before any other text (a reply that starts with text keeps
+    # its leading whitespace, so the content can stream before the calls are known)
+    content = "".join(kept).rstrip()
+    if not kept[0].strip():
+        content = content.lstrip()
     return (content or None), calls
 
 
@@ -318,3 +332,119 @@ def extract_tool_calls(text: str, model_type: str) -> tuple[str | None, list[dic
 def parse_tool_calls(text: str, model_type: str) -> list[dict] | None:
     """The tool calls in a reply (see ``extract_tool_calls``), ``None`` if it holds none."""
     return extract_tool_calls(text, model_type)[1]
+
+
+# -- parsing calls out of a streamed reply ---------------------------------------------------------
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper beginning of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Tool calls parsed out of a reply as it streams, for one choice: :meth:`push` each text
+    delta, :meth:`finish` at the end; both return events in order, ``("content", text)`` and
+    ``("call", call)`` (a call as ``extract_tool_calls`` gives it). Whatever the split into
+    deltas, the concatenated content and the calls equal ``extract_tool_calls`` of the whole
+    text (content ``None`` there is ``""`` here).
+
+    Hermes: content goes out as soon as it cannot be the beginning of ``<tool_call>``; a
+    whitespace run is held until text follows it (whitespace the calls leave at the ends of
+    the content is dropped, see ``_hermes``); a call goes out whole when its ``</tool_call>``
+    arrives (a malformed one, and an unclosed one at the end that does not parse, is content).
+    Llama 3 JSON (the whole reply is calls, or it is content): a reply whose first non-space
+    character is neither ``{`` nor the start of ``<|python_tag|>`` streams as content; any
+    other is held to the end and parsed whole."""
+
+    def __init__(self, model_type: str) -> None:
+        self.format = _format_of(model_type)
+        self._buf = ""  # text not yet classified
+        self._in_call = False  # hermes: inside a <tool_call> block (self._buf is its body)
+        self._scanned = 0  # hermes: characters of the body already searched for </tool_call>
+        self._ws = ""  # hermes: whitespace held until text follows it
+        self._leading = True  # hermes: no text other than whitespace has gone out
+        self._calls = 0
+        self._plain = False  # llama: the reply cannot be calls
+        self._done = False
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        if self._done:
+            raise ValueError("text: the stream has finished")
+        if self.format == "llama3_json":
+            return self._llama_push(text)
+        out: list[tuple[str, Any]] = []
+        self._buf += text
+        while True:
+            if self._in_call:
+                at = self._buf.find(_CLOSE, max(self._scanned - len(_CLOSE) + 1, 0))
+                if at < 0:
+                    self._scanned = len(self._buf)
+                    return out
+                body, self._buf = self._buf[:at], self._buf[at + len(_CLOSE):]
+                self._in_call, self._scanned = False, 0
+                self._block(body, _CLOSE, out)
+            else:
+                at = self._buf.find(_OPEN)
+                if at < 0:
+                    keep = _marker_prefix(self._buf, _OPEN)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._content(self._buf[:at], out)
+                self._buf, self._in_call = self._buf[at + len(_OPEN):], True
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The end of the reply: what was held back (the calls' trailing whitespace goes)."""
+        if self._done:
+            return []
+        self._done = True
+        out: list[tuple[str, Any]] = []
+        if self.format == "llama3_json":
+            if self._buf:
+                content, calls = _llama(self._buf)
+                out += [("call", c) for c in calls] if calls else [("content", self._buf)]
+            return out
+        if self._in_call:  # an unclosed last call (cut by a stop or max_tokens)
+            self._block(self._buf, "", out)
+        else:
+            self._content(self._buf, out)
+        self._buf = ""
+        if self._ws and not self._calls:
+            out.append(("content", self._ws))
+        self._ws = ""
+        return out
+
+    def _block(self, body: str, close: str, out: list) -> None:
+        call = _hermes_call(body)
+        if call is None:
+            self._content(_OPEN + body + close, out)
+            return
+        self._calls += 1
+        out.append(("call", call))
+
+    def _content(self, text: str, out: list) -> None:
+        start = len(text) - len(text.lstrip())
+        if start == len(text):
+            self._ws += text
+            return
+        end = len(text.rstrip())
+        held = "" if self._leading and self._calls else self._ws + text[:start]
+        out.append(("content", held + text[start:end]))
+        self._ws, self._leading = text[end:], False
+
+    def _llama_push(self, text: str) -> list[tuple[str, Any]]:
+        if self._plain:
+            return [("content", text)] if text else []
+        self._buf += text
+        head = self._buf.lstrip()
+        if not head or head.startswith("{") or head.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(head):
+            return []  # may be calls: held to the end
+        self._plain, text, self._buf = True, self._buf, ""
+        return [("content", text)]

@@ -31,12 +31,13 @@ from .protocol import (
     GenerationRequest,
     RequestError,
     RequestParser,
+    ToolChoiceStream,
     completion_response,
     models_response,
     openapi_extra,
     split_tool_calls,
     stream_chunk,
-    tool_call_chunks,
+    tool_stream_chunks,
     usage,
     usage_chunk,
 )
@@ -236,7 +237,7 @@ class OpenAIIngress:
 
     async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
         completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
-        held: dict[int, tuple[list, list, list]] = {}  # chat with tools: per choice, text, token ids, logprobs
+        tool_streams: dict[int, ToolChoiceStream] = {}  # chat with tools: per choice, its call parser
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
         try:
             index, delta = first
@@ -251,15 +252,12 @@ class OpenAIIngress:
                     text = (delta.prompt_text or "") + text
                     if logprobs is not None:
                         logprobs = (delta.prompt_logprobs or []) + logprobs
-                if req.tool_format is not None:  # calls are parsed from the whole reply: hold it back
-                    texts, ids, lps = held.setdefault(index, ([], [], []))
-                    texts.append(text)
-                    ids.extend(delta.token_ids)
-                    lps.extend(logprobs or ())
-                    chunks = [stream_chunk(req, None, [], None, first=True, index=index)] if delta.first else []
-                    if delta.finish_reason is not None:
-                        chunks += tool_call_chunks(req, "".join(texts), ids, delta.finish_reason,
-                                                   logprobs=lps if req.logprobs is not None else None, index=index)
+                if req.tool_format is not None:  # content streams, each call goes out whole once complete
+                    if index not in tool_streams:
+                        tool_streams[index] = ToolChoiceStream(req)
+                    stream = tool_streams[index]
+                    chunks = tool_stream_chunks(req, stream, text, delta.token_ids, delta.finish_reason,
+                                                first=delta.first, logprobs=logprobs, index=index)
                 else:
                     chunks = [stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
                                            logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)]
@@ -625,7 +623,7 @@ class OpenAIIngress:
         cached: dict[int, int] = {}  # per choice, from whichever message carried timing; summed as HTTP
         sparse = None
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
-        held: dict[int, tuple[list, list, list]] = {}  # chat with tools: per choice, text, token ids, logprobs
+        tool_streams: dict[int, ToolChoiceStream] = {}  # chat with tools: per choice, its call parser
         deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
         try:
             async for index, delta in deltas:
@@ -638,14 +636,13 @@ class OpenAIIngress:
                 text, token_ids, logprobs = (delta.prompt_text or "") + delta.text if echo else delta.text, \
                     delta.token_ids, delta.logprobs
                 finish, calls = delta.finish_reason, None
-                if req.tool_format is not None:  # calls are parsed from the whole reply: hold it back (as HTTP)
-                    texts, token_ids, logprobs = held.setdefault(index, ([], [], []))
-                    texts.append(text)
-                    token_ids.extend(delta.token_ids)
-                    logprobs.extend(delta.logprobs or ())
-                    if finish is None:
-                        continue
-                    text, calls, finish = split_tool_calls(req, "".join(texts), finish)
+                if req.tool_format is not None:  # content as it comes, calls in the message they complete in
+                    if index not in tool_streams:
+                        tool_streams[index] = ToolChoiceStream(req)
+                    stream = tool_streams[index]
+                    events, finish = stream.push(text, finish)
+                    text = "".join(value for kind, value in events if kind == "content")
+                    calls = [value for kind, value in events if kind == "call"]
                 msg = pb.GenerateStreamResponse(request_id=req.request_id, index=index, text=text or "",
                                                 token_ids=token_ids, finish_reason=finish or "",
                                                 logprobs=self._grpc_logprobs(pb, logprobs),

@@ -629,24 +629,59 @@ def split_tool_calls(req: GenerationRequest, text: str, finish_reason: str | Non
     return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def tool_call_chunks(req: GenerationRequest, text: str, token_ids: list[int], finish_reason: str,
-                     *, logprobs: list | None = None, index: int = 0) -> list[dict]:
-    """The chunks that end a streamed chat choice with tools, whose reply was held back until
-    it finished (calls are parsed from the whole reply): the content (if any), then one chunk
-    per call (``delta.tool_calls: [{index, id, type, function: {name, arguments}}]``, a whole
-    call per chunk), then ``delta: {}`` with the finish reason, the held-back ``logprobs`` and,
-    with ``return_token_ids``, the ``token_ids``."""
-    content, calls, finish = split_tool_calls(req, text, finish_reason)
+class ToolChoiceStream:
+    """One streamed chat choice of a request with tools (``req.tool_format``): its text deltas
+    through ``model_executor.tools.ToolCallStream``. :meth:`push` returns the events now final,
+    ``("content", text)`` and ``("call", {"index", "id", "type", "function"})`` (``index``: the
+    call's position in the choice; with ``parallel_tool_calls: false`` calls after the first
+    are dropped), and the finish reason (``"tool_calls"`` for a ``"stop"`` once a call came)."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        from model_executor.tools import ToolCallStream
+
+        self._req = req
+        self._parser = ToolCallStream(req.tool_format)
+        self.calls = 0
+
+    def push(self, text: str, finish_reason: str | None = None) -> tuple[list[tuple[str, Any]], str | None]:
+        events = self._parser.push(text)
+        if finish_reason is not None:
+            events += self._parser.finish()
+        out: list[tuple[str, Any]] = []
+        for kind, value in events:
+            if kind == "call":
+                if self.calls and not self._req.parallel_tool_calls:
+                    continue
+                out.append(("call", {"index": self.calls, **value}))
+                self.calls += 1
+            elif value and out and out[-1][0] == "content":
+                out[-1] = ("content", out[-1][1] + value)
+            elif value:
+                out.append(("content", value))
+        return out, ("tool_calls" if finish_reason == "stop" and self.calls else finish_reason)
+
+
+def tool_stream_chunks(req: GenerationRequest, stream: ToolChoiceStream, text: str, token_ids: list[int],
+                       finish_reason: str | None, *, first: bool = False, logprobs: list | None = None,
+                       index: int = 0) -> list[dict]:
+    """The chunks of one delta of a streamed chat choice with tools: the content now final (a
+    possible beginning of ``<tool_call>``, a call's body and whitespace before unknown text are
+    held back), one chunk per call completed in it (``delta.tool_calls: [{index, id, type,
+    function: {name, arguments}}]``, a whole call), at least one chunk. The delta's
+    ``token_ids`` and ``logprobs`` (the tokens it generated) ride on its first chunk, with
+    ``delta.role`` for the choice's first; ``finish_reason`` on the last (after a call: a chunk
+    ``delta: {}`` of its own)."""
+    events, finish = stream.push(text, finish_reason)
+    if not events or (finish is not None and events[-1][0] == "call"):
+        events.append(("content", None))
     chunks = []
-    if calls is None:
-        return [stream_chunk(req, content, token_ids, finish, logprobs=logprobs, index=index)]
-    if content:
-        chunks.append(stream_chunk(req, content, [], None, index=index))
-    for k, call in enumerate(calls):
-        chunk = stream_chunk(req, None, [], None, index=index)
-        chunk["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call}]
+    for i, (kind, value) in enumerate(events):
+        chunk = stream_chunk(req, value if kind == "content" else None, token_ids if i == 0 else [],
+                             finish if i == len(events) - 1 else None, first=first and i == 0,
+                             logprobs=logprobs if i == 0 else None, index=index)
+        if kind == "call":
+            chunk["choices"][0]["delta"]["tool_calls"] = [value]
         chunks.append(chunk)
-    chunks.append(stream_chunk(req, None, token_ids, finish, logprobs=logprobs, index=index))
     return chunks
 
 

@@ -695,7 +695,7 @@ def test_tool_calls_with_the_openai_client(service):
         assert streamed[0].id.startswith("call_") and streamed[0].type == "function"
         assert [ch.finish_reason for k in chunks for ch in k.choices if ch.finish_reason] == ["tool_calls"]
         assert not any(ch.delta.content for k in chunks for ch in k.choices)
-    # n choices streamed: each choice's reply is held back on its own (chunks of both interleave)
+    # n choices streamed: each choice's calls come in its own chunks (chunks of both interleave)
     kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=200, temperature=1.0,
                   seed=11, n=2)
     whole = client.chat.completions.create(**kwargs)
@@ -706,13 +706,16 @@ def test_tool_calls_with_the_openai_client(service):
                     if c.index == ch.index for tc in (c.delta.tool_calls or [])]
         assert streamed == _calls(ch.message.tool_calls)
         jsonschema.validate(json.loads(streamed[0][1]), schemas["lookup"])
-    # auto: free decoding (the random tiny model writes no call); streamed content is the whole content
-    kwargs = dict(model=MODEL, messages=messages, tools=tools, max_tokens=12, temperature=1.0, seed=12)
+    # auto: free decoding (the random tiny model writes no call); the content streams as it comes
+    # (several chunks before the finish), and it is the whole reply's content
+    kwargs = dict(model=MODEL, messages=messages, tools=tools, max_tokens=40, temperature=1.0, seed=12)
     whole = client.chat.completions.create(**kwargs).choices[0]
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
     assert "".join(c.delta.content or "" for k in chunks for c in k.choices) == whole.message.content
+    assert not any(c.delta.tool_calls for k in chunks for c in k.choices)
     assert [c.finish_reason for k in chunks for c in k.choices if c.finish_reason] == [whole.finish_reason]
+    assert sum(1 for k in chunks for c in k.choices if c.delta.content and c.finish_reason is None) > 1
     # the follow-up turn: the assistant's message as the client got it, then the tool's result
     follow = messages + [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "id 7: found"}]
     f = client.chat.completions.create(model=MODEL, messages=follow, tools=tools, max_tokens=4, temperature=0,
@@ -1019,11 +1022,13 @@ def test_grpc_tool_calls_equal_http_and_stream_the_same(service):
         if parallel is False:
             assert len(r.tool_calls) == 1
         msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
-        assert len(msgs) == 1  # held back until the reply ended: one message with everything
-        last = msgs[0]
-        assert last.finish_reason == "tool_calls" and last.text == "" and last.index == 0
-        assert _pb_calls(last.tool_calls) == _pb_calls(r.tool_calls)
-        assert last.tool_calls[0].id.startswith("call_") and list(last.token_ids) == list(r.token_ids)
+        last = msgs[-1]  # a message per delta; each call in the message where it completed
+        assert last.finish_reason == "tool_calls" and all(m.index == 0 for m in msgs)
+        assert [m.finish_reason for m in msgs[:-1]] == [""] * (len(msgs) - 1)
+        assert "".join(m.text for m in msgs) == ""  # a forced reply is all call
+        streamed = [c for m in msgs for c in m.tool_calls]
+        assert _pb_calls(streamed) == _pb_calls(r.tool_calls) and streamed[0].id.startswith("call_")
+        assert [t for m in msgs for t in m.token_ids] == list(r.token_ids)
         assert last.usage.completion_tokens == len(r.token_ids) == r.usage.completion_tokens
 
     # the parameters as a Struct: the same grammar (integral numbers read as integers)
@@ -1032,29 +1037,34 @@ def test_grpc_tool_calls_equal_http_and_stream_the_same(service):
     assert [c.function.name for c in r.tool_calls] == ["lookup"]
     jsonschema.validate(json.loads(r.tool_calls[0].function.arguments), schemas["lookup"])
 
-    # n = 2, logprobs: each choice's calls, streamed or not; the held-back logprobs come at the end
+    # n = 2, logprobs: each choice's calls, streamed or not; each message's logprobs are its tokens'
     req.n, req.logprobs = 2, 1
     whole = stub.Generate(req, metadata=META, timeout=120)
     msgs = list(stub.GenerateStream(req, metadata=META, timeout=120))
-    assert sorted(m.index for m in msgs) == [0, 1]
+    assert sorted({m.index for m in msgs}) == [0, 1]
     for c in whole.choices:
-        (m,) = [m for m in msgs if m.index == c.index]
-        assert c.finish_reason == m.finish_reason == "tool_calls"
-        assert _pb_calls(m.tool_calls) == _pb_calls(c.tool_calls) and len(c.tool_calls) == 1
-        assert len(m.logprobs) == len(m.token_ids) == len(c.token_ids) == len(c.logprobs)
+        mine = [m for m in msgs if m.index == c.index]
+        assert c.finish_reason == "tool_calls" and [m.finish_reason for m in mine if m.finish_reason] == ["tool_calls"]
+        assert _pb_calls([t for m in mine for t in m.tool_calls]) == _pb_calls(c.tool_calls) and len(c.tool_calls) == 1
+        assert all(len(m.logprobs) == len(m.token_ids) for m in mine)
+        assert [lp.token_id for m in mine for lp in m.logprobs] == [t for m in mine for t in m.token_ids] \
+            == list(c.token_ids)
         jsonschema.validate(json.loads(c.tool_calls[0].function.arguments), schemas["lookup"])
 
-    # auto (the default with tools): free decoding; the streamed text is the whole text
-    auto = pb.GenerateRequest(model=MODEL, tools=[_pb_tool(t) for t in tools], max_tokens=12, temperature=1.0,
+    # auto (the default with tools): free decoding; the text streams as it comes (several messages
+    # with text before the finish) and is the whole text
+    auto = pb.GenerateRequest(model=MODEL, tools=[_pb_tool(t) for t in tools], max_tokens=40, temperature=1.0,
                               seed=12)
     auto.messages.add(**user)
     whole = stub.Generate(auto, metadata=META, timeout=120)
-    want = client.chat.completions.create(model=MODEL, messages=[user], tools=tools, max_tokens=12, temperature=1.0,
+    want = client.chat.completions.create(model=MODEL, messages=[user], tools=tools, max_tokens=40, temperature=1.0,
                                           seed=12).choices[0]
     assert (whole.text, whole.finish_reason) == (want.message.content or "", want.finish_reason)
     assert _pb_calls(whole.tool_calls) == _calls(want.message.tool_calls or [])
     msgs = list(stub.GenerateStream(auto, metadata=META, timeout=120))
     assert "".join(m.text for m in msgs) == whole.text and [m.finish_reason for m in msgs][-1] == whole.finish_reason
+    assert not any(m.tool_calls for m in msgs)
+    assert sum(1 for m in msgs if m.text and not m.finish_reason) > 1
 
     # the follow-up turn: the assistant's calls and the tool's result, rendered as over HTTP
     call = r.tool_calls[0]

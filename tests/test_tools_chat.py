@@ -16,7 +16,13 @@ from model_executor.grammar import compile_guide  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer, IdTokenizer  # noqa: E402
 from model_executor.tools import extract_tool_calls  # noqa: E402
 from router.pipeline import Completion  # noqa: E402
-from router.protocol import RequestParser, completion_response, split_tool_calls, tool_call_chunks  # noqa: E402
+from router.protocol import (  # noqa: E402
+    RequestParser,
+    ToolChoiceStream,
+    completion_response,
+    split_tool_calls,
+    tool_stream_chunks,
+)
 from serving.errors import RequestError  # noqa: E402
 from tests.test_tools import TEMPLATE_WITH_TOOLS, TEMPLATE_WITHOUT, TOOLS, WEATHER, _hf  # noqa: E402
 
@@ -294,17 +300,19 @@ def test_malformed_or_untooled_replies_stay_content():
 
 
 def test_streamed_tool_calls_come_one_per_chunk_then_the_finish():
+    """The reply in one delta (as a cut-short stream may deliver it): the content, each call
+    whole in its own chunk, the finish; the token ids ride on the first chunk."""
     req = _parser().parse(_chat(tools=TOOLS, return_token_ids=True), "chat")
-    chunks = tool_call_chunks(req, REPLY, [1, 2, 3], "stop", index=2)
+    chunks = tool_stream_chunks(req, ToolChoiceStream(req), REPLY, [1, 2, 3], "stop", first=True, index=2)
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert deltas[0] == {"content": "Sure."}
+    assert deltas[0] == {"role": "assistant", "content": "Sure."}
     assert [d["tool_calls"][0]["index"] for d in deltas[1:3]] == [0, 1]
     assert [d["tool_calls"][0]["function"]["name"] for d in deltas[1:3]] == ["get_weather", "ping"]
     assert deltas[3] == {} and chunks[3]["choices"][0]["finish_reason"] == "tool_calls"
-    assert chunks[3]["choices"][0]["token_ids"] == [1, 2, 3]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[1, 2, 3], [], [], []]
     assert all(c["choices"][0]["index"] == 2 for c in chunks)
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:3])
-    plain = tool_call_chunks(req, "no calls", [4], "length")
+    plain = tool_stream_chunks(req, ToolChoiceStream(req), "no calls", [4], "length")
     assert len(plain) == 1 and plain[0]["choices"][0]["delta"] == {"content": "no calls"}
     assert plain[0]["choices"][0]["finish_reason"] == "length"
 
