@@ -18,6 +18,8 @@ This package never imports Ray.
 from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, register_attention
 from .loading import (
     BUILTIN_MODELS,
+    BUILTIN_SMOLLM2,
+    DEFAULT_MODEL,
     BUILTIN_STRUCTURED_8B,
     BUILTIN_STRUCTURED_TINY,
     BUILTIN_TINY,
@@ -40,6 +42,8 @@ __all__ = [
     "ForwardMode",
     "register_attention",
     "BUILTIN_MODELS",
+    "BUILTIN_SMOLLM2",
+    "DEFAULT_MODEL",
     "BUILTIN_STRUCTURED_8B",
     "BUILTIN_STRUCTURED_TINY",
     "BUILTIN_TINY",

@@ -35,6 +35,7 @@ without a stop token they always generate ``max_tokens`` tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,8 @@ from typing import Any
 
 import torch
 
-from . import fp8_linear, parallel
+from . import fp8_linear, gguf, parallel
+from .gguf import BUILTIN_SMOLLM2
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 BUILTIN_TINY = "builtin:tiny"
@@ -51,7 +53,8 @@ BUILTIN_STRUCTURED_TINY = "builtin:structured-tiny"
 BUILTIN_STRUCTURED_32B = "builtin:structured-32b"  # Qwen2.5-32B's shape (GPU; TP for long prompts)
 BUILTIN_STRUCTURED_70B = "builtin:structured-70b"  # Llama-3.1-70B's shape (GPU, TP >= 2 in bf16)
 BUILTIN_STRUCTURED = (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, BUILTIN_STRUCTURED_32B, BUILTIN_STRUCTURED_70B)
-BUILTIN_MODELS = (BUILTIN_TINY, *BUILTIN_STRUCTURED)
+BUILTIN_MODELS = (BUILTIN_SMOLLM2, BUILTIN_TINY, *BUILTIN_STRUCTURED)
+DEFAULT_MODEL = BUILTIN_SMOLLM2
 _BUILTIN_PREFIX = "builtin:"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -175,6 +178,8 @@ def model_shape(source: str | Path) -> Any | None:
     check_model_name(str(source))
     if str(source) == BUILTIN_TINY:
         return tiny_config()
+    if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source):
+        source = gguf.gguf_dir(source)
     if str(source) in BUILTIN_STRUCTURED:
         from .structured_model import llama_config
 
@@ -194,6 +199,8 @@ def builtin_tokenizer(name: str) -> Any:
     """The tokenizer of a built-in model, without building its weights (the ingress)."""
     if name == BUILTIN_TINY:
         return ByteTokenizer()
+    if name == BUILTIN_SMOLLM2:
+        return load_tokenizer(name)
     spec = structured_spec(name)
     return IdTokenizer(spec.vocab_size, bos_token_id=spec.bos_token_id)
 
@@ -207,7 +214,9 @@ def check_model_name(source: str) -> None:
 def load_tokenizer(source: str | Path) -> Any:
     """The tokenizer alone: a built-in model's, or a local directory's (offline)."""
     check_model_name(str(source))
-    if str(source) in BUILTIN_MODELS:
+    if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source):
+        source = gguf.gguf_dir(source)
+    elif str(source) in BUILTIN_MODELS:
         return builtin_tokenizer(str(source))
     from transformers import AutoTokenizer
 
@@ -687,6 +696,9 @@ def load_model(
         loaded = build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
     else:
         check_model_name(str(source))
+        if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source):
+            loaded = load_model_dir(gguf.gguf_dir(source), dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
+            return dataclasses.replace(loaded, name=str(source))
         if str(source) not in BUILTIN_STRUCTURED:
             return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
         loaded = build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)

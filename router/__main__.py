@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start a local Ray on 127.0.0.1 and deploy the service")
-    s.add_argument("--model", default=None, help="'builtin:tiny' (default) or a local Hugging Face directory")
+    s.add_argument("--model", default=None, help="'builtin:smollm2-135m' (default), 'builtin:tiny', a local .gguf file or a local Hugging Face directory")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"), help="default auto")
     s.add_argument("--alpha", type=float, default=None, help="FlashPrefill V2 threshold (0 = dense; default 0.1)")

