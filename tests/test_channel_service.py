@@ -22,7 +22,7 @@ from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
-COMMON = {"torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
+COMMON = {"model": "builtin:tiny", "torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
           "batch_wait_ms": 1.0, "alpha": 0.0, "transport": "gloo"}
 CONFIGS = {
     "channel": ServiceConfig.from_dict(COMMON),

@@ -98,7 +98,7 @@ def test_health_refresh_option_is_validated():
 
 # ----------------------------------------------------------------------------- live service
 APP = "healthapp"
-CONFIG = ServiceConfig.from_dict({"torch_threads": 1, "batch_wait_ms": 1.0, "prefill_kv_pages": 64,
+CONFIG = ServiceConfig.from_dict({"model": "builtin:tiny", "torch_threads": 1, "batch_wait_ms": 1.0, "prefill_kv_pages": 64,
                                   "decode_kv_pages": 64, "max_model_len": 256, "ingress": {"health_refresh_s": 0.2}})
 SMALL = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}, "health_check_period_s": 1.0}
 

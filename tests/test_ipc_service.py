@@ -22,7 +22,7 @@ from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_po
 pytestmark = pytest.mark.gpu
 
 MODEL = "builtin:tiny"
-COMMON = {"device": "cuda", "torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128,
+COMMON = {"model": "builtin:tiny", "device": "cuda", "torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128,
           "debug_routing": True, "batch_wait_ms": 1.0, "alpha": 0.0, "transport": "auto"}
 CONFIGS = {
     "ipc": ServiceConfig.from_dict(COMMON),

@@ -108,7 +108,7 @@ def test_the_timer_ends_an_expired_lease_with_no_call_open():
 
 
 # ------------------------------------------------------------------ replicas in this process
-OPTS = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "transport": "gloo",
+OPTS = {"model": "builtin:tiny", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "transport": "gloo",
         "lease_timeout_s": 30.0}
 
 

@@ -20,7 +20,7 @@ from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_po
 MODEL = "builtin:tiny"
 APP = "api"
 # dense by default; a request may ask for sparse prefill at any length (dense_below 0)
-CONFIG = ServiceConfig.from_dict({"torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64,
+CONFIG = ServiceConfig.from_dict({"model": "builtin:tiny", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64,
                                   "batch_wait_ms": 1.0, "alpha": 0.0, "dense_below": 0, "block_size": 64,
                                   "sink_tokens": 64, "window_tokens": 64})
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}

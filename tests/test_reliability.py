@@ -34,7 +34,7 @@ from tests.service_helpers import free_port, oracle_tokens, prompt_of, replica_a
 MODEL = "builtin:tiny"
 TOKEN = "tok-REL-" + os.urandom(8).hex()  # must never show up in a log
 MARKER = "QZXV-private-prompt-7781"  # a prompt text that must never show up in a log
-COMMON = {"torch_threads": 1, "debug_routing": True, "batch_wait_ms": 1.0, "alpha": 0.0}
+COMMON = {"model": "builtin:tiny", "torch_threads": 1, "debug_routing": True, "batch_wait_ms": 1.0, "alpha": 0.0}
 CONFIGS = {
     "main": ServiceConfig.from_dict({**COMMON, "prefill_kv_pages": 256, "decode_kv_pages": 512, "max_model_len": 2048}),
     "secure": ServiceConfig.from_dict({**COMMON, "prefill_kv_pages": 64, "decode_kv_pages": 64, "max_model_len": 64,

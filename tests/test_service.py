@@ -31,7 +31,7 @@ from tests.service_helpers import (  # noqa: E402
 )
 
 MODEL = "builtin:tiny"
-COMMON = {"torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
+COMMON = {"model": "builtin:tiny", "torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
           "batch_wait_ms": 1.0}
 CONFIGS = {
     "dense": ServiceConfig.from_dict({**COMMON, "alpha": 0.0}),

@@ -18,7 +18,7 @@ from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica
 
 MODEL = "builtin:tiny"
 CONFIG = ServiceConfig.from_dict({
-    "device": "cpu", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64, "page_size": 16,
+    "model": "builtin:tiny", "device": "cpu", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64, "page_size": 16,
     "batch_wait_ms": 1.0, "alpha": 0.9, "block_size": 64, "sink_tokens": 64, "window_tokens": 64, "dense_below": 100,
     "transport": "gloo", "prefill": {"tensor_parallel_size": 2}, "fused_ops": False,
     "transfer": {"channel": {"connect_timeout_s": 20.0, "transfer_timeout_s": 20.0}},

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
-COMMON = {"device": "cpu", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64, "page_size": 16,
+COMMON = {"model": "builtin:tiny", "device": "cpu", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64, "page_size": 16,
           "batch_wait_ms": 1.0, "alpha": 0.9, "block_size": 64, "sink_tokens": 64, "window_tokens": 64,
           "dense_below": 100, "transport": "gloo", "fused_ops": False, "decode": {"tensor_parallel_size": 2},
           # roomy: torch's store reverse-resolves peer addresses, slow on some sandboxes' resolvers
