@@ -166,7 +166,7 @@ def convert_gguf(path: Path, out: Path, *, chat_template: str | None = None) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import SUPPORTED_MODEL_TYPES
+    from .architectures import SUPPORTED_MODEL_TYPES
 
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import fp8_linear, gguf, parallel
+from .architectures import SUPPORTED_MODEL_TYPES
 from .gguf import BUILTIN_SMOLLM2
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
@@ -56,7 +57,6 @@ BUILTIN_STRUCTURED = (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, BUILTIN_ST
 BUILTIN_MODELS = (BUILTIN_SMOLLM2, BUILTIN_TINY, *BUILTIN_STRUCTURED)
 DEFAULT_MODEL = BUILTIN_SMOLLM2
 _BUILTIN_PREFIX = "builtin:"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 

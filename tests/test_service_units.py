@@ -257,7 +257,7 @@ def test_request_lifecycle():
 def test_service_config():
     cfg = ServiceConfig.from_dict({"sparse": {"alpha": 0.0}, "fault_injection": {"corrupt_transfers": 2}})
     assert cfg.sparse_config.alpha == 0.0 and cfg.fault_injection.corrupt_transfers == 2
-    assert ServiceConfig.from_dict(cfg.to_dict()) == cfg and cfg.model_id == "builtin:tiny"
+    assert ServiceConfig.from_dict(cfg.to_dict()) == cfg and cfg.model_id == "builtin:smollm2-135m"
     for transport in ("auto", "object_store", "nccl", "cuda_ipc", "gloo"):
         assert ServiceConfig.from_dict({"transfer": {"transport": transport}}).transfer.transport == transport
     assert ServiceConfig.from_dict({"fault_injection": {"mode": "break"}}).fault_injection.mode == "break"

@@ -9,18 +9,20 @@ import pytest
 
 from serving.config import ConfigError, ServiceConfig
 
+TINY = {"model": "builtin:tiny"}  # 8 query / 4 KV heads (the default model, SmolLM2-135M, has 9 / 3)
+
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize("size, why", [(3, "8 query heads"), (16, "8 query heads"), (0, "greater than or equal to 1")])
 def test_sizes_that_do_not_split_the_tiny_model_name_the_option(side, size, why):
     with pytest.raises(ConfigError, match=f"^{side}.tensor_parallel_size: .*{why}"):
-        ServiceConfig(**{side: {"tensor_parallel_size": size}})
+        ServiceConfig(model=TINY, **{side: {"tensor_parallel_size": size}})
 
 
 def test_more_ranks_than_a_node_holds_is_refused():
     with pytest.raises(ConfigError, match=r"^decode.tensor_parallel_size: 4 ranks do not fit runtime.devices_per_node \(2\)"):
-        ServiceConfig(decode={"tensor_parallel_size": 4}, runtime={"devices_per_node": 2})
-    ok = ServiceConfig(prefill={"tensor_parallel_size": 2}, runtime={"devices_per_node": 2})
+        ServiceConfig(model=TINY, decode={"tensor_parallel_size": 4}, runtime={"devices_per_node": 2})
+    ok = ServiceConfig(model=TINY, prefill={"tensor_parallel_size": 2}, runtime={"devices_per_node": 2})
     assert ok.prefill.tensor_parallel_size == 2 and ok.decode.tensor_parallel_size == 1
 
 
@@ -28,7 +30,7 @@ def test_different_sizes_per_side_and_replicated_kv_heads_are_accepted():
     c = ServiceConfig(model={"model": "builtin:structured-8b"}, prefill={"tensor_parallel_size": 8},
                       decode={"tensor_parallel_size": 2})
     assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (8, 2)
-    c = ServiceConfig(prefill_tensor_parallel_size=4, decode_tensor_parallel_size=8)  # flat names; 8 > 2 KV heads
+    c = ServiceConfig(model=TINY, prefill_tensor_parallel_size=4, decode_tensor_parallel_size=8)  # flat names; 8 > 2 KV heads
     assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (4, 8)
 
 
@@ -53,7 +55,7 @@ def test_bad_settings_fail_in_the_builder_before_ray_starts():
 
     assert not ray.is_initialized()
     with pytest.raises(ConfigError, match="prefill.tensor_parallel_size"):
-        build_application({"prefill": {"tensor_parallel_size": 3}})
+        build_application({"model": TINY, "prefill": {"tensor_parallel_size": 3}})
     assert not ray.is_initialized()
 
 
@@ -65,7 +67,7 @@ def test_the_cost_model_splits_a_tp_replica_s_work_over_its_ranks():
     # 100 new tokens after 20 cached: 256 x 100 + 100 x (20 + 120 + 1) / 2 x 0.5 = 29125 at TP=1
     assert one.cost(120, 20) == 29125.0
     assert two.cost(120, 20) == 29125.0 / 2 + 10.0 * 100 / 2
-    assert PrefillCostModel.for_config(ServiceConfig(prefill={"tensor_parallel_size": 4})).tensor_parallel_size == 4
+    assert PrefillCostModel.for_config(ServiceConfig(model=TINY, prefill={"tensor_parallel_size": 4})).tensor_parallel_size == 4
     for bad in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=True), dict(allreduce_weight=-1.0)):
         with pytest.raises(ValueError, match="tensor_parallel_size, allreduce_weight"):
             PrefillCostModel(**bad)
@@ -106,11 +108,11 @@ def test_tp_deployments_get_one_strict_pack_bundle_per_rank_unless_given(side):
     from prefill_worker.deployment import make_prefill_deployment
 
     make = make_prefill_deployment if side == "prefill" else make_decode_deployment
-    cfg = ServiceConfig(**{side: {"tensor_parallel_size": 2}})
+    cfg = ServiceConfig(model=TINY, **{side: {"tensor_parallel_size": 2}})
     dep = make(cfg, ray_actor_options={"num_cpus": 2})
     replica = dep._replica_config  # Serve keeps the placement group options there
     assert replica.placement_group_strategy == "STRICT_PACK"
     assert replica.placement_group_bundles == [{"CPU": 2.0}, {"CPU": 1.0}]
     given = make(cfg, placement_group_bundles=[{"CPU": 3}, {"CPU": 3}], placement_group_strategy="STRICT_PACK")
     assert given._replica_config.placement_group_bundles == [{"CPU": 3}, {"CPU": 3}]
-    assert make(ServiceConfig())._replica_config.placement_group_bundles is None  # TP=1: no placement group
+    assert make(ServiceConfig(model=TINY))._replica_config.placement_group_bundles is None  # TP=1: no placement group

@@ -557,7 +557,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     from kv_transfer.ipc import CudaIpcTransport
     from kv_transfer.transfer import IPC_OR_NCCL
 
-    opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,
+    opts = {"model": "builtin:tiny", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,
             "decode": {"tensor_parallel_size": 2}}
     for kind, want in ((IPC_OR_NCCL, "channel"), ("gloo", "channel"), ("cuda_ipc", "object_store"),
                        ("object_store", "object_store")):
