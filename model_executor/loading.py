@@ -605,6 +605,36 @@ def _load_fp8_shard(path: Path, config: Any, files: list[Path], fmt: "fp8_linear
     return model
 
 
+ROPE_SCALING_TYPES = ("linear", "yarn")
+
+
+def rope_scaling_overrides(raw: dict, rope_scaling: dict) -> dict:
+    """Config overrides that stretch a model's RoPE beyond its trained context:
+    ``rope_scaling = {"rope_type": "linear" | "yarn", "factor": f}`` (f > 1) becomes
+    transformers' ``rope_parameters`` (the trained theta kept; YaRN's
+    ``original_max_position_embeddings`` the trained context) and ``max_position_embeddings``
+    times ``f``. ``raw``: the directory's config.json, whose RoPE must be unscaled."""
+    if not isinstance(rope_scaling, dict) or set(rope_scaling) != {"rope_type", "factor"}:
+        raise ValueError(f"rope_scaling: expected {{'rope_type': ..., 'factor': ...}}, got {rope_scaling!r}")
+    kind, factor = rope_scaling["rope_type"], rope_scaling["factor"]
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"rope_scaling: rope_type: expected one of {ROPE_SCALING_TYPES}, got {kind!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1.0:
+        raise ValueError(f"rope_scaling: factor: expected a number > 1, got {factor!r}")
+    base = raw.get("rope_parameters") or {}
+    legacy = raw.get("rope_scaling") or {}
+    if base.get("rope_type", "default") != "default" or legacy.get("rope_type", legacy.get("type", "default")) != "default":
+        raise ValueError(f"rope_scaling: the model's RoPE is already scaled ({base or legacy}); cannot stack another")
+    theta = base.get("rope_theta", raw.get("rope_theta"))
+    trained = raw.get("max_position_embeddings")
+    if not isinstance(theta, (int, float)) or not isinstance(trained, int):
+        raise ValueError("rope_scaling: config.json has no rope_theta / max_position_embeddings to scale")
+    params = {"rope_type": kind, "factor": float(factor), "rope_theta": float(theta)}
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = trained
+    return {"rope_parameters": params, "max_position_embeddings": int(round(trained * factor))}
+
+
 def load_model_dir(
     model_dir: str | Path,
     *,
@@ -614,8 +644,11 @@ def load_model_dir(
     attn_implementation: str = "sdpa",
     weight_dtype: str = "auto",
     tp: "parallel.TensorParallel | None" = None,
+    rope_scaling: dict | None = None,
 ) -> LoadedModel:
     """Load a local Hugging Face model directory (config.json, *.safetensors, tokenizer).
+
+    ``rope_scaling``: run the model beyond its trained context (:func:`rope_scaling_overrides`).
 
     ``tp``: load only rank ``tp.rank``'s shard (``model_executor.parallel``): each tensor's slice
     is read from the file, no rank ever holds another rank's projections (float checkpoints,
@@ -638,8 +671,9 @@ def load_model_dir(
     if fmt is not None and weight_dtype not in ("auto", "fp8_e4m3") and scheme != fmt.scheme:
         raise ValueError(f"weight_dtype: {weight_dtype!r} asks for the {scheme} scheme, but {path} stores FP8 "
                          f"weights with {fmt.scheme} scales ({fmt.quant_method}); use 'auto'")
+    overrides = rope_scaling_overrides(raw, rope_scaling) if rope_scaling is not None else {}
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"config.json: transformers cannot build a config from {path}: {e}") from None
     if hasattr(config, "quantization_config"):  # we load the FP8 tensors; transformers' quantizers must not
@@ -664,7 +698,7 @@ def load_model_dir(
         model = _load_fp8_dir(path, config, files, fmt, dtype, device, attn_implementation).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+            str(path), config=config, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )
         model = model.to(device).eval()
         _quantize_loaded(model, weight_dtype)
@@ -685,22 +719,29 @@ def load_model(
     seed: int = 0,
     weight_dtype: str = "auto",
     tp: "parallel.TensorParallel | None" = None,
+    rope_scaling: dict | None = None,
 ) -> LoadedModel:
-    """``tp``: rank ``tp.rank``'s shard (``model_executor.parallel``; directories read only the
+    """``rope_scaling``: directories and ``builtin:smollm2-135m`` only (:func:`load_model_dir`).
+    ``tp``: rank ``tp.rank``'s shard (``model_executor.parallel``; directories read only the
     shard, built-in models are built whole from their seed, then cut). ``None`` or ``"builtin:tiny"``: the built-in tiny model; ``"builtin:structured-8b"`` /
     ``"builtin:structured-tiny"``: a structured benchmark model (default dtype bfloat16);
     otherwise a local directory. ``weight_dtype``: ``"auto"`` (as stored), or an FP8 scheme the
     projections are quantized to on load (see the module doc)."""
     check_weight_dtype(weight_dtype)
+    directory = source is not None and str(source) != BUILTIN_TINY and str(source) not in BUILTIN_STRUCTURED
+    if rope_scaling is not None and not directory:
+        raise ValueError(f"rope_scaling: only model directories (and {BUILTIN_SMOLLM2}) take it, got {source!r}")
     if source is None or str(source) == BUILTIN_TINY:
         loaded = build_tiny_model(dtype=dtype or torch.float32, device=device, seed=seed)
     else:
         check_model_name(str(source))
         if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source):
-            loaded = load_model_dir(gguf.gguf_dir(source), dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
+            loaded = load_model_dir(gguf.gguf_dir(source), dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp,
+                                    rope_scaling=rope_scaling)
             return dataclasses.replace(loaded, name=str(source))
         if str(source) not in BUILTIN_STRUCTURED:
-            return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp)
+            return load_model_dir(source, dtype=dtype, device=device, weight_dtype=weight_dtype, tp=tp,
+                                  rope_scaling=rope_scaling)
         loaded = build_structured_model(str(source), dtype=dtype or torch.bfloat16, device=device, seed=seed)
     _quantize_loaded(loaded.model, weight_dtype)  # before sharding: the shards keep the TP=1 scales
     if tp is not None and tp.size > 1:
