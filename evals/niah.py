@@ -38,7 +38,13 @@ over causal key-query pairs, all layers and heads of the prefill forwards) is re
 (``--no-density`` turns it off).
 
     python -m evals.niah --model /path/to/Llama-3.1-8B-Instruct            # H200
+    python -m evals.niah --model builtin:smollm2-135m --device cpu --threads 1 --lengths 2048 \
+        --alphas 0.1 0.3 --correction on                                   # CPU, real model (8K context)
     python -m evals.niah --model builtin:tiny --device cpu --lengths 512   # plumbing only
+
+``--model`` takes ``builtin:smollm2-135m`` (SmolLM2-135M-Instruct, converted once from its GGUF)
+or the converted Hugging Face directory itself (what a host without the ``gguf`` package uses);
+neither this module nor ``router.offline`` imports Ray.
 
 Writes ``benchmarks/results/niah.json`` (``--out``) and prints a table last.
 """
@@ -542,7 +548,7 @@ def print_table(payload: dict, file=None) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m evals.niah", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="local Hugging Face model directory, or builtin:tiny")
+    p.add_argument("--model", required=True, help="local Hugging Face model directory, builtin:smollm2-135m or builtin:tiny")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=[100 * d for d in DEPTHS],
                    help="needle depths in percent (0 25 50 75 100)")
@@ -566,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a prompt longer than this still runs whole)")
     p.add_argument("--kv-budget-gb", type=float, default=40.0, help="KV cache per generate call")
     p.add_argument("--no-density", action="store_true", help="do not measure prefill density")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/niah.json)")
     return p
@@ -576,6 +583,10 @@ def main(argv: list[str] | None = None) -> dict:
     from evals.report import RESULTS_DIR, environment
     from model_executor.loading import load_model
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads: expected >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     for d in args.depths:
