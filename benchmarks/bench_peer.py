@@ -32,7 +32,7 @@ Usage (H200, ``PYTHONPATH=$PWD``; ``--peer-path`` defaults to ``.peer/build``)::
 
     python3 benchmarks/bench_peer.py                      # ~5-7 min
     python3 benchmarks/bench_peer.py --lengths 131072 --varlen '' --page1 ''
-    TRITON_INTERPRET=1 python3 benchmarks/bench_peer.py --dry-run   # CPU, tiny, ~1 min
+    python3 benchmarks/bench_peer.py --dry-run   # CPU, 4/1 heads, our reference path, no peer
 
 Writes ``benchmarks/results/peer_h200.json`` (``--dry-run``: ``peer_cpu_dryrun.json``) and
 prints a table last. Every baseline that cannot run is a row with ``skipped`` and the reason.
@@ -90,6 +90,10 @@ class Cfg:
     target_density: float | None = None  # None: the paper's density for each length
     device: str = "cuda"
     peer_path: str = str(ROOT / ".peer/build")
+    # the 8B model's attention shape; the dry run shrinks the heads so the CPU reference finishes
+    num_qo_heads: int = HQ
+    num_kv_heads: int = HKV
+    head_dim: int = D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +195,8 @@ def make_case(name: str, seqlens: tuple[int, ...], cfg: Cfg, device) -> Case:
 
     qs, ks, vs, needles, dens = [], [], [], [], []
     for i, length in enumerate(seqlens):
-        x = structured_inputs(length, batch=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        x = structured_inputs(length, batch=1, num_qo_heads=cfg.num_qo_heads,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                               dtype=torch.bfloat16, device=device, seed=cfg.seed + i,
                               target_density=cfg.target_density)
         qs.append(x.q[0])
@@ -241,16 +246,18 @@ def sample_rows(seqlens: tuple[int, ...], rows: int) -> list[torch.Tensor]:
 
 def exact_rows(q: torch.Tensor, ks: list, vs: list, seqlens, positions, scale: float) -> torch.Tensor:
     """Exact fp32 causal attention of the sampled query rows: ``[sum R_b, Hq, d]``."""
-    g = HQ // HKV
+    _, hq, d = q.shape
+    hkv = ks[0].shape[1]
+    g = hq // hkv
     outs = []
     q0 = 0
     for b, n in enumerate(seqlens):
         pos = positions[b].to(q.device)
         qq = q[q0 + pos].float()  # [R, Hq, d]
         k, v = ks[b].float(), vs[b].float()
-        o = torch.empty(pos.numel(), HQ, D, device=q.device)
+        o = torch.empty(pos.numel(), hq, d, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] > pos[:, None]  # [R, L]
-        for h in range(HKV):
+        for h in range(hkv):
             s = torch.einsum("rgd,ld->grl", qq[:, h * g : (h + 1) * g], k[:, h]) * scale
             s.masked_fill_(mask[None], float("-inf"))
             o[:, h * g : (h + 1) * g] = torch.einsum("grl,ld->rgd", torch.softmax(s, -1), v[:, h])
@@ -344,7 +351,8 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
     base = {"case": case.name, "seqlens": list(case.seqlens), "batch": len(case.seqlens),
             "tokens": sum(case.seqlens), "page_size": page_size, "dtype": dtype}
     rows: list[dict] = []
-    scale = SparseConfig().softmax_scale(D)
+    scale = SparseConfig().softmax_scale(cfg.head_dim)
+    group = cfg.num_qo_heads // cfg.num_kv_heads
     positions = sample_rows(case.seqlens, cfg.rows)
     ids = row_ids(case.seqlens, positions)
     is_fp8 = dtype == "fp8_e4m3"
@@ -408,7 +416,7 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
         idx_kw = {} if cdesc is None else {"q_descale": cdesc[0], "k_descale": cdesc[1]}
         att_kw = {}
         if cdesc is not None:
-            att_kw = {n: torch.full((len(q_lens), HKV), c, dtype=torch.float32, device=device)
+            att_kw = {n: torch.full((len(q_lens), cfg.num_kv_heads), c, dtype=torch.float32, device=device)
                       for n, c in zip(("q_descale", "k_descale", "v_descale"), cdesc)}
 
         def peer_index():
@@ -450,7 +458,7 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
         agree = convert.overlap(ours_idx, theirs, plan)
     mine = convert.ours_to_peer(ours_idx, plan, q.dtype, **kvd) if peer_live else None
 
-    for spec in row_plan(page_size, max(case.seqlens), HQ // HKV):
+    for spec in row_plan(page_size, max(case.seqlens), group):
         if spec.attention_of == "peer" and not peer_live:
             continue  # one "skipped" row above says why
         if spec.index_of == "peer" and peer_idx is None:
@@ -461,7 +469,7 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
             row.update(attention_backend=att_backend, v_layout=v_layout)
         else:
             row.update(peer_window=cfg.peer_window, peer_last_n=cfg.peer_last_n, v_layout="row_major",
-                       peer_corrects=peer_corrects(page_size, max(case.seqlens), HQ // HKV))
+                       peer_corrects=peer_corrects(page_size, max(case.seqlens), group))
         if spec.index_of != spec.attention_of:
             row.update(agree=agree["jaccard"], overlap=agree)
         try:
@@ -515,7 +523,7 @@ def sdpa_row(base, case, ids, ref, cfg, device) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = HQ // HKV
+    g = cfg.num_qo_heads // cfg.num_kv_heads
     qt = case.q[None].transpose(1, 2)
     kt = case.ks[0][None].transpose(1, 2).repeat_interleave(g, 1)
     vt = case.vs[0][None].transpose(1, 2).repeat_interleave(g, 1)
@@ -551,7 +559,7 @@ def fa4_rows(base, case, plan, index, ids, ref, cfg, device, fa4) -> list[dict]:
     row = {**base, "kernel": "fa4_sparse", "index_of": "ours (128x128 union)"}
     try:
         sel = bo.selection_tensor(plan, index, 1, n)
-        bst, dens = bo.fa4_block_sparse(sel, 1, n, HQ // HKV)
+        bst, dens = bo.fa4_block_sparse(sel, 1, n, plan.group_size)
 
         def sparse():
             o = fa4(q, k, v, causal=True, block_sparse_tensors=bst)
@@ -624,13 +632,15 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--peer-path", default=None, help="folder holding flashprefill/ (default .peer/build)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU smoke test (tiny sizes; set TRITON_INTERPRET=1): every CPU-runnable piece")
+                    help="CPU smoke test (tiny sizes, 4/1 heads): the row plan, our reference path, the "
+                         "CPU model of the peer's index")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = Cfg()
     if args.dry_run:
         cfg = dataclasses.replace(cfg, lengths=(1024,), varlen=(384, 512), page1=("varlen",),
-                                  rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3)
+                                  rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3,
+                                  num_qo_heads=4, num_kv_heads=1)
     rep = {}
     if args.lengths is not None:
         rep["lengths"] = _ints(args.lengths)
