@@ -22,15 +22,16 @@ the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
   side reads FP8 V token-major as the service's pool stores it (``kv_transfer/pool.py``), which
   is what the CUTLASS e4m3 path takes (``page_size % 16 == 0``; page 1 runs on Triton); the
   ``backend`` column says which ran.
-- Per row: each stage's median ms (``index_ms``, ``attention_ms``, ``attention_nocorr_ms``,
-  ``total_ms``), the error against exact fp32 attention on ``--rows`` sampled query positions
+- Per row: median ms of the attention stage with the row's correction (``attention_ms``), without
+  it where a correction ran (``attention_nocorr_ms``: its cost), and for an operator on its own
+  index ``index_ms`` and ``total_ms`` (same correction as the row); the error against exact fp32 attention on ``--rows`` sampled query positions
   per sequence (all heads; for FP8 on the dequantized inputs), and for each index its density
   (visible selected pairs over causal pairs) and needle recall; ``agree``: Jaccard of the two
   indexes' visible tiles.
 
 Usage (H200, ``PYTHONPATH=$PWD``; ``--peer-path`` defaults to ``.peer/build``)::
 
-    python3 benchmarks/bench_peer.py                      # ~5-7 min
+    python3 benchmarks/bench_peer.py      # longer than the earlier 5-7 min: two page sizes a case
     python3 benchmarks/bench_peer.py --lengths 131072 --varlen '' --page1 ''
     python3 benchmarks/bench_peer.py --dry-run   # CPU, 4/1 heads, our reference path, no peer
 
