@@ -27,7 +27,8 @@ Usage (H200, ``PYTHONPATH=$PWD``): ``python3 benchmarks/bench_operator.py`` (abo
 ``--fp8 --attention cutlass`` adds the CUTLASS FP8 rows (token-major V) beside Triton's. ``--tune`` sweeps num_warps / num_stages at 64K; ``--attention cutlass --merge`` times the
 same operator with the CUTLASS attention stage (library via ``FLASHPREFILL_CUTLASS_LIB``) as
 rows ``kernel="operator_cutlass"`` beside the Triton rows. Prints a table last; writes
-``benchmarks/results/operator_h200.json``.
+``benchmarks/results/operator_h200.json``. ``--cpu-smoke`` (``TRITON_INTERPRET=1``, CI): L=256,
+B=1, 4/1 heads, d=64 on the CPU, every step but the CUDA-only baselines' launches.
 """
 
 from __future__ import annotations
