@@ -17,7 +17,9 @@ inputs after checking it against the first; the row's main columns are the first
 ``by_kernel`` holds every variant's times (a second table).
 
 Usage (H200, ``PYTHONPATH=$PWD``, ``FLASHPREFILL_CUTLASS_LIB`` pointing at a prebuilt library):
-``python3 benchmarks/bench_cutlass.py`` (about 2 minutes). Prints a table last; adds rows with
+``python3 benchmarks/bench_cutlass.py`` (about 2 minutes). ``--cpu-smoke`` (``TRITON_INTERPRET=1``,
+CI) runs everything but the CUTLASS launch at a tiny shape: inputs, plan, index, the Triton
+kernel and the reference, the CUTLASS input checks (up to "needs a CUDA tensor"), the JSON. Prints a table last; adds rows with
 ``kernel="cutlass"`` to ``benchmarks/results/operator_h200.json`` (earlier cutlass rows of the same
 case are replaced, every other row is kept; ``--out`` to write elsewhere).
 """
@@ -42,6 +44,7 @@ import bench_operator as bo  # noqa: E402
 from kernels import cutlass_attention as ca  # noqa: E402
 from kernels import cutlass_build  # noqa: E402
 from kernels import reference  # noqa: E402
+from kernels import schedule  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 from kernels.config import SparseConfig  # noqa: E402
 
@@ -56,19 +59,23 @@ def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: b
                  "target_density": None, "gpu": env["gpu"], "date": env["date"],
                  "commit": env["commit"], "errors": {}}
     t0 = time.time()
+    on_gpu = device.type == "cuda"
     q, k, v, row["inputs"] = bo.make_inputs(length, 1, None, cfg, device)
     qf, k_pages, v_pages, plan = bo.paged_plan(q, k, v, op_cfg, cfg.page_size)
     plan_nc = dataclasses.replace(plan, config=dataclasses.replace(op_cfg, mean_correction=False))
     build, row["index_backend"] = bo.index_builder(device)
     index = build(qf, k_pages, v_pages, plan)
-    splits = ta.auto_num_splits(plan, ta._num_sms(device.index))
+    splits = schedule.auto_num_splits(plan, schedule.num_sms(device.index))
     row["num_splits"] = splits
     sel_pairs = bo.selected_pairs(plan, index)
     all_pairs = bo.causal_pairs(plan)
     row["density"] = sel_pairs / all_pairs
     row["nnz_tiles"] = int(index.seg_offsets[-1])
-    work_flop = 4.0 * bo.D * sel_pairs
-    dense_flop = 4.0 * bo.D * all_pairs
+    work_flop = 4.0 * plan.head_dim * sel_pairs
+    dense_flop = 4.0 * plan.head_dim * all_pairs
+    if not on_gpu:
+        return _run_length_cpu(row, qf, k_pages, v_pages, plan, plan_nc, index, splits, cfg, device,
+                               work_flop, t0)
 
     def ours(p=plan, dense=False, kernel=kernels[0]):
         return ca.sparse_attention(qf, k_pages, v_pages, p, None if dense else index,
@@ -141,6 +148,38 @@ def run_length(length: int, cfg: bo.BenchConfig, device, env, check_reference: b
     return row
 
 
+def _run_length_cpu(row, qf, k_pages, v_pages, plan, plan_nc, index, splits, cfg, device,
+                    work_flop, t0) -> dict:
+    """The row without the CUTLASS launch: its input checks must stop at the device alone (any
+    other ValueError is a bug the GPU run would hit), the Triton kernel against the reference."""
+    try:
+        ca.check_inputs(qf, k_pages, v_pages)
+    except ValueError as e:
+        if "CUDA" not in str(e):
+            raise
+        row["errors"]["cutlass"] = f"skipped: {e}"[:200]
+    else:
+        raise RuntimeError("cutlass_attention.check_inputs accepted CPU tensors")
+
+    def triton(p=plan, dense=False):
+        return ta.sparse_attention(qf, k_pages, v_pages, p, None if dense else index,
+                                   num_splits=splits, dense=dense)
+
+    tri, tri_lse = triton()
+    expect, expect_lse = reference.sparse_attention(qf, k_pages, v_pages, plan, index)
+    row["finite"] = bool(torch.isfinite(tri).all()) and bool(torch.isfinite(tri_lse).all())
+    row["check"] = "reference"
+    row["triton_check_err"] = float((tri.float() - expect.float()).abs().max())
+    row["check_ok"] = row["finite"] and row["triton_check_err"] <= cfg.check_tol
+    row["triton_attention_ms"] = bo.bench_ms(triton, device, cfg.budget_ms)
+    row["triton_attention_nocorr_ms"] = bo.bench_ms(lambda: triton(plan_nc), device, cfg.budget_ms)
+    row["triton_dense_ms"] = bo.bench_ms(lambda: triton(dense=True), device, cfg.budget_ms)
+    row["triton_attention_tflops"] = work_flop / row["triton_attention_ms"] / 1e9
+    row["by_kernel"] = {}
+    row["case_s"] = time.time() - t0
+    return row
+
+
 COLUMNS = [
     ("L", "seqlen", "{}"), ("dens", "density", "{:.3f}"), ("splits", "num_splits", "{}"),
     ("cut ms", "attention_ms", "{:.2f}"), ("tri ms", "triton_attention_ms", "{:.2f}"),
@@ -180,18 +219,27 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
     ap.add_argument("--kernels", type=str, default=",".join(cutlass_build.KERNELS),
                     help="variants to time (the first fills the row's main columns)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="CI: CPU, L=256, 4/1 heads, d=64, no CUTLASS launch (set TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
+    if args.cpu_smoke and args.lengths == ",".join(str(x) for x in LENGTHS):
+        args.lengths = "256"
     kernels = tuple(k for k in args.kernels.split(",") if k)
     bad = [k for k in kernels if k not in cutlass_build.KERNELS]
     if not kernels or bad:
         ap.error(f"--kernels: expected names from {tuple(cutlass_build.KERNELS)}, got {args.kernels!r}")
-    device = torch.device("cuda")
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
     env = bo._env(device)
-    env["cutlass_library"] = str(cutlass_build.library_path())
-    env["cutlass_kernels"] = {f"{k}_bf16_d{d}": cutlass_build.kernel_attributes("bfloat16", d, k)
-                              for k in kernels for d in (64, 128)}
+    cfg = dataclasses.replace(bo.BenchConfig(), budget_ms=args.budget_ms, device=device.type)
+    if args.cpu_smoke:  # no library: building it here would take minutes and it cannot run
+        env["cutlass_library"] = None
+        env["cutlass_unavailable"] = cutlass_build.unavailable_reason() or "needs CUDA"
+        cfg = dataclasses.replace(cfg, num_qo_heads=4, num_kv_heads=1, head_dim=64)
+    else:
+        env["cutlass_library"] = str(cutlass_build.library_path())
+        env["cutlass_kernels"] = {f"{k}_bf16_d{d}": cutlass_build.kernel_attributes("bfloat16", d, k)
+                                  for k in kernels for d in (64, 128)}
     print(env, flush=True)
-    cfg = dataclasses.replace(bo.BenchConfig(), budget_ms=args.budget_ms)
     rows = []
     lengths = [int(x) for x in args.lengths.split(",") if x]
     t_start = time.time()
@@ -203,7 +251,8 @@ def main(argv=None) -> None:
             traceback.print_exc()
             row = {"batch": 1, "seqlen": length, "kernel": "cutlass", "dtype": cfg.dtype,
                    "target_density": None, "errors": {"case": repr(e)[:300]}}
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     out = Path(args.out)

@@ -12,11 +12,15 @@ GQA with ``enable_gqa=True``, and the flash backend on K/V repeated to every que
 faster SDPA form is the baseline.
 
 Usage (H200, ``PYTHONPATH=$PWD``): ``python3 benchmarks/bench_decode.py``. Prints a table and
-writes ``benchmarks/results/decode_h200.json``. Runs in about a minute.
+writes ``benchmarks/results/decode_h200.json`` (``--out`` elsewhere). Runs in about a minute.
+``--cpu-smoke`` (``TRITON_INTERPRET=1``, CI): B=1,2 at 256 keys, 4/1 heads, d=64, one call per
+timing, the same checks and JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -164,7 +168,8 @@ def run_one(cfg: DecodeBenchConfig, batch: int, context: int) -> DecodeResult:
         print(f"SDPA flash (expanded) failed at B={batch} L={context}: {exc!r}"[:300], flush=True)
         flash_ms = None
     del k_e, v_e, k_c, v_c, k_pages, v_pages
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     # the baseline is the faster SDPA form
     if flash_ms is not None and (sdpa_ms is None or flash_ms < sdpa_ms):
         sdpa_ms, sdpa_form = flash_ms, "flash, K/V expanded to Hq"
@@ -197,7 +202,7 @@ def print_table(results: list[DecodeResult]) -> None:
         f"{'B':>2} {'L':>7} {'KV MiB':>7} | {'splits':>6} {'ours us':>8} {'GB/s':>6} | "
         f"{'best S':>6} {'best us':>8} | {'SDPA us':>8} {'GB/s':>6} | {'speedup':>7} | {'max err':>8}"
     )
-    print("\nDecode attention, one layer, Hq=32 Hkv=8 d=128 bf16, page 64 (shuffled); SDPA on "
+    print("\nDecode attention, one layer, Hq=32 Hkv=8 d=128 bf16 (--cpu-smoke: 4/1, d=64), page 64 (shuffled); SDPA on "
           "pre-gathered contiguous K/V (faster of enable_gqa and flash on expanded K/V); "
           "GB/s over the K/V bytes")
     print(head)
@@ -213,19 +218,28 @@ def print_table(results: list[DecodeResult]) -> None:
         )
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode needs a CUDA GPU")
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (set TRITON_INTERPRET=1)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_h200.json")
+    args = ap.parse_args(argv)
     cfg = DecodeBenchConfig()
+    if args.cpu_smoke:
+        cfg = dataclasses.replace(cfg, batch_sizes=(1, 2), contexts=(256,), num_qo_heads=4,
+                                  num_kv_heads=1, head_dim=64, split_sweep=(1, 2), device="cpu")
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU (--cpu-smoke for the CPU smoke run)")
+    dev = torch.device(cfg.device)
     env = {
-        "gpu": torch.cuda.get_device_name(),
-        "num_sms": _num_sms(torch.device("cuda")),
+        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "num_sms": _num_sms(dev),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "command": "PYTHONPATH=$PWD python3 benchmarks/bench_decode.py",
+        "command": " ".join(["PYTHONPATH=$PWD python3 benchmarks/bench_decode.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
     }
     print(env, flush=True)
     results = []
@@ -236,9 +250,8 @@ def main() -> None:
             print(asdict(r), flush=True)
 
     print_table(results)
-    out_dir = ROOT / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "decode_h200.json"
+    path = args.out
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"env": env, "config": asdict(cfg), "results": [asdict(r) for r in results]}, indent=1))
     print(f"\nwrote {path}")
 

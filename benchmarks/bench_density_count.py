@@ -14,6 +14,7 @@ density is checked against a count made here from the CSR on the host.
 
     python benchmarks/bench_density_count.py                 # 8K, 32K, 128K on the GPU
     python benchmarks/bench_density_count.py --lengths 512 --device cpu   # a dry run
+    python benchmarks/bench_density_count.py --cpu-smoke --out /tmp/d.json  # CI: L=256, 4/1 heads, d=64
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_operator import HKV, BenchConfig, _env, bench_ms, make_inputs, paged_plan  # noqa: E402
+from benchmarks.bench_operator import BenchConfig, _env, bench_ms, make_inputs, paged_plan  # noqa: E402
 from kernels.config import SparseConfig  # noqa: E402
 from kernels.ops import attention_planned, build_index_planned  # noqa: E402
 from kernels.synthetic import paper_density  # noqa: E402
@@ -39,8 +40,8 @@ from model_executor.attention import ForwardState, causal_tile_pairs  # noqa: E4
 RESULTS = Path(__file__).resolve().parent / "results" / "density_count.json"
 
 
-def run(length: int, device: torch.device, backend: str, budget_ms: float) -> dict:
-    cfg = BenchConfig()
+def run(length: int, device: torch.device, backend: str, budget_ms: float,
+        cfg: BenchConfig = BenchConfig()) -> dict:
     q, k, v, source = make_inputs(length, 1, paper_density(length), cfg, device)
     config = SparseConfig()
     qf, kp, vp, plan = paged_plan(q, k, v, config, page_size=64)
@@ -71,7 +72,7 @@ def run(length: int, device: torch.device, backend: str, budget_ms: float) -> di
     # check: the device count against the CSR read on the host
     offsets = index.seg_offsets.tolist()
     selected = offsets[-1] - offsets[0]
-    causal = HKV * causal_tile_pairs(plan)[0]
+    causal = plan.num_kv_heads * causal_tile_pairs(plan)[0]
     got = state.selected_tiles.tolist()[0] / state.causal_tiles[0]
     assert got == selected / causal, (got, selected / causal)
     return {"length": length, "source": source, "block_density": round(got, 4),
@@ -85,11 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget-ms", type=float, default=300.0)
+    p.add_argument("--cpu-smoke", action="store_true", help="--device cpu, L=256, 4/1 heads, d=64")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    cfg = BenchConfig()
+    if args.cpu_smoke:
+        args.device = "cpu"
+        cfg = dataclasses.replace(cfg, device="cpu", num_qo_heads=4, num_kv_heads=1, head_dim=64)
+        if args.lengths == p.get_default("lengths"):
+            args.lengths = [256]
     device = torch.device(args.device)
     backend = "triton" if device.type == "cuda" else "reference"
-    rows = [run(n, device, backend, args.budget_ms) for n in args.lengths]
+    rows = [run(n, device, backend, args.budget_ms, cfg) for n in args.lengths]
     head = (f"{'length':>8} {'density':>8} {'layer ms':>9} {'count ms':>9} {'count %':>8} {'read ms':>8} "
             f"{'causal ms':>9}")
     print(head)

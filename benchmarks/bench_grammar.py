@@ -158,14 +158,14 @@ def measure(label: str, tok, spec_name: str, cfg: Config, tokenizer_ms: float) -
                   statistics.median(both), q[-1], statistics.median(masks), statistics.median(walls))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bpe-vocab", type=int, default=32000)
     ap.add_argument("--hf", nargs="*", default=["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"])
-    ap.add_argument("--out", default="grammar_cpu.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="grammar_cpu.json", help="a file name under benchmarks/results/, or an absolute path (written there)")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = Config(args.max_tokens, args.seed, args.bpe_vocab, tuple(args.hf))
     results = []

@@ -22,7 +22,8 @@ re-tune ``IndexLaunch`` defaults).
 
 Usage (H200): ``PYTHONPATH=$PWD python3 benchmarks/bench_index.py`` (about a minute; writes
 ``benchmarks/results/index_h200.json``). ``--device cpu`` with ``TRITON_INTERPRET=1`` and tiny
-``--lengths`` only smoke-tests the script.
+``--lengths`` only smoke-tests the script; ``--cpu-smoke`` is that at L=256 with 4/1 heads and
+d=64 (CI).
 """
 
 from __future__ import annotations
@@ -239,9 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--target-density", type=float, default=None)
     parser.add_argument("--check-length", type=int, default=None)
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="--device cpu, L=256, 4/1 heads, d=64 (set TRITON_INTERPRET=1)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "index_h200.json")
     args = parser.parse_args(argv)
     cfg = IndexBenchConfig(device=args.device, sweep=args.sweep, target_density=args.target_density)
+    if args.cpu_smoke:
+        cfg = replace(cfg, device="cpu", lengths=(256,), num_qo_heads=4, num_kv_heads=1, head_dim=64)
     if args.lengths:
         cfg = replace(cfg, lengths=tuple(args.lengths))
     cfg = replace(cfg, check_length=args.check_length if args.check_length is not None

@@ -24,7 +24,9 @@ Usage, from the repository root on a GPU machine (no Ray needed)::
     PYTHONPATH=$PWD python3 benchmarks/bench_kv_ipc.py            # 4K, 32K, 128K; ~1 min
     PYTHONPATH=$PWD python3 benchmarks/bench_kv_ipc.py --quick    # 4K and 32K
 
-writes ``benchmarks/results/kv_ipc_h200.json`` (``--out`` to change it).
+writes ``benchmarks/results/kv_ipc_h200.json`` (``--out`` to change it). ``--cpu-smoke`` (CI):
+(a) and (b) between two CPU pools of a small geometry, checked the same way; (c) needs CUDA and
+is recorded as skipped.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kv_transfer.pool import KVPool, KVPoolConfig, pool_page_words  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}
+SMOKE_GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "page_size": 16}
 DEFAULT_LENGTHS = (4096, 32768, 131072)
 QUICK_LENGTHS = (4096, 32768)
 
@@ -214,14 +217,58 @@ def run(lengths: tuple[int, ...], repeats: int, device: str = "cuda:0") -> dict:
     return {"rows": rows, "receiver_counters": counters}
 
 
+def run_local(lengths: tuple[int, ...], repeats: int, device: str = "cpu",
+              geometry: dict = SMOKE_GEOMETRY) -> dict:
+    """(a) and (b) only, both pools in this process (no IPC: a CPU run); (b) checked by the
+    page sums of what it copied. Chunks of two pages of one layer, so the copy walks many."""
+    rows = []
+    page_layer_bytes = geometry["page_size"] * geometry["num_kv_heads"] * geometry["head_dim"] * 2
+    chunk_bytes = 2 * page_layer_bytes
+    for n in lengths:
+        src = make_pool(n, device, geometry)
+        src.k.normal_()
+        src.v.normal_()
+        src_ids = fragmented_request(src, "r", n)
+        dst = make_pool(n, device, geometry)
+        dst.reserve("_other", 7 * dst.page_size)  # the receiver's page ids differ from the sender's
+        dst.reserve("r", n)
+        dst_ids = dst.pages("r")
+        nbytes = payload_bytes(dst, len(dst_ids))
+        src_pages = torch.tensor(src_ids, dtype=torch.long, device=device)
+        dst_pages = torch.tensor(dst_ids, dtype=torch.long, device=device)
+        src_words, dst_words = pool_page_words(src), pool_page_words(dst)
+
+        def local_copy():
+            for a, b in zip(src_words, dst_words):
+                copy_pages(a, b, src_pages, dst_pages, chunk_bytes)
+
+        copy_s, copy_runs = _median_s(local_copy, repeats, lambda: None)
+        ok = page_sums(dst, dst_ids) == page_sums(src, src_ids)
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        memcpy_s, memcpy_runs = _median_s(lambda: b.copy_(a), repeats, lambda: None)
+        rows.append({
+            "tokens": n, "pages": len(dst_ids), "bytes": nbytes, "check": "ok" if ok else "MISMATCH",
+            "memcpy_ms": memcpy_s * 1e3, "memcpy_gbps": nbytes / memcpy_s / 1e9,
+            "copy_pages_ms": copy_s * 1e3, "copy_pages_gbps": nbytes / copy_s / 1e9,
+            "ipc_ms": None, "ipc_gbps": None, "copy_pages_of_memcpy": memcpy_s / copy_s, "ipc_of_memcpy": None,
+            "ipc": "skipped: needs CUDA",
+            "runs_ms": {"memcpy": [t * 1e3 for t in memcpy_runs], "copy_pages": [t * 1e3 for t in copy_runs]},
+        })
+        print(format_row(rows[-1]), flush=True)
+    return {"rows": rows, "receiver_counters": None}
+
+
 HEADER = (f"{'tokens':>7} {'GB':>6} | {'memcpy ms':>9} {'GB/s':>6} | {'copy_pages ms':>13} {'GB/s':>6} {'x mc':>5} | "
           f"{'ipc ms':>7} {'GB/s':>6} {'x mc':>5} | check")
 
 
 def format_row(r: dict) -> str:
+    ipc = (f"{r['ipc_ms']:>7.2f} {r['ipc_gbps']:>6.0f} {r['ipc_of_memcpy']:>5.2f}" if r["ipc_ms"] is not None
+           else f"{'-':>7} {'-':>6} {'-':>5}")
     return (f"{r['tokens']:>7} {r['bytes'] / 1e9:>6.2f} | {r['memcpy_ms']:>9.2f} {r['memcpy_gbps']:>6.0f} | "
             f"{r['copy_pages_ms']:>13.2f} {r['copy_pages_gbps']:>6.0f} {r['copy_pages_of_memcpy']:>5.2f} | "
-            f"{r['ipc_ms']:>7.2f} {r['ipc_gbps']:>6.0f} {r['ipc_of_memcpy']:>5.2f} | {r['check']}")
+            f"{ipc} | {r['check']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,19 +276,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4K and 32K tokens")
     ap.add_argument("--lengths", default=None, help="comma-separated token counts (default 4096,32768,131072)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement, after one warm-up")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="CPU: the in-process copy and memcpy at a small geometry, no IPC (default --lengths 100,300)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_ipc_h200.json")
     args = ap.parse_args(argv)
+    if args.cpu_smoke and not args.lengths:
+        args.lengths = "100,300"
     try:
         lengths = parse_lengths(args.lengths) if args.lengths else (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     except ValueError as exc:
         ap.error(str(exc))
     if args.repeats < 1:
         ap.error(f"--repeats: expected an int >= 1, got {args.repeats}")
-    if not torch.cuda.is_available():
-        print("bench_kv_ipc needs a CUDA GPU (CUDA IPC)", file=sys.stderr)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_kv_ipc needs a CUDA GPU (CUDA IPC; --cpu-smoke for the CPU smoke run)", file=sys.stderr)
         return 2
     env = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpu": "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "command": "PYTHONPATH=$PWD python3 benchmarks/bench_kv_ipc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -249,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     print(env)
     print(HEADER)
     t0 = time.time()
-    result = run(lengths, args.repeats)
+    result = run_local(lengths, args.repeats) if args.cpu_smoke else run(lengths, args.repeats)
+    geometry = SMOKE_GEOMETRY if args.cpu_smoke else GEOMETRY
     out = {"benchmark": "KV transfer over CUDA IPC between two processes on one GPU (kv_transfer/ipc.py)",
-           "env": env, "geometry": {**GEOMETRY, "dtype": "bfloat16"}, "repeats": args.repeats,
+           "env": env, "geometry": {**geometry, "dtype": "bfloat16"}, "repeats": args.repeats,
            "timing": f"median of {args.repeats} runs after one warm-up run", **result, "wall_s": time.time() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -27,7 +27,8 @@ Usage (H200, ``PYTHONPATH=$PWD``): ``python3 benchmarks/bench_operator.py`` (abo
 ``--fp8 --attention cutlass`` adds the CUTLASS FP8 rows (token-major V) beside Triton's. ``--tune`` sweeps num_warps / num_stages at 64K; ``--attention cutlass --merge`` times the
 same operator with the CUTLASS attention stage (library via ``FLASHPREFILL_CUTLASS_LIB``) as
 rows ``kernel="operator_cutlass"`` beside the Triton rows. Prints a table last; writes
-``benchmarks/results/operator_h200.json``.
+``benchmarks/results/operator_h200.json``. ``--cpu-smoke`` (``TRITON_INTERPRET=1``, CI): L=256,
+B=1, 4/1 heads, d=64 on the CPU, every step but the CUDA-only baselines' launches.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kernels import reference  # noqa: E402
 from kernels.config import KV_TILE, Q_TILE, SparseConfig  # noqa: E402
 from kernels.ops import build_index_planned, plan_prefill  # noqa: E402
 from kernels.paged import contiguous_to_paged  # noqa: E402
+from kernels import schedule  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -85,6 +87,10 @@ class BenchConfig:
     fp8: bool = False  # also time the FP8 (e4m3) operator on the same inputs (two V layouts)
     attention: str = "triton"  # attention stage: "triton" or "cutlass" (rows kernel="operator_cutlass")
     cutlass_kernel: str | None = None  # CUTLASS variant (cutlass_build.KERNELS; None: the default)
+    # the 8B model's attention shape; --cpu-smoke shrinks it so the Triton interpreter finishes
+    num_qo_heads: int = HQ
+    num_kv_heads: int = HKV
+    head_dim: int = D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,15 +161,16 @@ def make_inputs(length: int, batch: int, target: float | None, cfg: BenchConfig,
     try:
         from kernels.synthetic import structured_qkv
 
-        q, k, v = structured_qkv(length, batch=batch, num_qo_heads=HQ, num_kv_heads=HKV,
-                                 head_dim=D, target_density=target, dtype=dtype, device=device,
+        q, k, v = structured_qkv(length, batch=batch, num_qo_heads=cfg.num_qo_heads,
+                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, target_density=target, dtype=dtype, device=device,
                                  seed=cfg.seed)
     except ImportError:
         source = "gaussian"  # no structure: the index keeps almost everything or nothing
         g = torch.Generator(device=device).manual_seed(cfg.seed)
-        q = torch.randn(batch, length, HQ, D, generator=g, device=device, dtype=dtype)
-        k = torch.randn(batch, length, HKV, D, generator=g, device=device, dtype=dtype)
-        v = torch.randn(batch, length, HKV, D, generator=g, device=device, dtype=dtype)
+        hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+        q = torch.randn(batch, length, hq, d, generator=g, device=device, dtype=dtype)
+        k = torch.randn(batch, length, hkv, d, generator=g, device=device, dtype=dtype)
+        v = torch.randn(batch, length, hkv, d, generator=g, device=device, dtype=dtype)
     return q, k, v, source
 
 
@@ -174,7 +181,7 @@ def paged_plan(q, k, v, config: SparseConfig, page_size: int):
     dev = q.device
     cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=dev)
     skv = torch.full((batch,), length, dtype=torch.int32, device=dev)
-    qf = q.reshape(batch * length, HQ, D)
+    qf = q.reshape(batch * length, *q.shape[2:])
     plan = plan_prefill(qf, k_pages, v_pages, table, cu, skv, config)
     return qf, k_pages, v_pages, plan
 
@@ -240,7 +247,7 @@ def selection_tensor(plan, index, batch: int, length: int):
     nkv = -(-length // KV_TILE)
     sel = torch.zeros(plan.num_segments, nkv, dtype=torch.bool, device=seg.device)
     sel[seg, n] = True
-    return sel.view(HKV, batch, ntiles, nkv).permute(1, 0, 2, 3).contiguous()
+    return sel.view(plan.num_kv_heads, batch, ntiles, nkv).permute(1, 0, 2, 3).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +277,7 @@ def flex_block_mask(sel, batch: int, length: int, g: int):
         raise ValueError(f"FlexAttention comparison needs g | 128, got g={g}")
     n_qb = -(-length // Q_TILE)
     nkv = sel.shape[-1]
-    per_qb = sel.view(batch, HKV, n_qb, g, nkv)  # the g PackGQA tiles of one 128-query block
+    per_qb = sel.view(batch, sel.shape[1], n_qb, g, nkv)  # the g PackGQA tiles of one 128-query block
     any_, all_ = per_qb.any(3), per_qb.all(3)
     qb = torch.arange(n_qb, device=sel.device)
     kb = torch.arange(nkv, device=sel.device)
@@ -320,7 +327,8 @@ def fa4_block_sparse(sel, batch: int, length: int, g: int):
     nkv = sel.shape[-1]
     pad = (-nkv) % 2
     s = torch.nn.functional.pad(sel, (0, pad)) if pad else sel
-    blk = s.view(batch, HKV, n_qb, g, -1, 2).any(-1).any(3)  # [B, Hkv, nQb, nKb128]
+    hkv = sel.shape[1]
+    blk = s.view(batch, hkv, n_qb, g, -1, 2).any(-1).any(3)  # [B, Hkv, nQb, nKb128]
     kb = torch.arange(blk.shape[-1], device=sel.device)
     qb = torch.arange(n_qb, device=sel.device)
     blk = blk & (kb[None, :] <= qb[:, None])
@@ -336,7 +344,7 @@ def fa4_block_sparse(sel, batch: int, length: int, g: int):
     pc, pi = csr(part)
     fc, fi = csr(full)
     pairs = float(full.sum()) * Q_TILE * Q_TILE + float(part.sum()) * Q_TILE * (Q_TILE + 1) / 2
-    dens = pairs / (HQ * batch * length * (length + 1) / 2)
+    dens = pairs / (hkv * g * batch * length * (length + 1) / 2)
     bst = BlockSparseTensorsTorch(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=fc,
                                   full_block_idx=fi, block_size=(Q_TILE, Q_TILE))
     return bst, dens
@@ -374,16 +382,16 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
     build, row["index_backend"] = index_builder(device)
     index = build(qf, k_pages, v_pages, plan)
     _sync(device)
-    splits = cfg.num_splits if cfg.num_splits is not None else ta.auto_num_splits(
-        plan, ta._num_sms(device.index if device.type == "cuda" else None))
+    splits = cfg.num_splits if cfg.num_splits is not None else schedule.auto_num_splits(
+        plan, schedule.num_sms(device.index if device.type == "cuda" else None))
     row["num_splits"] = splits
 
     sel_pairs = selected_pairs(plan, index)
     all_pairs = causal_pairs(plan)
     row["density"] = sel_pairs / all_pairs
     row["nnz_tiles"] = int(index.seg_offsets[-1])
-    work_flop = 4.0 * D * sel_pairs
-    dense_flop = 4.0 * D * all_pairs
+    work_flop = 4.0 * plan.head_dim * sel_pairs
+    dense_flop = 4.0 * plan.head_dim * all_pairs
 
     if cfg.attention == "cutlass":
         from kernels import cutlass_attention as ca
@@ -418,7 +426,7 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
             row["errors"]["fp8"] = repr(e)[:300]
     del out, lse
 
-    g = HQ // HKV
+    g = plan.group_size
     want_flex = cfg.baselines and length >= cfg.flex_min_len and (batch == 1 or not cfg.flex_batch1_only)
     want_sdpa = cfg.baselines and (batch == 1 or batch * length <= cfg.sdpa_max_tokens_b4)
     want_fa4 = cfg.baselines and batch == 1 and length >= cfg.fa4_min_len and device.type == "cuda"
@@ -460,6 +468,12 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
     if want_flex or want_fa4:
         sel = selection_tensor(plan, index, batch, length)
 
+    if want_flex and device.type != "cuda":  # the mask is built (a smoke run checks it), not run
+        bm = flex_block_mask(sel, batch, length, g)
+        row["flex_mask_sparsity"] = float(bm.sparsity())
+        row["errors"]["flex"] = "skipped: needs CUDA"
+        del bm
+
     # FlexAttention on exactly our pairs (no correction): also the correctness check at long L
     if want_flex and device.type == "cuda":
         try:
@@ -479,7 +493,7 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
             torch.cuda.synchronize()
             row["flex_compile_s"] = time.time() - t1
             ours, _ = attention(plan_nc)
-            diff = (of.transpose(1, 2).reshape(batch * length, HQ, D).float() - ours.float()).abs().max()
+            diff = (of.transpose(1, 2).reshape(qf.shape).float() - ours.float()).abs().max()
             row.setdefault("check", "flex")
             row["flex_max_diff"] = float(diff)
             del ours, of
@@ -501,7 +515,7 @@ def run_case(length: int, batch: int, target: float | None, cfg: BenchConfig, de
             bst, row["fa4_density"] = fa4_block_sparse(sel, batch, length, g)
             row["fa4_sparse_ms"] = bench_ms(lambda: fa4(q, k, v, causal=True, block_sparse_tensors=bst),
                                             device, cfg.budget_ms)
-            row["fa4_sparse_tflops"] = 4.0 * D * row["fa4_density"] * all_pairs / row["fa4_sparse_ms"] / 1e9
+            row["fa4_sparse_tflops"] = 4.0 * plan.head_dim * row["fa4_density"] * all_pairs / row["fa4_sparse_ms"] / 1e9
         except Exception as e:  # noqa: BLE001
             row["errors"]["fa4"] = repr(e)[:300]
 
@@ -537,7 +551,7 @@ def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device
     from kernels import fp8
     from kernels.ops import plan_descales
 
-    q8, qd = fp8.quantize_queries(qf, plan.cu_seqlens_q, HKV)
+    q8, qd = fp8.quantize_queries(qf, plan.cu_seqlens_q, plan.num_kv_heads)
     k8, kd = fp8.quantize_bshd(k, per="head")
     v8, vd = fp8.quantize_bshd(v, per="head")
     k8p, _ = contiguous_to_paged(k8, cfg.page_size)
@@ -589,7 +603,7 @@ def run_fp8(q, k, v, qf, plan, index, out_bf16, splits, cfg: BenchConfig, device
         row["attention_nocorr_ms"] = bench_ms(lambda: attention(plan_nc), device, cfg.budget_ms)
         row["total_ms"] = bench_ms(lambda: attention(idx=build()), device, cfg.budget_ms)
         row["quantize_q_ms"] = q_ms  # per forward in a serving stack (K/V arrive quantized)
-        work_flop = 4.0 * D * row["density"] * all_pairs
+        work_flop = 4.0 * plan.head_dim * row["density"] * all_pairs
         row["attention_tflops"] = work_flop / row["attention_ms"] / 1e9
         row["total_tflops"] = work_flop / row["total_ms"] / 1e9
         row["check"] = "bf16"
@@ -684,8 +698,12 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
                     help="keep rows of --out whose (kernel, dtype, v_layout, B, L, target) this run does not produce")
     ap.add_argument("--device", type=str, default="cuda",
                     help="'cpu' (with TRITON_INTERPRET=1 and tiny --lengths) smoke-tests the script")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="CI smoke run: --device cpu, L=256, B=1, 4/1 heads, d=64, no sweep (set TRITON_INTERPRET=1)")
     ap.add_argument("--out", type=str, default=str(ROOT / "benchmarks/results/operator_h200.json"))
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.device = "cpu"
     if args.cutlass_kernel is not None:
         from kernels import cutlass_build
 
@@ -696,6 +714,9 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
                       fp8=args.fp8, attention=args.attention, cutlass_kernel=args.cutlass_kernel)
     if args.quick:
         cfg = dataclasses.replace(cfg, lengths=(32768, 131072), batches=(1,), sweep=False)
+    if args.cpu_smoke:  # every baseline's CPU part too (flex_min_len=0: the BlockMask is built)
+        cfg = dataclasses.replace(cfg, lengths=(256,), batches=(1,), sweep=False, flex_min_len=0,
+                                  num_qo_heads=4, num_kv_heads=1, head_dim=64)
     if args.lengths:
         cfg = dataclasses.replace(cfg, lengths=tuple(int(x) for x in args.lengths.split(",") if x))
     if args.batch:

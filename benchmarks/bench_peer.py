@@ -5,26 +5,35 @@ the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
 
 - Inputs: ``kernels.synthetic.structured_inputs`` (paper density per length), 32/8 heads, d=128,
   bf16; B=1 at each ``--lengths`` and one varlen batch (``--varlen``, each sequence its own seed);
-  the same paged K/V for every kernel, at page size 64 (ours) and 1 (the peer's token-level
-  paging; ``--page1`` picks the cases).
-- Kernels (``kernel`` column): ``ours`` (Triton index + attention with mean correction; the
-  CUTLASS attention stage when its library loads, ``--attention``), ``peer`` (``FlashPrefill``:
+  the same paged K/V for every kernel, at page sizes 16 and 64 (``--page-sizes``) and, for the
+  ``--page1`` cases, 1 (the peer's token-level paging).
+- Equal terms: the peer applies its mean correction only in its non-TMA paged kernel, i.e. when
+  the page size is *not* a multiple of 64 (``peer_corrects``; FLASHPREFILLV2.md). So at pages 16
+  and 1 every row runs with correction; at page 64 every row runs without it (the peer would
+  drop it silently), plus ``ours`` with correction beside them. The ``corr`` column says whose
+  correction ran in each row (``ours``, ``peer`` or ``none``).
+- Kernels (``kernel`` column): ``ours`` (Triton index + attention; the CUTLASS attention stage
+  when its library loads and takes the inputs, ``--attention``), ``peer`` (``FlashPrefill``:
   block 128, sink 2 blocks, window ``--peer-window`` blocks, ``abs_threshold = alpha``,
-  ``last_n_blocks = --peer-last-n``, mean correction on), ``ours@peer`` / ``peer@ours`` (each
-  attention stage on the *other's* index, converted by ``benchmarks/peers/convert.py``), FA4 dense
-  and block-sparse on our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1).
-- bf16 and FP8 (e4m3, per-tensor descales, the same quantized tensors for both operators).
-- Per row: each stage's median ms (``index_ms``, ``attention_ms``, ``attention_nocorr_ms``,
-  ``total_ms``), the error against exact fp32 attention on ``--rows`` sampled query positions
+  ``last_n_blocks = --peer-last-n``), ``ours@peer`` / ``peer@ours`` (each attention stage on the
+  *other's* index, converted by ``benchmarks/peers/convert.py``), FA4 dense and block-sparse on
+  our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1).
+- bf16 and FP8 (e4m3, per-tensor descales, the same quantized values for both operators). Our
+  side reads FP8 V token-major as the service's pool stores it (``kv_transfer/pool.py``), which
+  is what the CUTLASS e4m3 path takes (``page_size % 16 == 0``; page 1 runs on Triton); the
+  ``backend`` column says which ran.
+- Per row: median ms of the attention stage with the row's correction (``attention_ms``), without
+  it where a correction ran (``attention_nocorr_ms``: its cost), and for an operator on its own
+  index ``index_ms`` and ``total_ms`` (same correction as the row); the error against exact fp32 attention on ``--rows`` sampled query positions
   per sequence (all heads; for FP8 on the dequantized inputs), and for each index its density
   (visible selected pairs over causal pairs) and needle recall; ``agree``: Jaccard of the two
   indexes' visible tiles.
 
 Usage (H200, ``PYTHONPATH=$PWD``; ``--peer-path`` defaults to ``.peer/build``)::
 
-    python3 benchmarks/bench_peer.py                      # ~5-7 min
+    python3 benchmarks/bench_peer.py      # longer than the earlier 5-7 min: two page sizes a case
     python3 benchmarks/bench_peer.py --lengths 131072 --varlen '' --page1 ''
-    TRITON_INTERPRET=1 python3 benchmarks/bench_peer.py --dry-run   # CPU, tiny, ~1 min
+    python3 benchmarks/bench_peer.py --dry-run   # CPU, 4/1 heads, our reference path, no peer
 
 Writes ``benchmarks/results/peer_h200.json`` (``--dry-run``: ``peer_cpu_dryrun.json``) and
 prints a table last. Every baseline that cannot run is a row with ``skipped`` and the reason.
@@ -64,7 +73,9 @@ FP8 = torch.float8_e4m3fn
 class Cfg:
     lengths: tuple[int, ...] = (8192, 32768, 65536, 131072)
     varlen: tuple[int, ...] = (8192, 16384, 32768, 65536)
-    page_sizes: tuple[int, ...] = (64, 1)
+    # 16: the peer corrects (page % 64 != 0) and CUTLASS takes FP8; 64: ours' serving page, the
+    # peer drops its correction there
+    page_sizes: tuple[int, ...] = (16, 64)
     page1: tuple[str, ...] = ("131072", "varlen")  # cases that also run at page size 1
     fp8: bool = True
     alpha: float = SparseConfig().alpha
@@ -80,6 +91,10 @@ class Cfg:
     target_density: float | None = None  # None: the paper's density for each length
     device: str = "cuda"
     peer_path: str = str(ROOT / ".peer/build")
+    # the 8B model's attention shape; the dry run shrinks the heads so the CPU reference finishes
+    num_qo_heads: int = HQ
+    num_kv_heads: int = HKV
+    head_dim: int = D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +196,8 @@ def make_case(name: str, seqlens: tuple[int, ...], cfg: Cfg, device) -> Case:
 
     qs, ks, vs, needles, dens = [], [], [], [], []
     for i, length in enumerate(seqlens):
-        x = structured_inputs(length, batch=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        x = structured_inputs(length, batch=1, num_qo_heads=cfg.num_qo_heads,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                               dtype=torch.bfloat16, device=device, seed=cfg.seed + i,
                               target_density=cfg.target_density)
         qs.append(x.q[0])
@@ -231,16 +247,18 @@ def sample_rows(seqlens: tuple[int, ...], rows: int) -> list[torch.Tensor]:
 
 def exact_rows(q: torch.Tensor, ks: list, vs: list, seqlens, positions, scale: float) -> torch.Tensor:
     """Exact fp32 causal attention of the sampled query rows: ``[sum R_b, Hq, d]``."""
-    g = HQ // HKV
+    _, hq, d = q.shape
+    hkv = ks[0].shape[1]
+    g = hq // hkv
     outs = []
     q0 = 0
     for b, n in enumerate(seqlens):
         pos = positions[b].to(q.device)
         qq = q[q0 + pos].float()  # [R, Hq, d]
         k, v = ks[b].float(), vs[b].float()
-        o = torch.empty(pos.numel(), HQ, D, device=q.device)
+        o = torch.empty(pos.numel(), hq, d, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] > pos[:, None]  # [R, L]
-        for h in range(HKV):
+        for h in range(hkv):
             s = torch.einsum("rgd,ld->grl", qq[:, h * g : (h + 1) * g], k[:, h]) * scale
             s.masked_fill_(mask[None], float("-inf"))
             o[:, h * g : (h + 1) * g] = torch.einsum("grl,ld->rgd", torch.softmax(s, -1), v[:, h])
@@ -270,6 +288,8 @@ def errors(out: torch.Tensor, ids: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def our_attention_backend(cfg: Cfg, device, q, kp, vp) -> str:
+    """``vp`` as our side stores it (token-major for FP8): CUTLASS takes FP8 V only that way,
+    with ``page_size % 16 == 0``; anything it does not take runs on Triton."""
     if device.type != "cuda":
         return "auto"  # the reference on the CPU
     if cfg.attention in ("cutlass", "triton"):
@@ -285,13 +305,55 @@ def our_attention_backend(cfg: Cfg, device, q, kp, vp) -> str:
     return "triton"
 
 
+def token_major(v_pages: torch.Tensor) -> torch.Tensor:
+    """``[num_pages, page_size, Hkv, d]`` values stored ``[num_pages, Hkv, d, page_size]`` (the
+    FP8 pool's V, ``kv_transfer/pool.py``), seen in the logical shape."""
+    return v_pages.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+PEER_KBLOCK_M, PEER_KBLOCK_N = 128, 64  # its SM90 tile (tile_size.h: one size for every d/dtype)
+
+
+def peer_corrects(page_size: int, max_seqlen_q: int, group: int) -> bool:
+    """Whether the peer's attention applies the mean correction it is given. Only its non-TMA
+    paged kernel compiles the correction in (``mainloop_fwd_sm90_tma_gmma_ws.hpp``: the producer's
+    mean loads and the consumer's fold are ``if constexpr (... PagedKVNonTMA ...)``); its API
+    picks the TMA kernel, silently dropping ``k_mean``/``v_mean``, when ``page_size`` is a multiple
+    of the 64-key tile and ``max_seqlen_q * group > 128`` (``get_pagedkv_tma`` in
+    ``flash_api_stable.cpp``). Without a page table it is never non-TMA. See FLASHPREFILLV2.md."""
+    return page_size % PEER_KBLOCK_N != 0 or max_seqlen_q * group <= PEER_KBLOCK_M
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """One row of a (case, page size, dtype): whose attention, on whose index, and whose mean
+    correction runs in it (``"ours"``, ``"peer"`` or ``"none"``)."""
+
+    kernel: str
+    attention_of: str
+    index_of: str
+    correction: str
+
+
+def row_plan(page_size: int, max_seqlen_q: int, group: int) -> list[RowSpec]:
+    """Rows on equal terms: where the peer corrects, both sides with correction; where it would
+    drop it (page % 64 == 0), both sides without, and ours with correction beside them."""
+    if peer_corrects(page_size, max_seqlen_q, group):
+        return [RowSpec("ours", "ours", "ours", "ours"), RowSpec("peer", "peer", "peer", "peer"),
+                RowSpec("ours@peer", "ours", "peer", "ours"), RowSpec("peer@ours", "peer", "ours", "peer")]
+    return [RowSpec("ours", "ours", "ours", "none"), RowSpec("peer", "peer", "peer", "none"),
+            RowSpec("ours@peer", "ours", "peer", "none"), RowSpec("peer@ours", "peer", "ours", "none"),
+            RowSpec("ours", "ours", "ours", "ours")]
+
+
 def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, peer_why,
             fa4, fa4_why) -> list[dict]:
     t_case = time.time()
     base = {"case": case.name, "seqlens": list(case.seqlens), "batch": len(case.seqlens),
             "tokens": sum(case.seqlens), "page_size": page_size, "dtype": dtype}
     rows: list[dict] = []
-    scale = SparseConfig().softmax_scale(D)
+    scale = SparseConfig().softmax_scale(cfg.head_dim)
+    group = cfg.num_qo_heads // cfg.num_kv_heads
     positions = sample_rows(case.seqlens, cfg.rows)
     ids = row_ids(case.seqlens, positions)
     is_fp8 = dtype == "fp8_e4m3"
@@ -317,45 +379,36 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
     config = SparseConfig(alpha=cfg.alpha)
     plan = plan_prefill(q, kp, vp, table, cu, lens, config)
     plan_nc = dataclasses.replace(plan, config=dataclasses.replace(config, mean_correction=False))
+    plans = {True: plan, False: plan_nc}
     ds = None
     if is_fp8:
         one = lambda x: torch.tensor([x], dtype=torch.float32, device=device)  # noqa: E731
         ds = plan_descales(q, plan, one(cdesc[0]), one(cdesc[1]), one(cdesc[2]))
+    # our side reads K/V as the service's pool stores them: FP8 V token-major (the CUTLASS e4m3
+    # path's operand); the peer reads its own row-major pages
+    vp_ours = token_major(vp) if is_fp8 else vp
+    v_layout = "token_major" if is_fp8 else "row_major"
     idx_backend = "triton" if device.type == "cuda" else "auto"
-    att_backend = our_attention_backend(cfg, device, q, kp, vp)
-    vp_ours = vp
-    if is_fp8 and att_backend == "cutlass":  # Hopper's fp8 PV wgmma takes V K-major
-        vp_ours = vp.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    att_backend = our_attention_backend(cfg, device, q, kp, vp_ours)
 
     def our_index():
-        return build_index_planned(q, kp, vp, plan, backend=idx_backend, descales=ds)
+        return build_index_planned(q, kp, vp_ours, plan, backend=idx_backend, descales=ds)
 
-    def our_attend(index, p=plan):
-        return attention_planned(q, kp, vp_ours, p, index, backend=att_backend, descales=ds)[0]
+    def our_attend(index, corr=True):
+        return attention_planned(q, kp, vp_ours, plans[corr], index, backend=att_backend, descales=ds)[0]
 
     def metrics(index):
         recall, pairs = fidelity.needle_recall(index, plan, case.needles)
         return {"density": fidelity.index_density(index, plan), "needle_recall": recall,
                 "needle_pairs": pairs}
 
-    # ---- ours
-    row = {**base, "kernel": "ours", "index_of": "ours", "attention_backend": att_backend}
     ours_idx = our_index()
-    out = our_attend(ours_idx)
-    row.update(errors(out, ids, ref))
-    row.update(metrics(ours_idx))
-    row["index_ms"] = bench_ms(our_index, device, cfg.budget_ms)
-    row["attention_ms"] = bench_ms(lambda: our_attend(ours_idx), device, cfg.budget_ms)
-    row["attention_nocorr_ms"] = bench_ms(lambda: our_attend(ours_idx, plan_nc), device, cfg.budget_ms)
-    row["total_ms"] = bench_ms(lambda: our_attend(our_index()), device, cfg.budget_ms)
-    rows.append(row)
-    del out
-
-    # ---- the peer
-    peer_idx = None
     kvd = {} if cdesc is None else {"k_descale": cdesc[1], "v_descale": cdesc[2]}
-    if peer_cls is not None and device.type == "cuda":
-        fp = peer_cls(k_block_m=128, k_block_n=config.block_size, abs_threshold=cfg.alpha,
+    peer_live = peer_cls is not None and device.type == "cuda"
+    peer_idx = None  # convert.PeerIndex: the peer's own, or the CPU model of its rule
+    peer_index = peer_attend = None
+    if peer_live:
+        fp = peer_cls(k_block_m=PEER_KBLOCK_M, k_block_n=config.block_size, abs_threshold=cfg.alpha,
                       attention_sink=config.sink_tokens // config.block_size,
                       window_size=cfg.peer_window, last_n_blocks=cfg.peer_last_n,
                       use_mean_correction=True, causal=True, softmax_scale=scale)
@@ -364,41 +417,31 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
         idx_kw = {} if cdesc is None else {"q_descale": cdesc[0], "k_descale": cdesc[1]}
         att_kw = {}
         if cdesc is not None:
-            att_kw = {n: torch.full((len(q_lens), HKV), c, dtype=torch.float32, device=device)
+            att_kw = {n: torch.full((len(q_lens), cfg.num_kv_heads), c, dtype=torch.float32, device=device)
                       for n, c in zip(("q_descale", "k_descale", "v_descale"), cdesc)}
 
         def peer_index():
             return fp.index_select(q, kp, table, lens, cu, v_cache=vp, q_lens=q_lens,
                                    max_cache_seqlen=max_k, **idx_kw)
 
-        def peer_attend(index):
-            return fp.block_sparse_attention(q, kp, vp, table, lens, cu, index,
+        def peer_attend(index: convert.PeerIndex, corr: bool):
+            if not corr:  # no means: the peer's attention skips the correction
+                index = dataclasses.replace(index, k_mean=None, v_mean=None)
+            return fp.block_sparse_attention(q, kp, vp, table, lens, cu, index.to_peer(),
                                              max_seqlen_q=max_k, **att_kw)
 
-        row = {**base, "kernel": "peer", "index_of": "peer", "peer_window": cfg.peer_window,
-               "peer_last_n": cfg.peer_last_n}
         try:
             pidx = peer_index()
-            out = peer_attend(pidx)
-            row.update(errors(out, ids, ref))
             # the peer's workspace is reused by the next index_select: keep a copy
             peer_idx = convert.PeerIndex(pidx.block_sparse_cu.clone(), pidx.block_sparse_idx.clone(),
                                          int(pidx.total_q_tiles), pidx.cu_q_tiles.clone(),
                                          pidx.k_mean.clone(), pidx.v_mean.clone())
-            row.update(metrics(convert.peer_to_ours(peer_idx, plan, **kvd)))
-            nocorr = dataclasses.replace(convert.PeerIndex.from_peer(pidx), k_mean=None, v_mean=None).to_peer()
-            row["index_ms"] = bench_ms(peer_index, device, cfg.budget_ms)
-            row["attention_ms"] = bench_ms(lambda: peer_attend(pidx), device, cfg.budget_ms)
-            row["attention_nocorr_ms"] = bench_ms(lambda: peer_attend(nocorr), device, cfg.budget_ms)
-            row["total_ms"] = bench_ms(lambda: peer_attend(peer_index()), device, cfg.budget_ms)
-            del out
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            row["error"] = repr(e)[:400]
-        rows.append(row)
-    else:
-        why = peer_why or "needs CUDA"
-        rows.append({**base, "kernel": "peer", "skipped": why})
+            peer_why = f"index_select: {e!r}"[:400]
+            peer_live = False
+    if not peer_live:
+        rows.append({**base, "kernel": "peer", "skipped": peer_why or "needs CUDA"})
         if device.type != "cuda":  # the CPU model of the peer's rule stands in for its index
             peer_idx = convert.peer_rule_index(q, kp, vp, plan, alpha=cfg.alpha,
                                                window_blocks=cfg.peer_window,
@@ -407,43 +450,56 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
                                                   {"q_descale": cdesc[0], "k_descale": cdesc[1]}))
             rows.append({**base, "kernel": "peer_model", "index_of": "peer_model",
                          **metrics(convert.peer_to_ours(peer_idx, plan, ours_idx.means))})
-
-    # ---- cross: each attention stage on the other's index
-    if peer_idx is not None:
-        theirs = convert.peer_to_ours(peer_idx, plan, **kvd) if peer_idx.k_mean is not None else None
-        if theirs is None or peer_idx.k_mean.dtype != q.dtype:
+    theirs = agree = None
+    if peer_idx is not None:  # the peer's index in our format (its own means when it made them)
+        if peer_idx.k_mean is not None and peer_idx.k_mean.dtype == q.dtype:
+            theirs = convert.peer_to_ours(peer_idx, plan, **kvd)
+        else:
             theirs = convert.peer_to_ours(peer_idx, plan, ours_idx.means)
         agree = convert.overlap(ours_idx, theirs, plan)
-        row = {**base, "kernel": "ours@peer", "index_of": "peer", "attention_backend": att_backend,
-               "agree": agree["jaccard"], "overlap": agree}
+    mine = convert.ours_to_peer(ours_idx, plan, q.dtype, **kvd) if peer_live else None
+
+    for spec in row_plan(page_size, max(case.seqlens), group):
+        if spec.attention_of == "peer" and not peer_live:
+            continue  # one "skipped" row above says why
+        if spec.index_of == "peer" and peer_idx is None:
+            continue
+        corr = spec.correction != "none"
+        row = {**base, "kernel": spec.kernel, "index_of": spec.index_of, "correction": spec.correction}
+        if spec.attention_of == "ours":
+            row.update(attention_backend=att_backend, v_layout=v_layout)
+        else:
+            row.update(peer_window=cfg.peer_window, peer_last_n=cfg.peer_last_n, v_layout="row_major",
+                       peer_corrects=peer_corrects(page_size, max(case.seqlens), group))
+        if spec.index_of != spec.attention_of:
+            row.update(agree=agree["jaccard"], overlap=agree)
         try:
-            out = our_attend(theirs)
+            if spec.attention_of == "ours":
+                idx = ours_idx if spec.index_of == "ours" else theirs
+                attend = lambda c=corr, idx=idx: our_attend(idx, c)  # noqa: E731
+                build = our_index
+                total = lambda c=corr: our_attend(our_index(), c)  # noqa: E731
+            else:
+                idx = peer_idx if spec.index_of == "peer" else mine
+                attend = lambda c=corr, idx=idx: peer_attend(idx, c)  # noqa: E731
+                build = peer_index
+                total = lambda c=corr: peer_attend(convert.PeerIndex.from_peer(peer_index()), c)  # noqa: E731
+            out = attend()
             row.update(errors(out, ids, ref))
-            row.update(metrics(theirs))
-            row["attention_ms"] = bench_ms(lambda: our_attend(theirs), device, cfg.budget_ms)
-            row["attention_nocorr_ms"] = bench_ms(lambda: our_attend(theirs, plan_nc), device, cfg.budget_ms)
             del out
+            row.update(metrics(ours_idx if spec.index_of == "ours" else theirs))
+            row["attention_ms"] = bench_ms(attend, device, cfg.budget_ms)
+            if corr:  # what the correction costs this side
+                row["attention_nocorr_ms"] = bench_ms(lambda: attend(False), device, cfg.budget_ms)
+            if spec.index_of == spec.attention_of:
+                row["index_ms"] = bench_ms(build, device, cfg.budget_ms)
+                row["total_ms"] = bench_ms(total, device, cfg.budget_ms)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             row["error"] = repr(e)[:400]
         rows.append(row)
-        if peer_cls is not None and device.type == "cuda":
-            mine = convert.ours_to_peer(ours_idx, plan, q.dtype, **kvd).to_peer()
-            row = {**base, "kernel": "peer@ours", "index_of": "ours", "agree": agree["jaccard"]}
-            try:
-                out = peer_attend(mine)
-                row.update(errors(out, ids, ref))
-                row.update(metrics(ours_idx))
-                mine_nc = dataclasses.replace(convert.PeerIndex.from_peer(mine), k_mean=None, v_mean=None).to_peer()
-                row["attention_ms"] = bench_ms(lambda: peer_attend(mine), device, cfg.budget_ms)
-                row["attention_nocorr_ms"] = bench_ms(lambda: peer_attend(mine_nc), device, cfg.budget_ms)
-                del out
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["error"] = repr(e)[:400]
-            rows.append(row)
 
-    # ---- dense and block-sparse baselines (bf16, B=1, contiguous K/V; page size 64 pass only)
+    # ---- dense and block-sparse baselines (bf16, B=1, contiguous K/V; first page size only)
     single = len(case.seqlens) == 1
     n = case.seqlens[0]
     if not is_fp8 and page_size == cfg.page_sizes[0]:
@@ -458,7 +514,7 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
             rows.extend(fa4_rows(base, case, plan, ours_idx, ids, ref, cfg, device, fa4))
     for r in rows:
         r["case_s"] = round(time.time() - t_case, 1)
-    del ours_idx, peer_idx, kp, vp
+    del ours_idx, peer_idx, theirs, mine, kp, vp, vp_ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -468,7 +524,7 @@ def sdpa_row(base, case, ids, ref, cfg, device) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = HQ // HKV
+    g = cfg.num_qo_heads // cfg.num_kv_heads
     qt = case.q[None].transpose(1, 2)
     kt = case.ks[0][None].transpose(1, 2).repeat_interleave(g, 1)
     vt = case.vs[0][None].transpose(1, 2).repeat_interleave(g, 1)
@@ -504,7 +560,7 @@ def fa4_rows(base, case, plan, index, ids, ref, cfg, device, fa4) -> list[dict]:
     row = {**base, "kernel": "fa4_sparse", "index_of": "ours (128x128 union)"}
     try:
         sel = bo.selection_tensor(plan, index, 1, n)
-        bst, dens = bo.fa4_block_sparse(sel, 1, n, HQ // HKV)
+        bst, dens = bo.fa4_block_sparse(sel, 1, n, plan.group_size)
 
         def sparse():
             o = fa4(q, k, v, causal=True, block_sparse_tensors=bst)
@@ -525,7 +581,8 @@ def fa4_rows(base, case, plan, index, ids, ref, cfg, device, fa4) -> list[dict]:
 
 COLUMNS = [
     ("case", "case", "{}"), ("page", "page_size", "{}"), ("dtype", "dtype", "{}"),
-    ("kernel", "kernel", "{}"), ("index", "index_of", "{}"), ("dens", "density", "{:.4f}"),
+    ("kernel", "kernel", "{}"), ("index", "index_of", "{}"), ("corr", "correction", "{}"),
+    ("backend", "attention_backend", "{}"), ("dens", "density", "{:.4f}"),
     ("recall", "needle_recall", "{:.3f}"), ("agree", "agree", "{:.3f}"),
     ("idx_ms", "index_ms", "{:.2f}"), ("attn_ms", "attention_ms", "{:.2f}"),
     ("nocorr", "attention_nocorr_ms", "{:.2f}"), ("total", "total_ms", "{:.2f}"),
@@ -538,7 +595,7 @@ def table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         r = dict(r)
-        r["note"] = r.get("skipped") or r.get("error") or r.get("attention_backend")
+        r["note"] = r.get("skipped") or r.get("error")
         if isinstance(r["note"], str):
             r["note"] = r["note"][:60]
         cells = []
@@ -561,9 +618,9 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default=None, help="B=1 lengths (default 8192,32768,65536,131072)")
     ap.add_argument("--varlen", default=None, help="lengths of the varlen batch ('' for none)")
-    ap.add_argument("--page-sizes", default=None, help="default 64,1")
+    ap.add_argument("--page-sizes", default=None, help="page sizes of every case (default 16,64)")
     ap.add_argument("--page1", default=None,
-                    help="cases also run at the second page size: lengths and/or 'varlen' (default 131072,varlen)")
+                    help="cases also run at page size 1: lengths and/or 'varlen' (default 131072,varlen)")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--peer-window", type=int, default=None, help="peer window_size in blocks (default 5)")
@@ -576,13 +633,15 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--peer-path", default=None, help="folder holding flashprefill/ (default .peer/build)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU smoke test (tiny sizes; set TRITON_INTERPRET=1): every CPU-runnable piece")
+                    help="CPU smoke test (tiny sizes, 4/1 heads): the row plan, our reference path, the "
+                         "CPU model of the peer's index")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = Cfg()
     if args.dry_run:
         cfg = dataclasses.replace(cfg, lengths=(1024,), varlen=(384, 512), page1=("varlen",),
-                                  rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3)
+                                  rows=24, device="cpu", fa4=False, sdpa=False, target_density=0.3,
+                                  num_qo_heads=4, num_kv_heads=1)
     rep = {}
     if args.lengths is not None:
         rep["lengths"] = _ints(args.lengths)
@@ -603,6 +662,8 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     if args.skip_sdpa:
         rep["sdpa"] = False
     cfg = dataclasses.replace(cfg, **rep)
+    if not cfg.page_sizes or any(p < 1 for p in cfg.page_sizes):
+        ap.error(f"--page-sizes: expected page sizes >= 1, got {args.page_sizes!r}")
     if args.out is None:
         args.out = str(ROOT / "benchmarks/results" / ("peer_cpu_dryrun.json" if args.dry_run else "peer_h200.json"))
     return cfg, args
@@ -611,12 +672,14 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
 def cases_of(cfg: Cfg) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """``(name, seqlens, page sizes)`` in run order."""
     out = []
+    def sizes(name: str) -> tuple[int, ...]:
+        extra = (1,) if name in cfg.page1 and 1 not in cfg.page_sizes else ()
+        return cfg.page_sizes + extra
+
     for n in cfg.lengths:
-        ps = cfg.page_sizes if str(n) in cfg.page1 else cfg.page_sizes[:1]
-        out.append((f"L{n}", (n,), ps))
+        out.append((f"L{n}", (n,), sizes(str(n))))
     if cfg.varlen:
-        ps = cfg.page_sizes if "varlen" in cfg.page1 else cfg.page_sizes[:1]
-        out.append(("varlen", cfg.varlen, ps))
+        out.append(("varlen", cfg.varlen, sizes("varlen")))
     return out
 
 

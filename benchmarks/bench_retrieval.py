@@ -39,7 +39,7 @@ class Row:
     seconds: float
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--trials", type=int, default=24)
@@ -47,7 +47,8 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=1 << 20, help="tokens per forward (batch = this / length)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--out", default="retrieval.json", help="a file name under benchmarks/results/, or an absolute path (written there)")
+    args = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -74,7 +75,7 @@ def main() -> None:
                                 r.needle_selected / r.trials, r.density_layer2, sec))
             print(f"done L={length} repeats={repeats} in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    path = write_json("retrieval.json", {
+    path = write_json(args.out, {
         "benchmark": "needle retrieval, hand-built 2-layer induction model (evals/retrieval.py)",
         "environment": environment(),
         "device": device, "dtype": str(dtype).replace("torch.", ""), "backend": args.backend,

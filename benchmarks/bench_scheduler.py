@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-wait-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="scheduler_cpu.json", help="file name under benchmarks/results/")
+    ap.add_argument("--out", default="scheduler_cpu.json", help="a file name under benchmarks/results/, or an absolute path (written there)")
     args = ap.parse_args(argv)
     import torch
 

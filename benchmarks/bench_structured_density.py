@@ -19,7 +19,7 @@ import torch
 
 from evals.report import environment, write_json
 from evals.structured_model import (
-    build_structured_llama, haystack_ids, head_type, llama31_8b_spec, measure_density,
+    build_structured_llama, haystack_ids, head_type, llama31_8b_spec, measure_density, tiny_spec,
 )
 from kernels.config import SparseConfig
 
@@ -37,17 +37,21 @@ class Row:
     seconds: float
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=sorted(PAPER_LLAMA31_8B))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
-    args = p.parse_args()
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny CPU-test shape (tiny_spec: hidden 512, 8/2 heads, d 64) instead of the 8B's")
+    p.add_argument("--out", default="structured_density.json", help="a file name under benchmarks/results/, or an absolute path (written there)")
+    args = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    spec = llama31_8b_spec(num_layers=args.layers, seed=args.seed)
+    make_spec = tiny_spec if args.tiny else llama31_8b_spec
+    spec = make_spec(num_layers=args.layers, seed=args.seed)
     t0 = time.perf_counter()
     model = build_structured_llama(spec, device=device, dtype=dtype)
     build_s = time.perf_counter() - t0
@@ -69,8 +73,9 @@ def main() -> None:
 
     types = [[head_type(spec, layer, kv).name for kv in range(spec.num_key_value_heads)]
              for layer in range(args.layers)]
-    path = write_json("structured_density.json", {
+    path = write_json(args.out, {
         "benchmark": "index density of the structured Llama-3.1-8B-shaped model vs paper Table 3",
+        "shape": "tiny" if args.tiny else "llama-3.1-8b",
         "environment": environment(),
         "device": device, "dtype": str(dtype).replace("torch.", ""), "backend": args.backend,
         "layers_measured": list(range(args.layers)), "kv_head_types": types,

@@ -370,21 +370,28 @@ def format_report(rep: LoadReport) -> str:
     return "\n".join(lines)
 
 
+def local_config():
+    """The ``--start`` service: the oracle's model (``LoadSpec.model``, the tiny byte model; the
+    service's default model is another), dense (alpha 0) as the oracle, CPU-sized pools."""
+    from serving.config import ServiceConfig
+
+    return ServiceConfig(model={"model": LoadSpec.model}, sparse={"alpha": 0.0}, runtime={"torch_threads": 1},
+                         kv={"prefill_pages": 256, "decode_pages": 512}, ingress={"max_model_len": 2048})
+
+
 def _start_local(args: argparse.Namespace) -> tuple[str, str]:
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
     from router.app import GRPC_SERVICER, build_application
-    from serving.config import ServiceConfig
     from router.launcher import prepare_environment, ray_init_kwargs
 
     prepare_environment()
     ray.init(num_cpus=8, logging_level="WARNING", log_to_driver=False, **ray_init_kwargs())
     serve.start(http_options={"host": "127.0.0.1", "port": args.http_port},
                 grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    config = ServiceConfig(sparse={"alpha": 0.0}, runtime={"torch_threads": 1},
-                           kv={"prefill_pages": 256, "decode_pages": 512}, ingress={"max_model_len": 2048})
+    config = local_config()
     small = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
     serve.run(build_application(config, prefill={**small, "num_replicas": args.prefill_replicas},
                                 decode={**small, "num_replicas": args.decode_replicas}),

@@ -7,12 +7,16 @@ launch. Usage on the H200 (library prebuilt, ``PYTHONPATH=$PWD``)::
 
     ncu --set full --nvtx --nvtx-include "ws128/" -o ws128 python3 benchmarks/profile_cutlass.py --length 32768
 
-Prints nothing but the case; the numbers come from ncu.
+Prints nothing but the case; the numbers come from ncu. ``--out`` also writes the case as JSON.
+``--cpu-smoke`` (``TRITON_INTERPRET=1``, CI): the same case at L=256, 4/1 heads, d=64 on the CPU,
+each variant's call stopped by the CUTLASS input check at "needs a CUDA tensor".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -33,13 +37,17 @@ def main(argv=None) -> None:
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--kernels", default=",".join(cutlass_build.KERNELS))
     ap.add_argument("--dense", action="store_true", help="every visible tile instead of the index")
+    ap.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny shape, no launch (set TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="write the case (length, density, variants) as JSON here")
     args = ap.parse_args(argv)
     kernels = [k for k in args.kernels.split(",") if k]
     bad = [k for k in kernels if k not in cutlass_build.KERNELS]
     if not kernels or bad:
         ap.error(f"--kernels: expected names from {tuple(cutlass_build.KERNELS)}, got {args.kernels!r}")
-    device = torch.device("cuda")
-    cfg = bo.BenchConfig()
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    cfg = bo.BenchConfig(device=device.type)
+    if args.cpu_smoke:
+        cfg = dataclasses.replace(cfg, num_qo_heads=4, num_kv_heads=1, head_dim=64)
     q, k, v, _ = bo.make_inputs(args.length, 1, None, cfg, device)
     qf, k_pages, v_pages, plan = bo.paged_plan(q, k, v, SparseConfig(), cfg.page_size)
     build, _ = bo.index_builder(device)
@@ -49,15 +57,31 @@ def main(argv=None) -> None:
         return ca.sparse_attention(qf, k_pages, v_pages, plan, index, num_splits=1,
                                    dense=args.dense, kernel=kernel)
 
+    case = {"length": args.length, "dense": args.dense, "kernels": kernels, "device": device.type,
+            "shape": [cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim], "launched": {}}
+    if index is not None:
+        case["density"] = bo.selected_pairs(plan, index) / bo.causal_pairs(plan)
     for kern in kernels:
-        launch(kern)
-    torch.cuda.synchronize()
-    for kern in kernels:
-        torch.cuda.nvtx.range_push(kern)
-        launch(kern)
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
+        if device.type == "cuda":
+            launch(kern)
+            case["launched"][kern] = True
+            continue
+        try:  # the call reaches the device check, after every argument check
+            launch(kern)
+        except ValueError as e:
+            if "CUDA" not in str(e):
+                raise
+            case["launched"][kern] = False
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for kern in kernels:
+            torch.cuda.nvtx.range_push(kern)
+            launch(kern)
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
     print(f"length {args.length}, dense {args.dense}, kernels {kernels}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(case, indent=1))
 
 
 if __name__ == "__main__":

@@ -82,3 +82,19 @@ def test_gpu_run_is_bit_exact(tmp_path):
     assert [r["tokens"] for r in res["rows"]] == [256, 1024]
     assert all(r["check"] == "ok" and r["ipc_ms"] > 0 and r["memcpy_gbps"] > 0 for r in res["rows"])
     assert res["receiver_counters"]["ipc_failures"] == 0
+
+
+def test_cpu_smoke_copies_pages_exactly(tmp_path, capsys):
+    """No IPC on the CPU: the in-process page copy (the routine the receive uses, in two-page
+    chunks) and the memcpy baseline, checked by the page sums, written like the GPU run."""
+    out = tmp_path / "ipc.json"
+    assert bench.main(["--cpu-smoke", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["env"]["gpu"] == "cpu" and res["geometry"]["num_layers"] == 2
+    assert [r["tokens"] for r in res["rows"]] == [100, 300]
+    for r in res["rows"]:
+        assert r["check"] == "ok" and r["ipc"] == "skipped: needs CUDA" and r["ipc_ms"] is None
+        assert r["pages"] == -(-r["tokens"] // 16)
+        assert r["bytes"] == 2 * 2 * r["pages"] * 16 * 2 * 64 * 2  # K+V, layers, pages, slots, heads, d, bf16
+        assert r["copy_pages_ms"] > 0 and r["memcpy_ms"] > 0
+    assert " - " in capsys.readouterr().out  # the table marks the IPC columns as not measured

@@ -125,29 +125,77 @@ def test_exact_rows_matches_reference_dense():
 def test_cases_and_table():
     cfg, _ = bench_peer.parse_args(["--lengths", "8192,131072", "--varlen", "4096,8192",
                                     "--page1", "131072"])
-    assert bench_peer.cases_of(cfg) == [("L8192", (8192,), (64,)), ("L131072", (131072,), (64, 1)),
-                                        ("varlen", (4096, 8192), (64,))]
+    assert bench_peer.cases_of(cfg) == [("L8192", (8192,), (16, 64)), ("L131072", (131072,), (16, 64, 1)),
+                                        ("varlen", (4096, 8192), (16, 64))]
+    cfg, _ = bench_peer.parse_args(["--lengths", "1024", "--varlen", "", "--page-sizes", "1,64", "--page1", "1024"])
+    assert bench_peer.cases_of(cfg) == [("L1024", (1024,), (1, 64))]  # page 1 once
     text = bench_peer.table([{"case": "L1", "kernel": "peer", "skipped": "why"},
-                             {"case": "L1", "kernel": "ours", "density": 0.5, "rel_l2": 1e-3}])
-    assert "why" in text and "0.5000" in text and text.count("\n") == 2
+                             {"case": "L1", "kernel": "ours", "density": 0.5, "rel_l2": 1e-3, "correction": "none"}])
+    assert "why" in text and "0.5000" in text and "none" in text and text.count("\n") == 2
 
 
-def test_dry_run_writes_json(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.mark.parametrize("bad", ["0,64", "", "-16"])
+def test_page_sizes_must_be_positive(bad, capsys):
+    with pytest.raises(SystemExit):
+        bench_peer.parse_args(["--page-sizes", bad])
+    assert "--page-sizes" in capsys.readouterr().err
+
+
+def test_peer_corrects_only_off_the_64_key_tile():
+    """The peer's TMA paged kernel (page % 64 == 0 and more than 128 packed query rows) has no
+    correction (FLASHPREFILLV2.md); the non-TMA one, every other page size, has it."""
+    g = HQ // HKV
+    for page in (1, 16, 32, 48, 80, 96):
+        assert bench_peer.peer_corrects(page, 8192, g)
+    for page in (64, 128, 256):
+        assert not bench_peer.peer_corrects(page, 8192, g)
+    assert bench_peer.peer_corrects(64, 32, g)  # 32 x 4 = 128 packed rows: not the TMA kernel
+
+
+def test_row_plan_puts_both_sides_on_equal_terms():
+    g = HQ // HKV
+    for page in (16, 1):
+        plan = bench_peer.row_plan(page, 8192, g)
+        assert [(r.kernel, r.correction) for r in plan] == [
+            ("ours", "ours"), ("peer", "peer"), ("ours@peer", "ours"), ("peer@ours", "peer")]
+        assert all(r.correction == r.attention_of for r in plan)  # each side runs its own correction
+    plan = bench_peer.row_plan(64, 8192, g)
+    none = [r for r in plan if r.correction == "none"]
+    assert {(r.attention_of, r.index_of) for r in none} == {("ours", "ours"), ("peer", "peer"),
+                                                           ("ours", "peer"), ("peer", "ours")}
+    assert [(r.kernel, r.attention_of, r.correction) for r in plan if r.correction != "none"] == [
+        ("ours", "ours", "ours")]  # ours corrected beside; never the peer (it would drop it)
+    assert all(r.kernel == (r.attention_of if r.attention_of == r.index_of else f"{r.attention_of}@{r.index_of}")
+               for r in plan)
+
+
+def test_dry_run_writes_json(tmp_path):
+    """The row plan at pages 16 (correction on both sides) and 64 (off on both, ours corrected
+    beside), our side on the reference path with FP8 V token-major, the CPU model of the peer's
+    index standing in for its own."""
     out = tmp_path / "peer.json"
-    res = bench_peer.main(["--dry-run", "--lengths", "", "--varlen", "384,512", "--page1", "",
+    res = bench_peer.main(["--dry-run", "--lengths", "", "--varlen", "256,320", "--page1", "",
                            "--rows", "8", "--out", str(out)])
     data = json.loads(out.read_text())
-    kinds = [(r["dtype"], r["kernel"]) for r in data["rows"]]
+    assert data["config"]["num_qo_heads"] == 4 and data["config"]["page_sizes"] == [16, 64]
+    rows = data["rows"]
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    by = {(r["page_size"], r["dtype"], r["kernel"], r.get("correction")): r for r in rows}
     for dt in ("bfloat16", "fp8_e4m3"):
-        for k in ("ours", "peer", "peer_model", "ours@peer"):
-            assert (dt, k) in kinds
-    by = {(r["dtype"], r["kernel"]): r for r in data["rows"]}
-    assert "skipped" in by[("bfloat16", "peer")]
-    assert by[("bfloat16", "ours")]["rel_l2"] < 5e-3
-    assert by[("fp8_e4m3", "ours")]["rel_l2"] < 5e-2
+        got16 = {(k, c) for (p, d, k, c) in by if p == 16 and d == dt}
+        assert got16 == {("peer", None), ("peer_model", None), ("ours", "ours"), ("ours@peer", "ours")}
+        got64 = {(k, c) for (p, d, k, c) in by if p == 64 and d == dt}
+        assert got64 == {("peer", None), ("peer_model", None), ("ours", "none"), ("ours@peer", "none"),
+                         ("ours", "ours")}
+        for p in (16, 64):
+            assert "does not import" in by[(p, dt, "peer", None)]["skipped"]
+            assert by[(p, dt, "ours", "ours")]["v_layout"] == ("token_major" if dt == "fp8_e4m3" else "row_major")
+    for (p, dt, k, c), r in by.items():
+        if k.startswith("ours"):
+            assert r["rel_l2"] < (5e-2 if dt == "fp8_e4m3" else 5e-3) and r["finite"], (p, dt, k, c)
+            assert ("attention_nocorr_ms" in r) == (c == "ours")  # the correction's cost where it ran
+            assert ("total_ms" in r) == (k == "ours")
     # the model of the peer's rule (window 5) selects exactly our blocks
-    assert by[("bfloat16", "ours@peer")]["agree"] == 1.0
-    assert by[("bfloat16", "ours@peer")]["rel_l2"] == pytest.approx(by[("bfloat16", "ours")]["rel_l2"], rel=0.05)
+    assert by[(16, "bfloat16", "ours@peer", "ours")]["agree"] == 1.0
     assert data["env"]["gpu"] == "cpu" and data["env"]["commit"]
     assert res["rows"] == data["rows"]

@@ -39,8 +39,11 @@ def make_stubs(stub_dir: Path) -> None:
                                str(stub_dir / lib), str(c)])
 
 
-def main() -> None:
-    ops_dir, build_lib, build_temp = (Path(a).resolve() for a in sys.argv[1:4])
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        raise SystemExit("usage: build_peer_ext.py SRC_OPS_DIR BUILD_LIB BUILD_TEMP")
+    ops_dir, build_lib, build_temp = (Path(a).resolve() for a in args)
     stub_dir = build_temp / "stubs"
     make_stubs(stub_dir)
 
