@@ -7,7 +7,7 @@
 #          && .venv/bin/pip download -q --no-deps --only-binary=:all: -d .carry/b "gguf>=0.17" \
 #          && .venv/bin/python -c "from evals.real_fidelity import load_text as t; open('.carry/b/text.txt','w').write(t().text)"
 #   run 1 (carry .carry/a):  mkdir -p /root/stash && cp .carry/a/* /root/stash/
-#   run 2 (carry .carry/b):  bash scripts/h200_real_model.sh [fidelity] [niah] [tests]
+#   run 2 (carry .carry/b):  bash scripts/gpu_real_model.sh [fidelity] [niah] [tests]
 # The file is rebuilt, gguf installed from the carried wheel, and the model converted once to a
 # Hugging Face directory exactly as on a CPU machine (model_executor/gguf.py). Results: $OUT.
 set -uo pipefail
@@ -34,9 +34,9 @@ run() {  # name, timeout seconds, command...
 for s in "${steps[@]}"; do
   case $s in
     fidelity) run real_fidelity 330 python3 -m evals.real_fidelity --model "$DIR" --device cuda --dtype bf16 \
-                --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 --out "$OUT/real_fidelity_h200.json" ;;
+                --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 --out "$OUT/real_fidelity_h100.json" ;;
     niah) run niah_smollm2 240 python3 -m evals.niah --model "$DIR" --device cuda --dtype bf16 --lengths 2048 4096 8192 \
-                --trials 4 --out "$OUT/niah_smollm2_h200.json" ;;
+                --trials 4 --out "$OUT/niah_smollm2_h100.json" ;;
     tests) run gpu_tests_real_model 240 python3 -m pytest -m gpu tests/test_real_model_gpu.py -q -p no:cacheprovider -rfEs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
