@@ -176,7 +176,8 @@ def service():
               name=APP, route_prefix=f"/{APP}")
     # a service whose workers never start: its ingress answers as during a start-up (no replica
     # of either role RUNNING yet), for as long as the tests need
-    none = {**SMALL, "num_replicas": 0}
+    none = {**{k: v for k, v in SMALL.items() if k != "num_replicas"},  # Serve refuses num_replicas=0
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
     serve.run(build_application(CONFIG, prefill=none, decode=none, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
               name=STARTING, route_prefix=f"/{STARTING}")
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
