@@ -82,12 +82,18 @@ def _options(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .launcher import LocalServeOptions, serve_forever
+    from .launcher import LocalServeOptions, check_port_free, serve_forever
 
     config = args.service_config  # built and checked by main, before Ray starts
+    try:  # Ray's metrics agent would fail on a taken port inside the cluster, far from the flag
+        check_port_free(args.metrics_port, "--metrics-port")
+    except ValueError as exc:
+        print(f"python -m router serve: error: {exc}", file=sys.stderr)
+        return 2
     local = LocalServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
-                              num_cpus=args.num_cpus)
+                              num_cpus=args.num_cpus, metrics_port=args.metrics_port,
+                              ray_auth=not args.no_ray_auth)
     return serve_forever(config, local)
 
 
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prefill-kv-pages", type=int, default=None, help="default 1024")
     s.add_argument("--decode-kv-pages", type=int, default=None, help="default 1024")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray")
+    s.add_argument("--metrics-port", type=int, default=8080,
+                   help="Prometheus metrics on http://127.0.0.1:PORT/metrics (Ray's metrics export port; 0: a free port)")
+    s.add_argument("--no-ray-auth", action="store_true",
+                   help="start the local Ray without its token authentication (RAY_AUTH_MODE=disabled)")
     s.add_argument("--debug-routing", action="store_true", help="add replica ids to responses")
     s.add_argument("--config", default=None, metavar="FILE",
                    help="JSON or YAML file of service options in nested sections (docs/OPTIONS.md; the flags override it)")

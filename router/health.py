@@ -7,8 +7,15 @@
   enters it once its constructor returned and its first health check passed).
 
 The controller is asked at most once per ``ingress.health_refresh_s``; concurrent probes share
-the answer. A controller that does not answer makes the service not ready (the ingress could
-not route to a replacement either).
+the answer. A probe waits at most ``STATUS_TIMEOUT_S`` for it (the replica's first question,
+which also connects to the controller, ``FIRST_STATUS_TIMEOUT_S``): a controller that does not
+answer in time, or at all, makes the service not ready (the ingress could not route to a
+replacement either), and the question stays asked, so a later probe gets its answer without
+asking again.
+
+While the service starts, a probe can still wait longer than that: until the ingress replica
+runs, Ray Serve's HTTP proxy holds every request to the application (it has a route, not yet a
+replica to send it to), and no code of ours runs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from dataclasses import dataclass, field
 # replica states (ray.serve's ReplicaState values) of a replica that takes requests; a replica
 # on a draining node (PENDING_MIGRATION) still serves until its replacement runs
 SERVING_STATES = ("RUNNING", "PENDING_MIGRATION")
+# a probe's wait for the controller: load balancers time out at 1-2 s, and a controller busy
+# deploying (the start-up case) can take far longer to answer serve.status()
+STATUS_TIMEOUT_S = 0.5
+FIRST_STATUS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -55,28 +66,44 @@ class ReadinessProbe:
     """Cached readiness of one application's worker roles (one per ingress replica)."""
 
     def __init__(self, app: str, deployments: dict[str, str], *, refresh_s: float,
-                 fetch_status: Callable[[], object] | None = None) -> None:
+                 fetch_status: Callable[[], object] | None = None, timeout_s: float = STATUS_TIMEOUT_S,
+                 first_timeout_s: float = FIRST_STATUS_TIMEOUT_S) -> None:
         if refresh_s < 0:
             raise ValueError(f"refresh_s: expected >= 0, got {refresh_s}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
+        if not first_timeout_s > 0:
+            raise ValueError(f"first_timeout_s: expected > 0, got {first_timeout_s}")
         self.app = app
         self.deployments = dict(deployments)
         self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+        self.first_timeout_s = first_timeout_s
         self._fetch = fetch_status or _serve_status
         self._last: Readiness | None = None
         self._at = float("-inf")
-        self._lock = asyncio.Lock()
+        self._pending: asyncio.Future | None = None  # the one controller question in flight
 
     async def check(self) -> Readiness:
-        async with self._lock:
-            if self._last is not None and time.monotonic() - self._at < self.refresh_s:
-                return self._last
-            try:
-                status = await asyncio.to_thread(self._fetch)  # a blocking controller call
-                result = readiness_from_status(status, self.app, self.deployments)
-            except Exception as exc:
-                result = Readiness(False, {}, f"Serve controller unreachable ({type(exc).__name__})")
-            self._last, self._at = result, time.monotonic()
-            return result
+        if self._last is not None and time.monotonic() - self._at < self.refresh_s:
+            return self._last
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(self._refresh())
+        timeout = self.timeout_s if self._last is not None else self.first_timeout_s
+        try:
+            # shield: a probe that gives up leaves the question running for the next one
+            return await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            return Readiness(False, {}, f"Serve controller did not answer within {timeout:g} s")
+
+    async def _refresh(self) -> Readiness:
+        try:
+            status = await asyncio.to_thread(self._fetch)  # a blocking controller call
+            result = readiness_from_status(status, self.app, self.deployments)
+        except Exception as exc:
+            result = Readiness(False, {}, f"Serve controller unreachable ({type(exc).__name__})")
+        self._last, self._at = result, time.monotonic()
+        return result
 
 
 def _serve_status():

@@ -6,10 +6,13 @@ a cluster started from ``cluster.yaml``); this launcher is the one-command local
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,26 +34,46 @@ class LocalServeOptions:
     num_cpus: int | None = None
     app_name: str = APP_NAME
     dashboard_port: int | None = None  # None: Ray's 8265, or the next free port
-    metrics_port: int | None = None  # None: a free port (printed at start)
+    metrics_port: int | None = None  # None: a free port (`router serve` passes 8080); printed at start
+    ray_auth: bool = True  # Ray's token authentication (RAY_AUTH_MODE=token) unless RAY_AUTH_MODE says otherwise
 
 
-def prepare_environment() -> None:
-    """Workers must import this repository's packages, and a local single-user cluster does
-    not need Ray's token authentication (on by default in 2.60)."""
+# Ray reads this once, when ``ray`` is first imported (ray._private.ray_constants), to decide
+# whether an explicit 127.0.0.1 node address means loopback ("0") or "this machine's routable
+# address" (the default on Linux); with "0" the GCS, raylet, workers and metrics agent all
+# bind to 127.0.0.1 (Ray's C++ servers listen on loopback only when the node IP is 127.0.0.1).
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def keep_ray_on_loopback() -> None:
+    """Make a Ray started by this process (and the processes it starts) loopback-only."""
+    os.environ[LOOPBACK_ONLY_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        # Ray was imported before the variable was set (test fixtures import ray at module
+        # level): ray.init reads the node address rule from this attribute, so a late
+        # caller still gets a loopback node instead of one on every interface.
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def prepare_environment(host: str = "127.0.0.1", *, auth: bool = False) -> None:
+    """What Ray reads from the environment, set before Ray is imported and started: workers
+    import this repository's packages; a loopback ``host`` keeps every Ray process on loopback;
+    ``auth``: Ray's token authentication (the token in ``~/.ray/auth_token``, created on first
+    use, or ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``); without it ``RAY_AUTH_MODE``
+    defaults to ``disabled`` (the test fixtures, whose clusters all run in one process). An
+    explicit ``RAY_AUTH_MODE`` always wins."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if host in LOOPBACK:
+        keep_ray_on_loopback()
+    os.environ.setdefault(AUTH_MODE_ENV, "token" if auth else "disabled")
     # the gRPC proxy's own message limit (Ray's default is 2 GiB); the ingress then applies
     # ingress.max_request_bytes. Proxies inherit this from the process that starts the local Ray.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(GRPC_MAX_MESSAGE_BYTES))
-
-
-# Ray reads this to decide between the machine's address and loopback for the node IP (it
-# treats an explicit 127.0.0.1 as "this machine" and resolves it to a routable address):
-# "0" keeps the whole local run, Ray's own gRPC servers and agents included, on loopback.
-LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
 
 
 def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = None,
@@ -63,7 +86,7 @@ def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = Non
 
     os.environ.setdefault(GRPC_HOST_ENV, host)
     if host in LOOPBACK:
-        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+        keep_ray_on_loopback()
     # address "local": a new Ray even where `ray start` left its address behind (ray.init()
     # would connect to that cluster instead, and refuse num_cpus)
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": True, "dashboard_host": "127.0.0.1",
@@ -76,15 +99,30 @@ def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = Non
     return kwargs
 
 
+def check_port_free(port: int, name: str, host: str = "127.0.0.1") -> None:
+    """ValueError naming ``name`` when ``host:port`` cannot be bound (Ray's metrics agent would
+    otherwise fail inside the cluster, far from the flag that caused it)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name}: expected a port in 0..65535, got {port}")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"{name}: {host}:{port} is not free ({exc.strerror or exc})") from None
+
+
 def start_local_ray(options: LocalServeOptions) -> str | None:
     """Starts the local Ray unless one runs; the dashboard's URL (None: Ray was running)."""
-    import ray
+    prepare_environment(options.host, auth=options.ray_auth)
+    import ray  # after prepare_environment: Ray reads LOOPBACK_ONLY_ENV at import
 
-    prepare_environment()
     if ray.is_initialized():
         return None
+    metrics_port = options.metrics_port or None  # 0: a free port, as None
     kwargs: dict[str, Any] = {**ray_init_kwargs(options.host, dashboard_port=options.dashboard_port,
-                                                metrics_port=options.metrics_port),
+                                                metrics_port=metrics_port),
                               "configure_logging": True, "logging_level": "WARNING"}
     # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
     # each) plus the ingress (0.5) must fit even on a 2-core machine.
@@ -102,6 +140,16 @@ def metrics_url() -> str | None:
         if node.get("Alive") and node.get("MetricsExportPort"):
             return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     return None
+
+
+class _DropReattachNotice(logging.Filter):
+    """``serve.run`` always calls Serve's start-up again; finding the Serve instance that
+    ``start_serve`` has just started with our HTTP and gRPC options (``serve.run`` takes no gRPC
+    options), it logs that it connects to it and that new options "will not be applied": true,
+    but none were passed, so on every start it only misleads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
 
 
 def start_serve(options: LocalServeOptions) -> None:
@@ -148,13 +196,33 @@ def replica_stats(app: str, deployment: str, timeout_s: float = 10.0) -> list[di
     return out
 
 
-def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
+def wait_for_stop_signal() -> None:
+    stop = threading.Event()
+    # explicit handlers: a launcher started in the background inherits an ignored SIGINT
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def serve_forever(config: ServiceConfig, options: LocalServeOptions,
+                  wait: Callable[[], None] = wait_for_stop_signal) -> int:
+    """Starts the local Ray and Serve, deploys, prints the URLs, serves until ``wait`` returns
+    (Ctrl-C or SIGTERM), then stops everything it started."""
+    # the environment first: Ray reads part of it when it is imported
+    prepare_environment(options.host, auth=options.ray_auth)
     import ray
     from ray import serve
 
     dashboard = start_local_ray(options)
     start_serve(options)
-    deploy(config, options)
+    notice = _DropReattachNotice()
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addFilter(notice)
+    try:
+        deploy(config, options)
+    finally:
+        serve_logger.removeFilter(notice)
     metrics = metrics_url()
     base = f"http://{options.host}:{options.http_port}"
     print(f"FlashPrefill Serve is up: model {config.model_id!r} "
@@ -163,17 +231,21 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions) -> int:
     print(f"  gRPC:          {options.host}:{options.grpc_port}  flashprefill.v1.FlashPrefill/Generate, GenerateStream")
     print(f"  metrics:       {metrics or 'n/a'}   (Prometheus text: ray_serve_* and ray_flashprefill_*)")
     if dashboard:
-        print(f"  dashboard:     {dashboard}   (serve status -a {dashboard}; ray list actors)")
+        print(f"  dashboard:     {dashboard}   (serve status -a {dashboard}; ray list actors --address {dashboard})")
+        if os.environ.get(AUTH_MODE_ENV) == "token":  # Ray's CLIs send the token only in token mode
+            where = "RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else \
+                os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
+            print(f"  Ray auth:      token (in {where}); for those CLIs: export RAY_AUTH_MODE=token")
     print(f"  health:        {base}/health/live (liveness)  {base}/health/ready (readiness)  grpc.health.v1.Health")
     print("  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
-    stop = threading.Event()
-    # explicit handlers: a launcher started in the background inherits an ignored SIGINT
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    wait()
     print("shutting down")
-    serve.shutdown()
+    # The application is deleted (its replicas drain, as serve.shutdown would do), then Ray
+    # stops with Serve's controller and proxies. serve.shutdown() would end with the
+    # controller killing itself while its graceful_shutdown call is in flight, a call Ray
+    # retries forever on that actor, hence "graceful_shutdown failed ... infinite retries
+    # remaining" on every stop.
+    serve.delete(options.app_name)
     ray.shutdown()
     return 0

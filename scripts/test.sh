@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Run the test suite on CPU: Triton kernels run under the interpreter (TRITON_INTERPRET=1).
+# The serving environment (scripts/setup.sh) plus the test and benchmark tools (the `test` and
+# `bench` extras of pyproject.toml), which the service itself does not need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+export VENV
 bash scripts/setup.sh
+# pinned as before: import-linter (the layer contracts), grpcio-tools (exactly the stubs'
+# generator), nvidia-cutlass (CUTLASS/CuTe headers: CI compiles the CUDA kernel where nvcc exists)
+"$VENV/bin/python" -m pip install -q -e ".[test,bench]" "import-linter==2.17" "grpcio-tools==1.85.1" "nvidia-cutlass==4.2.0"
 export TRITON_INTERPRET=1 PYTHONHASHSEED=0
-exec .venv/bin/python -m pytest -q --durations=30 "$@"
+exec "$VENV/bin/python" -m pytest -q --durations=30 "$@"

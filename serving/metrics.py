@@ -3,7 +3,8 @@
 Each replica records into ``ray.serve.metrics`` (Ray's ``Counter`` / ``Gauge`` / ``Histogram``
 with the ``deployment``, ``replica`` and ``application`` tags added), which every Ray node serves
 in Prometheus' text format on its metrics export port (``ray start --metrics-export-port``;
-``cluster.yaml`` sets 8080), beside Ray Serve's own ``ray_serve_*`` request metrics. Names follow
+``cluster.yaml`` sets 8080; ``python -m router serve`` serves ``http://127.0.0.1:8080/metrics``,
+``--metrics-port``), beside Ray Serve's own ``ray_serve_*`` request metrics. Names follow
 vLLM's where one exists, under ``flashprefill_``; Ray exports them with its ``ray_`` prefix
 (``ray_flashprefill_requests_total``):
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -85,9 +86,59 @@ def test_probe_caches_and_reports_an_unreachable_controller():
     asyncio.run(run())
 
 
-def test_probe_rejects_negative_refresh():
+def test_after_a_first_answer_a_probe_waits_the_short_timeout():
+    release, calls = threading.Event(), []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) > 1:
+            release.wait(60)
+        return status_of("a", {"PrefillServer": {"RUNNING": 1}, "DecodeServer": {"RUNNING": 1}})
+
+    async def run():
+        # the first question may take up to first_timeout_s (it connects to the controller)
+        probe = ReadinessProbe("a", ROLES, refresh_s=0.0, fetch_status=fetch, timeout_s=0.05, first_timeout_s=60.0)
+        try:
+            assert (await probe.check()).ready
+            r = await probe.check()  # the second question hangs: the short timeout applies
+            assert not r.ready and "within 0.05 s" in r.reason
+        finally:
+            release.set()
+    asyncio.run(run())
+
+
+def test_probe_answers_while_the_controller_is_slow_and_asks_it_once():
+    # a controller busy deploying (the service starting) must not hold a readiness probe
+    release, calls = threading.Event(), []
+
+    def fetch():
+        calls.append(1)
+        release.wait(60)
+        return status_of("a", {"PrefillServer": {"RUNNING": 1}, "DecodeServer": {"RUNNING": 1}})
+
+    async def run():
+        probe = ReadinessProbe("a", ROLES, refresh_s=0.0, fetch_status=fetch, timeout_s=0.05, first_timeout_s=0.05)
+        try:
+            for _ in range(3):  # each answers while the controller still has not
+                r = await probe.check()
+                assert not r.ready and "did not answer" in r.reason and r.to_dict()["status"] == "unavailable"
+            assert len(calls) == 1  # one question in flight, shared
+        finally:
+            release.set()
+        probe.timeout_s = 60.0
+        assert (await probe.check()).ready  # the answer to that same question
+        assert len(calls) == 1
+    asyncio.run(run())
+
+
+def test_probe_rejects_negative_refresh_and_timeout():
     with pytest.raises(ValueError, match="refresh_s"):
         ReadinessProbe("a", ROLES, refresh_s=-1.0)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="^timeout_s"):
+            ReadinessProbe("a", ROLES, refresh_s=1.0, timeout_s=bad)
+        with pytest.raises(ValueError, match="^first_timeout_s"):
+            ReadinessProbe("a", ROLES, refresh_s=1.0, first_timeout_s=bad)
 
 
 def test_health_refresh_option_is_validated():
@@ -98,6 +149,7 @@ def test_health_refresh_option_is_validated():
 
 # ----------------------------------------------------------------------------- live service
 APP = "healthapp"
+STARTING = "healthstarting"
 CONFIG = ServiceConfig.from_dict({"model": "builtin:tiny", "torch_threads": 1, "batch_wait_ms": 1.0, "prefill_kv_pages": 64,
                                   "decode_kv_pages": 64, "max_model_len": 256, "ingress": {"health_refresh_s": 0.2}})
 SMALL = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}, "health_check_period_s": 1.0}
@@ -122,6 +174,12 @@ def service():
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(build_application(CONFIG, prefill=SMALL, decode=SMALL, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
               name=APP, route_prefix=f"/{APP}")
+    # a service whose workers never start: its ingress answers as during a start-up (no replica
+    # of either role RUNNING yet), for as long as the tests need
+    none = {**{k: v for k, v in SMALL.items() if k != "num_replicas"},  # Serve refuses num_replicas=0
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
+    serve.run(build_application(CONFIG, prefill=none, decode=none, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+              name=STARTING, route_prefix=f"/{STARTING}")
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}/{APP}", timeout=60.0)
     yield client, channel
@@ -131,10 +189,23 @@ def service():
     ray.shutdown()
 
 
-def grpc_check(channel, service: str = "", timeout: float = 10.0):
+def grpc_check(channel, service: str = "", timeout: float = 10.0, app: str = APP):
     stub = health_pb2_grpc.HealthStub(channel)
-    return stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=(("application", APP),),
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=(("application", app),),
                       timeout=timeout).status
+
+
+def test_not_ready_answers_at_once_while_no_worker_runs(service):
+    client, channel = service
+    # a short client timeout: an answer that waits for the workers would fail here
+    with httpx.Client(base_url=str(client.base_url).replace(f"/{APP}", f"/{STARTING}"), timeout=5.0) as starting:
+        for _ in range(3):
+            r = starting.get("/health/ready")
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert r.json()["replicas"] == {"prefill": 0, "decode": 0} and "no running" in r.json()["reason"]
+            assert starting.get("/health").status_code == 503
+        assert starting.get("/health/live").json() == {"status": "alive"}
+    assert grpc_check(channel, timeout=5.0, app=STARTING) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_health_endpoints_when_all_roles_run(service):

@@ -1,27 +1,103 @@
-"""The local launcher's Ray start-up: the default service must fit on a 2-core machine."""
+"""The local launcher (``python -m router serve``) without starting Ray: the default service
+fits a 2-core machine; Ray's environment (loopback-only, token auth) is set before ray.init;
+the banner names the loopback metrics URL; a stop deletes the application and stops Ray
+without Serve's graceful_shutdown call (whose retry Ray logs as a failure)."""
+
+import logging
+import os
+import random
 
 import pytest
 
 ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray._private import ray_constants  # noqa: E402
 
 from router import launcher  # noqa: E402
 from router.app import build_application  # noqa: E402,F401  (the app must import)
+from serving.config import ServiceConfig  # noqa: E402
 
 
-def test_default_local_ray_fits_one_prefill_one_decode_and_ingress(monkeypatch):
-    seen = {}
+@pytest.fixture
+def env(monkeypatch):
+    """A private copy of the environment and of Ray's import-time loopback constant."""
+    copy = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    monkeypatch.setattr(os, "environ", copy)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    return copy
+
+
+def fake_init(monkeypatch, seen: dict):
+    def init(**kw):
+        # what Ray's processes will inherit, as it stands when ray.init runs
+        seen.update(kw, env={k: os.environ.get(k) for k in (launcher.LOOPBACK_ONLY_ENV, launcher.AUTH_MODE_ENV)},
+                    enable_cluster=ray_constants.ENABLE_RAY_CLUSTER)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(ray, "init", init)
+
+
+def test_default_local_ray_fits_one_prefill_one_decode_and_ingress(monkeypatch, env):
+    seen = {}
+    fake_init(monkeypatch, seen)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
     launcher.start_local_ray(launcher.LocalServeOptions())
     # prefill (1 CPU) + decode (1 CPU) + ingress (0.5 CPU) replicas by default
     assert seen["num_cpus"] >= 2.5
-    assert seen["_node_ip_address"] == "127.0.0.1"
+    assert seen["_node_ip_address"] == "127.0.0.1" and seen["dashboard_host"] == "127.0.0.1"
+    # loopback-only and token auth, set before ray.init
+    assert seen["env"] == {launcher.LOOPBACK_ONLY_ENV: "0", launcher.AUTH_MODE_ENV: "token"}
+    assert seen["enable_cluster"] is False
+    assert "_metrics_export_port" not in seen  # library callers: a free port
 
 
-def test_explicit_num_cpus_is_kept(monkeypatch):
+def test_explicit_num_cpus_metrics_port_and_auth_are_kept(monkeypatch, env):
     seen = {}
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
-    launcher.start_local_ray(launcher.LocalServeOptions(num_cpus=3))
-    assert seen["num_cpus"] == 3
+    fake_init(monkeypatch, seen)
+    port = random.Random(os.urandom(4)).randint(20000, 60000)
+    launcher.start_local_ray(launcher.LocalServeOptions(num_cpus=3, metrics_port=port, ray_auth=False))
+    assert seen["num_cpus"] == 3 and seen["_metrics_export_port"] == port
+    assert seen["env"][launcher.AUTH_MODE_ENV] == "disabled"
+
+
+def test_an_explicit_ray_auth_mode_wins(monkeypatch, env):
+    seen = {}
+    fake_init(monkeypatch, seen)
+    env[launcher.AUTH_MODE_ENV] = "disabled"
+    launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=True))
+    assert seen["env"][launcher.AUTH_MODE_ENV] == "disabled"
+
+
+def test_reattach_notice_is_dropped_and_nothing_else():
+    drop = launcher._DropReattachNotice()
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.INFO, __file__, 1, msg, None, None)
+    assert not drop.filter(record('Connecting to existing Serve app in namespace "serve". New http_options/'
+                                  'controller_options will not be applied.'))
+    assert drop.filter(record("Application 'flashprefill' is ready at http://127.0.0.1:8000/."))
+
+
+def test_serve_forever_prints_the_loopback_urls_and_stops_without_serve_shutdown(monkeypatch, env, capsys):
+    calls = []
+    port = random.Random(os.urandom(4)).randint(20000, 60000)
+    monkeypatch.setattr(launcher, "start_local_ray", lambda o: calls.append("ray") or "http://127.0.0.1:8265")
+    monkeypatch.setattr(launcher, "start_serve", lambda o: calls.append("serve"))
+
+    def deploy(config, options):
+        calls.append("deploy")
+        # the notice Serve logs while deploying is filtered; other Serve lines are not
+        assert any(isinstance(f, launcher._DropReattachNotice) for f in logging.getLogger("ray.serve").filters)
+    monkeypatch.setattr(launcher, "deploy", deploy)
+    monkeypatch.setattr(launcher, "metrics_url", lambda: f"http://127.0.0.1:{port}/metrics")
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(("delete", name)))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    config = ServiceConfig.from_dict({"model": "builtin:tiny"})
+    rc = launcher.serve_forever(config, launcher.LocalServeOptions(metrics_port=port), wait=lambda: calls.append("wait"))
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert calls == ["ray", "serve", "deploy", "wait", ("delete", launcher.APP_NAME), "ray.shutdown"]
+    assert f"metrics:       http://127.0.0.1:{port}/metrics" in out
+    assert "export RAY_AUTH_MODE=token" in out and "~/.ray/auth_token" in out
+    assert not any(isinstance(f, launcher._DropReattachNotice) for f in logging.getLogger("ray.serve").filters)
