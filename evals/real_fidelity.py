@@ -35,7 +35,7 @@ SmolLM2-135M) run with RoPE scaling (``--rope-scaling yarn`` (default) or ``line
 ``L / trained``; ``model_executor.loading.rope_scaling_overrides``): dense and sparse then share
 the scaled model, and the table marks those rows as beyond the trained context.
 
-    python -m evals.real_fidelity --device cpu --threads 1                   # CPU: 2K, ~15 min
+    python -m evals.real_fidelity --device cpu --threads 1     # CPU: ten 2K forwards (43 min on a loaded 2-core box)
     python -m evals.real_fidelity --model DIR --device cuda --lengths 8192 16384 32768
 
 ``--model``: ``builtin:smollm2-135m`` (default) or an already converted Hugging Face directory
