@@ -284,6 +284,10 @@ def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    wrong = "messages" if kind == "completion" else "prompt"  # the other endpoint's input: a mistake, not noise
+    if wrong in body:
+        raise bad(wrong, "not a field of this endpoint (send it to "
+                         f"{'/v1/chat/completions' if kind == 'completion' else '/v1/completions'})")
     for name in sorted(set(body) - allowed):
         if strict:  # a name with a lone surrogate is escaped: the error must render as JSON
             raise bad(name.encode("utf-8", "backslashreplace").decode("utf-8"),
@@ -944,8 +948,17 @@ def _request_schema(kind: str) -> dict:
         "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_SEED}, {"type": "null"}]},
         "stop": stop,
         "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
-                           "additionalProperties": False},
+        "stream_options": {"type": "object", "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean", "description": "vLLM's: with include_usage, usage in "
+                                       "every chunk (the tokens so far)"},
+            "include_obfuscation": {"type": "boolean", "description": "accepted, not acted on"}}},
+        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
+                  "description": "extension (vLLM's): only tokens at least min_p times as likely as the top one"},
+        "add_special_tokens": {"type": "boolean", "description": "extension (vLLM's): the tokenizer's special "
+                               "tokens around a text prompt (default: true for completions, false for chat)"},
+        "return_tokens_as_token_ids": {"type": "boolean", "description": "extension (vLLM's): logprobs name "
+                                       "tokens 'token_id:<id>'"},
         "return_token_ids": {"type": "boolean"},
         "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
         "n": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]},
@@ -1017,7 +1030,9 @@ def _request_schema(kind: str) -> dict:
                                            {"type": "null"}]}
         props["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
         required = ["model", "messages"]
-    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+    # other fields OpenAI and vLLM define are accepted (docs/API.md, Request fields); unknown ones are
+    # ignored, or refused where ingress.strict_fields is on
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": True}
 
 
 ERROR_SCHEMA = {
