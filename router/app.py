@@ -124,6 +124,7 @@ class OpenAIIngress:
             default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),
             strict_fields=self.config.ingress.strict_fields,
             max_sequence_tokens=self.config.kv.decode_pages * self.config.kv.page_size,
+            page_size=self.config.kv.page_size,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
                                               release_lease=LeaseReleaser(prefill))

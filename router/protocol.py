@@ -315,14 +315,15 @@ class RequestParser:
 
     def __init__(self, tokenizer: Any, *, model_id: str, max_model_len: int, default_max_tokens: int,
                  model_type: str | None = None, strict_fields: bool = False,
-                 max_sequence_tokens: int | None = None) -> None:
+                 max_sequence_tokens: int | None = None, page_size: int = 1) -> None:
         """``default_max_tokens``: completions' ``max_tokens`` when none is sent (chat's runs to
         the end of the context); ``strict_fields``: unknown fields are 400s, not logged;
-        ``max_sequence_tokens``: the most tokens (prompt + output) one sequence can hold on a
-        decode replica, where that is less than ``max_model_len`` (chat's default stops there)."""
+        ``max_sequence_tokens``: the tokens a decode replica's pool holds (``page_size``-token
+        pages): chat's default leaves room there for the prompt and every choice."""
         self.tokenizer = tokenizer
         self.strict_fields = strict_fields
         self.max_sequence_tokens = max_sequence_tokens
+        self.page_size = page_size
         self.model_type = model_type  # config.json's model_type: the tool-call format where the tokenizer declares none
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -554,8 +555,7 @@ class RequestParser:
         # max_tokens 0: only the prompt (with echo: its logprobs, for loglikelihood evaluations)
         max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, self.max_model_len)
         if max_tokens is None and kind == "chat":  # OpenAI's and vLLM's: until the context ends
-            fits = room if self.max_sequence_tokens is None else self.max_sequence_tokens - len(ids)
-            max_tokens = max(min(room, fits), 1)
+            max_tokens = max(min(room, self._decode_room(len(ids), body)), 1)
         elif max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
@@ -617,6 +617,18 @@ class RequestParser:
             min_tokens=min_tokens,
             logprobs=self._logprobs(body, kind),
         )
+
+    def _decode_room(self, prompt_len: int, body: dict) -> int:
+        """Output tokens per choice that a decode replica can admit for a chat request without
+        ``max_tokens`` (its choices share the prompt's pages and each grows its own, starting
+        with a copy of the partial last page): so the default never exceeds the pool."""
+        if self.max_sequence_tokens is None:
+            return self.max_model_len
+        n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) else 1
+        n = min(max(n, 1), MAX_N)  # a bad n is refused below
+        if n == 1:
+            return self.max_sequence_tokens - prompt_len
+        return (self.max_sequence_tokens - prompt_len) // n - 2 * self.page_size
 
     def _stream_options(self, body: dict, stream: bool) -> tuple[bool, bool]:
         """``(include_usage, continuous_usage)`` of ``stream_options``: ``include_usage`` (a last

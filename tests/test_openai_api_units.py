@@ -292,6 +292,16 @@ def test_default_max_tokens_completions_16_style_chat_to_the_end_of_the_context(
     chat = held.parse({"model": "m", "messages": MSGS}, "chat")
     assert chat.max_tokens == 20 - len(chat.prompt_token_ids)
     assert held.parse({"model": "m", "messages": MSGS, "max_tokens": 30}, "chat").max_tokens == 30
+    # n choices share the prompt's pages and grow their own: the default leaves room for all of them
+    paged = RequestParser(ByteTokenizer(), model_id="m", max_model_len=4096, default_max_tokens=8,
+                          max_sequence_tokens=1024, page_size=16)
+    # the pages a decode replica admits a group by (serving.messages.DecodeCall.footprint's rule)
+    for n in (1, 2, 3, 16):
+        req = paged.parse({"model": "m", "messages": MSGS, "n": n}, "chat")
+        prompt = len(req.prompt_token_ids)
+        shared = prompt // 16
+        pages = shared + n * (-(-(prompt + req.max_tokens) // 16) - shared)
+        assert pages <= 1024 // 16 and req.max_tokens >= (1024 - prompt) // n - 32, (n, req.max_tokens)
 
 
 # ----------------------------------------------------------------------------- echo, logprobs per token id
