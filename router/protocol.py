@@ -61,6 +61,7 @@ _NEUTRAL = {
     "structured_outputs": (None,),
 }
 _NEUTRAL_CHAT = {
+    "best_of": (None, 1),  # completions only (gRPC's GenerateRequest has it for both)
     "echo": (None, False),  # vLLM's chat echo (the last message again) is not done here
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),

@@ -246,6 +246,7 @@ def test_unknown_fields_are_logged_or_refused_with_strict_fields(field_log):
     ("completion", {"guided_json": {"type": "object"}}, "guided_json"),
     ("completion", {"messages": MSGS}, "messages"),  # the chat endpoint's input
     ("chat", {"echo": True}, "echo"),
+    ("chat", {"best_of": 2}, "best_of"),
     ("chat", {"add_generation_prompt": False}, "add_generation_prompt"),
     ("chat", {"prompt": "x"}, "prompt"),
     ("chat", {"user": 3}, "user"),
