@@ -96,14 +96,19 @@ _NULL_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 # roles the chat templates do not know, and the role they are rendered as
 _ROLE_AS = {"developer": "system"}
 _logged_fields: set[str] = set()  # field names already logged as ignored, in this process
+MAX_LOGGED_FIELDS = 256  # names are client data: a bound on the memory and the log lines they take
 
 
 def _log_ignored(name: str, why: str) -> None:
-    """One log line per field name per process (a client sends the same fields every request)."""
-    if name in _logged_fields:
+    """One log line per field name per process (a client sends the same fields every request),
+    for at most MAX_LOGGED_FIELDS names (the last line says so), each shown to 64 characters."""
+    if name in _logged_fields or len(_logged_fields) > MAX_LOGGED_FIELDS:
         return
     _logged_fields.add(name)
-    shown = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(_logged_fields) > MAX_LOGGED_FIELDS:
+        logger.warning("request fields: %d names logged as ignored; further ones are not logged", MAX_LOGGED_FIELDS)
+        return
+    shown = name[:64].encode("utf-8", "backslashreplace").decode("utf-8")
     logger.warning("request field %r: %s; ignored (logged once per process)", shown, why)
 
 

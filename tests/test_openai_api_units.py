@@ -228,6 +228,21 @@ def test_unknown_fields_are_logged_or_refused_with_strict_fields(field_log):
     strict.parse({"model": "m", "messages": MSGS, **OPENAI_CHAT_EXTRAS}, "chat")
 
 
+def test_the_log_of_ignored_field_names_is_bounded(field_log):
+    """Field names are client data: many distinct ones take a bounded log and memory."""
+    from router.protocol import MAX_LOGGED_FIELDS
+
+    gen = torch.Generator().manual_seed(23)
+    names = {f"f{int(x)}" for x in torch.randint(0, 10**9, (MAX_LOGGED_FIELDS + 40,), generator=gen)}
+    for name in names:
+        parse({"prompt": "x", name: 1})
+    long = "k" * 500
+    lines = field_log()
+    assert len(lines) == MAX_LOGGED_FIELDS + 1 and "further ones are not logged" in lines[-1]
+    parse({"prompt": "x", long: 1})
+    assert len(field_log()) == len(lines)
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("completion", {"min_p": 1.5}, "min_p"),
     ("completion", {"min_p": "0.1"}, "min_p"),

@@ -245,7 +245,7 @@ def test_successful_prefills_log_no_cancellation(service):
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "seed": -1}, 400, "seed"),
         ({"prompt": "x", "n": 0}, 400, "n"),
-        ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),  # unknown fields: ignored
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ],
 )
