@@ -11,7 +11,8 @@ The order a row's logits go through (``Sampler.sample``):
 6. divided by ``temperature`` (greedy: not);
 7. logprobs are taken here: ``log_softmax`` of these logits, the distribution sampled from
    before top-k / top-p truncation;
-8. top-k, top-p, then the draw (greedy: argmax of step 6).
+8. top-k, top-p and min-p (each a mask over the same temperature-scaled distribution, so their
+   order does not matter), then the draw (greedy: argmax of step 6).
 Rows with none of 1-5 and no logprobs take the plain path: no per-row work for them.
 
 Randomness is stateless per token: the draw for token ``i`` of a seeded request comes from a
@@ -39,6 +40,8 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep the ``top_k`` most likely tokens; 0 disables.
     top_p: keep the smallest set of tokens whose probability reaches ``top_p``; 1 disables.
+    min_p: keep the tokens whose probability is at least ``min_p`` times the most likely
+    token's (vLLM's); 0 disables.
     max_new_tokens: tokens to generate, the first (prefill) token included.
     stop_token_ids: generation stops after emitting one of these (it is part of the output).
     seed: makes sampling reproducible; ``None`` draws from torch's default generator.
@@ -66,6 +69,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided: dict | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -77,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: expected a float in [0, 1], got {self.min_p!r}")
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
             self.stop_token_ids, (tuple, list, frozenset, set)
@@ -298,25 +304,36 @@ class Sampler:
                 row.copy_(torch.where(seen, penalized, row))
             row -= p.frequency_penalty * counts + p.presence_penalty * seen.to(row.dtype)
 
-    def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, order)``: per row, the temperature-scaled distribution sorted most likely
+        first (``order``: the token ids), with the tokens top-k, top-p and min-p drop set to 0
+        (not renormalized). Greedy rows are scaled by 1."""
         bsz, vocab = logits.shape
-        greedy_ids = logits.argmax(-1)
-        if all(p.greedy for p in params):
-            return greedy_ids
         device = logits.device
         temps = torch.tensor(
             [p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32, device=device
         )
         top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int64, device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
 
-        sorted_logits, order = torch.sort(logits / temps[:, None], dim=-1, descending=True)
+        sorted_logits, order = torch.sort(logits.float() / temps[:, None], dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         rank = torch.arange(vocab, device=device)[None, :]
         # top-p keeps a token if the mass strictly before it is below top_p (the top one always)
         mass_before = probs.cumsum(-1) - probs
         keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        keep &= probs >= min_p[:, None] * probs[:, :1]  # the top token always passes (min_p <= 1)
+        return torch.where(keep, probs, torch.zeros_like(probs)), order
+
+    def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
+        bsz, vocab = logits.shape
+        greedy_ids = logits.argmax(-1)
+        if all(p.greedy for p in params):
+            return greedy_ids
+        device = logits.device
+        probs, order = self.filtered_probs(logits, params)
         cdf = probs.cumsum(-1)
         # u in (0, 1] so the leftmost cdf >= u * total is a token with non-zero probability
         u = (1.0 - self._uniforms(params, steps)).to(device=device, dtype=torch.float32)

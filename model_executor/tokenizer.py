@@ -5,12 +5,16 @@ their only language), and an adapter over a Hugging Face tokenizer loaded from a
 Interface (what the engines and the service use):
 ``encode(text, add_bos=True) -> list[int]``, ``decode(ids, skip_special_tokens=True) -> str``,
 ``apply_chat_template(messages, add_generation_prompt=True) -> list[int]``,
+``token_bytes(token_id) -> bytes`` (what one token stands for: a token holding part of a
+multi-byte character gives those raw bytes, where ``decode`` would give U+FFFD),
 ``bos_token_id``, ``eos_token_id``, ``vocab_size``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,6 +133,12 @@ class ByteTokenizer:
                 raise ValueError(f"ids: token id {i} is outside the vocabulary [0, {self.VOCAB_SIZE})")
         return out.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        token_id = int(token_id)
+        if 0 <= token_id < self.NUM_BYTES:
+            return bytes((token_id,))
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *, tools: Sequence[dict] | None = None
     ) -> list[int]:
@@ -235,6 +245,9 @@ class IdTokenizer:
                 out.append(f"<{i}>")
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
@@ -274,6 +287,23 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Byte-level BPE (GPT-2, Llama 3, SmolLM2): vocabulary strings spell bytes as characters."""
+        return "ByteLevel" in str(getattr(getattr(self._tok, "backend_tokenizer", None), "decoder", ""))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        if isinstance(piece, str):
+            fallback = _BYTE_PIECE.fullmatch(piece)  # SentencePiece's byte fallback: <0xE2>
+            if fallback:
+                return bytes((int(fallback.group(1), 16),))
+            if self._byte_level:
+                table = _byte_decoder()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
@@ -288,3 +318,15 @@ class HFTokenizer:
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's character -> byte table (the inverse of GPT-2's byte -> printable
+    character map, from transformers)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}

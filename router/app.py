@@ -101,6 +101,13 @@ def _model_type(config: ServiceConfig) -> str | None:
         return None
 
 
+def _scored(prompt_logprobs: list | None) -> list:
+    """gRPC's prompt_logprobs: the echoed tokens that have a logprob (all but a first token
+    the client sent, which nothing predicts)."""
+    entries = list(prompt_logprobs or ())
+    return entries[1:] if entries and entries[0].logprob is None else entries
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -115,6 +122,9 @@ class OpenAIIngress:
         self.parser = RequestParser(
             self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.ingress.max_model_len,
             default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),
+            strict_fields=self.config.ingress.strict_fields,
+            max_sequence_tokens=self.config.kv.decode_pages * self.config.kv.page_size,
+            page_size=self.config.kv.page_size,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
                                               release_lease=LeaseReleaser(prefill))
@@ -183,6 +193,16 @@ class OpenAIIngress:
         if not self.auth.check(request.headers.get("authorization")):
             return error_response(UNAUTHORIZED)
         return models_response(self.config.model_id, self.created)
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        if not self.auth.check(request.headers.get("authorization")):
+            return error_response(UNAUTHORIZED)
+        if model_id != self.config.model_id:
+            return error_response(RequestError(f"model: {model_id!r} does not exist; this service serves "
+                                               f"{self.config.model_id!r}", param="model", status=404,
+                                               code="model_not_found"))
+        return models_response(self.config.model_id, self.created)["data"][0]
 
     @api.post("/v1/completions", openapi_extra=openapi_extra("completion"))
     async def completions(self, request: Request):
@@ -262,6 +282,9 @@ class OpenAIIngress:
                     chunks = [stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
                                            logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)]
                     text_offset[index] = text_offset.get(index, 0) + sum(len(e.token) for e in logprobs or ())
+                if req.continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, every choice's
+                    for chunk in chunks:
+                        chunk["usage"] = usage(req.prompt_len, completion_tokens)
                 if delta.finish_reason is not None:
                     chunks[-1]["timing"] = delta.timing
                     if delta.routing is not None:
@@ -478,6 +501,10 @@ class OpenAIIngress:
                                    status=400, code="invalid_value")
             body["sparse_attention"] = False if sa.dense else (
                 {"alpha": round(sa.alpha, 6)} if sa.HasField("alpha") else True)
+        if message.HasField("min_p"):
+            body["min_p"] = round(message.min_p, 6)
+        if message.HasField("add_special_tokens"):
+            body["add_special_tokens"] = message.add_special_tokens
         if message.HasField("logprobs"):  # completions' int k; chat's logprobs + top_logprobs
             if kind == "completion":
                 body["logprobs"] = message.logprobs
@@ -525,7 +552,7 @@ class OpenAIIngress:
         content, calls, finish = split_tool_calls(req, text, result.finish_reason)  # chat with tools only
         return pb.Choice(index=index, text=content or "", token_ids=result.token_ids, finish_reason=finish,
                          logprobs=self._grpc_logprobs(pb, result.logprobs),
-                         prompt_logprobs=self._grpc_logprobs(pb, (result.prompt_logprobs or [])[1:]),
+                         prompt_logprobs=self._grpc_logprobs(pb, _scored(result.prompt_logprobs)),
                          tool_calls=self._grpc_tool_calls(pb, calls))
 
     @staticmethod
@@ -563,6 +590,22 @@ class OpenAIIngress:
                          (result.timing or {}).get("sparse_attention"))
         self._grpc_timing(pb, out, result.timing, result.routing)
         return out
+
+    async def ListModels(self, request: Any, grpc_context: Any = None):
+        from router.grpc_service import MalformedMessage
+        from router.proto import flashprefill_pb2 as pb
+
+        if not self.auth.check(grpc_authorization(grpc_context)):
+            self._grpc_fail(grpc_context, UNAUTHORIZED)
+            return pb.ListModelsResponse()
+        if isinstance(request, MalformedMessage):
+            self._grpc_fail(grpc_context, RequestError(
+                f"request: {request.size} bytes are not a flashprefill.v1.ListModelsRequest ({request.reason})",
+                param="request", status=400, code="invalid_message"))
+            return pb.ListModelsResponse()
+        model = models_response(self.config.model_id, self.created)["data"][0]
+        return pb.ListModelsResponse(models=[pb.Model(id=model["id"], created=model["created"],
+                                                      owned_by=model["owned_by"])])
 
     # -- gRPC health (grpc.health.v1.Health, registered by router/grpc_service.py) --------------
     async def _grpc_health(self, request: Any) -> Any:
@@ -647,7 +690,7 @@ class OpenAIIngress:
                                                 token_ids=token_ids, finish_reason=finish or "",
                                                 logprobs=self._grpc_logprobs(pb, logprobs),
                                                 prompt_logprobs=self._grpc_logprobs(
-                                                    pb, (delta.prompt_logprobs or [])[1:] if echo else []),
+                                                    pb, _scored(delta.prompt_logprobs) if echo else []),
                                                 system_fingerprint=SYSTEM_FINGERPRINT,
                                                 tool_calls=self._grpc_tool_calls(pb, calls))
                 if delta.finish_reason is not None:

@@ -81,6 +81,15 @@ class GrpcClient:
         self.metadata = (("application", application),) if application else ()
         self.timeout_s = timeout_s
 
+    def model(self) -> str:
+        """The served model id (the ListModels call)."""
+        from router.proto import flashprefill_pb2 as pb
+
+        resp = self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata, timeout=self.timeout_s)
+        if not resp.models:
+            raise RuntimeError("the server lists no model")
+        return resp.models[0].id
+
     def request(self, **fields: Any):
         from router.proto import flashprefill_pb2 as pb
 
@@ -122,7 +131,7 @@ def run_client(args: Any) -> int:
     try:
         if args.grpc:
             client = GrpcClient(args.grpc_target, args.application)
-            model = args.model or "builtin:tiny"
+            model = args.model or client.model()
             prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
             if args.stream:
                 last, texts = None, {}

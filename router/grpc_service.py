@@ -84,6 +84,13 @@ def parse_generate_request(raw: bytes) -> pb.GenerateRequest | MalformedMessage:
         return MalformedMessage(len(raw), type(exc).__name__, bad_utf8_field(raw))
 
 
+def parse_list_models_request(raw: bytes) -> pb.ListModelsRequest | MalformedMessage:
+    try:
+        return pb.ListModelsRequest.FromString(raw)
+    except Exception as exc:
+        return MalformedMessage(len(raw), type(exc).__name__)
+
+
 def parse_health_request(raw: bytes):
     from grpc_health.v1 import health_pb2
 
@@ -125,6 +132,11 @@ def add_FlashPrefillServicer_to_server(servicer, server) -> None:  # noqa: N802 
             servicer.GenerateStream,
             request_deserializer=parse_generate_request,
             response_serializer=pb.GenerateStreamResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=parse_list_models_request,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
         ),
     }
     _register(server, SERVICE, handlers)

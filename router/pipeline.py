@@ -81,6 +81,10 @@ class Logprob:
     token: str
     logprob: float | None  # None: a prompt's first token (echo)
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, token, logprob), most likely first
+    # the bytes of the token and of each of ``top`` (tokenizer.token_bytes: a piece of a multi-byte
+    # character is its raw bytes); None / () : the UTF-8 of the strings
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -311,7 +315,7 @@ class DisaggregatedPipeline:
                     if len(firsts) != n:
                         raise RequestError(f"the prefill sampled {len(firsts)} first tokens for {n} choices",
                                            status=502, code="prefill_failed")
-                    prompt_text = self.tokenizer.decode(list(base.prompt_token_ids)) if base.echo else None
+                    prompt_text = self._prompt_text(base) if base.echo else None
                     prompt_lps = self._prompt_logprobs(base, event.prompt_logprobs) if base.echo else None
                     for k, sub in enumerate(subs):
                         if sub.max_tokens == 0:  # echo of the prompt alone: its token is not output
@@ -456,23 +460,39 @@ class DisaggregatedPipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _prompt_text(self, req: GenerationRequest) -> str:
+        """The echoed prompt: the tokens the client sent (not a BOS the tokenizer added)."""
+        return self.tokenizer.decode(list(req.prompt_token_ids[req.echo_skip:]))
+
     def _prompt_logprobs(self, req: GenerationRequest, entries: Any) -> list | None:
+        """The echo's logprobs, one per token the client sent: where the tokenizer added a BOS
+        (``req.echo_skip``), the client's first token has a logprob (given the BOS) and the BOS
+        is not echoed; otherwise the first token has none."""
         if req.logprobs is None:
             return None
         if entries is None or len(entries) != req.prompt_len:
             raise RequestError("echo: the prefill returned no prompt logprobs", status=502, code="prefill_failed")
+        if req.echo_skip:
+            return self._logprobs(req, entries[req.echo_skip:])
         first = req.prompt_token_ids[0]
-        return [Logprob(first, self._token_str(first), None), *self._logprobs(req, entries[1:])]
+        return [Logprob(first, self._token_str(first), None, token_bytes=self._token_bytes(first)),
+                *self._logprobs(req, entries[1:])]
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        of = getattr(self.tokenizer, "token_bytes", None)
+        return of(int(token_id)) if of is not None else self._token_str(token_id).encode("utf-8")
 
     def _logprobs(self, req: GenerationRequest, entries: Any) -> list | None:
         """model_executor.sampling.TokenLogprob entries -> :class:`Logprob`; None without logprobs."""
         if req.logprobs is None:
             return None
         return [Logprob(e.token, self._token_str(e.token), e.logprob,
-                        tuple((t, self._token_str(t), lp) for t, lp in e.top)) for e in entries or () if e is not None]
+                        tuple((t, self._token_str(t), lp) for t, lp in e.top),
+                        self._token_bytes(e.token), tuple(self._token_bytes(t) for t, _ in e.top))
+                for e in entries or () if e is not None]
 
     async def stream(self, req: GenerationRequest, *,
                      resume: tuple[list[int], TextStream] | None = None) -> AsyncIterator[Delta]:
@@ -527,7 +547,7 @@ class DisaggregatedPipeline:
                             delta = Delta(text.push([first_token]), [first_token], first=True,
                                           logprobs=self._logprobs(req, [event.first_logprob]))
                         if req.echo:
-                            delta.prompt_text = self.tokenizer.decode(list(req.prompt_token_ids))
+                            delta.prompt_text = self._prompt_text(req)
                             delta.prompt_logprobs = self._prompt_logprobs(req, event.prompt_logprobs)
                         reason = "length" if req.max_tokens == 0 else self._finish_after_first(req, first_token, text)
                         if reason is not None:

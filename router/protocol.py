@@ -9,6 +9,7 @@ everything the workers need, nothing they do not.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -17,6 +18,8 @@ from typing import Any
 
 from model_executor.sampling import SamplingParams
 from serving.errors import RequestError
+
+logger = logging.getLogger("ray.serve")
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256
@@ -30,26 +33,83 @@ MAX_PROMPTS = 32  # prompts in one completions request
 MAX_N = 16  # n and best_of
 SYSTEM_FINGERPRINT = "fp_flashprefill"  # ``system_fingerprint`` of every response
 
-# Parameters we accept only at their "off" value (OpenAI clients send some of them by default).
+# What the parser does with each request field OpenAI or vLLM define (docs/API.md, "Request
+# fields", is this table for people). Acted on: _COMMON and the kind's own. Neutral only: accepted
+# at these values (clients send some of them by default), 400 naming the field otherwise. Ignored:
+# accepted with any value and logged once per process: they would change nothing we can do
+# differently (hints, bookkeeping, engine knobs of no meaning here). Any other field is unknown:
+# ignored and logged the same way, or a 400 naming it with ``ingress.strict_fields``.
 _NEUTRAL = {
     "suffix": (None, ""),
     "user": None,  # any string: recorded nowhere
     "parallel_tool_calls": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none"),
+    # vLLM's sampling and output extensions we do not implement
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "length_penalty": (None, 1.0, 1),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream",
+_NEUTRAL_CHAT = {
+    "best_of": (None, 1),  # completions only (gRPC's GenerateRequest has it for both)
+    "echo": (None, False),  # vLLM's chat echo (the last message again) is not done here
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "documents": (None,),
+}
+_NEUTRAL_COMPLETION = {"prompt_embeds": (None,)}
+IGNORED_FIELDS = frozenset({
+    "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",  # OpenAI: bookkeeping, caching
+    "priority", "cache_salt", "kv_transfer_params", "vllm_xargs", "skip_special_tokens",  # vLLM
+    "spaces_between_special_tokens", "guided_decoding_backend", "guided_whitespace_pattern",
+})
+IGNORED_CHAT_FIELDS = frozenset({
+    "reasoning_effort", "verbosity", "modalities", "prediction",  # OpenAI: no reasoning, text only, a hint
+    "functions", "function_call",  # OpenAI's deprecated function calling (tools replace it)
+    "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs",  # vLLM
+})
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream",
            "stream_options", "seed", "return_token_ids", "request_id", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
-           "sparse_attention", "response_format"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL)
+           "sparse_attention", "response_format", "add_special_tokens", "return_tokens_as_token_ids"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL) | set(_NEUTRAL_COMPLETION) | IGNORED_FIELDS
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat takes them (neutral in completions)
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
+CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL) | set(_NEUTRAL_CHAT)
+               | IGNORED_FIELDS | IGNORED_CHAT_FIELDS)
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # message fields the openai client may echo back from a response message: accepted when null
 _NULL_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 # roles the chat templates do not know, and the role they are rendered as
 _ROLE_AS = {"developer": "system"}
+_logged_fields: set[str] = set()  # field names already logged as ignored, in this process
+MAX_LOGGED_FIELDS = 256  # names are client data: a bound on the memory and the log lines they take
+
+
+def _log_ignored(name: str, why: str) -> None:
+    """One log line per field name per process (a client sends the same fields every request),
+    for at most MAX_LOGGED_FIELDS names (the last line says so), each shown to 64 characters."""
+    if name in _logged_fields or len(_logged_fields) > MAX_LOGGED_FIELDS:
+        return
+    _logged_fields.add(name)
+    if len(_logged_fields) > MAX_LOGGED_FIELDS:
+        logger.warning("request fields: %d names logged as ignored; further ones are not logged", MAX_LOGGED_FIELDS)
+        return
+    shown = name[:64].encode("utf-8", "backslashreplace").decode("utf-8")
+    logger.warning("request field %r: %s; ignored (logged once per process)", shown, why)
 
 
 def bad(param: str, message: str) -> RequestError:
@@ -68,12 +128,15 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (vLLM's)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -84,6 +147,10 @@ class GenerationRequest:
     best_of: int | None = None  # generate this many per prompt, return the n of highest logprob
     batch: tuple[tuple[int, ...], ...] = ()  # every prompt of a list of prompts (() : just this one)
     echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the output
+    # leading prompt tokens the tokenizer added (a BOS the client did not send): not echoed; of
+    # this prompt (echo_skip) or of each prompt of ``batch`` (batch_skip)
+    echo_skip: int = 0
+    batch_skip: tuple[int, ...] = ()
     sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
     guided: dict | None = None  # structured output (response_format or forced tool calls): model_executor.grammar's spec
     tool_format: str | None = None  # chat with tools: the reply is parsed for calls in this format (tools.FORMATS)
@@ -118,14 +185,15 @@ class GenerationRequest:
             for j in range(per_prompt):
                 k = i * per_prompt + j
                 row.append(replace(self, request_id=f"{self.request_id}-{k}", prompt_token_ids=tuple(ids), batch=(),
-                                   n=1, best_of=None, logprobs=logprobs,
+                                   echo_skip=self.batch_skip[i] if self.batch_skip else self.echo_skip,
+                                   batch_skip=(), n=1, best_of=None, logprobs=logprobs,
                                    seed=None if self.seed is None else (self.seed + j) % (MAX_SEED + 1)))
             out.append(row)
         return out
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             max_new_tokens=max(self.max_tokens, 1), stop_token_ids=self.stop_token_ids, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
@@ -209,22 +277,42 @@ def _check_text(name: str, value: str) -> str:
     return value
 
 
-def _check_fields(body: Any, allowed: set[str], *, skip_neutral: tuple[str, ...] = ()) -> dict:
+def _neutral_error(name: str, neutral: tuple) -> RequestError:
+    values = [v for v in neutral if v is not None]
+    shown = " or ".join(repr(v) for v in values[:1] + [v for v in values[1:] if not isinstance(v, int)])
+    return bad(name, "not supported here" + (f": send {shown}, null, or leave it out" if values else
+                                             ": send null or leave it out"))
+
+
+def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
+    """The body's fields against the tables above: unknown ones logged (or a 400 when
+    ``strict``), ignored ones logged, neutral-only ones checked."""
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
-    unknown = sorted(set(body) - allowed)
-    if unknown:  # a name with a lone surrogate is escaped: the error must render as JSON
-        raise bad(unknown[0].encode("utf-8", "backslashreplace").decode("utf-8"), "unrecognized request argument")
-    for name, neutral in _NEUTRAL.items():
-        if name not in body or name in skip_neutral:
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    wrong = "messages" if kind == "completion" else "prompt"  # the other endpoint's input: a mistake, not noise
+    if wrong in body:
+        raise bad(wrong, "not a field of this endpoint (send it to "
+                         f"{'/v1/chat/completions' if kind == 'completion' else '/v1/completions'})")
+    for name in sorted(set(body) - allowed):
+        if strict:  # a name with a lone surrogate is escaped: the error must render as JSON
+            raise bad(name.encode("utf-8", "backslashreplace").decode("utf-8"),
+                      "unrecognized request argument (ingress.strict_fields is on)")
+        _log_ignored(name, "not a field OpenAI or vLLM define for this endpoint")
+    for name in sorted(set(body) & (IGNORED_FIELDS | (IGNORED_CHAT_FIELDS if kind == "chat" else frozenset()))):
+        _log_ignored(name, "accepted, not acted on (docs/API.md, Request fields)")
+    neutrals = {**_NEUTRAL, **(_NEUTRAL_CHAT if kind == "chat" else _NEUTRAL_COMPLETION)}
+    for name, neutral in neutrals.items():
+        if name not in body or (kind == "chat" and name in _TOOL_FIELDS):
             continue
         value = body[name]
         if neutral is None:
             if value is not None and not isinstance(value, str):
-                raise bad(name, f"expected a string, got {value!r}")
+                raise bad(name, f"expected a string, got {value!r}"[:200])
         elif not any(value == n and type(value) is type(n) for n in neutral):
-            what = "n must be 1" if name == "n" else f"only {neutral[-1]!r} is supported"
-            raise bad(name, f"{what}, got {value!r}")
+            if name == "echo":
+                raise bad(name, "not supported in chat (only false)")
+            raise _neutral_error(name, neutral)
     return body
 
 
@@ -232,8 +320,16 @@ class RequestParser:
     """Turns OpenAI request bodies into GenerationRequests for one served model."""
 
     def __init__(self, tokenizer: Any, *, model_id: str, max_model_len: int, default_max_tokens: int,
-                 model_type: str | None = None) -> None:
+                 model_type: str | None = None, strict_fields: bool = False,
+                 max_sequence_tokens: int | None = None, page_size: int = 1) -> None:
+        """``default_max_tokens``: completions' ``max_tokens`` when none is sent (chat's runs to
+        the end of the context); ``strict_fields``: unknown fields are 400s, not logged;
+        ``max_sequence_tokens``: the tokens a decode replica's pool holds (``page_size``-token
+        pages): chat's default leaves room there for the prompt and every choice."""
         self.tokenizer = tokenizer
+        self.strict_fields = strict_fields
+        self.max_sequence_tokens = max_sequence_tokens
+        self.page_size = page_size
         self.model_type = model_type  # config.json's model_type: the tool-call format where the tokenizer declares none
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -250,23 +346,44 @@ class RequestParser:
                 raise bad(name, f"expected token ids in [0, {self.vocab_size}), got {t!r}")
         return list(ids)
 
-    def _one_prompt(self, name: str, prompt: Any) -> list[int]:
+    def _one_prompt(self, name: str, prompt: Any, add_special: bool) -> tuple[list[int], int]:
+        """``(token ids, leading tokens the tokenizer added)``: a string follows the tokenizer's
+        ``add_special_tokens`` (``add_special``); token ids are taken as they are."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad(name, "expected a non-empty string")
-            return self.tokenizer.encode(_check_text(name, prompt))
+            ids = self.tokenizer.encode(_check_text(name, prompt), add_bos=add_special)
+            return ids, self._added_prefix(prompt, ids) if add_special else 0
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self._token_ids(name, prompt)
+            return self._token_ids(name, prompt), 0
         raise bad(name, f"expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _prompts(self, body: dict) -> list[list[int]]:
-        """A string, a list of token ids, or a list of either (a list of prompts)."""
+    def _added_prefix(self, text: str, ids: list[int]) -> int:
+        """How many tokens before ``text``'s own the tokenizer put (a BOS), found by encoding it
+        again without them (a literal "<s>" in the text is the client's, and stays)."""
+        plain = self.tokenizer.encode(text, add_bos=False)
+        for k in range(len(ids) - len(plain) + 1):
+            if ids[k:k + len(plain)] == plain:
+                return k
+        return 0
+
+    def _special_prefix(self) -> list[int]:
+        """The tokens the tokenizer puts before any text (chat with ``add_special_tokens``)."""
+        ids = self.tokenizer.encode("a", add_bos=True)
+        return ids[:self._added_prefix("a", ids)]
+
+    def _prompts(self, body: dict, add_special: bool) -> tuple[list[list[int]], list[int]]:
+        """A string, a list of token ids, or a list of either (a list of prompts): each prompt's
+        ids and its count of added leading tokens."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) > MAX_PROMPTS:
                 raise bad("prompt", f"expected at most {MAX_PROMPTS} prompts, got {len(prompt)}")
-            return [self._one_prompt("prompt" if len(prompt) == 1 else f"prompt[{i}]", p) for i, p in enumerate(prompt)]
-        return [self._one_prompt("prompt", prompt)]
+            out = [self._one_prompt("prompt" if len(prompt) == 1 else f"prompt[{i}]", p, add_special)
+                   for i, p in enumerate(prompt)]
+        else:
+            out = [self._one_prompt("prompt", prompt, add_special)]
+        return [ids for ids, _ in out], [skip for _, skip in out]
 
     def _messages(self, body: dict, tools: list | None = None) -> list[int]:
         """The chat prompt; ``tools``: rendered into it by the template (already checked)."""
@@ -416,14 +533,21 @@ class RequestParser:
     def parse(self, body: Any, kind: str, *, request_id: str | None = None) -> GenerationRequest:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind: expected 'completion' or 'chat', got {kind!r}")
-        body = _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS,
-                             skip_neutral=_TOOL_FIELDS if kind == "chat" else ())
+        body = _check_fields(body, kind, strict=self.strict_fields)
         model = self._model(body)
         tools, tool_guided, tool_format, parallel = self._tools(body) if kind == "chat" else (None, None, None, True)
         if tool_format is not None and body.get("response_format") not in (None, {"type": "text"}):
             raise bad("response_format", "cannot be combined with tools (unless tool_choice is 'none'): "
                                          "a tool call's arguments are constrained by its parameters schema")
-        prompts = self._prompts(body) if kind == "completion" else [self._messages(body, tools)]
+        echo = kind == "completion" and _bool(body, "echo", False)
+        # vLLM's defaults: the tokenizer's specials for completions; none for chat (its template has them)
+        add_special = _bool(body, "add_special_tokens", kind == "completion")
+        if kind == "completion":
+            prompts, skips = self._prompts(body, add_special)
+        else:
+            prompts, skips = [self._messages(body, tools)], [0]
+            if add_special:
+                prompts[0] = self._special_prefix() + list(prompts[0])
         ids = max(prompts, key=len)  # the room below is the longest prompt's
         if kind == "chat" and body.get("max_completion_tokens") is not None:
             if body.get("max_tokens") is not None:
@@ -434,26 +558,21 @@ class RequestParser:
             raise bad("prompt" if kind == "completion" else "messages",
                       f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
                       "(max_model_len, one token of room to generate)")
-        echo = kind == "completion" and _bool(body, "echo", False)
         # max_tokens 0: only the prompt (with echo: its logprobs, for loglikelihood evaluations)
         max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, self.max_model_len)
-        if max_tokens is None:
+        if max_tokens is None and kind == "chat":  # OpenAI's and vLLM's: until the context ends
+            max_tokens = max(min(room, self._decode_room(len(ids), body)), 1)
+        elif max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
             raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.max_model_len}")
         temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
         top_k = _integer(body, "top_k", 0, -1, self.vocab_size)
+        min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
         seed = _integer(body, "seed", None, 0, MAX_SEED)
         stream = _bool(body, "stream", False)
-        options = body.get("stream_options")
-        include_usage = False
-        if options is not None:
-            if not stream:
-                raise bad("stream_options", "only allowed with stream: true")
-            if not isinstance(options, dict) or set(options) - {"include_usage"}:
-                raise bad("stream_options", "expected {\"include_usage\": bool}")
-            include_usage = _bool(options, "include_usage", False)
+        include_usage, continuous_usage = self._stream_options(body, stream)
         rid = body.get("request_id")
         if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 128 or not rid.isprintable()):
             raise bad("request_id", "expected a printable string of at most 128 characters")
@@ -478,6 +597,8 @@ class RequestParser:
             n=n,
             best_of=best_of,
             echo=echo,
+            echo_skip=skips[0] if echo else 0,
+            batch_skip=tuple(skips) if echo and len(prompts) > 1 else (),
             sparse_alpha=_sparse_attention(body),
             guided=tool_guided or self._guided(body),
             tool_format=tool_format,
@@ -486,12 +607,15 @@ class RequestParser:
             temperature=temperature,
             top_p=top_p,
             top_k=max(top_k, 0),
+            min_p=min_p,
             seed=seed,
             stop=_stop(body),
             stop_token_ids=stop_ids,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             return_token_ids=_bool(body, "return_token_ids", False),
+            return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
             presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
@@ -499,6 +623,46 @@ class RequestParser:
             min_tokens=min_tokens,
             logprobs=self._logprobs(body, kind),
         )
+
+    def _decode_room(self, prompt_len: int, body: dict) -> int:
+        """Output tokens per choice that a decode replica can admit for a chat request without
+        ``max_tokens`` (its choices share the prompt's pages and each grows its own, starting
+        with a copy of the partial last page): so the default never exceeds the pool."""
+        if self.max_sequence_tokens is None:
+            return self.max_model_len
+        n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) else 1
+        n = min(max(n, 1), MAX_N)  # a bad n is refused below
+        if n == 1:
+            return self.max_sequence_tokens - prompt_len
+        return (self.max_sequence_tokens - prompt_len) // n - 2 * self.page_size
+
+    def _stream_options(self, body: dict, stream: bool) -> tuple[bool, bool]:
+        """``(include_usage, continuous_usage)`` of ``stream_options``: ``include_usage`` (a last
+        chunk with usage), ``continuous_usage_stats`` (vLLM's: usage in every chunk too, with
+        ``include_usage`` only, as vLLM), ``include_obfuscation`` (OpenAI's padding: accepted, not
+        added)."""
+        options = body.get("stream_options")
+        if options is None:
+            return False, False
+        if not stream:
+            raise bad("stream_options", "only allowed with stream: true")
+        if not isinstance(options, dict):
+            raise bad("stream_options", f"expected an object with {', '.join(STREAM_OPTIONS)}, got {options!r}"[:200])
+        values = {}
+        for key in STREAM_OPTIONS:
+            try:
+                values[key] = _bool(options, key, False)
+            except RequestError as err:
+                raise bad(f"stream_options.{key}", err.message[len(key) + 2:]) from None
+        for key in sorted(set(options) - set(STREAM_OPTIONS)):
+            name = f"stream_options.{key}"
+            if self.strict_fields:
+                raise bad(name.encode("utf-8", "backslashreplace").decode("utf-8"),
+                          "unrecognized stream option (ingress.strict_fields is on)")
+            _log_ignored(name, "not a stream option OpenAI or vLLM define")
+        if "include_obfuscation" in options:
+            _log_ignored("stream_options.include_obfuscation", "accepted, not acted on (no obfuscation padding)")
+        return values["include_usage"], values["include_usage"] and values["continuous_usage_stats"]
 
     # -- sampling controls -------------------------------------------------------------
     def _guided(self, body: dict) -> dict | None:
@@ -588,9 +752,28 @@ def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", "surrogatepass"))
 
 
+def _named(req: GenerationRequest, token_id: int, token: str) -> str:
+    """A token as logprobs name it: its text, or vLLM's ``token_id:<id>`` with
+    ``return_tokens_as_token_ids`` (distinct where texts are not: partial UTF-8 bytes all
+    decode to U+FFFD)."""
+    return f"token_id:{token_id}" if req.return_tokens_as_token_ids else token
+
+
+def _top_dict(req: GenerationRequest, top: tuple) -> dict[str, float]:
+    """Completions' legacy ``top_logprobs`` entry, ``{token: logprob}``, keyed by text as vLLM:
+    where several alternatives share a text only the most likely keeps it (vLLM keeps the last
+    written, the least likely, so ``max`` of the entry would not be the best logprob); with
+    ``return_tokens_as_token_ids`` the keys are the ids and every alternative is there."""
+    out: dict[str, float] = {}
+    for token_id, token, lp in top:  # most likely first
+        out.setdefault(_named(req, token_id, token), lp)
+    return out
+
+
 def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: int = 0) -> dict | None:
     """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): completions' parallel
-    lists, or chat's ``content`` list. ``entries``: ``router.pipeline.Logprob`` values."""
+    lists, or chat's ``content`` list (an entry per token id, with its ``bytes``).
+    ``entries``: ``router.pipeline.Logprob`` values."""
     if req.logprobs is None or entries is None:
         return None
     if req.kind == "completion":
@@ -599,12 +782,22 @@ def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: i
             offsets.append(at)
             at += len(e.token)
         # echo: the prompt's first token has no logprob (nothing before it predicts it)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.logprob is None else {t: lp for _, t, lp in e.top} for e in entries],
+        return {"tokens": [_named(req, e.token_id, e.token) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None else _top_dict(req, e.top) for e in entries],
                 "text_offset": offsets}
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for _, t, lp in e.top]}
-                        for e in entries], "refusal": None}
+
+    def raw(token: str, of: bytes | None) -> list[int]:
+        return list(of) if of is not None else _token_bytes(token)
+
+    content = []
+    for e in entries:
+        top_bytes = e.top_bytes or (None,) * len(e.top)
+        content.append({"token": _named(req, e.token_id, e.token), "logprob": e.logprob,
+                        "bytes": raw(e.token, e.token_bytes),
+                        "top_logprobs": [{"token": _named(req, i, t), "logprob": lp, "bytes": raw(t, b)}
+                                         for (i, t, lp), b in zip(e.top, top_bytes)]})
+    return {"content": content, "refusal": None}
 
 
 def split_tool_calls(req: GenerationRequest, text: str, finish_reason: str | None
@@ -773,8 +966,17 @@ def _request_schema(kind: str) -> dict:
         "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_SEED}, {"type": "null"}]},
         "stop": stop,
         "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
-                           "additionalProperties": False},
+        "stream_options": {"type": "object", "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean", "description": "vLLM's: with include_usage, usage in "
+                                       "every chunk (the tokens so far)"},
+            "include_obfuscation": {"type": "boolean", "description": "accepted, not acted on"}}},
+        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
+                  "description": "extension (vLLM's): only tokens at least min_p times as likely as the top one"},
+        "add_special_tokens": {"type": "boolean", "description": "extension (vLLM's): the tokenizer's special "
+                               "tokens around a text prompt (default: true for completions, false for chat)"},
+        "return_tokens_as_token_ids": {"type": "boolean", "description": "extension (vLLM's): logprobs name "
+                                       "tokens 'token_id:<id>'"},
         "return_token_ids": {"type": "boolean"},
         "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
         "n": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]},
@@ -846,7 +1048,9 @@ def _request_schema(kind: str) -> dict:
                                            {"type": "null"}]}
         props["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
         required = ["model", "messages"]
-    return {"type": "object", "required": required, "properties": props, "additionalProperties": False}
+    # other fields OpenAI and vLLM define are accepted (docs/API.md, Request fields); unknown ones are
+    # ignored, or refused where ingress.strict_fields is on
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": True}
 
 
 ERROR_SCHEMA = {

@@ -310,7 +310,12 @@ class IngressOptions(_Section):
     section: typing.ClassVar[str] = "ingress"
 
     max_model_len: int = Field(32768, ge=2, description="Prompt + generated tokens per request.")
-    default_max_tokens: int = Field(16, ge=1, description="`max_tokens` of a request that sends none.")
+    default_max_tokens: int = Field(16, ge=1, description=(
+        "`max_tokens` of a completions request that sends none (OpenAI's 16); chat's default runs to the "
+        "end of the context (`max_model_len` - prompt, within what a decode replica holds), as OpenAI and vLLM."))
+    strict_fields: bool = Field(False, description=(
+        "Answer a request field that neither OpenAI nor vLLM defines with 400 naming it; false: ignore it "
+        "and log its name once per ingress replica (docs/API.md, Request fields)."))
     max_request_bytes: int = Field(1 << 20, ge=1024, description=(
         "Largest HTTP body / gRPC request message accepted (413 / INVALID_ARGUMENT beyond)."))
     retry_after_s: int = Field(1, ge=0, description="The Retry-After of overload answers (429 / 503).")

@@ -82,7 +82,8 @@ _ADDED_FIELDS = {
     "GenerateRequest": {"prompts": (22, "message", True), "n": (23, "uint32", False),
                         "best_of": (24, "uint32", False), "response_format": (25, "message", False),
                         "tools": (26, "message", True), "tool_choice": (27, "message", False),
-                        "parallel_tool_calls": (28, "bool", False)},
+                        "parallel_tool_calls": (28, "bool", False), "min_p": (29, "float", False),
+                        "add_special_tokens": (30, "bool", False)},
     "ChatMessage": {"role": (1, "string", False), "content": (2, "string", False), "name": (3, "string", False),
                     "tool_call_id": (4, "string", False), "tool_calls": (5, "message", True)},
     "GenerateResponse": {"choices": (12, "message", True), "tool_calls": (13, "message", True)},
@@ -98,8 +99,10 @@ _ADDED_FIELDS = {
                            "strict": (5, "bool", False)},
     "ToolChoice": {"mode": (1, "string", False), "function": (2, "message", False)},
     "NamedFunction": {"name": (1, "string", False)},
+    "ListModelsResponse": {"models": (1, "message", True)},
+    "Model": {"id": (1, "string", False), "created": (2, "int64", False), "owned_by": (3, "string", False)},
 }
-_TYPE_NAMES = {"string": 9, "int32": 5, "uint32": 13, "uint64": 4, "float": 2, "bool": 8, "message": 11}
+_TYPE_NAMES = {"string": 9, "int32": 5, "uint32": 13, "uint64": 4, "float": 2, "bool": 8, "message": 11, "int64": 3}
 
 
 def test_existing_fields_keep_their_numbers_and_types():

