@@ -10,7 +10,8 @@ whether the greedy verdict agrees.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/lmeval_scores.py --limit 60   # 2 CPU cores: ~15 min a mode
 
-Writes ``benchmarks/results/lmeval_lastword_cpu.json`` and prints a table last. Wall times
+Writes ``benchmarks/results/lmeval_lastword_cpu.json`` and prints a table last; the service
+logs and lm-eval's own outputs stay in the temporary folder it prints first. Wall times
 depend on the machine's load; the scores do not.
 """
 
@@ -57,7 +58,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 def run_mode(mode: str, args: argparse.Namespace, tokenizer_dir: Path, out: Path) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "--model", args.model, "--device", "cpu",
-           "--http-port", str(port), "--grpc-port", str(free_port())]
+           "--http-port", str(port), "--grpc-port", str(free_port()),
+           "--prefill-kv-pages", str(args.kv_pages), "--decode-kv-pages", str(args.kv_pages)]
     if MODES[mode] is not None:
         cmd += ["--alpha", str(MODES[mode])]
     log = open(out / f"serve_{mode}.log", "w")
@@ -67,7 +69,7 @@ def run_mode(mode: str, args: argparse.Namespace, tokenizer_dir: Path, out: Path
         wait_ready(url, server, args.ready_timeout)
         model_args = (f"model={args.model},base_url={url}/v1/completions,tokenizer={tokenizer_dir},"
                       f"tokenizer_backend=huggingface,tokenized_requests=False,num_concurrent={args.concurrency},"
-                      "max_retries=1,timeout=1200")
+                      "max_length=8192,max_retries=1,timeout=1200")  # lm-eval's default 2048 would cut contexts
         lm_cmd = [str(BIN / "lm_eval"), "--model", "local-completions", "--model_args", model_args,
                   "--include_path", "evals/tasks", "--tasks", args.task, "--output_path", str(out / mode),
                   "--log_samples", "--seed", "0"]
@@ -117,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="the first N items (the task's order is a random sample)")
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--modes", default="sparse,dense", help=f"comma-separated, of {tuple(MODES)}")
-    p.add_argument("--concurrency", type=int, default=2, help="lm-eval's num_concurrent")
+    p.add_argument("--concurrency", type=int, default=1, help="lm-eval's num_concurrent")
+    p.add_argument("--kv-pages", type=int, default=96,
+                   help="KV pages per replica (64 tokens each; the default 1024 holds GBs the task never uses)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--out", default="lmeval_lastword_cpu.json", help="file name under benchmarks/results/")
     args = p.parse_args(argv)
@@ -131,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     from evals.report import environment, write_json
     from model_executor.loading import export_tokenizer
 
-    with tempfile.TemporaryDirectory(prefix="lmeval_scores_") as tmp:
-        tmp = Path(tmp)
-        tokenizer_dir = export_tokenizer(args.model, tmp / "tokenizer")
-        runs = {m: run_mode(m, args, tokenizer_dir, tmp) for m in modes}
+    tmp = Path(tempfile.mkdtemp(prefix="lmeval_scores_"))  # kept: the service logs, lm-eval's outputs
+    print(f"service logs and lm-eval outputs under {tmp}", flush=True)
+    tokenizer_dir = export_tokenizer(args.model, tmp / "tokenizer")
+    runs = {m: run_mode(m, args, tokenizer_dir, tmp) for m in modes}
     payload = {"task": args.task, "limit": args.limit, "model": args.model, "environment": environment(),
                "modes": {m: {k: v for k, v in r.items() if k != "samples"} | {"items": len(r["samples"])}
                          for m, r in runs.items()}}
