@@ -8,7 +8,7 @@ longer than ``sparse.dense_below`` (1024), so the sparse mode prefills them bloc
 mode: lm-eval's metrics; across modes: per item, the continuation's loglikelihood difference and
 whether the greedy verdict agrees.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/lmeval_scores.py --limit 60   # 2 CPU cores: ~15 min a mode
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/lmeval_scores.py --limit 30   # 2 shared CPU cores: ~17 min a mode
 
 Writes ``benchmarks/results/lmeval_lastword_cpu.json`` and prints a table last; the service
 logs and lm-eval's own outputs stay in the temporary folder it prints first. Wall times
@@ -85,10 +85,17 @@ def run_mode(mode: str, args: argparse.Namespace, tokenizer_dir: Path, out: Path
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
-    (results,) = list((out / mode).rglob("results_*.json"))
-    (samples,) = list((out / mode).rglob(f"samples_{args.task}_*.jsonl"))
-    return {"command": " ".join(cmd), "lm_eval": " ".join(lm_cmd), "wall_s": round(wall, 1),
-            "results": json.loads(results.read_text())["results"][args.task],
+    return collect(out / mode, args.task) | {"command": " ".join(cmd), "lm_eval": " ".join(lm_cmd),
+                                              "wall_s": round(wall, 1)}
+
+
+def collect(out: Path, task: str) -> dict:
+    """lm-eval's metrics and per-item samples of ``task`` from its ``--output_path`` folder."""
+    (results,) = list(out.rglob("results_*.json"))
+    (samples,) = list(out.rglob(f"samples_{task}_*.jsonl"))
+    raw = json.loads(results.read_text())
+    return {"results": raw["results"][task], "model_args": raw.get("config", {}).get("model_args"),
+            "output_dir": str(out),
             "samples": [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]}
 
 
@@ -109,7 +116,7 @@ def table(modes: dict) -> str:
     for mode, r in modes.items():
         res = r["results"]
         lines.append(f"| {mode} | {len(r['samples'])} | {res['acc,none']:.4f} | {res['acc_stderr,none']:.4f} | "
-                     f"{res['perplexity,none']:.3f} | {r['wall_s']} |")
+                     f"{res['perplexity,none']:.3f} | {r.get('wall_s', '-')} |")
     return "\n".join(lines)
 
 
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV pages per replica (64 tokens each; the default 1024 holds GBs the task never uses)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--out", default="lmeval_lastword_cpu.json", help="file name under benchmarks/results/")
+    p.add_argument("--combine", nargs="+", default=None, metavar="MODE=DIR",
+                   help="run nothing: build the report from lm-eval output folders of earlier runs of this script "
+                        "(each mode's run prints where they are; runs of the modes may go in parallel)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
@@ -135,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     from evals.report import environment, write_json
     from model_executor.loading import export_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmeval_scores_"))  # kept: the service logs, lm-eval's outputs
-    print(f"service logs and lm-eval outputs under {tmp}", flush=True)
-    tokenizer_dir = export_tokenizer(args.model, tmp / "tokenizer")
-    runs = {m: run_mode(m, args, tokenizer_dir, tmp) for m in modes}
+    if args.combine:
+        pairs = [c.partition("=") for c in args.combine]
+        if any(not sep or m not in MODES or not Path(d).is_dir() for m, sep, d in pairs):
+            p.error(f"--combine: expected MODE=DIR with MODE one of {tuple(MODES)} and DIR a folder, got {args.combine}")
+        runs = {m: collect(Path(d), args.task) for m, _, d in pairs}
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="lmeval_scores_"))  # kept: the service logs, lm-eval's outputs
+        print(f"service logs and lm-eval outputs under {tmp}", flush=True)
+        tokenizer_dir = export_tokenizer(args.model, tmp / "tokenizer")
+        runs = {m: run_mode(m, args, tokenizer_dir, tmp) for m in modes}
     payload = {"task": args.task, "limit": args.limit, "model": args.model, "environment": environment(),
                "modes": {m: {k: v for k, v in r.items() if k != "samples"} | {"items": len(r["samples"])}
                          for m, r in runs.items()}}

@@ -52,3 +52,30 @@ def test_smoke_run_on_the_tiny_model(tmp_path):
     assert payload["task"] == "fp_lastword_tiny" and dense["items"] == 2
     assert 0.0 <= dense["results"]["acc,none"] <= 1.0 and dense["results"]["perplexity,none"] > 1.0
     assert "--alpha 0.0" in dense["command"] and "sparse_vs_dense" not in payload
+
+
+def _lm_eval_output(folder: Path, task: str, acc: float, samples: list[dict]) -> Path:
+    """A folder laid out as lm-eval's --output_path writes it (one model subfolder)."""
+    sub = folder / "builtin__tiny"
+    sub.mkdir(parents=True)
+    results = {"results": {task: {"acc,none": acc, "acc_stderr,none": 0.1, "perplexity,none": 9.0}},
+               "config": {"model_args": "model=builtin:tiny"}}
+    (sub / "results_2026.json").write_text(json.dumps(results))
+    (sub / f"samples_{task}_2026.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return folder
+
+
+def test_combine_builds_the_report_from_earlier_runs(tmp_path, capsys):
+    sparse = _lm_eval_output(tmp_path / "s", "t", 0.5, [_sample(0, -1.0, True), _sample(1, -3.0, False)])
+    dense = _lm_eval_output(tmp_path / "d", "t", 1.0, [_sample(1, -2.0, True), _sample(0, -1.5, True)])
+    out = tmp_path / "report.json"
+    assert bench.main(["--task", "t", "--combine", f"sparse={sparse}", f"dense={dense}", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["modes"]["sparse"]["results"]["acc,none"] == 0.5 and payload["modes"]["dense"]["items"] == 2
+    assert payload["sparse_vs_dense"] == {"items": 2, "mean_abs_loglik_diff": 0.75, "max_abs_loglik_diff": 1.0,
+                                          "greedy_agreement": 0.5}
+    assert "| dense | 2 | 1.0000 |" in capsys.readouterr().out
+    for bad in (["sparse"], [f"fast={sparse}"], [f"dense={tmp_path / 'missing'}"]):
+        with pytest.raises(SystemExit) as info:
+            bench.main(["--task", "t", "--combine", *bad, "--out", str(out)])
+        assert info.value.code == 2 and "--combine" in capsys.readouterr().err
