@@ -94,8 +94,9 @@ def collect(out: Path, task: str) -> dict:
     (results,) = list(out.rglob("results_*.json"))
     (samples,) = list(out.rglob(f"samples_{task}_*.jsonl"))
     raw = json.loads(results.read_text())
+    wall = raw.get("total_evaluation_time_seconds")  # lm-eval's own clock (a string in its JSON)
     return {"results": raw["results"][task], "model_args": raw.get("config", {}).get("model_args"),
-            "output_dir": str(out),
+            "output_dir": str(out), "wall_s": None if wall is None else round(float(wall), 1),
             "samples": [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]}
 
 

