@@ -46,7 +46,7 @@ import torch
 from . import fp8_linear, gguf, parallel
 from .architectures import SUPPORTED_MODEL_TYPES
 from .gguf import BUILTIN_SMOLLM2
-from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer, byte_tokenizer_hf
 
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_STRUCTURED_8B = "builtin:structured-8b"
@@ -221,6 +221,45 @@ def load_tokenizer(source: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return HFTokenizer(AutoTokenizer.from_pretrained(str(source), local_files_only=True))
+
+
+# what a Hugging Face tokenizer directory may hold (weights and model config are not copied)
+_TOKENIZER_EXPORT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                           "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+                           "vocab.txt")
+
+
+def export_tokenizer(source: str | Path, out: str | Path) -> Path:
+    """Write the tokenizer of ``source`` (a model the service can serve) as a Hugging Face
+    directory ``out`` that ``AutoTokenizer.from_pretrained(out)`` loads and that tokenizes as the
+    service does, for clients that count or build tokens themselves (lm-eval's ``tokenizer=``,
+    guidellm's ``--processor``). A Hugging Face or GGUF model's tokenizer files are copied as they
+    are; ``builtin:tiny`` gets ``byte_tokenizer_hf``; the structured models have no text
+    vocabulary: ``ValueError`` naming ``model``. Returns ``out``."""
+    import shutil
+
+    check_model_name(str(source))
+    if str(source) in BUILTIN_STRUCTURED:
+        raise ValueError(f"model: {source} has no text vocabulary (its prompts are token ids), so it has no "
+                         "tokenizer to export; send token ids instead")
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: expected a directory (created if missing), got the file {str(out)!r}")
+    if str(source) == BUILTIN_TINY:
+        out.mkdir(parents=True, exist_ok=True)
+        byte_tokenizer_hf().save_pretrained(str(out))
+        return out
+    src = gguf.gguf_dir(source) if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source) else Path(source)
+    if not src.is_dir():
+        raise ValueError(f"model: expected one of {BUILTIN_MODELS}, a .gguf file or a model directory, got {str(source)!r}")
+    _check_tokenizer(src)
+    if out.exists() and out.resolve() == src.resolve():
+        raise ValueError(f"out: expected a directory other than the model's own, got {str(out)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_EXPORT_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
 
 
 def _read_json(path: Path) -> Any:

@@ -330,3 +330,79 @@ def _byte_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def byte_chat_template() -> str:
+    """``ByteTokenizer.apply_chat_template`` as a Hugging Face Jinja chat template (tools and
+    tool messages included; assistant ``tool_calls`` carry ``arguments`` as objects, as Hugging
+    Face templates expect). Rendered text is then tokenized with the specials parsed."""
+    head, tail = TOOLS_PREAMBLE.replace("{{", "{").replace("}}", "}").split("{tools}")
+    return (
+        "{{- '<|bos|>' -}}"
+        "{%- set rest = messages -%}"
+        "{%- if tools -%}"
+        "{%- set lines = namespace(s='') -%}"
+        "{%- for tool in tools -%}"
+        "{%- if not loop.first -%}{%- set lines.s = lines.s + '\\n' -%}{%- endif -%}"
+        "{%- set lines.s = lines.s + (tool | tojson) -%}"
+        "{%- endfor -%}"
+        f"{{%- set system = {json.dumps(head)} + lines.s + {json.dumps(tail)} -%}}"
+        "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+        "{%- set system = messages[0]['content'] + '\\n\\n' + system -%}{%- set rest = messages[1:] -%}"
+        "{%- endif -%}"
+        "{{- '<|system|>' + system + '<|end|>' -}}"
+        "{%- endif -%}"
+        "{%- set ns = namespace(responses='', pending=false) -%}"
+        "{%- for m in rest -%}"
+        "{%- if m['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+        "{{- raise_exception('messages: role must be one of system, user, assistant, tool') -}}"
+        "{%- endif -%}"
+        "{%- if m['role'] == 'tool' -%}"
+        "{%- if ns.pending -%}{%- set ns.responses = ns.responses + '\\n' -%}{%- endif -%}"
+        "{%- set ns.responses = ns.responses + '<tool_response>\\n' + m['content'] + '\\n</tool_response>' -%}"
+        "{%- set ns.pending = true -%}"
+        "{%- else -%}"
+        "{%- if ns.pending -%}"
+        "{{- '<|user|>' + ns.responses + '<|end|>' -}}{%- set ns.responses = '' -%}{%- set ns.pending = false -%}"
+        "{%- endif -%}"
+        "{%- set text = namespace(s=m['content'] or '') -%}"
+        "{%- if m['role'] == 'assistant' and m.get('tool_calls') is not none -%}"
+        "{%- for call in m['tool_calls'] -%}"
+        "{%- set fn = call['function'] if 'function' in call else call -%}"
+        "{%- if text.s -%}{%- set text.s = text.s + '\\n' -%}{%- endif -%}"
+        "{%- set text.s = text.s + '<tool_call>\\n' + ({'name': fn['name'], 'arguments': fn.get('arguments', {})} | tojson)"
+        " + '\\n</tool_call>' -%}"
+        "{%- endfor -%}"
+        "{%- endif -%}"
+        "{{- '<|' + m['role'] + '|>' + text.s + '<|end|>' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if ns.pending -%}{{- '<|user|>' + ns.responses + '<|end|>' -}}{%- endif -%}"
+        "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+    )
+
+
+def byte_tokenizer_hf() -> Any:
+    """A Hugging Face fast tokenizer that tokenizes as ``ByteTokenizer`` does, for clients that
+    load a tokenizer (lm-eval, guidellm): each UTF-8 byte is its own id (a byte-level BPE without
+    merges), the specials keep their ids, ``<|bos|>`` is prepended by default, and the chat
+    template is ``byte_chat_template``. One difference, as with every Hugging Face tokenizer: the
+    text of a special (``"<|bos|>"``) in a prompt becomes that special here, bytes in the service."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = ByteTokenizer()
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # no regex split, no prefix space: the whole text becomes its bytes, nothing else
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    # ids 256.. in order; the padding id 263 (no name in ByteTokenizer) decodes as it does there
+    specials = [*ByteTokenizer.SPECIALS, *(f"<|{i}|>" for i in range(tok.NUM_BYTES + len(tok.SPECIALS), tok.VOCAB_SIZE))]
+    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", tok.bos_token_id)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        chat_template=byte_chat_template(), clean_up_tokenization_spaces=False, model_max_length=32768)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m router serve | client | options | gen-proto``."""
+"""Command line: ``python -m router serve | client | options | tokenizer | gen-proto``."""
 
 from __future__ import annotations
 
@@ -112,6 +112,19 @@ def gen_proto(out: str | None = None) -> int:
                         str(root / "router" / "proto" / "flashprefill.proto")])
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from model_executor.loading import DEFAULT_MODEL, export_tokenizer
+
+    model = args.model or DEFAULT_MODEL
+    try:
+        out = export_tokenizer(model, args.out)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"python -m router tokenizer: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the tokenizer of {model} to {out}")
+    return 0
+
+
 def _gen_proto(args: argparse.Namespace) -> int:
     return gen_proto()
 
@@ -165,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--markdown", action="store_true", help="print the Markdown table of docs/OPTIONS.md")
     o.add_argument("--write", default=None, metavar="FILE", help="write the Markdown table to FILE (docs/OPTIONS.md)")
     o.set_defaults(func=_options)
+
+    t = sub.add_parser("tokenizer", help="write a model's tokenizer as a Hugging Face directory (lm-eval's "
+                                         "tokenizer=DIR, guidellm's --processor DIR)")
+    t.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created if missing)")
+    t.add_argument("--model", default=None, help="the served model: 'builtin:smollm2-135m' (default), 'builtin:tiny', "
+                                                 "a local .gguf file or Hugging Face directory")
+    t.set_defaults(func=_tokenizer)
 
     g = sub.add_parser("gen-proto", help="regenerate router/proto stubs (needs grpcio-tools)")
     g.set_defaults(func=_gen_proto)

@@ -43,6 +43,7 @@ from .protocol import (
 )
 from serving.runtime import load_tokenizer
 from .health import ReadinessProbe
+from .tokenize import detokenize, tokenize
 from .security import BearerAuth, grpc_authorization
 
 logger = logging.getLogger("ray.serve")
@@ -211,6 +212,30 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions", openapi_extra=openapi_extra("chat"))
     async def chat_completions(self, request: Request):
         return await self._http(request, "chat")
+
+    @api.post("/tokenize")
+    async def tokenize_route(self, request: Request):
+        """vLLM's /tokenize (router/tokenize.py)."""
+        return await self._json(request, lambda body: tokenize(self.parser, body))
+
+    @api.post("/detokenize")
+    async def detokenize_route(self, request: Request):
+        return await self._json(request, lambda body: detokenize(self.parser, body))
+
+    async def _json(self, request: Request, answer):
+        """A JSON body in, ``answer(body)`` out; a RequestError as its status."""
+        if not self.auth.check(request.headers.get("authorization")):
+            return error_response(UNAUTHORIZED)
+        try:
+            raw = await self._read_body(request)
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise RequestError(f"body: expected JSON ({type(exc).__name__})", param="body", status=400,
+                                   code="invalid_json") from None
+            return JSONResponse(answer(body))
+        except RequestError as err:
+            return error_response(err)
 
     async def _http(self, request: Request, kind: str):
         if not self.auth.check(request.headers.get("authorization")):

@@ -8,7 +8,8 @@ VENV=${VENV:-.venv}
 export VENV
 bash scripts/setup.sh
 # pinned as before: import-linter (the layer contracts), grpcio-tools (exactly the stubs'
-# generator), nvidia-cutlass (CUTLASS/CuTe headers: CI compiles the CUDA kernel where nvcc exists)
-"$VENV/bin/python" -m pip install -q -e ".[test,bench]" "import-linter==2.17" "grpcio-tools==1.85.1" "nvidia-cutlass==4.2.0"
+# generator), nvidia-cutlass (CUTLASS/CuTe headers: CI compiles the CUDA kernel where nvcc exists),
+# guidellm (tests/test_lmeval_service.py runs it unmodified; it pins click~=8.4)
+"$VENV/bin/python" -m pip install -q -e ".[test,bench]" "import-linter==2.17" "grpcio-tools==1.85.1" "nvidia-cutlass==4.2.0" "guidellm==0.8.1"
 export TRITON_INTERPRET=1 PYTHONHASHSEED=0
 exec "$VENV/bin/python" -m pytest -q --durations=30 "$@"
