@@ -131,8 +131,9 @@ def _endpoint_class():
         """A prefill-like (sender) or decode-like (receiver) replica: one pool, both transports."""
 
         def __init__(self, cfg: dict, num_pages: int, name: str, all_gpus_visible: bool) -> None:
-            from kv_transfer.channel import ChannelConfig, ChannelTransport
-            from kv_transfer.pool import KVPool, KVPoolConfig
+            from kv_cache import KVPool, KVPoolConfig
+            from kv_transfer.channel import ChannelTransport
+            from kv_transfer.config import ChannelConfig
             from kv_transfer.transfer import ObjectStoreTransport
 
             self.cfg = BenchConfig(**cfg)

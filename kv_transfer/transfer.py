@@ -53,7 +53,9 @@ import msgpack
 import numpy as np
 import torch
 
-from .pool import KVPool, PoolExhausted
+from kv_cache.manager import PoolExhausted
+from kv_cache.pool import KVPool
+
 
 FRAME_MAGIC = b"FPKV"
 FRAME_VERSION = 2

@@ -31,7 +31,7 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticUndefined
 
 from kernels.config import KV_TILE, SparseConfig
-from kv_transfer.channel import ChannelConfig
+from kv_transfer.config import ChannelConfig
 from model_executor.fp8_linear import WEIGHT_DTYPES
 
 TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")

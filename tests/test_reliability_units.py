@@ -22,7 +22,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from kv_transfer.transfer import (  # noqa: E402
     KVFrameHeader,
     TransferError,
