@@ -239,7 +239,7 @@ class DecodeOptions(_Section):
 
 
 class ChannelOptions(_Section):
-    """Pairwise channels (nccl, gloo): `kv_transfer.channel.ChannelConfig`, plus the thread pool."""
+    """Pairwise channels (nccl, gloo): `kv_transfer.config.ChannelConfig`, plus the thread pool."""
 
     section: typing.ClassVar[str] = "transfer.channel"
 
