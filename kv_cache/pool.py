@@ -43,6 +43,16 @@ from .prefix import prefix_digests
 from .tensors import KVTensors
 
 
+def _tensors_attr(name: str) -> property:
+    def get(pool: "KVPool") -> torch.Tensor | None:
+        return getattr(pool.tensors, name)
+
+    def set_(pool: "KVPool", value: torch.Tensor | None) -> None:
+        setattr(pool.tensors, name, value)
+
+    return property(get, set_, doc=f"``tensors.{name}`` (``kv_cache.tensors.KVTensors``)")
+
+
 class KVPool:
     """Preallocated paged K/V storage for all layers plus per-request page lists."""
 
@@ -62,29 +72,14 @@ class KVPool:
         self.device = self.tensors.device
 
     # ------------------------------------------------------------------ the tensors
-    @property
-    def k(self) -> torch.Tensor:
-        return self.tensors.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.tensors.v
-
-    @property
-    def k_raw(self) -> torch.Tensor:
-        return self.tensors.k_raw
-
-    @property
-    def v_raw(self) -> torch.Tensor:
-        return self.tensors.v_raw
-
-    @property
-    def k_scale(self) -> torch.Tensor | None:
-        return self.tensors.k_scale
-
-    @property
-    def v_scale(self) -> torch.Tensor | None:
-        return self.tensors.v_scale
+    # the tensors' own attributes, read and set through the pool (a test re-seats k and v at an
+    # odd storage offset): one place holds each tensor, so ``write`` sees what readers see
+    k = _tensors_attr("k")
+    v = _tensors_attr("v")
+    k_raw = _tensors_attr("k_raw")
+    v_raw = _tensors_attr("v_raw")
+    k_scale = _tensors_attr("k_scale")
+    v_scale = _tensors_attr("v_scale")
 
     # the manager's free list and holder counts, read by the tests that check nothing leaked
     @property
