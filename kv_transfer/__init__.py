@@ -3,8 +3,10 @@
 Above ``model_executor``; the pool it moves pages in and out of is ``kv_cache.KVPool``.
 - ``transfer``: the KV header and frame, their checks, ``LocalTransport``,
   ``ObjectStoreTransport`` (imports Ray when used), ``select_transport``.
-- ``channel``: ``ChannelTransport``, pairwise NCCL (CUDA) / gloo (CPU) channels;
-  ``config``: its ``ChannelConfig`` (standard library only: the service's options import it).
+- ``channel``: ``ChannelTransport``, pairwise NCCL (CUDA) / gloo (CPU) channels; its parts:
+  ``pages`` (a chunk's bytes: gather, scatter, checksum), ``process_group`` (one end of a
+  channel), ``wire`` (the send request and reply), ``config`` (``ChannelConfig``, standard
+  library only: the service's options import it).
 - ``ipc``: ``CudaIpcTransport``, same-GPU copies through CUDA IPC.
 - ``routes`` and ``tp_transfer``: transfers between tensor-parallel groups.
 

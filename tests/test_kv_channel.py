@@ -18,16 +18,10 @@ import pytest
 import torch
 
 import kv_transfer.channel as channel_module
-from kv_transfer.channel import (
-    Channel,
-    ChannelBroken,
-    ChannelTransport,
-    _Fence,
-    gather_pages,
-    payload_checksum,
-    scatter_pages,
-)
+from kv_transfer.channel import ChannelTransport, _Fence
 from kv_transfer.config import ChannelConfig
+from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages
+from kv_transfer.process_group import Channel, ChannelBroken
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
 from tests.test_kv_transfer import fill, make_pool, tokens_of
 
