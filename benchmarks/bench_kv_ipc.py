@@ -48,8 +48,9 @@ from evals.report import git_commit  # noqa: E402
 
 import torch  # noqa: E402
 
+from kv_cache import KVPool, KVPoolConfig  # noqa: E402
+from kv_cache.tensors import pool_page_words  # noqa: E402
 from kv_transfer.ipc import CudaIpcTransport, copy_pages  # noqa: E402
-from kv_transfer.pool import KVPool, KVPoolConfig, pool_page_words  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}

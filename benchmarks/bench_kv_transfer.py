@@ -131,8 +131,9 @@ def _endpoint_class():
         """A prefill-like (sender) or decode-like (receiver) replica: one pool, both transports."""
 
         def __init__(self, cfg: dict, num_pages: int, name: str, all_gpus_visible: bool) -> None:
-            from kv_transfer.channel import ChannelConfig, ChannelTransport
-            from kv_transfer.pool import KVPool, KVPoolConfig
+            from kv_cache import KVPool, KVPoolConfig
+            from kv_transfer.channel import ChannelTransport
+            from kv_transfer.config import ChannelConfig
             from kv_transfer.transfer import ObjectStoreTransport
 
             self.cfg = BenchConfig(**cfg)
@@ -201,7 +202,7 @@ def _endpoint_class():
             """The chunking of ``rid``'s transfer and one (first, largest) chunk's gather + checksum
             and checksum + scatter, each alone on this device (median ms). The scatter writes the
             gathered bytes back into the same pages: the pool is unchanged."""
-            from kv_transfer.channel import chunk_layers, gather_pages, payload_checksum, scatter_pages
+            from kv_transfer.pages import chunk_layers, gather_pages, payload_checksum, scatter_pages
 
             pool, pages = self.pool, self.pool.pages(rid)
             layer_bytes = 2 * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * pool.k.element_size()
@@ -227,7 +228,7 @@ def _endpoint_class():
                     "ring_depth": self.channels.config.ring_depth, "chunk_gather_ms": gather, "chunk_scatter_ms": scatter}
 
         def page_checksum(self, rid: str) -> int:
-            from kv_transfer.channel import gather_pages, payload_checksum
+            from kv_transfer.pages import gather_pages, payload_checksum
 
             return payload_checksum(gather_pages(self.pool, self.pool.pages(rid)))
 
@@ -244,7 +245,7 @@ def _endpoint_class():
             return host, int(self._raw["store"].port)
 
         def raw_run(self, rank: int, nbytes: int, warmup: int, iters: int, store_addr: tuple) -> list[float]:
-            from kv_transfer.channel import Channel
+            from kv_transfer.process_group import Channel
 
             ch = self._raw.get("channel")
             if ch is None:

@@ -90,7 +90,7 @@ from evals.structured_model import (  # noqa: E402
 )
 from kernels import ops as kernel_ops  # noqa: E402
 from kernels.config import KV_TILE, Q_TILE, SparseConfig  # noqa: E402
-from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from model_executor import fp8_linear, fused  # noqa: E402
 from model_executor.runner import ModelRunner, PrefillItem  # noqa: E402
 from model_executor.sampling import Sampler, SamplingParams  # noqa: E402

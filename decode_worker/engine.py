@@ -215,7 +215,7 @@ class DecodeEngine:
 
     def step(self) -> list[StepOutput]:
         """Decode one token for every running request; returns what each produced."""
-        from kv_transfer.pool import PoolExhausted
+        from kv_cache import PoolExhausted
 
         self._admit()
         outputs: list[StepOutput] = []

@@ -7,7 +7,7 @@ of ``x`` and one byte written per element, where the eager version makes five pa
 temporaries (widen, divide, clamp, narrow; plus, for q, ``abs`` and ``amax``).
 
 Called through ``kernels.fp8.quantize_per_tensor(..., backend=)`` and
-``kv_transfer.pool.KVPool.write(..., backend=)``; inputs are validated there.
+``kv_cache.pool.KVPool.write(..., backend=)`` (``kv_cache.tensors``); inputs are validated there.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
-"""kv_transfer: the paged KV pool and page shipping between actors (see docs/ARCHITECTURE.md).
+"""kv_transfer: KV pages shipped between a prefill and a decode replica (see docs/ARCHITECTURE.md).
 
-Never imports Ray at module import time (the object-store transport imports it when used).
+Above ``model_executor``; the pool it moves pages in and out of is ``kv_cache.KVPool``.
+- ``transfer``: the KV header and frame, their checks, ``LocalTransport``,
+  ``ObjectStoreTransport`` (imports Ray when used), ``select_transport``.
+- ``channel``: ``ChannelTransport``, pairwise NCCL (CUDA) / gloo (CPU) channels; its parts:
+  ``pages`` (a chunk's bytes: gather, scatter, checksum), ``process_group`` (one end of a
+  channel), ``wire`` (the send request and reply), ``config`` (``ChannelConfig``, standard
+  library only: the service's options import it).
+- ``ipc``: ``CudaIpcTransport``, same-GPU copies through CUDA IPC.
+- ``routes`` and ``tp_transfer``: transfers between tensor-parallel groups.
+
+Import the module that holds a name: the package imports none of them, so that
+``kv_transfer.config`` stays light.
 """
-
-from .channel import ChannelConfig, ChannelTransport, payload_checksum
-from .ipc import CudaIpcTransport
-from .pool import KVPool, KVPoolConfig, PoolExhausted
-from .transfer import (
-    KVFrameHeader,
-    KVTransport,
-    LocalTransport,
-    ObjectStoreTransport,
-    TransferError,
-    TransferFailure,
-    TransferTicket,
-    adopt_frame,
-    pack_pages,
-    read_frame,
-    select_transport,
-)
-
-__all__ = [
-    "ChannelConfig",
-    "ChannelTransport",
-    "CudaIpcTransport",
-    "KVPool",
-    "KVPoolConfig",
-    "PoolExhausted",
-    "KVFrameHeader",
-    "KVTransport",
-    "LocalTransport",
-    "ObjectStoreTransport",
-    "TransferError",
-    "TransferFailure",
-    "TransferTicket",
-    "adopt_frame",
-    "pack_pages",
-    "payload_checksum",
-    "read_frame",
-    "select_transport",
-]

@@ -11,6 +11,11 @@ build ``ProcessGroupNCCL`` (CUDA pools) or ``ProcessGroupGloo`` (CPU pools) on t
 The backend follows the pools' device, so the CPU tests run exactly the code that moves
 GPU pages with NCCL.
 
+This module is the transport, ``ChannelTransport`` (export, ``serve_send``, ``receive``). Its
+parts: ``kv_transfer.pages`` (a chunk's bytes: gather, scatter, checksum, side streams),
+``kv_transfer.process_group`` (one end of a channel: ``Channel``), ``kv_transfer.wire`` (the
+send request and its reply), ``kv_transfer.config`` (``ChannelConfig``).
+
 One transfer (the header travels through Ray, the pages over the channel):
 1. ``export`` (sender, after prefill) copies nothing. The pages stay in the prefill pool under
    the lease the prefill replica holds until the decode side has adopted them; the export
@@ -34,7 +39,7 @@ One transfer (the header travels through Ray, the pages over the channel):
    events and stream waits on the NCCL work, with no host sync per chunk, and memory is
    bounded by the rings, not by the request. Between CPU pools (gloo) the same code runs: the
    streams are no-ops and the waits block the worker thread.
-4. Each end checksums every chunk where it lives (:func:`payload_checksum`'s formula) into a
+4. Each end checksums every chunk where it lives (:func:`kv_transfer.pages.payload_checksum`'s formula) into a
    device tensor read once at the end. The sender returns its list in the ``serve_send``
    reply; the receiver compares it with its own after the last chunk.
 
@@ -76,23 +81,21 @@ header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The r
 (``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
 rank holding some of its heads, the send request naming ``rank``, that rank's local ``heads``
 and ``pulls`` (how many sends the receiving replica makes in all, so that the sender's lease
-outlives every one of them); chunks then hold only those heads (:func:`gather_heads` /
-:func:`scatter_heads`). A TP decode group runs ``receive_heads`` on every rank at once, each
-rank a receiver of its own (``<replica>:tp<rank>``, its own store): one channel per (prefill
-rank, decode rank) pair (``serving/tp_group.py`` ``make_tp_channel_receiver``).
+outlives every one of them); chunks then hold only those heads
+(:func:`kv_transfer.pages.gather_heads` / :func:`~kv_transfer.pages.scatter_heads`). A TP decode
+group runs ``receive_heads`` on every rank at once, each rank a receiver of its own
+(``<replica>:tp<rank>``, its own store): one channel per (prefill rank, decode rank) pair
+(``serving/tp_group.py`` ``make_tp_channel_receiver``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import datetime
 import itertools
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -102,11 +105,27 @@ from typing import Any
 
 import torch
 
-from .heads import HeadLayout, transfer_routes
-from .pool import KVPool, pool_page_words
+from kv_cache.heads import HeadLayout
+from kv_cache.pool import KVPool
+
+from .config import ChannelConfig
+from .pages import (
+    _U64,
+    _clear_pages,
+    _device_guard,
+    _Lane,
+    _page_index,
+    _wsum64,
+    chunk_layers,
+    gather_heads,
+    gather_pages,
+    scatter_heads,
+    scatter_pages,
+)
+from .process_group import CHANNEL_BACKENDS, RECEIVER, SENDER, Channel, ChannelBroken, _Op
+from .routes import transfer_routes
 from .transfer import (
     _DTYPE_NAMES,
-    MAX_REQUEST_ID_LEN,
     KVFrameHeader,
     KVTransport,
     TransferError,
@@ -116,517 +135,25 @@ from .transfer import (
     check_geometry,
     describe_pages,
 )
+from .wire import (
+    _MAX_NAME_LEN,
+    _PREFIX_ROOT,
+    _PULLS_KEY,
+    _reply,
+    _reply_failure,
+    _sender_checksums,
+    _SendRequest,
+)
 
 logger = logging.getLogger(__name__)
 
-CHANNEL_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # pool device type -> process-group backend
-SENDER, RECEIVER = 0, 1
-_PREFIX_ROOT = "fpkv/"
-_MAX_NAME_LEN = 256
-# NCCL's own watchdog: far beyond our deadlines (we abort first), only a last resort.
-_NCCL_WATCHDOG_S = 600.0
-_SEND_REQUEST_KEYS = frozenset(
-    {"request_id", "sender_id", "receiver_id", "host", "port", "prefix", "generation", "backend", "timeout_s",
-     "layers_per_chunk"}
-)
-# A TP prefill group's send request also names the rank holding the pages and the rank's
-# local KV heads the receiver needs (kv_transfer.tp_transfer.TPChannelTransport); a per-head
-# pull (``receive_heads``) adds ``pulls``: how many sends the receiving replica makes for the
-# request in all (one per (prefill rank, decode rank) route), so the sender's lease ends only
-# after the last of them (prefill_worker/leases.py ``LeaseTable.sent``).
-_TP_SEND_KEYS = frozenset({"rank", "heads"})
-_PULLS_KEY = "pulls"
-MAX_PULLS = 1 << 16
-_REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
-_MAX_RING_DEPTH = 8
 # How long a failing receive waits for a scatter under way (or queued on the device) to end,
 # so that its pages can go back to the pool before the error is raised; past it the
 # receiving worker frees them when the write ends.
 _SETTLE_S = 1.0
 
+
 SendCall = Callable[[dict, dict], Awaitable[Any]]  # (sender address, send request) -> reply dict
-
-
-@dataclass(frozen=True)
-class ChannelConfig:
-    """Time bounds and chunking of channel transfers.
-
-    connect_timeout_s: opening a channel (store connection, rendezvous, NCCL unique-id
-        exchange), and waiting behind other transfers of the same pair.
-    transfer_timeout_s, min_bytes_per_s: a transfer that has not completed within
-        ``transfer_timeout_s + payload_bytes / min_bytes_per_s`` counts as hung.
-    idle_reopen_s: a receiver opens a new generation instead of reusing a channel idle
-        longer than this; senders drop channels idle for twice as long (dead receivers).
-    chunk_bytes: the target size of one chunk: K and V of as many whole layers of the
-        request as fit, at least one layer. The receiver's value decides a transfer.
-    ring_depth: chunk buffers at each end. 2 keeps one chunk on the wire while the next is
-        gathered (or the last scattered); 3 absorbs jitter between the two; 1 runs the steps
-        one after the other. A transfer stages at most ``ring_depth x max(chunk_bytes, one
-        layer's K+V of the request)`` bytes at each end.
-    """
-
-    connect_timeout_s: float = 30.0
-    transfer_timeout_s: float = 10.0
-    min_bytes_per_s: float = 1e9
-    idle_reopen_s: float = 300.0
-    chunk_bytes: int = 256 << 20
-    ring_depth: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "transfer_timeout_s", "min_bytes_per_s", "idle_reopen_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
-        for name, lo, hi in (("chunk_bytes", 1, 1 << 50), ("ring_depth", 1, _MAX_RING_DEPTH)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
-
-    def transfer_budget_s(self, payload_bytes: int) -> float:
-        return self.transfer_timeout_s + payload_bytes / self.min_bytes_per_s
-
-    def layers_per_chunk(self, num_layers: int, layer_bytes: int) -> int:
-        """Whole layers per chunk of a request whose K+V of one layer take ``layer_bytes``."""
-        if layer_bytes <= 0:  # no pages: one empty chunk
-            return num_layers
-        return max(1, min(num_layers, self.chunk_bytes // layer_bytes))
-
-
-def chunk_layers(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
-    """The layer ranges ``[l0, l1)`` of a transfer's chunks, in order; the last may be shorter."""
-    return [(l0, min(l0 + layers_per_chunk, num_layers)) for l0 in range(0, num_layers, layers_per_chunk)]
-
-
-# ---------------------------------------------------------------------------- payload
-_CHECKSUM_COLUMNS = 1024  # words per row of the 2-D view
-_MIX = (1, 0x100000001B3, 0x9E3779B1, 0x85EBCA77)  # distinct odd weights for the four parts
-_U64 = (1 << 64) - 1
-
-
-def payload_checksum(payload: torch.Tensor) -> int:
-    """A 64-bit checksum of a contiguous ``uint8`` payload, computed on its device.
-
-    The payload is read as int32 words laid out ``[rows, 1024]``; with row sums ``r_i`` and
-    column sums ``c_j`` (each mod 2**32) the checksum is ``sum (i+1) r_i + M sum (j+1) c_j``
-    (plus the leftover words and bytes, weighted by position), all in wrapping int64. Two
-    reductions over the data and none of its size in temporaries. Integer sums wrap the
-    same way whatever the reduction order, so sender and receiver agree bit for bit.
-    Detects any single changed word, swapped rows (pages in the wrong order) and swapped
-    words within a row; it is not cryptographic. One host sync (the returned int); channels
-    keep the value on the device (one per chunk) and read all of them once.
-    """
-    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise ValueError(f"payload: expected a 1-D uint8 tensor, got {_describe(payload)}")
-    if not payload.is_contiguous():
-        raise ValueError("payload: expected a contiguous tensor")
-    return int(_wsum64(payload).item()) & _U64
-
-
-def _wsum64(payload: torch.Tensor) -> torch.Tensor:
-    """:func:`payload_checksum` as a 0-d int64 tensor on the payload's device (no host sync)."""
-    dev = payload.device
-    n = payload.numel()
-    nwords = n // 4
-    total = torch.zeros((), dtype=torch.int64, device=dev)
-    if nwords:
-        words = payload[: nwords * 4].view(torch.int32)
-        cols = min(_CHECKSUM_COLUMNS, nwords)
-        rows = nwords // cols
-        grid = words[: rows * cols].view(rows, cols)
-        # int32 sums: the accumulator wraps (or is truncated) mod 2**32 identically on both ends
-        row_sums = grid.sum(dim=1, dtype=torch.int32).to(torch.int64)
-        col_sums = grid.sum(dim=0, dtype=torch.int32).to(torch.int64)
-        total += (row_sums * torch.arange(1, rows + 1, dtype=torch.int64, device=dev)).sum() * _MIX[0]
-        total += (col_sums * torch.arange(1, cols + 1, dtype=torch.int64, device=dev)).sum() * _MIX[1]
-        rest = words[rows * cols :].to(torch.int64)
-        if rest.numel():
-            total += (rest * torch.arange(1, rest.numel() + 1, dtype=torch.int64, device=dev)).sum() * _MIX[2]
-    tail = payload[nwords * 4 :].to(torch.int64)
-    if tail.numel():
-        total += (tail * torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=dev)).sum() * _MIX[3]
-    return total
-
-
-def _page_index(pages: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(pages, torch.Tensor):
-        return pages
-    index = torch.tensor(pages, dtype=torch.long)
-    if device.type == "cuda":
-        # through pinned memory: a copy from pageable memory would synchronise the stream
-        return index.pin_memory().to(device, non_blocking=True)
-    return index
-
-
-def _block_shape(pool: KVPool, word: torch.Tensor, layers: tuple[int, int] | None,
-                 num_pages: int) -> tuple[int, int, tuple[int, ...], int]:
-    """(l0, l1, the word shape of those layers' K and V of ``num_pages`` pages, their bytes)."""
-    if layers is None:
-        layers = (0, pool.num_layers)
-    if (not isinstance(layers, tuple) or len(layers) != 2 or not all(isinstance(x, int) for x in layers)
-            or not 0 <= layers[0] < layers[1] <= pool.num_layers):
-        raise ValueError(f"layers: expected (l0, l1) with 0 <= l0 < l1 <= {pool.num_layers}, got {layers!r}")
-    shape = (2, layers[1] - layers[0], num_pages, *word.shape[2:])
-    return layers[0], layers[1], shape, math.prod(shape) * word.element_size()
-
-
-def _check_bytes(name: str, buf: object, device: torch.device, *, exact: int | None = None,
-                 at_least: int | None = None) -> None:
-    if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1
-            or not buf.is_contiguous()):
-        raise ValueError(f"{name}: expected a contiguous 1-D uint8 tensor, got {_describe(buf)}")
-    if buf.device != device:  # the pool tensors' device: it has an index even where the config had none
-        raise ValueError(f"{name}: expected a tensor on the pool's device {device}, got one on {buf.device}")
-    if exact is not None and buf.numel() != exact:
-        raise ValueError(f"{name}: expected {exact} bytes, got {buf.numel()}")
-    if at_least is not None and buf.numel() < at_least:
-        raise ValueError(f"{name}: expected at least {at_least} bytes, got {buf.numel()}")
-
-
-def gather_pages(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[int, int] | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Layers ``[l0, l1)`` (default: all) of ``pages``, K then V, as one contiguous ``uint8``
-    tensor on the pool's device: ``[2, l1 - l0, len(pages)]`` pages of the pool's storage
-    (``k_raw``/``v_raw``), flat. ``pages``: page ids, or their int64 index on
-    the pool's device. ``out``: a contiguous ``uint8`` buffer whose first bytes receive the
-    gather (the result is that view), instead of a new tensor."""
-    k, v = pool_page_words(pool)
-    l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
-    if out is None:
-        block = torch.empty(shape, dtype=k.dtype, device=pool.device)
-    else:
-        _check_bytes("out", out, k.device, at_least=nbytes)
-        block = out[:nbytes].view(k.dtype).view(shape)
-    if len(pages):
-        index = _page_index(pages, pool.device)
-        for part, src in enumerate((k, v)):
-            torch.index_select(src[l0:l1], 1, index, out=block[part])
-    return block.view(-1).view(torch.uint8)
-
-
-def scatter_pages(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.Tensor,
-                  layers: tuple[int, int] | None = None) -> None:
-    """The inverse of :func:`gather_pages`: ``payload`` into layers ``[l0, l1)`` of ``pages``."""
-    k, v = pool_page_words(pool)
-    l0, l1, shape, nbytes = _block_shape(pool, k, layers, len(pages))
-    _check_bytes("payload", payload, k.device, exact=nbytes)
-    if not len(pages):
-        return
-    block = payload.view(k.dtype).view(shape)
-    index = _page_index(pages, pool.device)
-    for part, dst in enumerate((k, v)):
-        dst[l0:l1].index_copy_(1, index, block[part])
-
-
-def _head_dims(pool: KVPool) -> tuple[int, int]:
-    """The heads' dimension of ``k_raw`` and ``v_raw`` (FP8 V is token-major)."""
-    return 3, (2 if pool.config.v_token_major else 3)
-
-
-def _check_heads(pool: KVPool, heads: Any) -> list[int]:
-    if (not isinstance(heads, (list, tuple)) or not heads or len(set(heads)) != len(heads)
-            or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < pool.num_kv_heads for h in heads)):
-        raise ValueError(f"heads: expected distinct KV heads of the pool, in [0, {pool.num_kv_heads}), got {heads!r}")
-    return list(heads)
-
-
-def heads_bytes(pool: KVPool, layers: tuple[int, int], num_pages: int, num_heads: int) -> int:
-    """Bytes of K and V of ``num_heads`` heads of layers ``[l0, l1)`` of ``num_pages`` pages."""
-    return 2 * (layers[1] - layers[0]) * num_pages * pool.page_size * num_heads * pool.head_dim * pool.k.element_size()
-
-
-def gather_heads(pool: KVPool, pages: list[int] | torch.Tensor, layers: tuple[int, int], heads: list[int],
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`gather_pages` restricted to the KV heads ``heads`` (in that order): for K then V,
-    ``[l1 - l0, len(pages)]`` pages of the pool's storage with only those heads, flat ``uint8``
-    (a TP group's transfers: a rank ships the heads a receiver needs). Bytes, not elements:
-    ``index_select`` has no FP8 kernels, and the copy is exact anyway."""
-    heads = _check_heads(pool, heads)
-    l0, l1, _, _ = _block_shape(pool, pool_page_words(pool)[0], layers, len(pages))
-    nbytes = heads_bytes(pool, (l0, l1), len(pages), len(heads))
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
-    else:
-        _check_bytes("out", out, pool.k_raw.device, at_least=nbytes)
-    out = out[:nbytes]
-    if len(pages):
-        index = _page_index(pages, pool.device)
-        head_index = torch.tensor(heads, dtype=torch.long).to(pool.device)
-        half = nbytes // 2
-        for part, (src, hd) in enumerate(zip((pool.k_raw, pool.v_raw), _head_dims(pool))):
-            block = src.view(torch.uint8)[l0:l1].index_select(1, index).index_select(hd, head_index)
-            out[part * half:(part + 1) * half].copy_(block.reshape(-1))
-    return out
-
-
-def scatter_heads(pool: KVPool, pages: list[int] | torch.Tensor, payload: torch.Tensor, layers: tuple[int, int],
-                  heads: list[int]) -> None:
-    """The inverse of :func:`gather_heads`: ``payload`` into heads ``heads`` (in that order) of
-    layers ``[l0, l1)`` of ``pages``; the pages' other heads are left as they are."""
-    heads = _check_heads(pool, heads)
-    l0, l1, _, _ = _block_shape(pool, pool_page_words(pool)[0], layers, len(pages))
-    nbytes = heads_bytes(pool, (l0, l1), len(pages), len(heads))
-    _check_bytes("payload", payload, pool.k_raw.device, exact=nbytes)
-    if not len(pages):
-        return
-    index = _page_index(pages, pool.device)
-    half = nbytes // 2
-    for part, (dst, hd) in enumerate(zip((pool.k_raw, pool.v_raw), _head_dims(pool))):
-        dst_bytes = dst.view(torch.uint8)[l0:l1]
-        shape = list(dst_bytes.shape)
-        shape[1], shape[hd] = len(pages), len(heads)
-        block = payload[part * half:(part + 1) * half].view(shape)
-        for j, h in enumerate(heads):
-            dst_bytes.select(hd, h).index_copy_(1, index, block.select(hd, j))
-
-
-def _clear_pages(pool: KVPool, pages: list[int]) -> None:
-    """Zero ``pages`` in every layer and wait for it (failure paths only)."""
-    if not pages:
-        return
-    lane = _Lane(pool.device)
-    with _device_guard(pool.device), lane.use():
-        index = _page_index(pages, pool.device)
-        for part in pool_page_words(pool):
-            part.index_fill_(1, index, 0)
-    lane.synchronize()
-
-
-class _Lane:
-    """A side CUDA stream for one end of a transfer's copies and checksums: they overlap the
-    NCCL work, and nothing else in the replica (decode steps, the next prefill) orders after
-    them or they after it. On CPU there is no stream: every method is a no-op and the work
-    runs in the calling thread, in program order."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def use(self) -> contextlib.AbstractContextManager:
-        """Make the stream current: kernels, allocations and NCCL operations started inside
-        are ordered after the work already queued on it."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def wait(self, event: Any) -> None:
-        if self.stream is not None and event is not None:
-            self.stream.wait_event(event)
-
-    def follow(self, other: "_Lane") -> None:
-        if self.stream is not None:
-            self.stream.wait_stream(other.stream)
-
-    def mark(self) -> Any:
-        """An event after the work queued so far (None on CPU: that work is done)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-
-
-# ---------------------------------------------------------------------------- one channel
-class ChannelBroken(RuntimeError):
-    """The channel was closed (by us, after a failure elsewhere) while an operation used it."""
-
-
-def _nccl_error_handling_default() -> None:
-    # Training jobs want a hung collective to take the process down (the default, 3); a
-    # server whose peers come and go wants the communicator aborted and the replica alive.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-
-
-class Channel:
-    """One end of a pair's process group. Rank 0 sends, rank 1 (whose replica hosts the store
-    at ``store_addr``) receives. ``run`` and ``abort`` block: call them from a worker thread.
-
-    Each end opens its own client connection to the store: a rendezvous blocked on one
-    channel (a peer that never comes) must not hold up the other channels of that store."""
-
-    def __init__(self, backend: str, *, rank: int, prefix: str, generation: int, host: str,
-                 device: torch.device, connect_timeout_s: float, store_addr: tuple[str, int]) -> None:
-        if backend not in CHANNEL_BACKENDS.values():
-            raise ValueError(f"backend: expected one of {sorted(CHANNEL_BACKENDS.values())}, got {backend!r}")
-        if rank not in (SENDER, RECEIVER):
-            raise ValueError(f"rank: expected {SENDER} (sender) or {RECEIVER} (receiver), got {rank!r}")
-        if (not isinstance(store_addr, tuple) or len(store_addr) != 2 or not isinstance(store_addr[0], str)
-                or not isinstance(store_addr[1], int)):
-            raise ValueError(f"store_addr: expected (host, port) of the receiver's store, got {store_addr!r}")
-        self.backend = backend
-        self.rank = rank
-        self.prefix = prefix
-        self.generation = generation
-        self.host = host
-        self.device = device
-        self.connect_timeout_s = connect_timeout_s
-        self._store: Any = None  # our client connection to the store
-        self._store_addr = store_addr
-        self.pg: Any = None
-        self.broken = False
-        self._abort_lock = threading.Lock()
-        self._aborted_pg: Any = None
-        self.lock = threading.Lock()  # one transfer at a time over this channel
-        self.last_used = time.monotonic()
-        self.transfers = 0
-
-    def __repr__(self) -> str:
-        state = "broken" if self.broken else ("open" if self.pg is not None else "new")
-        return f"Channel({self.backend}, rank={self.rank}, {self.prefix!r}, {state})"
-
-    def _open(self) -> None:
-        from torch.distributed import PrefixStore, TCPStore
-
-        timeout = datetime.timedelta(seconds=self.connect_timeout_s)
-        if self._store is None:
-            host, port = self._store_addr
-            self._store = TCPStore(host, port, None, False, timeout)  # connects, bounded by timeout
-        store = PrefixStore(self.prefix, self._store)
-        if self.backend == "gloo":
-            from torch.distributed import ProcessGroupGloo
-
-            opts = ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-            pg = ProcessGroupGloo(store, self.rank, 2, opts)  # the rendezvous: waits for the peer
-        else:
-            if not torch.distributed.is_nccl_available():
-                raise ChannelBroken("this torch build has no NCCL")
-            _nccl_error_handling_default()
-            from torch.distributed import ProcessGroupNCCL
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=max(_NCCL_WATCHDOG_S, 4 * self.connect_timeout_s))
-            opts.is_high_priority_stream = False
-            if hasattr(opts, "group_name"):  # for NCCL's logs; unique per end (a test may hold both)
-                opts.group_name = f"{self.prefix}rank{self.rank}"
-            pg = ProcessGroupNCCL(store, self.rank, 2, opts)  # lazy: the communicator comes with the first op
-        if self.broken:  # closed while we were connecting
-            _abort_pg(pg)
-            raise ChannelBroken(f"{self.prefix} was closed while it opened")
-        self.pg = pg
-
-    def open(self) -> None:
-        """Blocking: build this end's process group if not yet done (the rendezvous with the peer)."""
-        if self.broken:
-            raise ChannelBroken(f"{self.prefix} is closed")
-        if self.pg is None:
-            with _device_guard(self.device):
-                self._open()
-
-    def post(self, tensor: torch.Tensor, tag: int = 0) -> "_Op":
-        """Start sending (rank 0) or receiving (rank 1) ``tensor``. NCCL runs it after the work
-        queued so far on the caller's current stream; the tensor must not be touched until
-        :meth:`after` or :meth:`finish` says the operation has completed."""
-        if self.broken:
-            raise ChannelBroken(f"{self.prefix} is closed")
-        peer = 1 - self.rank
-        work = self.pg.send([tensor], peer, tag) if self.rank == SENDER else self.pg.recv([tensor], peer, tag)
-        return _Op(work)
-
-    def after(self, op: "_Op", deadline: float) -> None:
-        """Order what the caller does next after ``op``. NCCL: the caller's current stream waits
-        for it on the device and the host goes on; gloo: this thread waits (until ``deadline``)."""
-        if self.backend == "gloo":
-            self._wait_gloo(op, deadline)
-        else:
-            op.work.wait()
-
-    def finish(self, ops: list["_Op"], deadline: float, tail: Any = None) -> None:
-        """Blocking: until every operation of ``ops`` (and the CUDA event ``tail``) has completed;
-        raises on failure, when the channel is closed meanwhile, or after ``deadline``."""
-        if self.backend == "gloo":
-            for op in ops:
-                self._wait_gloo(op, deadline)
-        else:
-            # poll the works' end events so that a closed channel or the deadline ends the wait
-            # (a blocking wait could not be interrupted); short sleeps keep the added latency
-            # under half a millisecond for a transfer that itself takes a few
-            pause, first = 2e-5, 0
-            while True:
-                while first < len(ops) and ops[first].work.is_completed():
-                    first += 1
-                if first == len(ops) and (tail is None or tail.query()):
-                    break
-                if self.broken:
-                    raise ChannelBroken(f"{self.prefix} was closed during the transfer")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.prefix}: transfer not complete before the deadline")
-                time.sleep(pause)
-                pause = min(pause * 2, 5e-4)
-            for op in ops:
-                op.work.wait()  # raises the work's error, if any
-        self.transfers += 1
-        self.last_used = time.monotonic()
-
-    def run(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        """Send (rank 0) or receive (rank 1) ``tensor`` whole, opening the channel first if
-        needed; raises on failure or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        self.open()
-        with _device_guard(self.device):
-            self.finish([self.post(tensor)], deadline)
-
-    def _wait_gloo(self, op: "_Op", deadline: float) -> None:
-        if op.waited:  # a second wait on a completed gloo work would time out
-            return
-        # gloo reports completion only through wait(); its timeout closes the channel's pairs
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{self.prefix}: no time left to wait")
-        op.work.wait(datetime.timedelta(seconds=remaining))
-        op.waited = True
-
-    def mark_broken(self) -> None:
-        """Instant (any thread): no new operation starts on this channel."""
-        self.broken = True
-
-    def abort(self) -> None:
-        """Blocking: close the process group (aborting what is in flight where the backend can).
-        Several threads may call it: the group is aborted once, and a second caller returns
-        only after that."""
-        self.broken = True
-        with self._abort_lock:
-            pg = self.pg
-            if pg is not None and pg is not self._aborted_pg:
-                self._aborted_pg = pg
-                _abort_pg(pg)
-        self._store = None  # our client connection (the receiver's hosted store lives on)
-
-
-@dataclass
-class _Op:
-    """One posted send or receive."""
-
-    work: Any
-    waited: bool = False
-
-
-def _abort_pg(pg: Any) -> None:
-    for name in ("abort", "shutdown"):
-        fn = getattr(pg, name, None)
-        if fn is None:
-            continue
-        try:
-            fn()
-            return
-        except Exception as exc:  # best effort: the channel is being dropped anyway
-            logger.debug("process group %s() failed: %r", name, exc)
-
-
-class _device_guard:
-    """``torch.cuda.device(device)`` for CUDA devices with an index; nothing otherwise."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._ctx = torch.cuda.device(device) if device.type == "cuda" and device.index is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------- the transport
@@ -641,86 +168,6 @@ class _Export:
     fault: str | None
     ready: Any  # CUDA event after the writes of the pages; None on CPU
     discarded: bool = False  # the lease ended: the pages may already belong to another request
-
-
-@dataclass(frozen=True)
-class _SendRequest:
-    """What a receiver asks a sender: send ``request_id``'s pages over this channel, in
-    chunks of ``layers_per_chunk`` whole layers."""
-
-    request_id: str
-    sender_id: str
-    receiver_id: str
-    host: str
-    port: int
-    prefix: str
-    generation: int
-    backend: str
-    timeout_s: float
-    layers_per_chunk: int
-    rank: int | None = None  # TP prefill groups: the rank holding the pages
-    heads: tuple[int, ...] | None = None  # ... and which of its local KV heads to send, in order
-    pulls: int | None = None  # per-head pulls: the sends the receiving replica makes for the request in all
-
-    @classmethod
-    def parse(cls, obj: Any) -> "_SendRequest":
-        """Strict: exact key set (optionally with both ``rank`` and ``heads``, and then
-        optionally ``pulls``), typed and bounded fields (``ValueError`` naming the field)."""
-        tp = _SEND_REQUEST_KEYS | _TP_SEND_KEYS
-        if not isinstance(obj, dict) or set(obj) not in (_SEND_REQUEST_KEYS, tp, tp | {_PULLS_KEY}):
-            got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)} (and, per head, "
-                             f"{sorted(_TP_SEND_KEYS)}, optionally {_PULLS_KEY!r}), got {got}")
-        extra = {}
-        if _PULLS_KEY in obj:
-            extra["pulls"] = parse_pulls(obj[_PULLS_KEY])
-            obj = {k: v for k, v in obj.items() if k != _PULLS_KEY}
-        if "rank" in obj:
-            rank, heads = obj["rank"], obj["heads"]
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
-                raise ValueError(f"rank: expected an int in [0, 65536), got {rank!r}")
-            if (not isinstance(heads, (list, tuple)) or not 0 < len(heads) <= 1 << 12 or len(set(heads)) != len(heads)
-                    or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 12 for h in heads)):
-                raise ValueError(f"heads: expected distinct local KV head indices, got {heads!r:.80}")
-            extra.update(rank=rank, heads=tuple(heads))
-            obj = {k: v for k, v in obj.items() if k not in _TP_SEND_KEYS}
-        for key in ("request_id", "sender_id", "receiver_id", "host", "prefix", "backend"):
-            value = obj[key]
-            if not isinstance(value, str) or not value or len(value) > max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN) * 2:
-                raise ValueError(f"{key}: expected a short non-empty str, got {value!r:.80}")
-        if not obj["prefix"].startswith(_PREFIX_ROOT) or not obj["prefix"].endswith("/"):
-            raise ValueError(f"prefix: expected '{_PREFIX_ROOT}.../', got {obj['prefix']!r}")
-        for key, lo, hi in (("port", 1, 65535), ("generation", 1, 1 << 62), ("layers_per_chunk", 1, 1 << 20)):
-            value = obj[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"{key}: expected an int in [{lo}, {hi}], got {value!r}")
-        timeout = obj["timeout_s"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
-            raise ValueError(f"timeout_s: expected a number in (0, 86400], got {timeout!r}")
-        return cls(**obj, **extra)
-
-
-def parse_pulls(value: Any) -> int:
-    """A send request's ``pulls`` (ValueError naming it unless an int in [1, MAX_PULLS])."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PULLS:
-        raise ValueError(f"pulls: expected an int in [1, {MAX_PULLS}], got {value!r:.80}")
-    return value
-
-
-def send_pulls(request: Any) -> int:
-    """How many sends the receiver of ``request`` (a send request, possibly malformed) makes
-    for its request in all: its ``pulls``, 1 when it names none (a whole-replica pull) or a bad
-    value (the send itself is refused then)."""
-    try:
-        return parse_pulls(request[_PULLS_KEY]) if isinstance(request, dict) and _PULLS_KEY in request else 1
-    except ValueError:
-        return 1
-
-
-def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "",
-           checksums: list[int] | None = None) -> dict:
-    return {"ok": ok, "reason": reason.value if reason is not None else None, "message": message,
-            "checksums": checksums}
 
 
 class _Fence:
@@ -1106,7 +553,7 @@ class ChannelTransport(KVTransport):
                             dst_rank: int = 0) -> list[int]:
         """Receive into the pool of rank ``dst_rank`` of a decode group laid out as ``dst_layout``
         exactly that rank's KV heads, from every rank of the sender's group that holds some
-        (:func:`kv_transfer.heads.transfer_routes`), one channel transfer per such rank, one
+        (:func:`kv_transfer.routes.transfer_routes`), one channel transfer per such rank, one
         after the other into the one set of reserved pages. Every rank header is checked
         (geometry, FP8 scales per head) before a page is taken; any failure releases the pages
         and raises (all or nothing for this rank; a decode group agrees over its ranks with
@@ -1453,42 +900,6 @@ class ChannelTransport(KVTransport):
         self._store = None
 
 
-def _reply_failure(reply: asyncio.Future) -> tuple[TransferFailure | None, str]:
-    """(reason, message) of a failed ``serve_send`` reply, (None, "") for success."""
-    if reply.cancelled():
-        return TransferFailure.LOST, "the call was cancelled"
-    exc = reply.exception()
-    if exc is not None:  # the sender replica died, could not be reached, ...
-        return TransferFailure.LOST, f"{type(exc).__name__}: {exc}"
-    obj = reply.result()
-    if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):
-        return TransferFailure.LOST, f"unexpected reply {type(obj).__name__}"
-    if obj["ok"]:
-        return None, ""
-    try:
-        reason = TransferFailure(obj.get("reason"))
-    except ValueError:
-        reason = TransferFailure.LOST
-    if reason not in _REPLY_REASONS:
-        reason = TransferFailure.LOST
-    return reason, str(obj.get("message"))[:500]
-
-
-def _sender_checksums(reply: dict, n: int) -> list[int] | None:
-    """The per-chunk checksums of a successful ``serve_send`` reply, or None if it has not ``n``."""
-    sums = reply.get("checksums")
-    if (isinstance(sums, list) and len(sums) == n
-            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64 for x in sums)):
-        return sums
-    return None
-
-
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__

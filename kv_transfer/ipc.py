@@ -70,7 +70,9 @@ from typing import Any
 
 import torch
 
-from .pool import KVPool, copy_word, pool_page_words
+from kv_cache.pool import KVPool
+from kv_cache.tensors import copy_word, pool_page_words
+
 from .transfer import (
     MAX_REQUEST_ID_LEN,
     KVFrameHeader,

@@ -1,7 +1,7 @@
 """KV transfer between tensor-parallel groups of any sizes (prefill TP ``P`` -> decode TP ``D``).
 
-Each prefill rank holds the pages of its own KV heads (``kv_transfer.heads``); each decode rank
-needs exactly its own heads. :func:`kv_transfer.heads.transfer_routes` says which prefill rank
+Each prefill rank holds the pages of its own KV heads (``kv_cache.heads``); each decode rank
+needs exactly its own heads. :func:`kv_transfer.routes.transfer_routes` says which prefill rank
 sends which heads to which decode rank; every (source, destination) pair moves one ordinary
 frame (``kv_transfer.transfer``: magic, msgpack header, CRC-32 over the payload) whose pages are
 restricted to the pair's heads, in the destination's order (the header's ``num_kv_heads`` is the
@@ -45,8 +45,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .heads import HeadLayout, HeadRoute, transfer_routes
-from .pool import KVPool
+from kv_cache.heads import HeadLayout
+from kv_cache.pool import KVPool
+
+from .routes import HeadRoute, transfer_routes
 from .transfer import (
     IPC_OR_NCCL,
     _DTYPE_NAMES,

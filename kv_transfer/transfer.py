@@ -53,7 +53,9 @@ import msgpack
 import numpy as np
 import torch
 
-from .pool import KVPool, PoolExhausted
+from kv_cache.manager import PoolExhausted
+from kv_cache.pool import KVPool
+
 
 FRAME_MAGIC = b"FPKV"
 FRAME_VERSION = 2
@@ -77,7 +79,7 @@ _HEADER_KEYS = frozenset(
     }
 )
 # "crc32": CRC-32 of the payload bytes, in the header (frames: computed on the host anyway);
-# "wsum64": channels: kv_transfer.channel.payload_checksum of each chunk, computed on the pool's
+# "wsum64": channels: kv_transfer.pages.payload_checksum of each chunk, computed on the pool's
 # devices; the sender returns them with the send, so a channel header's checksum field is 0;
 # "none": no checksum (checksum 0): a device-local copy between two pools on one GPU
 # (kv_transfer.ipc), where no wire or staging buffer sits between the bytes read and written.

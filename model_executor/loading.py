@@ -790,7 +790,7 @@ def load_model(
 
 def make_pool(loaded: LoadedModel, *, num_pages: int, page_size: int = 64, dtype=None, device=None):
     """A KV pool shaped for ``loaded`` (dtype and device of the model by default)."""
-    from kv_transfer.pool import KVPool, KVPoolConfig
+    from kv_cache import KVPool, KVPoolConfig
 
     param = next(loaded.model.parameters())
     return KVPool(

@@ -3,7 +3,7 @@
 A model over a TP group of ``N`` ranks (a ``torch.distributed`` process group the caller made:
 gloo on CPU, NCCL on GPUs; this module never creates one and never imports Ray):
 - ``q_proj``/``k_proj``/``v_proj`` are column parallel: rank ``r`` keeps the output rows of its
-  query and KV heads (``kv_transfer.heads.HeadLayout``; KV heads replicated when ``N > Hkv``,
+  query and KV heads (``kv_cache.heads.HeadLayout``; KV heads replicated when ``N > Hkv``,
   as vLLM does). transformers' attention reshapes with ``-1`` heads, so the sharded module runs
   unchanged, and our attention (``model_executor.attention``) runs the sparse operator on the
   rank's own heads over the rank's own KV pool (``local_kv_heads`` heads). The block index is per
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.heads import HeadLayout
+from kv_cache.heads import HeadLayout
 
 from . import fp8_linear
 
@@ -98,7 +98,7 @@ def _heads(config: Any) -> tuple[int, int, int]:
 def layout_of(config: Any, tp_size: int, *, name: str = "tensor_parallel_size") -> HeadLayout:
     """The head layout of a model config over ``tp_size`` ranks; ValueError naming ``name`` when
     the heads (or the MLP width) do not split."""
-    from kv_transfer.heads import check_tp_size
+    from kv_cache.heads import check_tp_size
 
     hq, hkv, _ = _heads(config)
     check_tp_size(tp_size, hq, hkv, name=name)

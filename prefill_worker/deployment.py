@@ -42,7 +42,7 @@ from ray import serve
 from kernels.ops import attention_kernel_calls
 from kv_transfer.channel import ChannelTransport
 from kv_transfer.ipc import CudaIpcTransport
-from kv_transfer.channel import send_pulls
+from kv_transfer.wire import send_pulls
 from kv_transfer.tp_transfer import TPChannelTransport, group_transport, tp_transport_choice  # noqa: F401 (re-export)
 from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult

@@ -248,7 +248,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                 tiles[1] += got[1]
 
     def _admit(self, seq: PromptState) -> bool:
-        from kv_transfer.pool import PoolExhausted
+        from kv_cache import PoolExhausted
 
         try:
             cached, digests = self._reserve(seq.payload)

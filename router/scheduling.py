@@ -15,7 +15,7 @@ Replica choice (:class:`PrefillRequestRouter`, Serve's custom-router API):
 - prefix affinity: the ingress sends digests of the prompt's prefix (its first
   ``PREFIX_STRIDE`` pages, then every ``PREFIX_STRIDE``-th), each with the prompt's cost if that
   much of it is cached
-  (``kv_transfer.prefix``). The router remembers which replicas it sent each digest to (an LRU
+  (``kv_cache.prefix``). The router remembers which replicas it sent each digest to (an LRU
   index of ``PREFIX_INDEX_ENTRIES`` digests); on a replica that was sent the longest matching
   prefix the prompt costs only its uncached part, which ranks that replica first unless it is
   busier by more than the saving. The index is this router's view (each ingress replica has its

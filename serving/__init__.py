@@ -1,4 +1,4 @@
-"""What the prefill and decode workers share, below them and above model execution.
+"""What the prefill and decode workers share, below them and above the KV transports.
 
 - ``config``: ``ServiceConfig``, every option of the service (validated where it is built).
 - ``costs``: the prefill cost model and the routing hint every routed call carries.
@@ -7,5 +7,5 @@
 - ``runtime``: what a worker replica builds at start (model, KV pool, runner) and its identity.
 
 Layers (pyproject's import contracts): ``router`` > ``prefill_worker`` | ``decode_worker`` >
-``serving`` > ``model_executor`` > ``kv_transfer`` > ``kernels``.
+``serving`` > ``kv_transfer`` > ``model_executor`` > ``kv_cache`` > ``kernels``.
 """

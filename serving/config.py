@@ -31,7 +31,7 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticUndefined
 
 from kernels.config import KV_TILE, SparseConfig
-from kv_transfer.channel import ChannelConfig
+from kv_transfer.config import ChannelConfig
 from model_executor.fp8_linear import WEIGHT_DTYPES
 
 TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
@@ -239,7 +239,7 @@ class DecodeOptions(_Section):
 
 
 class ChannelOptions(_Section):
-    """Pairwise channels (nccl, gloo): `kv_transfer.channel.ChannelConfig`, plus the thread pool."""
+    """Pairwise channels (nccl, gloo): `kv_transfer.config.ChannelConfig`, plus the thread pool."""
 
     section: typing.ClassVar[str] = "transfer.channel"
 

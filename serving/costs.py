@@ -89,12 +89,12 @@ def routing_hint(*, cost: float = 0.0, pages: int = 0, replica: str | None = Non
 
 def prefix_hint(token_ids: Sequence[int], page_size: int, cost_model: "PrefillCostModel",
                 stride: int = PREFIX_STRIDE, granule: int | None = None) -> list[tuple[str, float]]:
-    """The prefix part of a prefill call's routing hint: the digests (``kv_transfer.prefix``, 8
+    """The prefix part of a prefill call's routing hint: the digests (``kv_cache.prefix``, 8
     bytes in hex) of full pages 1..``stride``, then of every ``stride``-th page, each with the
     prompt's cost when the prefix up to there is cached: what the prefill engine would reuse,
     whole ``granule``s (default: pages; ``PrefillEngine.reuse_granule``) of all but the last
     token, which it always computes."""
-    from kv_transfer.prefix import prefix_digests
+    from kv_cache.prefix import prefix_digests
 
     n = len(token_ids)
     g = granule or page_size

@@ -60,7 +60,7 @@ class WorkerRuntime:
 
     @classmethod
     def build(cls, config: ServiceConfig, *, num_pages: int) -> "WorkerRuntime":
-        from kv_transfer.pool import KVPool, KVPoolConfig
+        from kv_cache import KVPool, KVPoolConfig
         from model_executor.loading import load_model
         from model_executor.runner import ModelRunner
 

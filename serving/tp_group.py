@@ -182,7 +182,7 @@ def start_group(config: ServiceConfig, side: str, *, num_pages: int, host: str =
 
 def _rank_frame(pool: Any, request_id: str, layout: Any, rank: int):
     """Rank ``rank``'s frame of ``request_id`` for a single decode rank."""
-    from kv_transfer.heads import HeadLayout
+    from kv_cache.heads import HeadLayout
     from kv_transfer.tp_transfer import export_rank
 
     dst = HeadLayout(layout.num_q_heads, layout.num_kv_heads, 1)
@@ -319,7 +319,8 @@ RANK_CALL_TIMEOUT_S = 30.0  # a follower's export or discard (no data moves: boo
 
 
 def _rank_channel(self, setup: dict):
-    from kv_transfer.channel import ChannelConfig, ChannelTransport
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.config import ChannelConfig
     from kv_transfer.tp_transfer import RankChannel
 
     channel = getattr(self, "_tp_channel", None)
@@ -417,7 +418,8 @@ def _rank_receiver(self, setup: dict):
     the actor's methods are threaded and blocking)."""
     import asyncio
 
-    from kv_transfer.channel import ChannelConfig, ChannelTransport
+    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.config import ChannelConfig
 
     with _RX_LOCK:
         rx = getattr(self, "_tp_receiver", None)
@@ -437,7 +439,7 @@ def _channel_receive(self, ticket: Any, setup: dict) -> Any:
     None. On a failure nothing stays allocated here (the channel receive frees its pages)."""
     import asyncio
 
-    from kv_transfer.heads import HeadLayout
+    from kv_cache.heads import HeadLayout
     from kv_transfer.transfer import TransferError
 
     transport, loop = _rank_receiver(self, setup)

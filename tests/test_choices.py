@@ -11,7 +11,7 @@ import torch
 
 from decode_worker.engine import DecodeEngine, FinishReason
 from kernels.config import SparseConfig
-from kv_transfer.pool import PoolExhausted
+from kv_cache import PoolExhausted
 from model_executor import ModelRunner, SamplingParams, build_tiny_model
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 from router.offline import generate, make_pool

@@ -7,7 +7,7 @@ import torch
 
 from decode_worker.engine import DecodeEngine, FinishReason, RequestState, StepOutput
 from kernels.config import SparseConfig
-from kv_transfer.pool import PoolExhausted
+from kv_cache import PoolExhausted
 from model_executor import ModelRunner, SamplingParams, build_tiny_model
 from router.offline import generate, make_pool
 from prefill_worker.engine import PrefillEngine, PrefillRequest

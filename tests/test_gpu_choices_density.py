@@ -14,7 +14,7 @@ import torch
 from decode_worker.engine import DecodeEngine
 from kernels import ops
 from kernels.config import SparseConfig
-from kv_transfer.pool import KVPool, KVPoolConfig
+from kv_cache import KVPool, KVPoolConfig
 from model_executor import ModelRunner, SamplingParams, build_tiny_model
 from model_executor.loading import make_pool
 from prefill_worker.engine import PrefillEngine, PrefillRequest

@@ -18,16 +18,10 @@ import pytest
 import torch
 
 import kv_transfer.channel as channel_module
-from kv_transfer.channel import (
-    Channel,
-    ChannelBroken,
-    ChannelConfig,
-    ChannelTransport,
-    _Fence,
-    gather_pages,
-    payload_checksum,
-    scatter_pages,
-)
+from kv_transfer.channel import ChannelTransport, _Fence
+from kv_transfer.config import ChannelConfig
+from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages
+from kv_transfer.process_group import Channel, ChannelBroken
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
 from tests.test_kv_transfer import fill, make_pool, tokens_of
 
@@ -714,7 +708,7 @@ TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device
 
 
 def _cuda_pool(index: int, dtype: torch.dtype):
-    from kv_transfer.pool import KVPool, KVPoolConfig
+    from kv_cache import KVPool, KVPoolConfig
 
     return KVPool(KVPoolConfig(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype=dtype, num_pages=64,
                                device=f"cuda:{index}"))

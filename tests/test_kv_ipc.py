@@ -23,14 +23,16 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.channel import ChannelConfig, ChannelTransport
+from kv_cache import KVPool, KVPoolConfig
+from kv_cache.tensors import _plain_cuda_segments, copy_word
+from kv_transfer.channel import ChannelTransport
+from kv_transfer.config import ChannelConfig
 from kv_transfer.ipc import (
     CudaIpcTransport,
     _process_alive,
     copy_pages,
     parse_ticket,
 )
-from kv_transfer.pool import KVPool, KVPoolConfig, _plain_cuda_segments, copy_word
 from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.paged import gather_kv
-from kv_transfer.pool import KVPool, KVPoolConfig, PoolExhausted, fp8_scale_from_amax
+from kv_cache import KVPool, KVPoolConfig, PoolExhausted, fp8_scale_from_amax
 
 
 def make_pool(num_pages=16, page_size=4, dtype=torch.float32, **kw) -> KVPool:
@@ -436,7 +436,7 @@ def test_prefix_cache_errors_and_clear():
 def test_prefix_digests_module_takes_any_int_sequence_and_checks_page_size():
     import numpy as np
 
-    from kv_transfer.prefix import prefix_digests
+    from kv_cache.prefix import prefix_digests
 
     tokens = list(range(37))
     want = prefix_digests(tokens, 8)

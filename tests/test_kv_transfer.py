@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.pool import KVPool, KVPoolConfig
+from kv_cache import KVPool, KVPoolConfig
 from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,

@@ -1,8 +1,8 @@
 """The layer contracts of pyproject.toml ([tool.importlinter]) hold, and they catch a wrong import.
 
-Imports go one way: router > prefill_worker | decode_worker > serving > model_executor >
-kv_transfer > kernels; the product never imports evals; model_executor and kernels never import
-Ray; no package's modules import each other in a cycle.
+Imports go one way: router > prefill_worker | decode_worker > serving > kv_transfer >
+model_executor > kv_cache > kernels; the product never imports evals; kv_cache, model_executor
+and kernels never import Ray; no package's modules import each other in a cycle.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "prefill_worker", "decode_worker", "serving", "model_executor", "kv_transfer", "kernels", "evals")
+PACKAGES = ("router", "prefill_worker", "decode_worker", "serving", "kv_transfer", "model_executor", "kv_cache", "kernels",
+            "evals")
 LINT = "import sys; from importlinter.cli import lint_imports_command; sys.argv[0] = 'lint-imports'; lint_imports_command()"
 
 
@@ -43,10 +44,13 @@ def test_the_tree_keeps_every_contract():
 @pytest.mark.parametrize(
     "module, line, contract",
     [
-        ("kv_transfer/prefix.py", "import serving.config", "Product layers"),  # upward
+        ("kv_transfer/config.py", "import serving.config", "Product layers"),  # upward
+        ("model_executor/runner.py", "import kv_transfer.transfer", "Product layers"),  # the KV seam, upward
+        ("kv_cache/pool.py", "import model_executor.runner", "Product layers"),
         ("prefill_worker/engine.py", "import decode_worker.engine", "Product layers"),  # sideways
         ("model_executor/sampling.py", "import evals.density", "never imports the evaluations"),
         ("kernels/config.py", "import ray", "nothing imports Ray"),
+        ("kv_cache/manager.py", "import ray", "nothing imports Ray"),
         ("serving/costs.py", "import serving.config", "No import cycles"),
     ],
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.config import SparseConfig
-from kv_transfer.pool import KVPool, KVPoolConfig
+from kv_cache import KVPool, KVPoolConfig
 from model_executor import (
     ATTENTION_NAME,
     ByteTokenizer,

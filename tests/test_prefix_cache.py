@@ -1,4 +1,4 @@
-"""Prefix caching in the prefill engine (kv_transfer/pool.py + prefill_worker/engine.py): a
+"""Prefix caching in the prefill engine (kv_cache/manager.py + prefill_worker/engine.py): a
 prompt that starts like an earlier one reuses its pages and computes only the rest, with the
 result of computing everything (dense attention: equal up to fp32 rounding), no page leaked or
 shared wrongly, eviction under pressure, failures that cache nothing."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.config import SparseConfig
-from kv_transfer.pool import PoolExhausted
+from kv_cache import PoolExhausted
 from model_executor import ModelRunner, build_tiny_model
 from model_executor.loading import make_pool
 from model_executor.sampling import SamplingParams

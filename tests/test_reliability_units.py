@@ -22,7 +22,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kv_transfer.pool import KVPool, KVPoolConfig  # noqa: E402
+from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from kv_transfer.transfer import (  # noqa: E402
     KVFrameHeader,
     TransferError,
@@ -183,7 +183,8 @@ def test_no_pickle_or_eval_on_request_and_transfer_paths():
     import no pickle/marshal/dill and call no eval/exec; msgpack is only read with limits."""
     cli = {"__main__.py", "client.py", "launcher.py"}  # command-line tools, not request paths
     files = [*sorted(p for p in (ROOT / "router").glob("*.py") if p.name not in cli), ROOT / "kv_transfer" / "transfer.py",
-             ROOT / "kv_transfer" / "channel.py",
+             ROOT / "kv_transfer" / "channel.py", ROOT / "kv_transfer" / "wire.py", ROOT / "kv_transfer" / "pages.py",
+             ROOT / "kv_transfer" / "process_group.py",
              ROOT / "prefill_worker" / "deployment.py", ROOT / "decode_worker" / "deployment.py"]
     for path in files:
         tree = ast.parse(path.read_text())

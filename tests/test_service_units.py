@@ -363,7 +363,7 @@ def test_channel_section_mirrors_channel_config():
     transport's thread count) and builds an equal ChannelConfig."""
     import dataclasses
 
-    from kv_transfer.channel import ChannelConfig
+    from kv_transfer.config import ChannelConfig
     from serving.config import ChannelOptions
 
     names = [f.name for f in dataclasses.fields(ChannelConfig)]

@@ -1,4 +1,4 @@
-"""Tensor parallelism (model_executor/parallel.py, kv_transfer/heads.py): the head layout, the
+"""Tensor parallelism (model_executor/parallel.py, kv_cache/heads.py): the head layout, the
 shard slices, and TP=2 against TP=1 over gloo in two spawned processes.
 
 The TP=1 references are computed in this process by the same runner on the unsharded model; the
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from kernels.config import SparseConfig
-from kv_transfer.heads import HeadLayout, check_tp_size, divisors, head_routes, transfer_routes
+from kv_cache.heads import HeadLayout, check_tp_size, divisors
+from kv_transfer.routes import head_routes, transfer_routes
 from model_executor import ModelRunner, PrefillItem
 from model_executor import parallel
 from model_executor.loading import LoadedModel, build_tiny_model, make_pool, tiny_config

@@ -14,10 +14,12 @@ import time
 import pytest
 import torch
 
-from kv_transfer.channel import ChannelConfig, ChannelTransport, gather_heads, scatter_heads
-from kv_transfer.heads import HeadLayout
+from kv_cache.heads import HeadLayout
+from kv_transfer.channel import ChannelTransport
+from kv_transfer.config import ChannelConfig
+from kv_transfer.pages import gather_heads, scatter_heads
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
-from kv_transfer.channel import send_pulls
+from kv_transfer.wire import send_pulls
 from kv_transfer.tp_transfer import RankChannel, TPChannelTransport, group_transport, receive_group
 from prefill_worker.leases import LeaseTable
 from tests.test_tp_transfer import HKV, HQ, PAGE, RID, assert_rank_holds_its_heads, full_pool, rank_pool

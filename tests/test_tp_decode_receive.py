@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.heads import HeadLayout
+from kv_cache.heads import HeadLayout
 from kv_transfer.transfer import TransferError, TransferFailure, corrupt_frame, pack_pages, read_frame
 from kv_transfer.tp_transfer import adopt_rank_frame, export_rank, rank_routes, settle, split_frame
 from tests.test_tp_transfer import HKV, HQ, RID, assert_rank_holds_its_heads, full_pool, no_pages, rank_pool

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.heads import HeadLayout, head_routes
-from kv_transfer.pool import KVPool, KVPoolConfig
+from kv_cache import KVPool, KVPoolConfig
+from kv_cache.heads import HeadLayout
+from kv_transfer.routes import head_routes
 from kv_transfer.transfer import TransferError, TransferFailure, corrupt_frame
 from kv_transfer.tp_transfer import adopt_head_frames, agree, export_rank, pack_heads, transfer_groups
 

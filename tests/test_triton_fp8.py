@@ -12,7 +12,7 @@ import torch
 
 from kernels import fp8
 from kernels.ops import triton_available
-from kv_transfer.pool import KVPool, KVPoolConfig
+from kv_cache import KVPool, KVPoolConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

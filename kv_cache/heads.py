@@ -1,5 +1,5 @@
-"""Which tensor-parallel rank holds which attention heads, and which heads a KV transfer between
-two TP groups moves from which prefill rank to which decode rank.
+"""Which tensor-parallel rank holds which attention heads: how a model's KV pool is sliced by KV
+head over the ranks of a TP group.
 
 Megatron-style head split over ``tp_size`` ranks (the layout ``model_executor.parallel`` shards
 the projections by, and the KV pool of each rank holds):
@@ -10,11 +10,7 @@ the projections by, and the KV pool of each rank holds):
   ranks (rank ``r`` holds head ``r // (tp_size / num_kv_heads)``), as vLLM does. Either way a rank's
   query heads all read its own KV heads: attention needs no communication.
 
-A transfer from a prefill group of ``P`` ranks to a decode group of ``D`` ranks (any sizes) is a
-list of :class:`HeadRoute`: for every decode rank and every KV head it holds, the prefill rank
-that sends it (a replicated head is sent by one of its holders, spread over the decode ranks) and
-the head's position in both pools. :func:`transfer_routes` groups them by (source, destination)
-pair: each pair is one frame of whole pages restricted to those heads.
+Which heads a transfer between two TP groups moves where is ``kv_transfer.routes``.
 """
 
 from __future__ import annotations
@@ -98,40 +94,3 @@ class HeadLayout:
         if isinstance(kv_head, bool) or not isinstance(kv_head, int) or not 0 <= kv_head < self.num_kv_heads:
             raise ValueError(f"kv_head: expected an int in [0, {self.num_kv_heads}), got {kv_head!r}")
         return [r for r in range(self.tp_size) if kv_head in self.kv_heads(r)]
-
-
-@dataclass(frozen=True)
-class HeadRoute:
-    """One KV head moving from ``src_rank`` (its local head ``src_local``) to ``dst_rank``
-    (``dst_local``)."""
-
-    kv_head: int
-    src_rank: int
-    src_local: int
-    dst_rank: int
-    dst_local: int
-
-
-def head_routes(src: HeadLayout, dst: HeadLayout) -> list[HeadRoute]:
-    """Every KV head every destination rank needs, with the source rank that sends it. A head
-    held by several source ranks is sent by holder ``dst_rank % holders`` (spreading the load)."""
-    if not isinstance(src, HeadLayout) or not isinstance(dst, HeadLayout):
-        raise ValueError("src, dst: expected HeadLayout objects")
-    if (src.num_q_heads, src.num_kv_heads) != (dst.num_q_heads, dst.num_kv_heads):
-        raise ValueError(f"dst: expected the source model's heads {src.num_q_heads}/{src.num_kv_heads} "
-                         f"(query/KV), got {dst.num_q_heads}/{dst.num_kv_heads}")
-    routes = []
-    for d in range(dst.tp_size):
-        for j, h in enumerate(dst.kv_heads(d)):
-            holders = src.holders(h)
-            s = holders[d % len(holders)]
-            routes.append(HeadRoute(h, s, src.kv_heads(s).index(h), d, j))
-    return routes
-
-
-def transfer_routes(src: HeadLayout, dst: HeadLayout) -> dict[tuple[int, int], list[HeadRoute]]:
-    """:func:`head_routes` grouped by ``(src_rank, dst_rank)``, heads in destination order."""
-    out: dict[tuple[int, int], list[HeadRoute]] = {}
-    for r in head_routes(src, dst):
-        out.setdefault((r.src_rank, r.dst_rank), []).append(r)
-    return out

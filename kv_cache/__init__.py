@@ -1,0 +1,31 @@
+"""kv_cache: the paged KV cache of one replica (see docs/ARCHITECTURE.md). Never imports Ray.
+
+- ``manager``: ``PageManager``, who holds which page: the free list, holder counts, the request
+  table, forks' bookkeeping, the prefix cache's digest -> page map and its eviction;
+  ``PoolExhausted``.
+- ``tensors``: ``KVTensors``, the K/V tensors, FP8 descales and quantized writes.
+- ``pool``: ``KVPool``, the two together plus the addressing (page tables, slot mappings): what
+  the engines, the model runner and the transports hold. ``config``: ``KVPoolConfig``.
+- ``prefix``: ``prefix_digests``, the prefix cache's keys (no torch: the ingress computes them).
+- ``heads``: ``HeadLayout``, which KV heads each tensor-parallel rank's pool holds.
+"""
+
+from .config import POOL_DTYPES, KVPoolConfig
+from .heads import HeadLayout, check_tp_size
+from .manager import PageManager, PoolExhausted
+from .pool import KVPool
+from .prefix import prefix_digests
+from .tensors import KVTensors, fp8_scale_from_amax
+
+__all__ = [
+    "POOL_DTYPES",
+    "HeadLayout",
+    "KVPool",
+    "KVPoolConfig",
+    "KVTensors",
+    "PageManager",
+    "PoolExhausted",
+    "check_tp_size",
+    "fp8_scale_from_amax",
+    "prefix_digests",
+]
