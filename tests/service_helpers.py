@@ -73,7 +73,7 @@ def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator
 
 
 @contextlib.contextmanager
-def deployed(apps: dict[str, dict]) -> Iterator[None]:
+def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator[None]:
     """Deploys ``apps`` (name -> ``router.app.build_application`` keyword arguments) into the
     running Serve, each under its own route prefix ``/<name>`` (and gRPC ``application``
     metadata ``<name>``); deletes them on exit, so the next module finds Serve empty."""
@@ -87,8 +87,16 @@ def deployed(apps: dict[str, dict]) -> Iterator[None]:
                         for name, spec in apps.items()])
         yield
     finally:
+        # Serve's blocking delete gives up after 60 s, and a replica's graceful shutdown alone
+        # may take that long on a loaded machine: ask for all, then wait longer
         for name in apps:
-            serve.delete(name)
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + delete_timeout_s
+        while left := [n for n, st in serve.status().applications.items()
+                       if n in apps and st.status != "NOT_STARTED"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"applications {left} not deleted after {delete_timeout_s} s")
+            time.sleep(0.5)
 
 
 def replica_actors(app: str, deployment: str) -> list:
