@@ -9,7 +9,8 @@ PrefillPolicy / DecodePolicy of serving/autoscaling.py), then closed-loop load:
 2. decode-heavy: short prompts, long outputs (running streams grow: decode scales);
 3. idle: no requests, until both roles are back at their minimum (or the phase's deadline).
 
-Bounded in time (each phase's seconds) and count (``--max-requests`` per phase). Every
+Bounded in time (each phase's seconds; in ``--short`` a load phase ends once its role scaled up,
+idle once both are back at their minimum) and count (``--max-requests`` per phase). Every
 second or two it records the running replicas per role (Serve's status through the dashboard)
 and the alive nodes per node type; every request's outcome is recorded, and any that did not
 complete with HTTP 200 and its full token count is *lost*. Writes JSON and a plot:
@@ -48,6 +49,9 @@ class Phase:
     concurrency: int
     prompt_tokens: int
     max_tokens: int
+    # end the phase early, ``ScenarioConfig.scaled_hold_s`` after a sample shows this role above
+    # its minimum: the scale-up it is there to cause has happened (None: run all ``seconds``)
+    until_scaled: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,13 +61,18 @@ class ScenarioConfig:
     sample_s: float = 2.0
     idle_extra_s: float = 120.0  # the idle phase may run this much longer, until both roles are at min
     wait_for_nodes: bool = True  # ... and the worker node types at their min_workers
+    scaled_hold_s: float = 6.0  # load kept on after an ``until_scaled`` scale-up: requests reach the new replicas
     seed: int = 0
 
 
 FULL = ScenarioConfig(phases=(Phase("prefill-heavy", 100, 12, 1500, 1), Phase("decode-heavy", 100, 32, 24, 160),
                               Phase("idle", 45, 0, 0, 0)), idle_extra_s=150.0)
-SHORT = ScenarioConfig(phases=(Phase("prefill-heavy", 60, 10, 1200, 1), Phase("decode-heavy", 60, 24, 16, 96),
-                               Phase("idle", 30, 0, 0, 0)), max_requests=600, idle_extra_s=120.0,
+# CI-sized: each load phase ends once its role scaled up (how long a new node and replica take
+# decides, not a fixed length; the cap only bounds a failing run), idle once both roles are back
+# at their minimum
+SHORT = ScenarioConfig(phases=(Phase("prefill-heavy", 90, 10, 1200, 1, until_scaled="prefill"),
+                               Phase("decode-heavy", 90, 24, 16, 96, until_scaled="decode"),
+                               Phase("idle", 0, 0, 0, 0)), max_requests=600, idle_extra_s=120.0,
                       wait_for_nodes=False)
 
 
@@ -118,13 +127,14 @@ def sample(dashboard: str) -> tuple[dict, dict]:
     return replicas, nodes
 
 
-async def _load(client: httpx.AsyncClient, phase: Phase, cfg: ScenarioConfig, stats: dict) -> None:
+async def _load(client: httpx.AsyncClient, phase: Phase, cfg: ScenarioConfig, stats: dict,
+                enough: asyncio.Event) -> None:
     rng = random.Random(cfg.seed * 1000 + sum(map(ord, phase.name)))
     deadline = time.monotonic() + phase.seconds
     budget = [cfg.max_requests]
 
     async def worker() -> None:
-        while time.monotonic() < deadline and budget[0] > 0:
+        while time.monotonic() < deadline and budget[0] > 0 and not enough.is_set():
             budget[0] -= 1
             prompt = [rng.randrange(1, 255) for _ in range(phase.prompt_tokens)]
             stats["sent"] += 1
@@ -146,6 +156,18 @@ async def _load(client: httpx.AsyncClient, phase: Phase, cfg: ScenarioConfig, st
                 stats["lost_reasons"][reason] = stats["lost_reasons"].get(reason, 0) + 1
 
     await asyncio.gather(*(worker() for _ in range(phase.concurrency)))
+
+
+async def _until_scaled(phase: Phase, cfg: ScenarioConfig, result: Result, first: int, enough: asyncio.Event) -> None:
+    """Sets ``enough`` ``cfg.scaled_hold_s`` after a sample (from index ``first`` on) shows
+    ``phase.until_scaled`` above its minimum replicas."""
+    if phase.until_scaled is None:
+        return
+    role = phase.until_scaled
+    while not any(s["replicas"][role] > result.min_replicas[role] for s in result.samples[first:]):
+        await asyncio.sleep(cfg.sample_s / 4)
+    await asyncio.sleep(cfg.scaled_hold_s)
+    enough.set()
 
 
 async def run_phases(base_url: str, dashboard: str, cfg: ScenarioConfig, result: Result) -> None:
@@ -171,7 +193,10 @@ async def run_phases(base_url: str, dashboard: str, cfg: ScenarioConfig, result:
             start = time.monotonic() - t0
             stats = {"sent": 0, "completed": 0, "lost": 0, "lost_reasons": {}}
             if phase.concurrency:
-                await _load(client, phase, cfg, stats)
+                enough = asyncio.Event()
+                watch = asyncio.create_task(_until_scaled(phase, cfg, result, len(result.samples), enough))
+                await _load(client, phase, cfg, stats, enough)
+                watch.cancel()
             else:  # idle: until both roles and node types are back at their minimum (within idle_extra_s more)
                 end = time.monotonic() + phase.seconds + cfg.idle_extra_s
                 await asyncio.sleep(phase.seconds)

@@ -1,4 +1,5 @@
-"""Helpers for the service tests: a local Ray + Serve on 127.0.0.1, oracle runs, replica stats."""
+"""Helpers for the service tests: a local Ray + Serve on 127.0.0.1 and applications deployed into it,
+oracle runs, replica stats."""
 
 from __future__ import annotations
 
@@ -22,32 +23,80 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_serve(grpc_servicer: str | None = None) -> Iterator[tuple[int, int | None]]:
-    """Ray (started here unless one runs already) and Serve on 127.0.0.1 with free ports; yields
-    ``(http_port, grpc_port or None)``; shuts Serve, and a Ray it started, down on exit."""
+def restored_environment() -> Iterator[None]:
+    """Undo on exit what the block set in ``os.environ`` (Ray's launch variables), so that the
+    tests after it, and the subprocesses they start, see the environment they would alone."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        for key, value in saved.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator[tuple[int, int | None]]:
+    """A new local Ray and Serve on 127.0.0.1 with free ports, as ``router run`` starts them
+    (every Ray process on loopback, the gRPC proxy too); yields ``(http_port, grpc_port or
+    None)``; shuts both down on exit. The test session starts one (``serve_cluster`` in
+    tests/conftest.py); a module that starts its own instead pays tens of seconds."""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from router.launcher import prepare_environment
+    from router.launcher import prepare_environment, ray_init_kwargs
 
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+    with restored_environment():
+        prepare_environment()
+        os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+        if ray.is_initialized():
+            raise RuntimeError("local_serve: a Ray is already running in this process (the session's "
+                               "serve_cluster?): deploy into it instead")
+        # no dashboard: nothing here reads it, and it is one more process to start on 2 cores
+        ray.init(**{**ray_init_kwargs("127.0.0.1"), "include_dashboard": False}, num_cpus=num_cpus,
                  logging_level="WARNING", log_to_driver=False)
-    http_port = free_port()
-    grpc_port = free_port() if grpc_servicer else None
-    kwargs = {}
-    if grpc_servicer:
-        kwargs["grpc_options"] = gRPCOptions(port=grpc_port, grpc_servicer_functions=[grpc_servicer])
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **kwargs)
-    try:
-        yield http_port, grpc_port
-    finally:
-        serve.shutdown()
-        if started_here:
+        try:
+            http_port = free_port()
+            grpc_port = free_port() if grpc_servicer else None
+            kwargs = {}
+            if grpc_servicer:
+                kwargs["grpc_options"] = gRPCOptions(port=grpc_port, grpc_servicer_functions=[grpc_servicer])
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **kwargs)
+            try:
+                yield http_port, grpc_port
+            finally:
+                serve.shutdown()
+        finally:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator[None]:
+    """Deploys ``apps`` (name -> ``router.app.build_application`` keyword arguments) into the
+    running Serve, each under its own route prefix ``/<name>`` (and gRPC ``application``
+    metadata ``<name>``); deletes them on exit, so the next module finds Serve empty."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from router.app import build_application
+
+    try:
+        serve.run_many([RunTarget(build_application(**spec), name=name, route_prefix=f"/{name}")
+                        for name, spec in apps.items()])
+        yield
+    finally:
+        # Serve's blocking delete gives up after 60 s, and a replica's graceful shutdown alone
+        # may take that long on a loaded machine: ask for all, then wait longer
+        for name in apps:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + delete_timeout_s
+        while left := [n for n, st in serve.status().applications.items()
+                       if n in apps and st.status != "NOT_STARTED"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"applications {left} not deleted after {delete_timeout_s} s")
+            time.sleep(0.5)
 
 
 def replica_actors(app: str, deployment: str) -> list:

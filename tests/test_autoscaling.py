@@ -158,6 +158,38 @@ def test_short_scenario_scales_each_role_and_loses_nothing():
     assert all(last[r] == result.min_replicas[r] for r in ROLES), result.samples[-5:]
 
 
+def test_a_load_phase_ends_only_after_its_role_scaled_up():
+    """``until_scaled``: the phase's stop is set once a sample of this phase (not an earlier
+    one) shows the role above its minimum, and never while it stays there."""
+    import asyncio
+
+    from benchmarks.autoscale_scenario import SHORT, Phase, Result, ScenarioConfig, _until_scaled
+
+    assert [p.until_scaled for p in SHORT.phases] == ["prefill", "decode", None]
+    cfg = ScenarioConfig(phases=(), sample_s=0.01, scaled_hold_s=0.0)
+    rng = random.Random(5)
+    low = rng.randint(1, 3)
+    res = Result(config={}, min_replicas={"prefill": low, "decode": 1})
+    res.samples = [{"replicas": {"prefill": low + 2, "decode": 1}}]  # an earlier phase's scale-up
+    phase = Phase("prefill-heavy", 60, 1, 10, 1, until_scaled="prefill")
+
+    async def scenario():
+        enough = asyncio.Event()
+        task = asyncio.create_task(_until_scaled(phase, cfg, res, len(res.samples), enough))
+        for _ in range(rng.randint(3, 8)):
+            res.samples.append({"replicas": {"prefill": low, "decode": 1}})
+            await asyncio.sleep(0.02)
+        stopped_early = enough.is_set()
+        res.samples.append({"replicas": {"prefill": low + 1, "decode": 1}})
+        await asyncio.wait_for(task, 30)
+        return stopped_early, enough.is_set()
+
+    assert asyncio.run(scenario()) == (False, True)
+    unbound = asyncio.Event()
+    asyncio.run(_until_scaled(Phase("p", 1, 1, 1, 1), cfg, res, 0, unbound))  # no role: returns at once
+    assert not unbound.is_set()
+
+
 def test_scenario_summary_and_plot_from_recorded_samples(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.autoscale_scenario import NODE_TYPES, Result, plot, summary

@@ -10,18 +10,13 @@ import torch
 
 from kernels import ops
 from kernels.config import KV_TILE, Q_TILE, SparseConfig
-from model_executor import ModelRunner, SamplingParams, build_tiny_model
+from model_executor import ModelRunner, SamplingParams
 from model_executor.attention import causal_tile_pairs
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 from router.offline import make_pool
 
 SPARSE = SparseConfig(alpha=0.9, block_size=64, sink_tokens=64, window_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _prompts(lengths, seed):

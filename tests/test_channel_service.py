@@ -1,5 +1,5 @@
 """The service with KV pages over pairwise channels (``transport: gloo``, the CPU twin of
-``nccl``): a real local Ray + Serve on 127.0.0.1.
+``nccl``): the session's local Ray + Serve on 127.0.0.1 (tests/conftest.py).
 
 - ``channel``: 2 prefill + 1 decode replicas; greedy outputs over HTTP equal the
   single-process engines, every transfer went over a channel (the decode replica called back
@@ -19,7 +19,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 COMMON = {"model": "builtin:tiny", "torch_threads": 1, "prefill_kv_pages": 128, "decode_kv_pages": 128, "debug_routing": True,
@@ -32,37 +32,21 @@ REPLICAS = {"channel": (2, 1), "channel_faults": (1, 1)}
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import build_application
-
-    with local_serve() as (port, _):
-        targets = []
-        for name, (p, d) in REPLICAS.items():
-            app = build_application(CONFIGS[name], prefill={**SMALL, "num_replicas": p},
-                                    decode={**SMALL, "num_replicas": d},
-                                    ingress={"ray_actor_options": {"num_cpus": 0.25}})
-            targets.append(RunTarget(app, name=name, route_prefix=f"/{name}"))
-        serve.run_many(targets)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-        yield client
-        client.close()
+SERVE_APPS = {name: {"config": CONFIGS[name], "prefill": {**SMALL, "num_replicas": p}, "decode": {**SMALL, "num_replicas": d},
+                     "ingress": {"ray_actor_options": {"num_cpus": 0.25}}} for name, (p, d) in REPLICAS.items()}
 
 
-def complete(client, app: str, ids: list[int], max_tokens: int, stream: bool = False) -> tuple[list[int], dict]:
+def complete(service, app: str, ids: list[int], max_tokens: int, stream: bool = False) -> tuple[list[int], dict]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
     if not stream:
-        r = client.post(f"/{app}/v1/completions", json=body)
+        r = service["http"].post(f"/{app}/v1/completions", json=body)
         assert r.status_code == 200, r.text
         obj = r.json()
         return obj["choices"][0]["token_ids"], obj
     import json
 
     tokens, last = [], {}
-    with client.stream("POST", f"/{app}/v1/completions", json={**body, "stream": True}) as resp:
+    with service["http"].stream("POST", f"/{app}/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

@@ -12,16 +12,11 @@ import torch
 from decode_worker.engine import DecodeEngine, FinishReason
 from kernels.config import SparseConfig
 from kv_cache import PoolExhausted
-from model_executor import ModelRunner, SamplingParams, build_tiny_model
+from model_executor import ModelRunner, SamplingParams
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 from router.offline import generate, make_pool
 
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _prompt(n, seed):

@@ -16,11 +16,6 @@ DENSE = SparseConfig(alpha=0.0)
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
-
-
 def _runner(loaded, device="cpu", num_pages=64, dtype=None):
     pool = make_pool(loaded, num_pages=num_pages, page_size=PAGE, device=device, dtype=dtype)
     return ModelRunner(loaded.model, pool, DENSE, dense_below=0, device=device)

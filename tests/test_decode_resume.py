@@ -9,15 +9,10 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from kernels.config import SparseConfig
-from model_executor import ModelRunner, SamplingParams, build_tiny_model
+from model_executor import ModelRunner, SamplingParams
 from model_executor.tokenizer import ByteTokenizer
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 from router.offline import make_pool
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _engines(tiny):

@@ -8,16 +8,11 @@ import torch
 from decode_worker.engine import DecodeEngine, FinishReason, RequestState, StepOutput
 from kernels.config import SparseConfig
 from kv_cache import PoolExhausted
-from model_executor import ModelRunner, SamplingParams, build_tiny_model
+from model_executor import ModelRunner, SamplingParams
 from router.offline import generate, make_pool
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _prompts(lengths, seed=0):

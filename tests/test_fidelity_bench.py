@@ -34,13 +34,7 @@ def bench():
     return _load("bench_fidelity")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the reference path runs many small ops: one thread is faster and immune to CPU contention
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

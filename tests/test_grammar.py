@@ -23,18 +23,10 @@ from model_executor.grammar import (
     validate_guided,
     warm_tokenizer,
 )
-from model_executor.loading import load_model, make_pool
-from model_executor.runner import ModelRunner, PrefillItem
+from model_executor.runner import PrefillItem
 from model_executor.tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
 EOS, END = 257, 262  # the byte tokenizer's stop tokens
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    loaded = load_model(None)
-    pool = make_pool(loaded, num_pages=12, page_size=64)
-    return loaded, ModelRunner(loaded.model, pool, dense_below=1 << 30)
 
 
 def _prompt(gen: torch.Generator) -> str:
@@ -88,10 +80,10 @@ SCHEMA = {
 
 
 @pytest.mark.parametrize("temperature,seeds", [(0.0, [11]), (1.0, [21, 22, 23, 24])])
-def test_json_schema_outputs_validate(tiny, temperature, seeds):
+def test_json_schema_outputs_validate(tiny_runner, temperature, seeds):
     gen = torch.Generator().manual_seed(101)
     for seed in seeds:
-        _, text, guide = _generate(tiny, {"type": "json_schema", "schema": SCHEMA, "strict": True},
+        _, text, guide = _generate(tiny_runner, {"type": "json_schema", "schema": SCHEMA, "strict": True},
                                    _prompt(gen), temperature=temperature, seed=seed)
         assert guide.is_terminated(), text
         value = json.loads(text)
@@ -99,37 +91,37 @@ def test_json_schema_outputs_validate(tiny, temperature, seeds):
         assert list(value) == list(SCHEMA["properties"])  # the schema's order
 
 
-def test_json_object_outputs_parse(tiny):
+def test_json_object_outputs_parse(tiny_runner):
     # a random model rarely closes a string by itself: favour the closing characters and the
     # stop tokens (a sampler's choice; the grammar alone decides what is valid)
     bias = torch.zeros(264)
     bias[[ord('"'), ord("}"), ord("]"), EOS, END]] = 6.0
     gen = torch.Generator().manual_seed(102)
     for seed in (31, 32, 33):
-        _, text, guide = _generate(tiny, {"type": "json_object"}, _prompt(gen), temperature=1.0, seed=seed,
+        _, text, guide = _generate(tiny_runner, {"type": "json_object"}, _prompt(gen), temperature=1.0, seed=seed,
                                    bias=bias, max_tokens=300)
         assert guide.is_terminated(), text
         assert isinstance(json.loads(text), dict)
 
 
 @pytest.mark.parametrize("pattern", [r"[a-z]{2,5}-\d{3}", r"(ab|cd)+x?", r"\d+\.\d{2}", r"(yes|no) [A-Z][a-z]{0,4}"])
-def test_regex_outputs_fullmatch(tiny, pattern):
+def test_regex_outputs_fullmatch(tiny_runner, pattern):
     gen = torch.Generator().manual_seed(103)
     bias = torch.zeros(264)
     bias[[EOS, END]] = 3.0  # the unbounded patterns end sooner
     for temperature, seed in ((0.0, 41), (1.0, 42), (1.0, 43)):
-        _, text, guide = _generate(tiny, {"type": "regex", "pattern": pattern}, _prompt(gen),
+        _, text, guide = _generate(tiny_runner, {"type": "regex", "pattern": pattern}, _prompt(gen),
                                      temperature=temperature, seed=seed, bias=bias)
         assert guide.is_terminated(), text
         assert re.fullmatch(pattern, text, re.ASCII), (pattern, text)
 
 
-def test_choice_outputs_are_choices(tiny):
+def test_choice_outputs_are_choices(tiny_runner):
     choices = ["yes", "no", "maybe so", 'a "quoted" \\ choice', "ünïcødé ✓"]
     gen = torch.Generator().manual_seed(104)
     seen = set()
     for temperature, seed in ((0.0, 51), *((1.0, s) for s in range(52, 60))):
-        _, text, guide = _generate(tiny, {"type": "choice", "choices": choices}, _prompt(gen),
+        _, text, guide = _generate(tiny_runner, {"type": "choice", "choices": choices}, _prompt(gen),
                                    temperature=temperature, seed=seed)
         assert guide.is_terminated()
         assert text in choices

@@ -6,7 +6,6 @@ once Serve replaced the replica; ``/health/live`` stays up throughout."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import threading
 import time
@@ -24,7 +23,7 @@ from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview
 
 from router.health import ReadinessProbe, readiness_from_status  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import free_port, prompt_of, replica_actors  # noqa: E402
+from tests.service_helpers import prompt_of, replica_actors  # noqa: E402
 
 ROLES = {"prefill": "PrefillServer", "decode": "DecodeServer"}
 
@@ -155,38 +154,19 @@ CONFIG = ServiceConfig.from_dict({"model": "builtin:tiny", "torch_threads": 1, "
 SMALL = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}, "health_check_period_s": 1.0}
 
 
+# STARTING: a service whose workers never start; its ingress answers as during a start-up (no
+# replica of either role RUNNING yet), for as long as the tests need
+NONE = {**{k: v for k, v in SMALL.items() if k != "num_replicas"},  # Serve refuses num_replicas=0
+        "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
+SERVE_APPS = {APP: {"config": CONFIG, "prefill": SMALL, "decode": SMALL, "ingress": {"ray_actor_options": {"num_cpus": 0.1}}},
+              STARTING: {"config": CONFIG, "prefill": NONE, "decode": NONE, "ingress": {"ray_actor_options": {"num_cpus": 0.1}}}}
+
+
 @pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from router.app import GRPC_SERVICER, build_application
-    from router.launcher import prepare_environment, ray_init_kwargs
-
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    if ray.is_initialized():
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(num_cpus=4, logging_level="WARNING", log_to_driver=False, **ray_init_kwargs("127.0.0.1"))
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    serve.run(build_application(CONFIG, prefill=SMALL, decode=SMALL, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
-              name=APP, route_prefix=f"/{APP}")
-    # a service whose workers never start: its ingress answers as during a start-up (no replica
-    # of either role RUNNING yet), for as long as the tests need
-    none = {**{k: v for k, v in SMALL.items() if k != "num_replicas"},  # Serve refuses num_replicas=0
-            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
-    serve.run(build_application(CONFIG, prefill=none, decode=none, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
-              name=STARTING, route_prefix=f"/{STARTING}")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}/{APP}", timeout=60.0)
-    yield client, channel
-    client.close()
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
+def service(service):
+    """The shared service (tests/conftest.py): an HTTP client on this module's app, the gRPC channel."""
+    with httpx.Client(base_url=f"{service['base']}/{APP}", timeout=60.0) as client:
+        yield client, service["channel"]
 
 
 def grpc_check(channel, service: str = "", timeout: float = 10.0, app: str = APP):

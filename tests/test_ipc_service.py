@@ -1,5 +1,6 @@
 """The service on one GPU with ``transport: auto``: prefill and decode replicas share the GPU and
-their KV pages move over CUDA IPC (a real local Ray + Serve on 127.0.0.1; needs CUDA).
+their KV pages move over CUDA IPC (the session's local Ray + Serve on 127.0.0.1,
+tests/conftest.py; needs CUDA).
 
 - ``ipc``: 1 prefill + 1 decode, a quarter GPU each; every transfer goes over CUDA IPC;
 - ``ipc_break``: the same, whose first ticket names a GPU nobody has: that request is retried
@@ -9,7 +10,6 @@ their KV pages move over CUDA IPC (a real local Ray + Serve on 127.0.0.1; needs 
 
 from __future__ import annotations
 
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -17,7 +17,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,26 +31,13 @@ CONFIGS = {
 QUARTER = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.25}, "num_replicas": 1}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import build_application
-
-    with local_serve() as (port, _):
-        targets = [RunTarget(build_application(CONFIGS[name], prefill=QUARTER, decode=QUARTER,
-                                               ingress={"ray_actor_options": {"num_cpus": 0.25}}),
-                             name=name, route_prefix=f"/{name}") for name in CONFIGS]
-        serve.run_many(targets)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-        yield client
-        client.close()
+SERVE_APPS = {name: {"config": CONFIGS[name], "prefill": QUARTER, "decode": QUARTER,
+                     "ingress": {"ray_actor_options": {"num_cpus": 0.25}}} for name in CONFIGS}
 
 
-def complete(client, app: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+def complete(service, app: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    r = client.post(f"/{app}/v1/completions", json=body)
+    r = service["http"].post(f"/{app}/v1/completions", json=body)
     assert r.status_code == 200, r.text
     obj = r.json()
     return obj["choices"][0]["token_ids"], obj

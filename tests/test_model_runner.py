@@ -47,11 +47,6 @@ def _runner(loaded, *, num_pages=64, page_size=64, config=DENSE, dense_below=0):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
 def hf_reference():
     """transformers' own greedy generate with sdpa on an identical model (separate instance:
     the runner switches its model to our attention)."""

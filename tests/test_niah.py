@@ -13,7 +13,6 @@ import torch
 from evals import niah
 from kernels.config import SparseConfig
 from router.offline import GenerationResult
-from model_executor.loading import load_model
 from model_executor.tokenizer import ByteTokenizer, HFTokenizer
 
 # Small selection settings so that a 1K prompt has blocks to prune; alpha 1 keeps only the
@@ -22,17 +21,7 @@ SMALL = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64)
 NEEDLE_RE = re.compile(r"The special magic number for (\S+) is (\d{7})\.")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("builtin:tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _word_tokenizer() -> HFTokenizer:

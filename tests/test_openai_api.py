@@ -15,7 +15,7 @@ grpc = pytest.importorskip("grpc")
 torch = pytest.importorskip("torch")
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 APP = "api"
@@ -26,22 +26,16 @@ CONFIG = ServiceConfig.from_dict({"model": "builtin:tiny", "torch_threads": 1, "
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
 
+SERVE_APPS = {APP: {"config": CONFIG, "prefill": {**SMALL, "num_replicas": 1}, "decode": {**SMALL, "num_replicas": 1},
+                    "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}}
+
+
 @pytest.fixture(scope="module")
-def service():
-    from ray import serve
-
-    from router.app import GRPC_SERVICER, build_application
-
-    with local_serve(GRPC_SERVICER) as (http_port, grpc_port):
-        app = build_application(CONFIG, prefill={**SMALL, "num_replicas": 1}, decode={**SMALL, "num_replicas": 1},
-                                ingress={"ray_actor_options": {"num_cpus": 0.25}})
-        serve.run(app, name=APP, route_prefix=f"/{APP}")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused",
-                               timeout=120.0, max_retries=0)
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        yield {"client": client, "channel": channel, "grpc_target": f"127.0.0.1:{grpc_port}",
-               "http_base": f"http://127.0.0.1:{http_port}/{APP}"}
-        channel.close()
+def service(service):
+    """The shared service (tests/conftest.py) with the official client on this module's app."""
+    client = openai.OpenAI(base_url=f"{service['base']}/{APP}/v1", api_key="unused", timeout=120.0, max_retries=0)
+    yield {**service, "client": client, "http_base": f"{service['base']}/{APP}"}
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -947,7 +941,7 @@ def test_cli_client_prints_every_choice_over_grpc_and_http(service, capsys):
     one = _stub(service["channel"]).Generate(pb.GenerateRequest(model=MODEL, prompt="hello", max_tokens=4, temperature=0),
                                              metadata=META, timeout=120)
     common = ["hello", "--n", "2", "--temperature", "0", "--max-tokens", "4", "--model", MODEL]
-    for extra in (["--grpc", "--grpc-target", service["grpc_target"], "--application", APP],
+    for extra in (["--grpc", "--grpc-target", service["target"], "--application", APP],
                   ["--url", service["http_base"]]):
         for stream in ([], ["--stream"]):
             capsys.readouterr()

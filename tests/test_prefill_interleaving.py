@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.config import SparseConfig
-from model_executor import ModelRunner, SamplingParams, build_tiny_model
+from model_executor import ModelRunner, SamplingParams
 from model_executor.loading import make_pool
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillState
 from prefill_worker.scheduler import PREFILL_POLICIES
@@ -20,11 +20,6 @@ from serving.config import PREFILL_SCHEDULES
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _prompt(n, seed):

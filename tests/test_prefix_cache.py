@@ -10,18 +10,13 @@ import torch
 
 from kernels.config import SparseConfig
 from kv_cache import PoolExhausted
-from model_executor import ModelRunner, build_tiny_model
+from model_executor import ModelRunner
 from model_executor.loading import make_pool
 from model_executor.sampling import SamplingParams
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1)
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=0)
 
 
 def _engine(tiny, *, cache, num_pages=40, chunk_size=None, config=SparseConfig(alpha=0.0)):

@@ -1,6 +1,6 @@
 """Reliability and security of the service under load, faults and bad input.
 
-One local Ray + Serve on 127.0.0.1 for the module (CPU, tiny model), four applications:
+The session's local Ray + Serve on 127.0.0.1 (tests/conftest.py; CPU, tiny model), four applications:
 - ``main``: 1 prefill + 1 decode, dense; bad input, size limits, the 200-request load test;
 - ``secure``: bearer-token auth, 4 KiB request limit, max_model_len 64; auth and fuzzing;
 - ``overload``: tiny KV pools and prefill queue, first KV frame truncated; 429s, retries;
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import free_port, oracle_tokens, prompt_of, replica_actors  # noqa: E402
+from tests.service_helpers import oracle_tokens, prompt_of, replica_actors  # noqa: E402
 
 MODEL = "builtin:tiny"
 TOKEN = "tok-REL-" + os.urandom(8).hex()  # must never show up in a log
@@ -53,42 +53,14 @@ SMALL = {"ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}}
 FIGURES: dict = {}  # what RELIABILITY.md reports; printed at the end of the module
 
 
-def _app(name: str):
-    from router.app import build_application
-
-    p, d = REPLICAS[name]
-    return build_application(CONFIGS[name], prefill={**SMALL, "num_replicas": p}, decode={**SMALL, "num_replicas": d},
-                             ingress={"ray_actor_options": {"num_cpus": 0.1}})
+SERVE_APPS = {name: {"config": CONFIGS[name], "prefill": {**SMALL, "num_replicas": p}, "decode": {**SMALL, "num_replicas": d},
+                     "ingress": {"ray_actor_options": {"num_cpus": 0.1}}} for name, (p, d) in REPLICAS.items()}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-    from ray.serve.config import gRPCOptions
-
-    from router.app import GRPC_SERVICER
-    from router.launcher import prepare_environment, ray_init_kwargs
-
-    prepare_environment()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    if ray.is_initialized():  # another module's Ray: ours needs the loopback gRPC hook
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(num_cpus=8, logging_level="WARNING", log_to_driver=False, **ray_init_kwargs("127.0.0.1"))
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    serve.run_many([RunTarget(_app(name), name=name, route_prefix=f"/{name}") for name in CONFIGS])
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120.0)
-    yield {"http": client, "channel": channel, "http_port": http_port, "grpc_port": grpc_port,
-           "base": f"http://127.0.0.1:{http_port}", "target": f"127.0.0.1:{grpc_port}"}
+@pytest.fixture(scope="module", autouse=True)
+def figures():
+    yield
     print("\nRELIABILITY FIGURES", json.dumps(FIGURES, indent=1, default=str))
-    client.close()
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,10 +1,10 @@
 """The disaggregated service end to end: a real local Ray + Serve on 127.0.0.1, CPU only.
 
-One Ray/Serve for the module, three applications deployed together:
+The session's Ray/Serve (tests/conftest.py), three applications deployed together:
 - ``dense``: alpha=0, 1 prefill + 1 decode (oracle equality, bad input);
 - ``sparse``: alpha=0.1 and sparse prefill at every length, 2 prefill + 1 decode
   (oracle equality, causal-workload placement, scaling under load, disconnects);
-- ``faults``: 1 + 1 with the first 4 KV frames corrupted (retry, clean failure) and a small
+- ``corrupt``: 1 + 1 with the first 4 KV frames corrupted (retry, clean failure) and a small
   prefill queue (429 with Retry-After).
 """
 
@@ -23,7 +23,6 @@ grpc = pytest.importorskip("grpc")
 
 from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import (  # noqa: E402
-    local_serve,
     oracle_tokens,
     prompt_of,
     replica_stats,
@@ -37,39 +36,20 @@ CONFIGS = {
     "dense": ServiceConfig.from_dict({**COMMON, "alpha": 0.0}),
     "sparse": ServiceConfig.from_dict({**COMMON, "alpha": 0.1, "dense_below": 0, "block_size": 64,
                                        "sink_tokens": 64, "window_tokens": 128}),
-    "faults": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2, "max_queued_prefill_tokens": 2000,
-                                       "fault_injection": {"corrupt_transfers": 4, "mode": "flip"}}),
+    "corrupt": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2, "max_queued_prefill_tokens": 2000,
+                                        "fault_injection": {"corrupt_transfers": 4, "mode": "flip"}}),
 }
-REPLICAS = {"dense": (1, 1), "sparse": (2, 1), "faults": (1, 1)}
+REPLICAS = {"dense": (1, 1), "sparse": (2, 1), "corrupt": (1, 1)}
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
 
-def _app(name: str, prefill_replicas: int | None = None):
-    from router.app import build_application
-
+def _spec(name: str, prefill_replicas: int | None = None) -> dict:
     p, d = REPLICAS[name]
-    return build_application(
-        CONFIGS[name],
-        prefill={**SMALL, "num_replicas": prefill_replicas or p},
-        decode={**SMALL, "num_replicas": d},
-        ingress={"ray_actor_options": {"num_cpus": 0.25}},
-    )
+    return {"config": CONFIGS[name], "prefill": {**SMALL, "num_replicas": prefill_replicas or p},
+            "decode": {**SMALL, "num_replicas": d}, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import GRPC_SERVICER
-
-    with local_serve(GRPC_SERVICER) as (http_port, grpc_port):
-        serve.run_many([RunTarget(_app(name), name=name, route_prefix=f"/{name}") for name in CONFIGS])
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        client = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120.0)
-        yield {"http": client, "channel": channel, "base": f"http://127.0.0.1:{http_port}"}
-        client.close()
-        channel.close()
+SERVE_APPS = {name: _spec(name) for name in CONFIGS}  # deployed by tests/conftest.py's service fixture
 
 
 def complete(client, app: str, body: dict, path: str = "/v1/completions"):
@@ -220,7 +200,8 @@ def test_successful_prefills_log_no_cancellation(service):
 
     time.sleep(1.0)  # log handlers flush
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
-    lines = [line for path in logs.glob("replica_*_PrefillServer_*.log")
+    # this module's applications only: the session's Ray ran other modules' faults before
+    lines = [line for app in CONFIGS for path in logs.glob(f"replica_{app}_PrefillServer_*.log")
              for line in path.read_text(errors="replace").splitlines() if "CALL prefill " in line]
     assert any("CALL prefill OK" in line for line in lines)
     assert [line for line in lines if "CANCELLED" in line or "ERROR" in line] == []
@@ -291,26 +272,26 @@ def test_bad_input_grpc(service):
 def test_corrupt_transfer_fails_cleanly_then_retries(service):
     client = service["http"]
     body = {"prompt": prompt_of(90, seed=5), "max_tokens": 4, "temperature": 0, "return_token_ids": True}
-    want = oracle_tokens(CONFIGS["faults"], body["prompt"], 4)
+    want = oracle_tokens(CONFIGS["corrupt"], body["prompt"], 4)
     # frames 1-3 corrupt: every attempt of the first request fails -> a clean 502
-    r = complete(client, "faults", body)
+    r = complete(client, "corrupt", body)
     assert r.status_code == 502, r.text
     assert r.json()["error"]["code"] == "kv_transfer_failed"
-    wait_pools_idle("faults")
+    wait_pools_idle("corrupt")
     # frame 4 corrupt, frame 5 fine: the second request succeeds on its retry
-    r = complete(client, "faults", body)
+    r = complete(client, "corrupt", body)
     assert r.status_code == 200, r.text
     assert r.json()["timing"]["prefill_attempts"] == 2
     assert r.json()["choices"][0]["token_ids"] == want
-    r = complete(client, "faults", body)
+    r = complete(client, "corrupt", body)
     assert r.json()["timing"]["prefill_attempts"] == 1
-    dec = replica_stats("faults", "DecodeServer")
+    dec = replica_stats("corrupt", "DecodeServer")
     assert sum(s["transfer_failures"] for s in dec) == 4
     # Prometheus metrics (serving/metrics.py) record in the replicas, none failed
-    for s in dec + replica_stats("faults", "PrefillServer"):
+    for s in dec + replica_stats("corrupt", "PrefillServer"):
         assert s["metrics"]["enabled"] and not s["metrics"]["broken"], s["metrics"]
     assert any("kv_transfers_total" in s["metrics"]["recording"] for s in dec)
-    wait_pools_idle("faults")
+    wait_pools_idle("corrupt")
 
 
 def test_prefill_queue_bound_gives_429_with_retry_after(service):
@@ -318,7 +299,7 @@ def test_prefill_queue_bound_gives_429_with_retry_after(service):
     results: list = []
 
     def send(i: int):
-        results.append(complete(client, "faults", {"prompt": prompt_of(1500, seed=40 + i), "max_tokens": 1}))
+        results.append(complete(client, "corrupt", {"prompt": prompt_of(1500, seed=40 + i), "max_tokens": 1}))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
     for th in threads:
@@ -331,7 +312,7 @@ def test_prefill_queue_bound_gives_429_with_retry_after(service):
     rejected = next(r for r in results if r.status_code == 429)
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["type"] == "rate_limit_error"
-    wait_pools_idle("faults")
+    wait_pools_idle("corrupt")
 
 
 # ----------------------------------------------------------------------------- routing
@@ -383,6 +364,8 @@ def test_client_disconnect_frees_decode_pages(service):
 def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
     from ray import serve
 
+    from router.app import build_application
+
     client = service["http"]
     prompts = [prompt_of(n, seed=n) for n in (30, 90, 200)]
     want = {tuple(p): oracle_tokens(CONFIGS["sparse"], p, 4) for p in prompts}
@@ -413,7 +396,7 @@ def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
     try:
         time.sleep(1.0)
         for n in (3, 1):
-            serve.run(_app("sparse", prefill_replicas=n), name="sparse", route_prefix="/sparse")
+            serve.run(build_application(**_spec("sparse", prefill_replicas=n)), name="sparse", route_prefix="/sparse")
             deadline = time.monotonic() + 90
             while len(replica_stats("sparse", "PrefillServer")) != n and time.monotonic() < deadline:
                 time.sleep(0.5)

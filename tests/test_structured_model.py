@@ -15,7 +15,7 @@ SMALL = SparseConfig(block_size=64, sink_tokens=64, window_tokens=128)
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def structured_tiny():
     spec = tiny_spec()
     return spec, build_structured_llama(spec, device="cpu", dtype=torch.float32)
 
@@ -45,8 +45,8 @@ def _qk(model, ids, layer=0):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def test_heads_show_sink_locality_and_retrieval(tiny):
-    spec, model = tiny
+def test_heads_show_sink_locality_and_retrieval(structured_tiny):
+    spec, model = structured_tiny
     ids = haystack_ids(spec, 1024, seed=1)
     ids[0, 700] = ids[0, 1023]  # an earlier copy of the last token, far outside the bands
     with torch.no_grad():
@@ -66,8 +66,8 @@ def test_heads_show_sink_locality_and_retrieval(tiny):
             assert last[700] < far + 3
 
 
-def test_density_below_one_and_decreasing(tiny):
-    spec, model = tiny
+def test_density_below_one_and_decreasing(structured_tiny):
+    spec, model = structured_tiny
     per_len = {}
     for length in (1024, 2048, 4096):
         recs = measure_density(model, haystack_ids(spec, length, seed=0), SMALL)
@@ -81,8 +81,8 @@ def test_density_below_one_and_decreasing(tiny):
     assert per_len[4096] > 0.12
 
 
-def test_measure_density_leaves_model_unchanged(tiny):
-    spec, model = tiny
+def test_measure_density_leaves_model_unchanged(structured_tiny):
+    spec, model = structured_tiny
     ids = haystack_ids(spec, 256, seed=3)
     before = model.config._attn_implementation
     with torch.no_grad():

@@ -28,31 +28,24 @@ def test_placement_options_one_bundle_per_rank():
     assert placement_options(cfg, "decode") == {}
 
 
-def test_a_ray_tp_group_equals_tp1_and_a_dead_rank_fails_the_leader():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-                 log_to_driver=False)
-    try:
-        cfg = ServiceConfig(**CONFIG)
-        lock, actors = start_group(cfg, "prefill", num_pages=48)
-        assert lock.pool.num_kv_heads == 1  # 2 KV heads over 2 ranks
-        got = serve(lock)
-        want = serve(build_rank_runner(cfg, "prefill", None, 48))
-        for key in ("first", "cached", "tokens"):
-            assert got[key] == want[key], key
-        assert want["cached"][1] == 128
-        assert got["used_pages"] == 0 and ray.get(actors[0].used_pages.remote()) == 0
-        ray.kill(actors[0])
-        # ray.kill is asynchronous: wait until the actor is gone, so the step below meets a dead rank
-        for _ in range(600):
-            try:
-                ray.get(actors[0].used_pages.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - RayActorError once it is dead
-                break
-            time.sleep(0.05)
-        with pytest.raises(parallel.RankFailed, match="TP rank 1"):
-            lock.ensure_capacity("late", 20)  # the follower is gone: the group is out of step
-    finally:
-        if started:
-            ray.shutdown()
+def test_a_ray_tp_group_equals_tp1_and_a_dead_rank_fails_the_leader(serve_cluster):
+    # the session's Ray (tests/conftest.py): the group is placed like a replica's ranks
+    cfg = ServiceConfig(**CONFIG)
+    lock, actors = start_group(cfg, "prefill", num_pages=48)
+    assert lock.pool.num_kv_heads == 1  # 2 KV heads over 2 ranks
+    got = serve(lock)
+    want = serve(build_rank_runner(cfg, "prefill", None, 48))
+    for key in ("first", "cached", "tokens"):
+        assert got[key] == want[key], key
+    assert want["cached"][1] == 128
+    assert got["used_pages"] == 0 and ray.get(actors[0].used_pages.remote()) == 0
+    ray.kill(actors[0])
+    # ray.kill is asynchronous: wait until the actor is gone, so the step below meets a dead rank
+    for _ in range(600):
+        try:
+            ray.get(actors[0].used_pages.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - RayActorError once it is dead
+            break
+        time.sleep(0.05)
+    with pytest.raises(parallel.RankFailed, match="TP rank 1"):
+        lock.ensure_capacity("late", 20)  # the follower is gone: the group is out of step

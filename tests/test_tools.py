@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from model_executor.grammar import compile_guide
-from model_executor.loading import load_model, make_pool
-from model_executor.runner import ModelRunner, PrefillItem
+from model_executor.runner import PrefillItem
 from model_executor.tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 from model_executor.tools import (
     apply_chat_template_with_tools,
@@ -42,12 +41,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "lookup": LOOKUP, "ping": {"type": "object", "properties": {},
                                                                "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    loaded = load_model(None)
-    return loaded, ModelRunner(loaded.model, make_pool(loaded, num_pages=12, page_size=64), dense_below=1 << 30)
 
 
 def _generate(tiny, guided, prompt, *, seed, max_tokens=200):
@@ -89,9 +82,9 @@ def _check_calls(calls, names):
     assert len({c["id"] for c in calls}) == len(calls)
 
 
-def test_required_tool_call_from_the_tiny_model(tiny):
+def test_required_tool_call_from_the_tiny_model(tiny_runner):
     guided = tools_to_guided(TOOLS, "required", model_type="qwen2")
-    content, calls = extract_tool_calls(_generate(tiny, guided, "call a tool", seed=60), "qwen2")
+    content, calls = extract_tool_calls(_generate(tiny_runner, guided, "call a tool", seed=60), "qwen2")
     assert content is None
     _check_calls(calls, set(SCHEMAS))
 

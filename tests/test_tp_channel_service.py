@@ -14,7 +14,7 @@ from serving.config import ServiceConfig
 
 httpx = pytest.importorskip("httpx")
 
-from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 CONFIG = ServiceConfig.from_dict({
@@ -26,33 +26,22 @@ CONFIG = ServiceConfig.from_dict({
 ONE = {"ray_actor_options": {"num_cpus": 0.5}, "num_replicas": 1}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import build_application
-
-    with local_serve() as (port, _):
-        serve.run_many([RunTarget(build_application(CONFIG, prefill=ONE, decode=ONE,
-                                                    ingress={"ray_actor_options": {"num_cpus": 0.25}}),
-                                  name="tpch", route_prefix="/tpch")])
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-        yield client
-        client.close()
+SERVE_APPS = {"tpch": {"config": CONFIG, "prefill": ONE, "decode": ONE, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}}
 
 
-def complete(client, ids: list[int], max_tokens: int) -> list[int]:
+def complete(service, ids: list[int], max_tokens: int) -> list[int]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    r = client.post("/tpch/v1/completions", json=body)
+    r = service["http"].post("/tpch/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
 
-def follower_used_pages() -> list[int]:
+def follower_used_pages(replica_id: str) -> list[int]:
+    """Pages held by the follower ranks of prefill replica ``replica_id``."""
     import ray
 
-    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("fptp_rank:")]
+    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"fptp_rank:{replica_id}:")]
     return [ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).used_pages.remote()) for a in ranks]
 
 
@@ -77,4 +66,4 @@ def test_tp2_prefill_channels_from_every_rank_fault_retried_pools_clean(service)
     assert dec["transfer_failures"] == 1
     # the leader's own rank sent in every channel transfer (rank 1 broke in the first, after it)
     assert pre["channel_sends"] == 4 and pre["channel_staged"] == 0
-    assert follower_used_pages() == [0]
+    assert follower_used_pages(pre["replica_id"]) == [0]

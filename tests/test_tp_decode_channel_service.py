@@ -18,7 +18,7 @@ from serving.config import ServiceConfig
 
 httpx = pytest.importorskip("httpx")
 
-from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 COMMON = {"model": "builtin:tiny", "device": "cpu", "torch_threads": 1, "prefill_kv_pages": 64, "decode_kv_pages": 64, "page_size": 16,
@@ -35,25 +35,13 @@ ONE = {"ray_actor_options": {"num_cpus": 0.5}, "num_replicas": 1}
 CASES = [(150, 4, 6), (40, 1, 8), (230, 2, 5), (17, 3, 7)]  # sparse and dense, one to several pages
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import build_application
-
-    with local_serve() as (port, _):
-        serve.run_many([RunTarget(build_application(cfg, prefill=ONE, decode=ONE,
-                                                    ingress={"ray_actor_options": {"num_cpus": 0.25}}),
-                                  name=app, route_prefix=f"/{app}") for app, cfg in CONFIGS.items()])
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=240.0)
-        yield client
-        client.close()
+SERVE_APPS = {app: {"config": cfg, "prefill": ONE, "decode": ONE, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}
+              for app, cfg in CONFIGS.items()}
 
 
-def complete(client, app: str, ids: list[int], max_tokens: int) -> list[int]:
+def complete(service, app: str, ids: list[int], max_tokens: int) -> list[int]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    r = client.post(f"/{app}/v1/completions", json=body)
+    r = service["http"].post(f"/{app}/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 

@@ -10,7 +10,7 @@ from serving.config import ServiceConfig
 
 httpx = pytest.importorskip("httpx")
 
-from tests.service_helpers import local_serve, oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
+from tests.service_helpers import oracle_tokens, prompt_of, replica_stats, wait_pools_idle  # noqa: E402
 
 MODEL = "builtin:tiny"
 CONFIG = ServiceConfig.from_dict({
@@ -21,25 +21,12 @@ CONFIG = ServiceConfig.from_dict({
 ONE = {"ray_actor_options": {"num_cpus": 0.5}, "num_replicas": 1}
 
 
-@pytest.fixture(scope="module")
-def service():
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from router.app import build_application
-
-    with local_serve() as (port, _):
-        serve.run_many([RunTarget(build_application(CONFIG, prefill=ONE, decode=ONE,
-                                                    ingress={"ray_actor_options": {"num_cpus": 0.25}}),
-                                  name="tp", route_prefix="/tp")])
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
-        yield client
-        client.close()
+SERVE_APPS = {"tp": {"config": CONFIG, "prefill": ONE, "decode": ONE, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}}
 
 
-def complete(client, ids: list[int], max_tokens: int) -> list[int]:
+def complete(service, ids: list[int], max_tokens: int) -> list[int]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    r = client.post("/tp/v1/completions", json=body)
+    r = service["http"].post("/tp/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -66,7 +53,8 @@ def test_a_rank_killed_mid_prefill_fails_its_replica_and_the_request_is_still_an
     worker = threading.Thread(target=lambda: out.setdefault("tokens", complete(service, ids, 6)))
     worker.start()
     time.sleep(0.5)  # the call is in the replica, held by fault_injection.prefill_delay_ms
-    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("fptp_rank:")]
+    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"fptp_rank:{before['replica_id']}:")]
     assert len(ranks) == 1
     ray.kill(ray.get_actor(ranks[0]["name"], namespace=ranks[0]["namespace"]))
     worker.join(240)
