@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval")
 httpx = pytest.importorskip("httpx")
 
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, wait_pools_idle  # noqa: E402
+from tests.service_helpers import wait_pools_idle  # noqa: E402
 from tests.test_tokenizer_export import random_text  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real model on CPU, several client runs: minutes
@@ -47,18 +47,15 @@ def tokenizer_dir(tmp_path_factory):
         pytest.skip(str(exc))
 
 
+SERVE_APPS = {APP: {"config": ServiceConfig.from_dict(CONFIG), "prefill": {**SMALL, "num_replicas": 1},
+                    "decode": {**SMALL, "num_replicas": 1}, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}}
+
+
 @pytest.fixture(scope="module")
-def service(tokenizer_dir):
-    from ray import serve
-
-    from router.app import build_application
-
-    with local_serve() as (http_port, _):
-        app = build_application(ServiceConfig.from_dict(CONFIG), prefill={**SMALL, "num_replicas": 1},
-                                decode={**SMALL, "num_replicas": 1}, ingress={"ray_actor_options": {"num_cpus": 0.25}})
-        serve.run(app, name=APP, route_prefix=f"/{APP}")
-        yield f"http://127.0.0.1:{http_port}/{APP}"
-        wait_pools_idle(APP)  # no leaked KV page after every client ran
+def service(service, tokenizer_dir):
+    """The shared cluster's app for this module (tests/conftest.py): its base URL."""
+    yield f"{service['base']}/{APP}"
+    wait_pools_idle(APP)  # no leaked KV page after every client ran
 
 
 def _run(cmd: list[str], timeout: float = 900) -> str:
