@@ -122,7 +122,9 @@ def run_client(args: Any) -> int:
     try:
         if args.grpc:
             client = GrpcClient(args.grpc_target, args.application)
-            model = args.model or "builtin:tiny"
+            from model_executor.loading import DEFAULT_MODEL  # the served model unless the service names another
+
+            model = args.model or DEFAULT_MODEL
             prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
             if args.stream:
                 last, texts = None, {}
