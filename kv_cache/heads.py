@@ -19,17 +19,21 @@ from dataclasses import dataclass
 
 
 def check_tp_size(tp_size: object, num_q_heads: int, num_kv_heads: int, *,
-                  name: str = "tensor_parallel_size") -> int:
+                  name: str = "tensor_parallel_size", sizes: list[int] | None = None) -> int:
     """``tp_size`` as an int, or ValueError naming ``name``: it must divide the query heads, and
-    divide the KV heads or be a multiple of them (replicated KV heads)."""
+    divide the KV heads or be a multiple of them (replicated KV heads). ``sizes``: the sizes the
+    message suggests (default :func:`divisors`; a caller that knows more limits, e.g. the MLP
+    width, passes fewer)."""
+    if sizes is None:
+        sizes = divisors(num_q_heads, num_kv_heads)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {tp_size!r}")
     if num_q_heads % tp_size:
         raise ValueError(f"{name}: {tp_size} ranks must divide the model's {num_q_heads} query heads; "
-                         f"use one of {divisors(num_q_heads, num_kv_heads)}")
+                         f"use one of {sizes}")
     if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(f"{name}: {tp_size} ranks must divide the model's {num_kv_heads} KV heads or be a "
-                         f"multiple of them (KV heads replicated); use one of {divisors(num_q_heads, num_kv_heads)}")
+                         f"multiple of them (KV heads replicated); use one of {sizes}")
     return tp_size
 
 

@@ -98,13 +98,14 @@ def _heads(config: Any) -> tuple[int, int, int]:
 def layout_of(config: Any, tp_size: int, *, name: str = "tensor_parallel_size") -> HeadLayout:
     """The head layout of a model config over ``tp_size`` ranks; ValueError naming ``name`` when
     the heads (or the MLP width) do not split."""
-    from kv_cache.heads import check_tp_size
+    from kv_cache.heads import check_tp_size, divisors
 
     hq, hkv, _ = _heads(config)
-    check_tp_size(tp_size, hq, hkv, name=name)
     inter = int(config.intermediate_size)
+    sizes = [n for n in divisors(hq, hkv) if inter % n == 0]
+    check_tp_size(tp_size, hq, hkv, name=name, sizes=sizes)
     if inter % tp_size:
-        raise ValueError(f"{name}: {tp_size} ranks must divide the model's MLP width {inter}")
+        raise ValueError(f"{name}: {tp_size} ranks must divide the model's MLP width {inter}; use one of {sizes}")
     return HeadLayout(hq, hkv, tp_size)
 
 

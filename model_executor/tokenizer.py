@@ -281,6 +281,14 @@ class HFTokenizer:
     def stop_token_ids(self) -> tuple[int, ...]:
         return () if self._tok.eos_token_id is None else (int(self._tok.eos_token_id),)
 
+    @property
+    def tool_call_format(self) -> str | None:
+        """``"hermes"`` when the chat template writes ``<tool_call>`` blocks (Qwen2.5's, the built-in
+        SmolLM2's), else None: the architecture decides (``model_executor.tools``). A Llama-arch
+        model with a Hermes template must not be parsed as Llama 3's bare JSON."""
+        template = getattr(self._tok, "chat_template", None)
+        return "hermes" if isinstance(template, str) and "<tool_call>" in template else None
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_bos))
 

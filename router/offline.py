@@ -7,6 +7,7 @@ same seeds; only the KV transfer between pools is missing).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,17 +41,29 @@ def generate(
     max_batch_tokens: int = 8192,
     max_running: int = 256,
     backend: str = "auto",
+    ignore_eos: bool = False,
 ) -> list[GenerationResult]:
     """Generate for every prompt (token ids, or text when the model has a tokenizer).
 
     ``model`` defaults to the built-in tiny model. The pool holds every prompt plus its
     ``max_new_tokens`` unless ``num_pages`` says otherwise. Results in prompt order.
+
+    Generation stops at the tokenizer's end-of-text tokens (``tokenizer.stop_token_ids``, e.g.
+    SmolLM2's ``<|im_end|>``) besides each request's own ``stop_token_ids``, as the service's
+    ingress does; ``ignore_eos=True`` stops only at the request's own (vLLM's ``ignore_eos``).
     """
     loaded = model if model is not None else load_model(None)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"params: expected one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos: expected a bool, got {ignore_eos!r}")
+    eos = () if ignore_eos else tuple(getattr(loaded.tokenizer, "stop_token_ids", ()) or ())
+    if eos:
+        params = [sp if set(eos) <= set(sp.stop_token_ids) else dataclasses.replace(
+            sp, stop_token_ids=sp.stop_token_ids + tuple(t for t in eos if t not in sp.stop_token_ids))
+            for sp in params]
     ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -65,8 +78,9 @@ def generate(
     runner = ModelRunner(
         loaded.model, pool, sparse_config, dense_below=dense_below, device=pool.k.device, backend=backend
     )
-    prefill = PrefillEngine(runner, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size)
-    decode = DecodeEngine(runner, max_running=max_running)
+    # the tokenizer compiles structured-output guides (``params.guided``)
+    prefill = PrefillEngine(runner, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size, tokenizer=loaded.tokenizer)
+    decode = DecodeEngine(runner, max_running=max_running, tokenizer=loaded.tokenizer)
     rids = [f"gen-{i}" for i in range(len(ids))]
     firsts = prefill.prefill([PrefillRequest(r, x, sp) for r, x, sp in zip(rids, ids, params)])
     for res, x, sp in zip(firsts, ids, params):

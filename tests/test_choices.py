@@ -32,7 +32,7 @@ def _engines(tiny, num_pages=40):
 
 def _oracle(tiny, prompt, params):
     return list(generate([prompt], params, model=tiny, sparse_config=SparseConfig(alpha=0.0), dense_below=0,
-                         page_size=PAGE)[0].output_token_ids)
+                         page_size=PAGE, ignore_eos=True)[0].output_token_ids)  # the engines add no EOS
 
 
 def _group(tiny, prompt, choices, num_pages=40):

@@ -61,7 +61,8 @@ def test_greedy_matches_transformers_generate(tiny, hf_reference, dense_below):
     prompts, expected = hf_reference
     assert len(set(expected[1])) > 5  # the tiny model does not just repeat one token
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-    got = generate(prompts, params, model=tiny, sparse_config=DENSE, dense_below=dense_below, page_size=16)
+    got = generate(prompts, params, model=tiny, sparse_config=DENSE, dense_below=dense_below, page_size=16,
+                   ignore_eos=True)  # transformers' run above ignores EOS too
     for res, exp in zip(got, expected):
         assert list(res.output_token_ids) == exp
         assert res.finish_reason == "length"
@@ -122,7 +123,7 @@ def test_sparse_alpha_runs_on_long_prompts_and_prunes(tiny):
     assert torch.isfinite(logits["sparse"]).all()
     assert not torch.equal(logits["sparse"], logits["dense"])  # blocks were pruned
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    out = generate(prompts, params, model=tiny, sparse_config=sparse, dense_below=0)
+    out = generate(prompts, params, model=tiny, sparse_config=sparse, dense_below=0, ignore_eos=True)
     for res in out:
         assert len(res.output_token_ids) == 4
         assert all(0 <= t < tiny.config.vocab_size for t in res.output_token_ids)
@@ -441,7 +442,7 @@ def test_builtin_model_is_deterministic_and_text_generation_works():
     for (na, pa), (nb, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert na == nb and torch.equal(pa, pb)
     assert (a.num_layers, a.num_kv_heads, a.head_dim) == (4, 2, 64)
-    out = generate(["hello"], SamplingParams(temperature=0, max_new_tokens=3), model=a)
+    out = generate(["hello"], SamplingParams(temperature=0, max_new_tokens=3), model=a, ignore_eos=True)
     assert len(out[0].output_token_ids) == 3
     assert isinstance(a.tokenizer.decode(out[0].output_token_ids), str)
 
@@ -553,7 +554,7 @@ def test_gpu_bf16_prefill_close_to_sdpa_and_generation_runs():
             assert (logits[i] - want).abs().max() < 0.1 * want.abs().max()
     sparse = SparseConfig(alpha=0.2, block_size=128, sink_tokens=128, window_tokens=256)
     out = generate(prompts, SamplingParams(temperature=0, max_new_tokens=16), model=ours,
-                   sparse_config=sparse, dense_below=512)
+                   sparse_config=sparse, dense_below=512, ignore_eos=True)
     assert all(len(r.output_token_ids) == 16 for r in out)
 
 
