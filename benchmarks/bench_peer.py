@@ -19,7 +19,7 @@ the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
   *other's* index, converted by ``benchmarks/peers/convert.py``), FA4 dense and block-sparse on
   our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1).
 - bf16 and FP8 (e4m3, per-tensor descales, the same quantized values for both operators). Our
-  side reads FP8 V token-major as the service's pool stores it (``kv_transfer/pool.py``), which
+  side reads FP8 V token-major as the service's pool stores it (``kv_cache/tensors.py``), which
   is what the CUTLASS e4m3 path takes (``page_size % 16 == 0``; page 1 runs on Triton); the
   ``backend`` column says which ran.
 - Per row: median ms of the attention stage with the row's correction (``attention_ms``), without
@@ -307,7 +307,7 @@ def our_attention_backend(cfg: Cfg, device, q, kp, vp) -> str:
 
 def token_major(v_pages: torch.Tensor) -> torch.Tensor:
     """``[num_pages, page_size, Hkv, d]`` values stored ``[num_pages, Hkv, d, page_size]`` (the
-    FP8 pool's V, ``kv_transfer/pool.py``), seen in the logical shape."""
+    FP8 pool's V, ``kv_cache/tensors.py``), seen in the logical shape."""
     return v_pages.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 

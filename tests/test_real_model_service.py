@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from model_executor.gguf import BUILTIN_SMOLLM2  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
-from tests.service_helpers import local_serve, wait_pools_idle  # noqa: E402
+from tests.service_helpers import wait_pools_idle  # noqa: E402
 
 APP = "smollm2"
 # the service's defaults (sparse prefill at alpha 0.1 from sparse.dense_below tokens on), CPU sized
@@ -36,18 +36,14 @@ def model_dir():
         pytest.skip(str(e))
 
 
+SERVE_APPS = {APP: {"config": CONFIG, "prefill": {**SMALL, "num_replicas": 1}, "decode": {**SMALL, "num_replicas": 1},
+                    "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}}
+
+
 @pytest.fixture(scope="module")
-def service(model_dir):
-    from ray import serve
-
-    from router.app import build_application
-
-    with local_serve() as (http_port, _):
-        app = build_application(CONFIG, prefill={**SMALL, "num_replicas": 1}, decode={**SMALL, "num_replicas": 1},
-                                ingress={"ray_actor_options": {"num_cpus": 0.25}})
-        serve.run(app, name=APP, route_prefix=f"/{APP}")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused",
-                            timeout=300.0, max_retries=0)
+def service(model_dir, service):
+    """The shared cluster's app for this module (tests/conftest.py), as an openai client."""
+    yield openai.OpenAI(base_url=f"{service['base']}/{APP}/v1", api_key="unused", timeout=300.0, max_retries=0)
 
 
 @pytest.fixture(scope="module")
