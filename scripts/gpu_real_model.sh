@@ -6,7 +6,8 @@
 #          && mv /tmp/smolpart.aa .carry/a/ && mv /tmp/smolpart.ab .carry/b/ \
 #          && .venv/bin/pip download -q --no-deps --only-binary=:all: -d .carry/b "gguf>=0.17" \
 #          && .venv/bin/python -c "from evals.real_fidelity import load_text as t; open('.carry/b/text.txt','w').write(t().text)"
-#   run 1 (carry .carry/a):  mkdir -p /root/stash && cp .carry/a/* /root/stash/
+#   run 1 (carry .carry/a, and .carry/c: the CUTLASS library built here, xz-compressed):
+#          mkdir -p /root/stash && cp .carry/a/* .carry/c/* /root/stash/
 #   run 2 (carry .carry/b):  bash scripts/gpu_real_model.sh [fidelity] [niah] [tests]
 # The file is rebuilt, gguf installed from the carried wheel, and the model converted once to a
 # Hugging Face directory exactly as on a CPU machine (model_executor/gguf.py). Results: $OUT.
@@ -24,6 +25,10 @@ export PYTHONPATH=/tmp/site:/root/smol:$PWD PYTHONUNBUFFERED=1 FLASHPREFILL_MODE
 DIR=$(python3 -c "from model_executor.gguf import gguf_dir; print(gguf_dir('builtin:smollm2-135m'))" 2>"$OUT/convert.log" | tail -1)
 echo "model dir: $DIR"; [ -d "$DIR" ] || { tail -20 "$OUT/convert.log"; exit 1; }
 export FLASHPREFILL_SMOLLM2_DIR=$DIR
+if [ -f /root/stash/libfp_cutlass.so.xz ] && [ -z "${FLASHPREFILL_CUTLASS_LIB:-}" ]; then
+  xz -d -c /root/stash/libfp_cutlass.so.xz > /root/libfp_cutlass.so && chmod +x /root/libfp_cutlass.so
+  export FLASHPREFILL_CUTLASS_LIB=/root/libfp_cutlass.so
+fi
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(fidelity niah tests)
 run() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
@@ -37,7 +42,12 @@ for s in "${steps[@]}"; do
                 --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 --out "$OUT/real_fidelity_h100.json" ;;
     niah) run niah_smollm2 240 python3 -m evals.niah --model "$DIR" --device cuda --dtype bf16 --lengths 2048 4096 8192 \
                 --trials 4 --out "$OUT/niah_smollm2_h100.json" ;;
+    # the real model through Triton and CUTLASS (FLASHPREFILL_CUTLASS_LIB: a library built here and
+    # carried), then the GPU tests of the modules this wave changed (the kv_cache split among them)
     tests) run gpu_tests_real_model 240 python3 -m pytest -m gpu tests/test_real_model_gpu.py -q -p no:cacheprovider -rfEs ;;
+    wave_tests) run gpu_tests_wave 300 python3 -m pytest -m gpu tests/test_kv_pool.py tests/test_kv_cache_manager.py tests/test_kv_ipc.py \
+                  tests/test_model_runner.py tests/test_cuda_graphs.py tests/test_choices.py tests/test_prefix_cache.py \
+                  tests/test_fp8.py tests/test_engines.py -q -p no:cacheprovider -rfEs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
