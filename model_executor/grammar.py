@@ -244,15 +244,44 @@ def _byte_ll_tokenizer(tok: ByteTokenizer) -> llguidance.LLTokenizer:
 
 
 def _hf_ll_tokenizer(tok: HFTokenizer) -> llguidance.LLTokenizer:
-    import llguidance.hf
+    """llguidance's view of a Hugging Face tokenizer, built from our own per-token bytes
+    (``HFTokenizer.token_bytes``) rather than from tokenizer.json: llguidance's own reader
+    (``llguidance.hf.from_tokenizer``) recognises byte-level BPE only by a bare ``ByteLevel``
+    decoder, and a tokenizer converted from GGUF (SmolLM2's) has a decoder *sequence* ending in
+    ByteLevel; read that way, every token spelled with GPT-2's byte characters ("Ġ" for a space)
+    became those characters' UTF-8 bytes, and the grammar masks went wrong (tests/test_real_model.py)."""
     from transformers import PreTrainedTokenizerFast
 
-    if not isinstance(tok.hf_tokenizer, PreTrainedTokenizerFast):
+    hf = tok.hf_tokenizer
+    if not isinstance(hf, PreTrainedTokenizerFast):
         raise ValueError(
             f"tokenizer: guided decoding needs a fast Hugging Face tokenizer (tokenizer.json), "
-            f"got {type(tok.hf_tokenizer).__name__}"
+            f"got {type(hf).__name__}"
         )
-    return llguidance.hf.from_tokenizer(tok.hf_tokenizer, n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids))
+    n_known = len(hf)
+    special = {int(i) for i in hf.all_special_ids}
+    # every added token is matched whole, by name (``<tool_call>`` in a grammar), as llguidance's own reader does
+    special |= {int(i) for i in hf.added_tokens_decoder}
+    special |= set(range(n_known, tok.vocab_size))  # the model's padding rows: never text
+
+    def piece(i: int) -> bytes:
+        if i in special:  # llguidance marks special tokens with a leading 0xFF (never in UTF-8)
+            name = hf.convert_ids_to_tokens(i) if i < n_known else None
+            return b"\xff" + (name or f"<|{i}|>").encode("utf-8")
+        return tok.token_bytes(i)
+
+    class _Vocab:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = tok.stop_token_ids[0]
+        bos_token_id = getattr(hf, "bos_token_id", None)
+        tokens = [piece(i) for i in range(tok.vocab_size)]
+        special_token_ids = sorted(special)
+
+        def __call__(self, text: str) -> list[int]:
+            return hf.encode(text, add_special_tokens=False)
+
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_Vocab()), n_vocab=tok.vocab_size, eos_token=list(tok.stop_token_ids)
+    )
 
 
 def _check_tokenizer(tokenizer: Any) -> None:
