@@ -113,9 +113,19 @@ def check_port_free(port: int, name: str, host: str = "127.0.0.1") -> None:
             raise ValueError(f"{name}: {host}:{port} is not free ({exc.strerror or exc})") from None
 
 
+def _ray_imported() -> bool:
+    return "ray" in sys.modules
+
+
 def start_local_ray(options: LocalServeOptions) -> str | None:
     """Starts the local Ray unless one runs; the dashboard's URL (None: Ray was running)."""
-    prepare_environment(options.host, auth=options.ray_auth)
+    auth = options.ray_auth
+    if auth and _ray_imported() and AUTH_MODE_ENV not in os.environ:
+        # Ray reads RAY_AUTH_MODE once, at import: turned on now, the GCS would check tokens that
+        # this process's own client never sends (a benchmark that imported Ray first)
+        logging.getLogger(__name__).warning("Ray auth: off (Ray was imported before %s could be set)", AUTH_MODE_ENV)
+        auth = False
+    prepare_environment(options.host, auth=auth)
     import ray  # after prepare_environment: Ray reads LOOPBACK_ONLY_ENV at import
 
     if ray.is_initialized():

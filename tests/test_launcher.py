@@ -41,6 +41,7 @@ def test_default_local_ray_fits_one_prefill_one_decode_and_ingress(monkeypatch, 
     seen = {}
     fake_init(monkeypatch, seen)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launcher, "_ray_imported", lambda: False)  # as in `router serve`
     launcher.start_local_ray(launcher.LocalServeOptions())
     # prefill (1 CPU) + decode (1 CPU) + ingress (0.5 CPU) replicas by default
     assert seen["num_cpus"] >= 2.5
@@ -101,3 +102,16 @@ def test_serve_forever_prints_the_loopback_urls_and_stops_without_serve_shutdown
     assert f"metrics:       http://127.0.0.1:{port}/metrics" in out
     assert "export RAY_AUTH_MODE=token" in out and "~/.ray/auth_token" in out
     assert not any(isinstance(f, launcher._DropReattachNotice) for f in logging.getLogger("ray.serve").filters)
+
+
+def test_ray_auth_is_left_off_when_ray_was_imported_first(monkeypatch, env):
+    """Ray reads RAY_AUTH_MODE at import: a caller that imported Ray before start_local_ray
+    (bench_service) must not get a token-checking GCS its own client cannot talk to."""
+    seen = {}
+    fake_init(monkeypatch, seen)
+    monkeypatch.setattr(launcher, "_ray_imported", lambda: True)
+    launcher.start_local_ray(launcher.LocalServeOptions())
+    assert seen["env"][launcher.AUTH_MODE_ENV] == "disabled"
+    env[launcher.AUTH_MODE_ENV] = "token"  # an explicit mode still wins
+    launcher.start_local_ray(launcher.LocalServeOptions())
+    assert seen["env"][launcher.AUTH_MODE_ENV] == "token"
