@@ -1253,7 +1253,7 @@ def test_logprobs_as_token_ids_and_grpc_models_min_p_add_special_tokens(service,
                       timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("min_p")
     # the CLI asks the server for its model; a model it does not serve fails cleanly
-    target = ["--grpc", "--grpc-target", service["grpc_target"], "--application", APP]
+    target = ["--grpc", "--grpc-target", service["target"], "--application", APP]
     capsys.readouterr()
     assert main(["client", "hi", "--max-tokens", "2", "--temperature", "0", *target]) == 0
     assert main(["client", "hi", "--max-tokens", "2", "--model", "nope", *target]) == 1
