@@ -32,6 +32,9 @@ SERVING_STATES = ("RUNNING", "PENDING_MIGRATION")
 # deploying (the start-up case) can take far longer to answer serve.status()
 STATUS_TIMEOUT_S = 0.5
 FIRST_STATUS_TIMEOUT_S = 5.0
+# a controller slow to answer (a loaded machine) keeps the last answer this long, so a busy
+# service is not reported down; past it, or before any answer (start-up), the probe says 503
+MAX_STALE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,16 @@ class ReadinessProbe:
 
     def __init__(self, app: str, deployments: dict[str, str], *, refresh_s: float,
                  fetch_status: Callable[[], object] | None = None, timeout_s: float = STATUS_TIMEOUT_S,
-                 first_timeout_s: float = FIRST_STATUS_TIMEOUT_S) -> None:
+                 first_timeout_s: float = FIRST_STATUS_TIMEOUT_S, max_stale_s: float = MAX_STALE_S) -> None:
         if refresh_s < 0:
             raise ValueError(f"refresh_s: expected >= 0, got {refresh_s}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
         if not first_timeout_s > 0:
             raise ValueError(f"first_timeout_s: expected > 0, got {first_timeout_s}")
+        if not max_stale_s >= 0:
+            raise ValueError(f"max_stale_s: expected >= 0, got {max_stale_s}")
+        self.max_stale_s = max_stale_s
         self.app = app
         self.deployments = dict(deployments)
         self.refresh_s = refresh_s
@@ -94,6 +100,8 @@ class ReadinessProbe:
             # shield: a probe that gives up leaves the question running for the next one
             return await asyncio.wait_for(asyncio.shield(self._pending), timeout)
         except asyncio.TimeoutError:
+            if self._last is not None and time.monotonic() - self._at <= self.max_stale_s:
+                return self._last  # the question keeps running; its answer replaces this one
             return Readiness(False, {}, f"Serve controller did not answer within {timeout:g} s")
 
     async def _refresh(self) -> Readiness:

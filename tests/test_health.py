@@ -85,7 +85,7 @@ def test_probe_caches_and_reports_an_unreachable_controller():
     asyncio.run(run())
 
 
-def test_after_a_first_answer_a_probe_waits_the_short_timeout():
+def test_after_a_first_answer_a_slow_controller_keeps_it_until_it_is_stale():
     release, calls = threading.Event(), []
 
     def fetch():
@@ -94,16 +94,24 @@ def test_after_a_first_answer_a_probe_waits_the_short_timeout():
             release.wait(60)
         return status_of("a", {"PrefillServer": {"RUNNING": 1}, "DecodeServer": {"RUNNING": 1}})
 
-    async def run():
+    async def run(max_stale_s):
         # the first question may take up to first_timeout_s (it connects to the controller)
-        probe = ReadinessProbe("a", ROLES, refresh_s=0.0, fetch_status=fetch, timeout_s=0.05, first_timeout_s=60.0)
+        probe = ReadinessProbe("a", ROLES, refresh_s=0.0, fetch_status=fetch, timeout_s=0.05, first_timeout_s=60.0,
+                               max_stale_s=max_stale_s)
         try:
             assert (await probe.check()).ready
-            r = await probe.check()  # the second question hangs: the short timeout applies
-            assert not r.ready and "within 0.05 s" in r.reason
+            return await probe.check()  # the second question hangs: the short timeout applies
         finally:
             release.set()
-    asyncio.run(run())
+
+    kept = asyncio.run(run(60.0))  # a busy controller does not make a running service look down
+    assert kept.ready and kept.replicas == {"prefill": 1, "decode": 1}
+    calls.clear()
+    release.clear()
+    stale = asyncio.run(run(0.0))  # an answer older than max_stale_s is not kept
+    assert not stale.ready and "within 0.05 s" in stale.reason
+    with pytest.raises(ValueError, match="^max_stale_s"):
+        ReadinessProbe("a", ROLES, refresh_s=1.0, max_stale_s=-1.0)
 
 
 def test_probe_answers_while_the_controller_is_slow_and_asks_it_once():
