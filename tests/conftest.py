@@ -32,7 +32,12 @@ import pytest
 import torch
 
 from kernels.triton_interpreter import apply_if_interpreting
-from ray_starts import pytest_collection_finish, pytest_terminal_summary  # noqa: F401 - hooks
+from ray_starts import (  # noqa: F401 - hooks
+    pytest_collection_finish,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    pytest_testnodedown,
+)
 
 # The interpreter's fixes live in the library (kernels/triton_interpreter.py) and are applied
 # when a kernels.triton_* module is imported under TRITON_INTERPRET=1; applying them here too

@@ -2,12 +2,17 @@
 process and prints them at the end of the run: each start of a local Ray and Serve costs tens of
 seconds on a small machine, and unlike wall time the count does not vary with machine load.
 Loaded by tests/conftest.py; on another checkout: ``pytest -p tests.ray_starts ...``. Clusters
-that a test starts in a subprocess (``scripts/local_cluster.py``, ``router run``) are not seen."""
+that a test starts in a subprocess (``scripts/local_cluster.py``, ``router run``) are not seen.
+Under pytest-xdist (``scripts/test.sh`` runs two workers) each worker is its own pytest process
+with its own session cluster: the workers send their counts to the controller, which prints
+them per worker."""
 
 from __future__ import annotations
 
 import functools
 import sys
+
+import pytest
 
 STARTS = {"ray.init": 0, "serve.start": 0}
 
@@ -36,7 +41,29 @@ def pytest_collection_finish(session):
     serve.start = _counted(serve.start, "serve.start")
 
 
+WORKERS: dict[str, dict[str, int]] = {}  # the controller's copy of each xdist worker's counts
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in an xdist worker only
+    if workeroutput is not None:
+        workeroutput["ray_starts"] = dict(STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown (and never called) without xdist
+def pytest_testnodedown(node, error):
+    counts = getattr(node, "workeroutput", {}).get("ray_starts")
+    if counts:
+        WORKERS[node.gateway.id] = counts
+
+
+def _line(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
 def pytest_terminal_summary(terminalreporter):
     if any(STARTS.values()):
-        terminalreporter.write_line("Ray/Serve starts in this process: " +
-                                    ", ".join(f"{k} {v}" for k, v in STARTS.items()))
+        terminalreporter.write_line("Ray/Serve starts in this process: " + _line(STARTS))
+    for worker, counts in sorted(WORKERS.items()):
+        if any(counts.values()):
+            terminalreporter.write_line(f"Ray/Serve starts in xdist worker {worker}: " + _line(counts))
