@@ -51,6 +51,10 @@ def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator
     with restored_environment():
         prepare_environment()
         os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+        # Ray kills a worker process that has not registered within 60 s; with two test
+        # processes (scripts/test.sh runs two xdist workers) each starting replicas on 2 cores,
+        # a replica's imports alone can take that long, and its actor would die in setup
+        os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
         if ray.is_initialized():
             raise RuntimeError("local_serve: a Ray is already running in this process (the session's "
                                "serve_cluster?): deploy into it instead")
