@@ -29,7 +29,9 @@ The GEMM (:func:`fp8_mm`) returns ``x @ w.T`` (+ bias) in ``out_dtype``:
   version) the Triton kernel; the reference elsewhere.
 
 The fused steps: :func:`rms_norm_quant` (transformers' RMSNorm, the result also quantized in the
-same pass: what the q/k/v and gate/up projections read) and :func:`rotary_amax` (RoPE of q with
+same pass: what the q/k/v and gate/up projections read), :func:`silu_mul_quant` (the MLP's
+``silu(gate) * up`` quantized without storing the product: what the down projection reads) and
+:func:`rotary_amax` (RoPE of q with
 the max ``|q|`` reduced in the same pass: the FP8 attention's per-tensor q descale without a
 separate amax pass). Inputs are validated here (``ValueError`` naming the argument); the Triton
 module trusts its callers.
@@ -108,13 +110,13 @@ def _check_float(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
-def _check_group(group: object, k: int) -> int | None:
+def _check_group(group: object, k: int, name: str = "x") -> int | None:
     if group is None:
         return None
     if group != BLOCK:
         raise ValueError(f"group: expected None (per token) or {BLOCK} (per 128-wide group), got {group!r}")
     if k % BLOCK:
-        raise ValueError(f"x: per-group quantization needs a last dimension divisible by {BLOCK}, got {k}")
+        raise ValueError(f"{name}: per-group quantization needs a last dimension divisible by {BLOCK}, got {k}")
     return BLOCK
 
 
@@ -234,6 +236,47 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     y, x8, scale = triton_fp8_gemm.rms_norm_quant(x2d, weight.contiguous(), float(eps),
                                                   torch.promote_types(weight.dtype, x.dtype), group)
     return y.view(x.shape), Fp8Activation(x8, scale, group)
+
+
+def silu_mul_quant_reference(gate: torch.Tensor, up: torch.Tensor, group: int | None) -> Fp8Activation:
+    from .elementwise import silu_mul_reference
+
+    y = silu_mul_reference(gate, up)
+    return quantize_activation_reference(y.reshape(-1, y.shape[-1]), group)
+
+
+def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, group: int | None = None, *,
+                   backend: str = "auto") -> Fp8Activation:
+    """``kernels.elementwise.silu_mul(gate, up)`` (``[..., n]`` each, one shape and dtype)
+    quantized as :func:`quantize_activation` would (rows ``[prod(...), n]``), in one pass that
+    never stores the product: what the down projection of an FP8 MLP reads."""
+    gate = _check_float("gate", gate)
+    up = _check_float("up", up)
+    if up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(f"up: expected gate's shape {tuple(gate.shape)} and dtype "
+                         f"{str(gate.dtype).replace('torch.', '')}, got {tuple(up.shape)} {str(up.dtype).replace('torch.', '')}")
+    if up.device != gate.device:
+        raise ValueError(f"up: expected a tensor on {gate.device}, got one on {up.device}")
+    if gate.dim() == 0:
+        raise ValueError("gate: expected at least one dimension, got a 0-D tensor")
+    n = gate.shape[-1]
+    group = _check_group(group, n, "gate")
+    resolved = _resolve(backend, gate.device)
+    if resolved == "reference":
+        return silu_mul_quant_reference(gate, up, group)
+    g2d, u2d = gate.reshape(-1, n), up.reshape(-1, n)
+    if n > 0 and g2d.stride(-1) != 1:
+        g2d = g2d.contiguous()
+    if n > 0 and u2d.stride(-1) != 1:
+        u2d = u2d.contiguous()
+    from . import triton_fp8_gemm
+
+    if n > triton_fp8_gemm.MAX_ROW:  # wider than one program holds: the two kernels, the same bits
+        from .elementwise import silu_mul
+
+        return quantize_activation(silu_mul(g2d, u2d, backend="triton"), group, backend="triton")
+    x8, scale = triton_fp8_gemm.silu_mul_quant(g2d, u2d, group)
+    return Fp8Activation(x8, scale, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +416,7 @@ __all__ = [
     "SCHEMES", "BLOCK", "FP8_MAX", "Fp8Activation", "check_scheme", "activation_group", "weight_scale_shape",
     "quantize_weight", "dequantize_weight", "expand_block_scale", "quantize_activation",
     "quantize_activation_reference", "dequantize_activation", "rms_norm_quant", "rms_norm_quant_reference",
+    "silu_mul_quant", "silu_mul_quant_reference",
     "fp8_mm", "fp8_mm_reference", "check_weight", "scaled_mm_supports", "rotary_amax", "rotary_amax_reference",
     "quantize_with_amax",
 ]
