@@ -58,6 +58,7 @@ The forwards (:func:`install_forwards`, called by ``ModelRunner``):
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 # the loader's weight_dtype values and the scheme each one quantizes to (None: as stored)
 WEIGHT_DTYPES = {"auto": None, "fp8_e4m3": "channel", "fp8_tensor": "tensor", "fp8_channel": "channel",
                  "fp8_block": "block"}
+logger = logging.getLogger(__name__)
 ACTIVATION_ATTR = "_fp8_activation"  # set on a fused norm's output: its kernels.fp8_gemm.Fp8Activation
 _BACKEND_ATTR = "_fp8_forward_backend"
 
@@ -453,6 +455,11 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
     for m in fp8_layers(model).values():
         m.backend = linear_backend
         counts["fp8_linear"] += 1
+    block = next((m for m in fp8_layers(model).values() if m.scheme == "block" and m.weight.is_cuda), None)
+    if block is not None and linear_backend == "auto":  # the block GEMM is chosen here, at load
+        why = fp8_gemm.blockwise_probe_failure(block.weight.device)
+        logger.info("FP8 block-scaled GEMMs: %s", "torch._scaled_mm (1x128 x 128x128 scales)" if why is None
+                    else f"the Triton kernel (torch._scaled_mm's blockwise mode: {why})")
     layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
     for _, layer in layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -344,6 +344,51 @@ def test_scaled_mm_against_reference_cuda(scheme, m):
     assert float((got.float() - want).abs().max()) <= 2 * 2.0**-8 * (float(want.abs().max()) + 1.0)
 
 
+def emulated_blockwise_scaled_mm(a8, b8, *, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's 1x128 x 128x128 contract as torch's _meta_registrations.py states it
+    (scale_a [M, K/128] outer-dim-major, scale_b [K/128, ceil(N/128)]), computed by loops over K blocks."""
+    m, k = a8.shape
+    n = b8.shape[1]
+    assert tuple(scale_a.shape) == (m, k // 128) and scale_a.stride(0) == 1
+    assert tuple(scale_b.shape) == (k // 128, -(-n // 128))
+    out = torch.zeros(m, n)
+    for kb in range(k // 128):
+        part = a8[:, kb * 128:(kb + 1) * 128].float() @ b8[kb * 128:(kb + 1) * 128].float()
+        out += part * scale_a[:, kb, None] * scale_b[kb].repeat_interleave(128)[None, :n]
+    return out.to(out_dtype)
+
+
+def test_blockwise_scaled_mm_scale_layout(monkeypatch):
+    """Our [M, K/128] activation and [N/128, K/128] weight scales, as handed to _scaled_mm's
+    blockwise mode, mean the block scheme's product (the mode itself runs on CUDA only)."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_blockwise_scaled_mm)
+    w8, sw = fp8_gemm.quantize_weight(spread((384, 512), seed=3), "block")
+    act = fp8_gemm.quantize_activation(spread((12, 512), seed=4).to(torch.bfloat16), 128, backend="reference")
+    got = fp8_gemm._blockwise_scaled_mm(act, w8, sw, torch.bfloat16)
+    want = ref_mm(act.x8, act.scale, w8, sw, "block")
+    assert float((got.float() - want).abs().max()) <= 2.0**-8 * (float(want.abs().max()) + 1.0)
+
+
+def test_blockwise_scaled_mm_is_cuda_only():
+    assert fp8_gemm.blockwise_scaled_mm_works("cpu") is False
+    assert fp8_gemm.blockwise_probe_failure("cpu") == "not CUDA (cpu)"
+    act = fp8_gemm.quantize_activation(torch.randn(8, 512), 128, backend="reference")
+    assert not fp8_gemm.blockwise_supports(act, 256, 512, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 1000, 1001])
+def test_blockwise_scaled_mm_against_reference_cuda(m):
+    if not fp8_gemm.blockwise_scaled_mm_works("cuda"):
+        pytest.skip(f"torch._scaled_mm's blockwise mode here: {fp8_gemm.blockwise_probe_failure('cuda')}")
+    w8, sw = fp8_gemm.quantize_weight(spread((1024, 512), seed=m).cuda(), "block")
+    act = fp8_gemm.quantize_activation(spread((m, 512), seed=m + 7).to(torch.bfloat16).cuda(), 128, backend="auto")
+    assert fp8_gemm.blockwise_supports(act, 1024, 512, torch.bfloat16) == (m % 4 == 0)  # 1001: the Triton kernel
+    got = fp8_gemm.fp8_mm(act, w8, sw, "block", out_dtype=torch.bfloat16, backend="auto")
+    want = ref_mm(act.x8, act.scale, w8, sw, "block")
+    assert float((got.float() - want).abs().max()) <= 2 * 2.0**-8 * (float(want.abs().max()) + 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------
