@@ -12,8 +12,8 @@ shapes specialise; CUDA only), then one unprofiled timed run (``ttft_ms``), then
 Attribution: the forward's steps run inside ``kernels.ranges.op_range`` ranges (``op::qkv_gemm``,
 ``op::norm``, ... in ``model_executor`` and the attention back-ends); this script adds
 ``op::embed`` and ``op::lm_head`` (module hooks) and ``op::sampling``. On CUDA each device
-activity (kernel, memcpy, memset) is charged to the innermost range enclosing the host op that
-launched it (the profiler's correlation ids); activities outside every range are
+activity (kernel, memcpy, memset) is charged to the innermost range enclosing the host call that
+launched it (the profiler's correlation ids: the runtime launch call, else the linked op); activities outside every range are
 ``unannotated``; ``host gaps`` is the wall time of the profiled run in which the GPU ran nothing
 (wall minus the union of device activities: launch latency, host syncs, Python between kernels).
 On CPU (``--device cpu``, the smoke test: the tiny 2-layer model, 128 tokens, float32, Triton
@@ -125,14 +125,19 @@ def attribute(events, outer: str = OUTER) -> dict:
     device = [e for e in events if _is_device(e) and not e.is_user_annotation
               and not e.name.startswith((PREFIX, "profile::"))]
     if device:
-        by_id = {e.id: e for e in events if not _is_device(e) and e.id}
+        # the host side of a device activity: the runtime call that launched it (same CUPTI
+        # correlation id; placed in the host tree by time), else the frontend op it links to
+        # (torch's own association); the two id spaces are kept apart
+        host_events = [e for e in events if not _is_device(e) and e.id]
+        runtime = {e.id: e for e in host_events if getattr(e, "linked_correlation_id", 0) > 0}
+        frontend = {e.id: e for e in host_events if getattr(e, "linked_correlation_id", 0) == 0}
         spans = []
         for e in device:
             a, b = max(e.time_range.start, t0), min(e.time_range.end, t1)
             if b <= a:
                 continue
             spans.append((a, b))
-            host = by_id.get(getattr(e, "linked_correlation_id", 0))
+            host = runtime.get(e.id) or frontend.get(getattr(e, "linked_correlation_id", 0))
             op = _op_of(host) if host is not None else None
             key = op if op is not None else UNANNOTATED
             ops[key] = ops.get(key, 0.0) + (b - a)

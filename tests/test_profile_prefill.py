@@ -79,6 +79,17 @@ def test_device_attribution_innermost_range_and_gaps(prof):
     assert got["ops"] == {"act_quant": 4.0, "qkv_gemm": 22.0, "unannotated": 5.0, "host gaps": 69.0}
 
 
+def test_device_attribution_through_the_runtime_launch(prof):
+    """A kernel found by its launch call (same correlation id, a host event linked to another op)
+    is charged to the range around that call, even when a frontend op has the same id."""
+    outer = _ev(prof.OUTER, 0.0, 100.0)
+    rope = _ev("op::rope", 10.0, 20.0, parent=outer)
+    launch = _ev("cuLaunchKernelEx", 11.0, 12.0, parent=rope, id_=42, linked=5)
+    clash = _ev("aten::empty", 30.0, 31.0, parent=outer, id_=42)  # a frontend op, another id space
+    events = [outer, rope, launch, clash, _ev("rotary_kernel", 15.0, 18.0, device=True, id_=42, linked=5)]
+    assert prof.attribute(events)["ops"] == {"rope": 3.0, "host gaps": 97.0}
+
+
 def test_device_attribution_overlap_counts_once(prof):
     outer = _ev(prof.OUTER, 0.0, 10.0)
     a = _ev("op::index", 0.0, 1.0, parent=outer, id_=1)
