@@ -32,6 +32,7 @@ from . import cutlass_build, fp8
 from .fp8 import Fp8Descales
 from .index import SparseIndex, split_means
 from .plan import PrefillPlan
+from .ranges import op_range
 
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -172,31 +173,32 @@ def sparse_attention(
         seg_offsets, kv_tiles = index.seg_offsets, index.kv_tiles
         if kv_tiles.numel() == 0:
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
-    cu_blocks_v = None
-    if correction and is_fp8:
-        # e4m3 operands re-quantized with each block's (sequence, KV head) descale (as the Triton
-        # kernel). V means block-major ([Hkv, d, columns], the V^T tiles' K-major layout), each
-        # sequence's starting at a multiple of 64 columns (a TMA box must start 16-byte aligned),
-        # zeros between: columns cu_blocks_v[b] + j, cu_blocks_v = cumsum(round_up(n_b, 64))
-        kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks).contiguous()
-        vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks)
-        cu_blocks_v, column = _aligned_block_columns(plan.cu_blocks, vq.shape[0])
-        width = -(-vq.shape[0] // 64) * 64 + 64 * plan.batch_size  # >= cu_blocks_v[-1], no sync
-        vt = torch.zeros((vq.shape[1], d, width), dtype=vq.dtype, device=q.device)
-        vt[:, :, column] = vq.permute(1, 2, 0)
-        vbar = vt.permute(2, 0, 1)  # [columns, Hkv, d] view, strides (1, d * width, width)
-    elif correction:
-        # the fp32 means as hi + lo operands of q's dtype (as the Triton kernel): rows J and
-        # total_blocks + J of a [2 * total_blocks, Hkv, d] tensor (fp_attn_api.h)
-        kbar = split_means(index.means.kbar, q.dtype)[0]
-        vbar = split_means(index.means.vbar, q.dtype)[0]
-    if correction:
-        words = max(1, math.ceil(plan.max_blocks / _CORR_CHUNK)) * (_CORR_CHUNK // 32)
-        corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
-        if index.kv_tiles.numel():
-            schedule.selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
-                                                 TPB=cfg.tiles_per_block, BLOCK_E=128,
-                                                 num_warps=4)
+    with op_range("correction"):  # the operands of the mean correction (its math runs in the attention kernel)
+        cu_blocks_v = None
+        if correction and is_fp8:
+            # e4m3 operands re-quantized with each block's (sequence, KV head) descale (as the Triton
+            # kernel). V means block-major ([Hkv, d, columns], the V^T tiles' K-major layout), each
+            # sequence's starting at a multiple of 64 columns (a TMA box must start 16-byte aligned),
+            # zeros between: columns cu_blocks_v[b] + j, cu_blocks_v = cumsum(round_up(n_b, 64))
+            kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks).contiguous()
+            vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks)
+            cu_blocks_v, column = _aligned_block_columns(plan.cu_blocks, vq.shape[0])
+            width = -(-vq.shape[0] // 64) * 64 + 64 * plan.batch_size  # >= cu_blocks_v[-1], no sync
+            vt = torch.zeros((vq.shape[1], d, width), dtype=vq.dtype, device=q.device)
+            vt[:, :, column] = vq.permute(1, 2, 0)
+            vbar = vt.permute(2, 0, 1)  # [columns, Hkv, d] view, strides (1, d * width, width)
+        elif correction:
+            # the fp32 means as hi + lo operands of q's dtype (as the Triton kernel): rows J and
+            # total_blocks + J of a [2 * total_blocks, Hkv, d] tensor (fp_attn_api.h)
+            kbar = split_means(index.means.kbar, q.dtype)[0]
+            vbar = split_means(index.means.vbar, q.dtype)[0]
+        if correction:
+            words = max(1, math.ceil(plan.max_blocks / _CORR_CHUNK)) * (_CORR_CHUNK // 32)
+            corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
+            if index.kv_tiles.numel():
+                schedule.selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+                                                     TPB=cfg.tiles_per_block, BLOCK_E=128,
+                                                     num_warps=4)
     o_part = lse_part = None
     if num_splits > 1:
         o_part = _empty((num_splits, tq, hq, d), dtype=torch.float32, device=q.device)

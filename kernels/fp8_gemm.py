@@ -24,12 +24,19 @@ The GEMM (:func:`fp8_mm`) returns ``x @ w.T`` (+ bias) in ``out_dtype``:
   scaled per 128-wide K step for the block scheme, once at the end for the others;
 - ``auto``: on CUDA ``torch._scaled_mm`` with row-wise scales (per-token ``[M, 1]`` times
   per-channel ``[1, N]``; a per-tensor weight scale is broadcast to a row) for the tensor and
-  channel schemes when its shape rules hold (bf16 output, ``K`` and ``N`` multiples of 16), else
-  (the block scheme, whose 1x128 by 128x128 scaling ``_scaled_mm`` does not take on every torch
-  version) the Triton kernel; the reference elsewhere.
+  channel schemes when its shape rules hold (bf16 output, ``K`` and ``N`` multiples of 16); for
+  the block scheme ``torch._scaled_mm``'s blockwise mode (cuBLASLt's 1x128 activation by 128x128
+  weight scaling, CUDA 12.9+; torch's ``_meta_registrations.py`` states the layout: ``scale_a
+  [M, K/128]`` outer-dim-major, strides ``(1, M)``; ``scale_b [K/128, N/128]`` for ``B = w8.T``,
+  i.e. our ``[N/128, K/128]`` tile scale transposed) where :func:`blockwise_scaled_mm_works`
+  found it at load on this device (a run at a small shape against the reference: some torch
+  builds and GPUs refuse the mode) and the shape rules hold (:func:`blockwise_supports`), else
+  the Triton kernel; the reference elsewhere.
 
 The fused steps: :func:`rms_norm_quant` (transformers' RMSNorm, the result also quantized in the
-same pass: what the q/k/v and gate/up projections read) and :func:`rotary_amax` (RoPE of q with
+same pass: what the q/k/v and gate/up projections read), :func:`silu_mul_quant` (the MLP's
+``silu(gate) * up`` quantized without storing the product: what the down projection reads) and
+:func:`rotary_amax` (RoPE of q with
 the max ``|q|`` reduced in the same pass: the FP8 attention's per-tensor q descale without a
 separate amax pass). Inputs are validated here (``ValueError`` naming the argument); the Triton
 module trusts its callers.
@@ -37,6 +44,7 @@ module trusts its callers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,13 +116,13 @@ def _check_float(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
-def _check_group(group: object, k: int) -> int | None:
+def _check_group(group: object, k: int, name: str = "x") -> int | None:
     if group is None:
         return None
     if group != BLOCK:
         raise ValueError(f"group: expected None (per token) or {BLOCK} (per 128-wide group), got {group!r}")
     if k % BLOCK:
-        raise ValueError(f"x: per-group quantization needs a last dimension divisible by {BLOCK}, got {k}")
+        raise ValueError(f"{name}: per-group quantization needs a last dimension divisible by {BLOCK}, got {k}")
     return BLOCK
 
 
@@ -236,6 +244,47 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     return y.view(x.shape), Fp8Activation(x8, scale, group)
 
 
+def silu_mul_quant_reference(gate: torch.Tensor, up: torch.Tensor, group: int | None) -> Fp8Activation:
+    from .elementwise import silu_mul_reference
+
+    y = silu_mul_reference(gate, up)
+    return quantize_activation_reference(y.reshape(-1, y.shape[-1]), group)
+
+
+def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, group: int | None = None, *,
+                   backend: str = "auto") -> Fp8Activation:
+    """``kernels.elementwise.silu_mul(gate, up)`` (``[..., n]`` each, one shape and dtype)
+    quantized as :func:`quantize_activation` would (rows ``[prod(...), n]``), in one pass that
+    never stores the product: what the down projection of an FP8 MLP reads."""
+    gate = _check_float("gate", gate)
+    up = _check_float("up", up)
+    if up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(f"up: expected gate's shape {tuple(gate.shape)} and dtype "
+                         f"{str(gate.dtype).replace('torch.', '')}, got {tuple(up.shape)} {str(up.dtype).replace('torch.', '')}")
+    if up.device != gate.device:
+        raise ValueError(f"up: expected a tensor on {gate.device}, got one on {up.device}")
+    if gate.dim() == 0:
+        raise ValueError("gate: expected at least one dimension, got a 0-D tensor")
+    n = gate.shape[-1]
+    group = _check_group(group, n, "gate")
+    resolved = _resolve(backend, gate.device)
+    if resolved == "reference":
+        return silu_mul_quant_reference(gate, up, group)
+    g2d, u2d = gate.reshape(-1, n), up.reshape(-1, n)
+    if n > 0 and g2d.stride(-1) != 1:
+        g2d = g2d.contiguous()
+    if n > 0 and u2d.stride(-1) != 1:
+        u2d = u2d.contiguous()
+    from . import triton_fp8_gemm
+
+    if n > triton_fp8_gemm.MAX_ROW:  # wider than one program holds: the two kernels, the same bits
+        from .elementwise import silu_mul
+
+        return quantize_activation(silu_mul(g2d, u2d, backend="triton"), group, backend="triton")
+    x8, scale = triton_fp8_gemm.silu_mul_quant(g2d, u2d, group)
+    return Fp8Activation(x8, scale, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # the GEMM
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +332,61 @@ def scaled_mm_supports(act: Fp8Activation, n: int, k: int, scheme: str, out_dtyp
             and k % 16 == 0 and n % 16 == 0 and act.x8.is_cuda)
 
 
+def blockwise_supports(act: Fp8Activation, n: int, k: int, out_dtype: torch.dtype) -> bool:
+    """The shapes the blockwise ``_scaled_mm`` path takes: bf16 output, whole 128-wide weight tiles,
+    ``K / 128`` a multiple of 4 (cuBLASLt's scale padding rule, ``L4``) and a token count that is a
+    multiple of 4 (its activation-scale alignment); other shapes take the Triton kernel."""
+    return (act.group == BLOCK and out_dtype == torch.bfloat16 and n % BLOCK == 0 and k % (4 * BLOCK) == 0
+            and act.x8.shape[0] % 4 == 0 and act.x8.shape[0] > 0 and act.x8.is_cuda)
+
+
+def _blockwise_scaled_mm(act: Fp8Activation, w8: torch.Tensor, w_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    # outer-dim-major activation scales (one copy of [M, K/128] floats); the weight's tile scale
+    # transposed is already the [K/128, N/128] K-major layout B = w8.T takes
+    a_scale = act.scale.t().contiguous().t()
+    return torch._scaled_mm(act.x8, w8.t(), scale_a=a_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _blockwise_probe(device: str) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    try:
+        w = torch.randn(256, 512, generator=gen)
+        x = torch.randn(64, 512, generator=gen)
+        w8, ws = quantize_weight(w.to(device), "block")
+        act = quantize_activation_reference(x.to(torch.bfloat16).to(device), BLOCK)
+        got = _blockwise_scaled_mm(act, w8, ws, torch.bfloat16).float()
+        want = fp8_mm_reference(act, w8, ws, "block", out_dtype=torch.float32)
+        err = float((got - want).abs().max())
+        tol = 2 * 2.0**-8 * (float(want.abs().max()) + 1.0)  # bf16 output rounding, accumulation order
+        return None if err <= tol else f"max |_scaled_mm - reference| = {err:.3g} > {tol:.3g}"
+    except Exception as exc:  # noqa: BLE001 - a torch build or GPU without the mode: the Triton kernel
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def blockwise_scaled_mm_works(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` computes the block scheme's product (1x128 activation, 128x128
+    weight scales) right on ``device``: run once per device at a small shape against
+    :func:`fp8_mm_reference`, then cached. CUDA only; :func:`blockwise_probe_failure` says why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _blockwise_probe(str(device)) is None
+
+
+def blockwise_probe_failure(device: torch.device | str) -> str | None:
+    """Why :func:`blockwise_scaled_mm_works` said no on ``device`` (None when it works)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"not CUDA ({device})"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _blockwise_probe(str(device))
+
+
 def fp8_mm(act: Fp8Activation, w8: torch.Tensor, w_scale: torch.Tensor, scheme: str, *,
            out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
            backend: str = "auto", check: bool = True) -> torch.Tensor:
@@ -310,6 +414,10 @@ def fp8_mm(act: Fp8Activation, w8: torch.Tensor, w_scale: torch.Tensor, scheme: 
     if backend == "auto" and scaled_mm_supports(act, n, k, scheme, out_dtype):
         out = torch._scaled_mm(act.x8, w8.t(), scale_a=act.scale, scale_b=_row_scale(w_scale, scheme, n),
                                out_dtype=out_dtype)
+        return out if bias is None else out.add_(bias.to(out_dtype))
+    if (backend == "auto" and scheme == "block" and blockwise_supports(act, n, k, out_dtype)
+            and blockwise_scaled_mm_works(act.x8.device)):
+        out = _blockwise_scaled_mm(act, w8, w_scale, out_dtype)
         return out if bias is None else out.add_(bias.to(out_dtype))
     from . import triton_fp8_gemm
 
@@ -373,6 +481,8 @@ __all__ = [
     "SCHEMES", "BLOCK", "FP8_MAX", "Fp8Activation", "check_scheme", "activation_group", "weight_scale_shape",
     "quantize_weight", "dequantize_weight", "expand_block_scale", "quantize_activation",
     "quantize_activation_reference", "dequantize_activation", "rms_norm_quant", "rms_norm_quant_reference",
-    "fp8_mm", "fp8_mm_reference", "check_weight", "scaled_mm_supports", "rotary_amax", "rotary_amax_reference",
+    "silu_mul_quant", "silu_mul_quant_reference",
+    "fp8_mm", "fp8_mm_reference", "check_weight", "scaled_mm_supports", "blockwise_supports",
+    "blockwise_scaled_mm_works", "blockwise_probe_failure", "rotary_amax", "rotary_amax_reference",
     "quantize_with_amax",
 ]

@@ -64,6 +64,7 @@ from .config import KV_TILE, Q_TILE
 from .fp8 import Fp8Descales
 from .index import SparseIndex, split_means
 from .plan import PrefillPlan
+from .ranges import op_range
 from .schedule import auto_num_splits, num_sms, selected_blocks, work_order
 
 apply_if_interpreting()  # TRITON_INTERPRET=1: the CPU interpreter's fixes (triton_interpreter.py)
@@ -508,23 +509,24 @@ def sparse_attention(
             kv_tiles = seg_offsets  # never dereferenced when every segment is empty
     words = 1
     corr_bits = seg_offsets  # unused without correction
-    means_lo = False
-    if correction and is_fp8:
-        # e4m3 operands re-quantized with each block's (sequence, KV head) descale; V means
-        # stored block-major ([Hkv, d, blocks]) so the PV operand is K-major like V's tiles
-        kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks)
-        vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks).permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    elif correction and q.dtype != torch.float32:
-        # the fp32 means as hi + lo operands of q's dtype, split once per call (not per tile)
-        kbar = split_means(kbar, q.dtype)[0]
-        vbar = split_means(vbar, q.dtype)[0]
-        means_lo = True
-    if correction:
-        words = max(1, triton.cdiv(plan.max_blocks, corr_blocks)) * (corr_blocks // 32)
-        corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
-        if kv_tiles.numel():
-            selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
-                                              TPB=tpb, BLOCK_E=128, num_warps=4)
+    with op_range("correction"):  # the operands of the mean correction (its math runs in the attention kernel)
+        means_lo = False
+        if correction and is_fp8:
+            # e4m3 operands re-quantized with each block's (sequence, KV head) descale; V means
+            # stored block-major ([Hkv, d, blocks]) so the PV operand is K-major like V's tiles
+            kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks)
+            vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks).permute(1, 2, 0).contiguous().permute(2, 0, 1)
+        elif correction and q.dtype != torch.float32:
+            # the fp32 means as hi + lo operands of q's dtype, split once per call (not per tile)
+            kbar = split_means(kbar, q.dtype)[0]
+            vbar = split_means(vbar, q.dtype)[0]
+            means_lo = True
+        if correction:
+            words = max(1, triton.cdiv(plan.max_blocks, corr_blocks)) * (corr_blocks // 32)
+            corr_bits = torch.zeros((num_segments, words), dtype=torch.int32, device=q.device)
+            if kv_tiles.numel():
+                selected_blocks[(num_segments,)](seg_offsets, kv_tiles, corr_bits, words,
+                                                  TPB=tpb, BLOCK_E=128, num_warps=4)
     split = num_splits > 1
     if split:
         o_part = _empty((num_splits, tq, hq, d_pad), dtype=torch.float32, device=q.device)

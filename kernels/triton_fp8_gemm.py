@@ -6,6 +6,11 @@
 - ``rms_norm_quant``: transformers' RMSNorm (``triton_elementwise``'s rounding: the normalized row
   rounded to ``x``'s dtype, times the weight, rounded once) whose result is also quantized as
   ``quantize_rows`` would, from the registers: the whole row in one program (``n <= MAX_ROW``);
+- ``silu_mul_quant``: ``triton_elementwise``'s SiLU-and-multiply (the same rounding: silu in the
+  input dtype, the product rounded once to it) quantized as ``quantize_rows`` would, without
+  writing the product: the down projection reads only the e4m3 values and their descales
+  (one read of gate and up, one byte written per element, where SiLU-mul then quantize reads
+  and writes the ``[T, intermediate]`` product once more); the whole row in one program;
 - ``scaled_mm``: ``(x8 * sa) @ (w8 * sb).T`` with float32 accumulation of e4m3 ``tl.dot``
   products; ``k_scaled``: the scales change every 128-wide K step (block scheme: ``sa [M, K/128]``,
   ``sb [ceil(N/128), K/128]``), applied to each step's partial product; otherwise per token
@@ -129,6 +134,47 @@ def rms_norm_quant(x2d: torch.Tensor, weight: torch.Tensor, eps: float, out_dtyp
     if scales is not s:
         s.copy_(scales[:, :ng])
     return y, q, s
+
+
+@triton.jit
+def _silu_mul_quant_kernel(G_, U, Q, S, n_rows, n_cols, stride_g, stride_u, stride_q, stride_s,
+                           BLOCK_N: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols[None, :] < n_cols)
+    g = tl.load(G_ + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    dt = U.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt)  # silu(gate) in the input dtype, as eager
+    y = (act.to(tl.float32) * u.to(tl.float32)).to(dt)  # the product eager would store
+    q, scale = _quantize_tile(tl.where(mask, y.to(tl.float32), 0.0), G, NG, ROWS)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
+    gs = tl.arange(0, NG)
+    tl.store(S + rows[:, None] * stride_s + gs[None, :], scale, mask=row_ok[:, None] & (gs[None, :] < NG))
+
+
+def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate, up [rows, n]`` of one dtype (unit last strides, ``n <= MAX_ROW``, ``n`` a multiple
+    of 128 for ``group=128``) -> ``(x8 [rows, n], scale [rows, 1 or n/128])``."""
+    rows, n = gate.shape
+    ng = 1 if group is None else n // group
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate.device)
+    s = torch.empty((rows, ng), dtype=torch.float32, device=gate.device)
+    if rows == 0 or n == 0:
+        return q, s.fill_(TINY_C.value)
+    block_n = triton.next_power_of_2(n)
+    # as rms_norm_quant: the all-zero padding groups are scaled into a scratch and dropped
+    g, ngs = (block_n, 1) if group is None else (group, block_n // group)
+    scales = s if ngs == ng else torch.empty((rows, ngs), dtype=torch.float32, device=gate.device)
+    per = _rows_per_program(block_n, rows)
+    _silu_mul_quant_kernel[(triton.cdiv(rows, per),)](
+        gate, up, q, scales, rows, n, gate.stride(0), up.stride(0), q.stride(0), scales.stride(0),
+        BLOCK_N=block_n, G=g, NG=ngs, ROWS=per, num_warps=16 if block_n >= 8192 else 8 if block_n >= 2048 else 4,
+    )
+    if scales is not s:
+        s.copy_(scales[:, :ng])
+    return q, s
 
 
 @triton.jit

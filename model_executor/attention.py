@@ -36,6 +36,7 @@ import torch
 from kernels import fp8, fp8_gemm, ops, reference
 from kernels.config import KV_TILE, Q_TILE, SparseConfig
 from kernels.plan import PrefillPlan
+from kernels.ranges import op_range
 
 # No "flash" (transformers would treat it as FlashAttention) and no "/" (a hub kernel).
 ATTENTION_NAME = "fpv2_paged"
@@ -142,10 +143,11 @@ def _prefill(
     q_descale = None
     if pool.k_scale is not None:  # FP8 pool: per-tensor q scale, computed on the device
         quant_backend = "reference" if backend == "reference" else "triton"
-        if query_amax is not None:  # from the QKV path's RoPE pass: the same bits, one pass fewer
-            q, q_descale = fp8_gemm.quantize_with_amax(q, query_amax, backend=quant_backend)
-        else:
-            q, q_descale = fp8.quantize_per_tensor(q, backend=quant_backend)
+        with op_range("q_quant"):
+            if query_amax is not None:  # from the QKV path's RoPE pass: the same bits, one pass fewer
+                q, q_descale = fp8_gemm.quantize_with_amax(q, query_amax, backend=quant_backend)
+            else:
+                q, q_descale = fp8.quantize_per_tensor(q, backend=quant_backend)
     config = batch.sparse_config
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
@@ -159,19 +161,23 @@ def _prefill(
         return plan, config
 
     # One plan (one host sync) per forward, shared by every layer with the same head shape.
-    plan, _ = batch.state.plan_for((q.shape[1], q.shape[2], config), build)
+    with op_range("index"):
+        plan, _ = batch.state.plan_for((q.shape[1], q.shape[2], config), build)
     descales = None
     if q_descale is not None:  # the pool's scales were validated when set: no sync here
         descales = ops.plan_descales(q, plan, q_descale, pool.k_scale[layer], pool.v_scale[layer],
                                      check_values=False)
     if batch.dense and backend == "reference":
-        out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
+        with op_range("attention"):
+            out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out
-    index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
-    batch.state.count_index(plan, index)
+    with op_range("index"):
+        index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+        batch.state.count_index(plan, index)
     # the unresolved choice: attention_planned is where "auto" picks the CUTLASS kernel (a
     # resolved "auto" is "triton" and would never reach it)
-    out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=batch.backend, descales=descales)
+    with op_range("attention"):
+        out, _ = ops.attention_planned(q, k_pages, v_pages, plan, index, backend=batch.backend, descales=descales)
     return out
 
 
@@ -239,10 +245,12 @@ def paged_attention_forward(
     if batch.calibrate_kv is not None and pool.k_scale is not None:
         pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
     # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
-    pool.write(layer, batch.slots, k, v, backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
+    with op_range("kv_write"):
+        pool.write(layer, batch.slots, k, v, backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
     q = _to_tokens_major(query).to(work_dtype)
     if batch.mode is ForwardMode.DECODE:
-        out = _decode(batch, layer, q, scaling)
+        with op_range("attention"):
+            out = _decode(batch, layer, q, scaling)
     else:
         if query_amax is not None and (not isinstance(query_amax, torch.Tensor) or query_amax.dtype != torch.float32
                                        or query_amax.numel() != 1 or query_amax.device != q.device):

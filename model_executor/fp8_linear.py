@@ -46,6 +46,10 @@ The forwards (:func:`install_forwards`, called by ``ModelRunner``):
   quantization from one pass; the quantized activation travels as an attribute of the output
   tensor (``ACTIVATION_ATTR``) and the projections use it instead of quantizing the same
   activation three (two) times. Everything else reading that output sees the plain tensor.
+- SiLU MLPs whose ``down_proj`` is an Fp8Linear run ``kernels.fp8_gemm.silu_mul_quant``:
+  ``silu(gate) * up`` quantized for the down projection in one pass, the product itself never
+  stored; ``down_proj`` is still called as a module (a TP shard's all-reduce hook runs) on a
+  zero-stride placeholder that carries the quantized activation (``ACTIVATION_ATTR``).
 - With an FP8 KV pool, the attention modules run a forward whose q goes through
   ``kernels.fp8_gemm.rotary_amax``: RoPE with q's max ``|q|`` in the same pass, handed to the
   attention (``query_amax=``), so the FP8 operator's per-tensor q descale needs no separate amax
@@ -54,6 +58,7 @@ The forwards (:func:`install_forwards`, called by ``ModelRunner``):
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from dataclasses import dataclass
@@ -63,7 +68,9 @@ import torch
 
 from kernels import elementwise, fp8_gemm
 from kernels.fp8 import FP8_DTYPE
+from kernels.ranges import op_range
 
+from . import fused
 from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, paged_attention_forward
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -75,6 +82,7 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 # the loader's weight_dtype values and the scheme each one quantizes to (None: as stored)
 WEIGHT_DTYPES = {"auto": None, "fp8_e4m3": "channel", "fp8_tensor": "tensor", "fp8_channel": "channel",
                  "fp8_block": "block"}
+logger = logging.getLogger(__name__)
 ACTIVATION_ATTR = "_fp8_activation"  # set on a fused norm's output: its kernels.fp8_gemm.Fp8Activation
 _BACKEND_ATTR = "_fp8_forward_backend"
 
@@ -124,7 +132,8 @@ class Fp8Linear(torch.nn.Module):
         x2d = x.reshape(-1, self.in_features)
         act = getattr(x, ACTIVATION_ATTR, None)
         if act is None or act.group != self.act_group or act.x8.shape != x2d.shape:
-            act = fp8_gemm.quantize_activation(x2d, self.act_group, backend=self.backend)
+            with op_range("act_quant"):
+                act = fp8_gemm.quantize_activation(x2d, self.act_group, backend=self.backend)
         out = fp8_gemm.fp8_mm(act, self.weight, self.weight_scale, self.scheme, out_dtype=x.dtype, bias=self.bias,
                               backend=self.backend, check=False)
         return out.view(*x.shape[:-1], self.out_features)
@@ -345,10 +354,24 @@ def convert_scale(name: str, scale: torch.Tensor, fmt: CheckpointFormat, n: int,
 
 
 def _norm_quant_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    y, act = fp8_gemm.rms_norm_quant(hidden_states, self.weight, self.variance_epsilon, self._fp8_act_group,
-                                     backend=getattr(self, _BACKEND_ATTR))
+    with op_range("norm"):
+        y, act = fp8_gemm.rms_norm_quant(hidden_states, self.weight, self.variance_epsilon, self._fp8_act_group,
+                                         backend=getattr(self, _BACKEND_ATTR))
     setattr(y, ACTIVATION_ATTR, act)  # read by the layer's Fp8Linear projections
     return y
+
+
+def _silu_quant_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    with op_range("gate_up_gemm"):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    with op_range("silu_mul"):
+        act = fp8_gemm.silu_mul_quant(gate, up, self.down_proj.act_group, backend=getattr(self, _BACKEND_ATTR))
+    # the product is never stored: down_proj reads the quantized activation off a placeholder
+    # of the product's shape with no storage of its own
+    carrier = gate.new_empty(()).expand(gate.shape)
+    setattr(carrier, ACTIVATION_ATTR, act)
+    with op_range("down_gemm"):
+        return self.down_proj(carrier)
 
 
 def _q_amax_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -364,25 +387,30 @@ def _q_amax_attention_forward(self, hidden_states: torch.Tensor, position_embedd
     n = hidden_states.shape[1]
     backend = getattr(self, _BACKEND_ATTR)
     cos, sin = (c.reshape(n, d) for c in position_embeddings)
-    q = self.q_proj(hidden_states).view(n, -1, d)
-    k = self.k_proj(hidden_states).view(n, -1, d)
-    v = self.v_proj(hidden_states).view(n, -1, d)
+    with op_range("qkv_gemm"):
+        q = self.q_proj(hidden_states).view(n, -1, d)
+        k = self.k_proj(hidden_states).view(n, -1, d)
+        v = self.v_proj(hidden_states).view(n, -1, d)
     if getattr(self, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
-        q, k = self.q_norm(q), self.k_norm(k)
-    k = elementwise.rotary(k, cos, sin, backend=backend)
+        with op_range("norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
     extra = {}
-    if batch.mode is ForwardMode.PREFILL and batch.pool.k_scale is not None:
-        q, extra["query_amax"] = fp8_gemm.rotary_amax(q, cos, sin, backend=backend)
-    else:
-        q = elementwise.rotary(q, cos, sin, backend=backend)
+    with op_range("rope"):
+        k = elementwise.rotary(k, cos, sin, backend=backend)
+        if batch.mode is ForwardMode.PREFILL and batch.pool.k_scale is not None:
+            q, extra["query_amax"] = fp8_gemm.rotary_amax(q, cos, sin, backend=backend)
+        else:
+            q = elementwise.rotary(q, cos, sin, backend=backend)
     out, weights = paged_attention_forward(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attention_mask, dropout=0.0,
                                            scaling=self.scaling, **kwargs, **extra)
-    return self.o_proj(out.reshape(1, n, -1)), weights
+    with op_range("o_gemm"):
+        return self.o_proj(out.reshape(1, n, -1)), weights
 
 
-_FORWARDS = {_norm_quant_forward: "norm_quant", _q_amax_attention_forward: "q_amax"}
-KINDS = ("fp8_linear", "norm_quant", "q_amax")
+_FORWARDS = {_norm_quant_forward: "norm_quant", _q_amax_attention_forward: "q_amax",
+             _silu_quant_mlp_forward: "silu_quant"}
+KINDS = ("fp8_linear", "norm_quant", "q_amax", "silu_quant")
 
 
 def _ours(module: torch.nn.Module) -> str | None:
@@ -419,13 +447,19 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
     """Install (or remove) the forwards of the module doc; idempotent. ``kernels``: the norms
     and RoPE run the Triton kernels (else the PyTorch references: the same math);
     ``fp8_pool``: the KV pool is FP8 (the q-amax attention forward); ``linear_backend``: every
-    Fp8Linear's GEMM backend. Call it after ``fused.install``/``uninstall`` (those replace the
+    Fp8Linear's GEMM backend. The SiLU MLPs with an FP8 ``down_proj`` get the SiLU-mul ->
+    FP8 forward either way (``kernels``: Triton, else the reference). Call it after ``fused.install``/``uninstall`` (those replace the
     same norms' and attentions' forwards). Returns how many modules of each kind are set."""
     counts = dict.fromkeys(KINDS, 0)
     backend = "triton" if kernels else "reference"
     for m in fp8_layers(model).values():
         m.backend = linear_backend
         counts["fp8_linear"] += 1
+    block = next((m for m in fp8_layers(model).values() if m.scheme == "block" and m.weight.is_cuda), None)
+    if block is not None and linear_backend == "auto":  # the block GEMM is chosen here, at load
+        why = fp8_gemm.blockwise_probe_failure(block.weight.device)
+        logger.info("FP8 block-scaled GEMMs: %s", "torch._scaled_mm (1x128 x 128x128 scales)" if why is None
+                    else f"the Triton kernel (torch._scaled_mm's blockwise mode: {why})")
     layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
     for _, layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -441,6 +475,13 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
                 counts["norm_quant"] += 1
             else:
                 _unset(norm)
+        down = getattr(mlp, "down_proj", None)
+        if isinstance(down, Fp8Linear) and fused.silu_mlp(mlp) and (down.act_group is None
+                                                                      or down.in_features % fp8_gemm.BLOCK == 0):
+            _set(mlp, _silu_quant_mlp_forward, backend)
+            counts["silu_quant"] += 1
+        else:
+            _unset(mlp)
         head_dim = getattr(attn, "head_dim", None)
         if (fp8_pool and type(attn).__name__ in ATTENTION_CLASSES and elementwise.rotary_supports(head_dim)
                 and isinstance(getattr(attn, "scaling", None), float) and getattr(attn, "sliding_window", None) is None):

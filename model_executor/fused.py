@@ -24,6 +24,7 @@ import types
 import torch
 
 from kernels import elementwise
+from kernels.ranges import op_range
 
 from .attention import ATTENTION_NAME, paged_attention_forward
 
@@ -42,15 +43,21 @@ KINDS = ("rms_norm", "silu_mul", "rotary")
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon,
-                                backend=getattr(self, _BACKEND_ATTR))
+    with op_range("norm"):
+        return elementwise.rms_norm(hidden_states, self.weight, self.variance_epsilon,
+                                    backend=getattr(self, _BACKEND_ATTR))
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    if gate.numel() < SILU_MUL_MIN_TOKENS * gate.shape[-1]:  # decode steps, short prompts
-        return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(elementwise.silu_mul(gate, up, backend=getattr(self, _BACKEND_ATTR)))
+    with op_range("gate_up_gemm"):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    with op_range("silu_mul"):
+        if gate.numel() < SILU_MUL_MIN_TOKENS * gate.shape[-1]:  # decode steps, short prompts
+            h = self.act_fn(gate) * up
+        else:
+            h = elementwise.silu_mul(gate, up, backend=getattr(self, _BACKEND_ATTR))
+    with op_range("down_gemm"):
+        return self.down_proj(h)
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -64,14 +71,19 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     n = hidden_states.shape[1]
     backend = getattr(self, _BACKEND_ATTR)
     cos, sin = (c.reshape(n, d) for c in position_embeddings)
-    q = elementwise.rotary(self.q_proj(hidden_states).view(n, -1, d), cos, sin, backend=backend)
-    k = elementwise.rotary(self.k_proj(hidden_states).view(n, -1, d), cos, sin, backend=backend)
-    v = self.v_proj(hidden_states).view(n, -1, d)
+    with op_range("qkv_gemm"):
+        q = self.q_proj(hidden_states).view(n, -1, d)
+        k = self.k_proj(hidden_states).view(n, -1, d)
+        v = self.v_proj(hidden_states).view(n, -1, d)
+    with op_range("rope"):
+        q = elementwise.rotary(q, cos, sin, backend=backend)
+        k = elementwise.rotary(k, cos, sin, backend=backend)
     # [1, H, T, d] views of the tokens-major tensors: the attention's layout change is then free
     out, weights = paged_attention_forward(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attention_mask, dropout=0.0,
                                            scaling=self.scaling, **kwargs)
-    return self.o_proj(out.reshape(1, n, -1)), weights
+    with op_range("o_gemm"):
+        return self.o_proj(out.reshape(1, n, -1)), weights
 
 
 _FORWARDS = {_norm_forward: "rms_norm", _mlp_forward: "silu_mul", _attention_forward: "rotary"}
@@ -83,7 +95,8 @@ def _plain_norm(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), (int, float)))
 
 
-def _silu_mlp(module: torch.nn.Module) -> bool:
+def silu_mlp(module: torch.nn.Module) -> bool:
+    """An MLP whose eager forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
     act = getattr(module, "act_fn", None)
     return (type(module).__name__ in MLP_CLASSES
             and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
@@ -106,7 +119,7 @@ def install(model: torch.nn.Module, *, backend: str = "auto") -> dict[str, int]:
     for module in model.modules():
         if _plain_norm(module):
             kind, forward = "rms_norm", _norm_forward
-        elif _silu_mlp(module):
+        elif silu_mlp(module):
             kind, forward = "silu_mul", _mlp_forward
         elif _rope_attention(module):
             kind, forward = "rotary", _attention_forward

@@ -90,6 +90,19 @@ def test_bench_arguments():
             bench.parse_args(bad)
 
 
+def test_fp8_weight_cell_is_the_sjf_cell_with_fp8_weights():
+    """sparse_fp8w_sjf (issue #39's service cell) differs from sparse_bf16_sjf only in the weights."""
+    cfg, _ = bench.parse_args(["--configs", "sparse_fp8w_sjf,sparse_bf16_sjf,dense_sjf", "--rates", "1,2"])
+    assert cfg.run_configs == ("sparse_bf16_sjf", "dense_sjf", "sparse_fp8w_sjf") and not cfg.fp8
+    fp8w, why = bench.resolve_service_config(bench.service_options(cfg, "sparse_fp8w_sjf"))
+    bf16, _ = bench.resolve_service_config(bench.service_options(cfg, "sparse_bf16_sjf"))
+    assert why is None and fp8w.model.weight_dtype == "fp8_channel" and bf16.model.weight_dtype == "auto"
+    assert fp8w.prefill.schedule == bf16.prefill.schedule == "shortest_first"
+    a, b = fp8w.model_dump(), bf16.model_dump()
+    a["model"].pop("weight_dtype"), b["model"].pop("weight_dtype")
+    assert a == b
+
+
 def test_configurations_that_cannot_run_are_recorded_without_a_deploy():
     """No Ray here: each of these returns before anything is deployed."""
     cfg = bench.BenchConfig(configs=("sparse_bf16",))

@@ -190,6 +190,79 @@ def test_rms_norm_quant_reference_is_norm_then_quant():
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [256, 384])
+def test_silu_mul_quant_kernel(device, group, dtype, n):
+    """The fused kernel quantizes exactly the product the unfused SiLU-mul kernel stores (scales
+    to a float32 ulp, values bit for bit), and stays within e4m3 rounding of the PyTorch
+    reference's product."""
+    from kernels.elementwise import silu_mul, silu_mul_reference
+
+    g = gen(n + 7 * (group or 0))
+    gate = (torch.randn(2, 7, n, generator=g) * 3).to(dtype).to(device)
+    up = (torch.randn(2, 7, n, generator=g) * torch.exp2(torch.randint(-4, 4, (2, 7, 1), generator=g).float())).to(dtype).to(device)
+    act = fp8_gemm.silu_mul_quant(gate, up, group, backend="triton")
+    assert act.x8.shape == (14, n) and act.group == group
+    assert act.scale.shape == (14, 1 if group is None else n // 128)
+    stored = silu_mul(gate, up, backend="triton").reshape(14, n)
+    assert_act_matches(act, stored, group)
+    ref = silu_mul_reference(gate.float().cpu(), up.float().cpu()).reshape(14, n)
+    deq = fp8_gemm.dequantize_activation(act).cpu()
+    ulp = torch.finfo(dtype).eps
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative, the subnormal step scale * 2^-9;
+    # plus the rounding of the product to dtype (kernel exp vs torch's silu)
+    bound = ref.abs() * (2.0**-4 + 2 * ulp) + act.scale.cpu().repeat_interleave(n // act.scale.shape[1], 1) * 2.0**-9
+    assert bool(((deq - ref).abs() <= bound * (1 + 1e-6)).all())
+    want = fp8_gemm.quantize_activation_reference(ref, group).scale
+    torch.testing.assert_close(act.scale.cpu(), want, rtol=2 * ulp, atol=0)
+
+
+def test_silu_mul_quant_reference_is_silu_mul_then_quant():
+    g = gen(11)
+    gate, up = torch.randn(5, 256, generator=g), spread((5, 256), seed=12)
+    act = fp8_gemm.silu_mul_quant(gate, up, 128, backend="reference")
+    x8, scale = ref_act(torch.nn.functional.silu(gate) * up, 128)
+    assert torch.equal(bits(act.x8), bits(x8)) and torch.equal(act.scale, scale)
+
+
+@needs_triton
+def test_silu_mul_quant_wide_rows_take_the_two_kernels(monkeypatch):
+    from kernels import triton_fp8_gemm
+    from kernels.elementwise import silu_mul
+
+    g = gen(13)
+    gate, up = (torch.randn(3, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(triton_fp8_gemm, "MAX_ROW", 128)  # 256 is then "wider than one program"
+    monkeypatch.setattr(triton_fp8_gemm, "silu_mul_quant", lambda *a: pytest.fail("fused kernel on a wide row"))
+    act = fp8_gemm.silu_mul_quant(gate, up, None, backend="triton")
+    assert_act_matches(act, silu_mul(gate, up, backend="triton"), None)
+
+
+def test_silu_mul_quant_empty_and_errors():
+    act = fp8_gemm.silu_mul_quant(torch.zeros(0, 256), torch.zeros(0, 256), 128, backend="reference")
+    assert act.x8.shape == (0, 256) and act.scale.shape == (0, 2)
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="up: expected gate's shape"):
+        fp8_gemm.silu_mul_quant(x, torch.randn(2, 128))
+    with pytest.raises(ValueError, match="up: expected gate's shape"):
+        fp8_gemm.silu_mul_quant(x, x.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="gate: expected a float16"):
+        fp8_gemm.silu_mul_quant(x.to(torch.int32), x)
+    with pytest.raises(ValueError, match="up: expected a float16"):
+        fp8_gemm.silu_mul_quant(x, "up")
+    with pytest.raises(ValueError, match="gate: expected at least one dimension"):
+        fp8_gemm.silu_mul_quant(torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="group: expected None"):
+        fp8_gemm.silu_mul_quant(x, x, 64)
+    with pytest.raises(ValueError, match="gate: per-group quantization needs a last dimension divisible by 128"):
+        fp8_gemm.silu_mul_quant(torch.randn(2, 200), torch.randn(2, 200), 128)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        fp8_gemm.silu_mul_quant(x, x, None, backend="cutlass")
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", [3, 8])
 def test_rotary_amax_kernel_bits(device, heads):
     from kernels.elementwise import rotary_reference
@@ -268,6 +341,51 @@ def test_scaled_mm_against_reference_cuda(scheme, m):
     assert fp8_gemm.scaled_mm_supports(act, 1024, 512, scheme, torch.bfloat16)
     got = fp8_gemm.fp8_mm(act, w8, sw, scheme, out_dtype=torch.bfloat16, backend="auto")
     want = ref_mm(act.x8, act.scale, w8, sw, scheme)
+    assert float((got.float() - want).abs().max()) <= 2 * 2.0**-8 * (float(want.abs().max()) + 1.0)
+
+
+def emulated_blockwise_scaled_mm(a8, b8, *, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's 1x128 x 128x128 contract as torch's _meta_registrations.py states it
+    (scale_a [M, K/128] outer-dim-major, scale_b [K/128, ceil(N/128)]), computed by loops over K blocks."""
+    m, k = a8.shape
+    n = b8.shape[1]
+    assert tuple(scale_a.shape) == (m, k // 128) and scale_a.stride(0) == 1
+    assert tuple(scale_b.shape) == (k // 128, -(-n // 128))
+    out = torch.zeros(m, n)
+    for kb in range(k // 128):
+        part = a8[:, kb * 128:(kb + 1) * 128].float() @ b8[kb * 128:(kb + 1) * 128].float()
+        out += part * scale_a[:, kb, None] * scale_b[kb].repeat_interleave(128)[None, :n]
+    return out.to(out_dtype)
+
+
+def test_blockwise_scaled_mm_scale_layout(monkeypatch):
+    """Our [M, K/128] activation and [N/128, K/128] weight scales, as handed to _scaled_mm's
+    blockwise mode, mean the block scheme's product (the mode itself runs on CUDA only)."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_blockwise_scaled_mm)
+    w8, sw = fp8_gemm.quantize_weight(spread((384, 512), seed=3), "block")
+    act = fp8_gemm.quantize_activation(spread((12, 512), seed=4).to(torch.bfloat16), 128, backend="reference")
+    got = fp8_gemm._blockwise_scaled_mm(act, w8, sw, torch.bfloat16)
+    want = ref_mm(act.x8, act.scale, w8, sw, "block")
+    assert float((got.float() - want).abs().max()) <= 2.0**-8 * (float(want.abs().max()) + 1.0)
+
+
+def test_blockwise_scaled_mm_is_cuda_only():
+    assert fp8_gemm.blockwise_scaled_mm_works("cpu") is False
+    assert fp8_gemm.blockwise_probe_failure("cpu") == "not CUDA (cpu)"
+    act = fp8_gemm.quantize_activation(torch.randn(8, 512), 128, backend="reference")
+    assert not fp8_gemm.blockwise_supports(act, 256, 512, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 1000, 1001])
+def test_blockwise_scaled_mm_against_reference_cuda(m):
+    if not fp8_gemm.blockwise_scaled_mm_works("cuda"):
+        pytest.skip(f"torch._scaled_mm's blockwise mode here: {fp8_gemm.blockwise_probe_failure('cuda')}")
+    w8, sw = fp8_gemm.quantize_weight(spread((1024, 512), seed=m).cuda(), "block")
+    act = fp8_gemm.quantize_activation(spread((m, 512), seed=m + 7).to(torch.bfloat16).cuda(), 128, backend="auto")
+    assert fp8_gemm.blockwise_supports(act, 1024, 512, torch.bfloat16) == (m % 4 == 0)  # 1001: the Triton kernel
+    got = fp8_gemm.fp8_mm(act, w8, sw, "block", out_dtype=torch.bfloat16, backend="auto")
+    want = ref_mm(act.x8, act.scale, w8, sw, "block")
     assert float((got.float() - want).abs().max()) <= 2 * 2.0**-8 * (float(want.abs().max()) + 1.0)
 
 
@@ -481,9 +599,9 @@ def test_runner_fp8_weights_installs_fused_norm_and_matches_unfused():
     loaded = tiny(dtype=torch.float32)
     fp8_linear.quantize_model(loaded.model, "channel")
     runner = make_runner(loaded)
-    assert runner.fp8_counts == {"fp8_linear": 14, "norm_quant": 4, "q_amax": 0}
+    assert runner.fp8_counts == {"fp8_linear": 14, "norm_quant": 4, "q_amax": 0, "silu_quant": 2}
     fused_path = run_prompts(runner)
-    assert fp8_linear.uninstall_forwards(loaded.model) == 4
+    assert fp8_linear.uninstall_forwards(loaded.model) == 6
     plain = run_prompts(runner)  # each projection quantizes its own input: the same numbers
     assert torch.equal(fused_path, plain)
     mem = runner.memory
@@ -531,7 +649,7 @@ def test_runner_fp8_triton_path_against_reference():
     fp8_linear.quantize_model(ref.model, "block")
     want = run_prompts(make_runner(ref, kv_dtype=E4M3), PROMPTS[:1], decode_steps=1)
     runner = make_runner(ref, kv_dtype=E4M3, backend="triton", fused_ops=True)
-    assert runner.fp8_counts == {"fp8_linear": 7, "norm_quant": 2, "q_amax": 1}
+    assert runner.fp8_counts == {"fp8_linear": 7, "norm_quant": 2, "q_amax": 1, "silu_quant": 1}
     got = run_prompts(runner, PROMPTS[:1], decode_steps=1)
     # bf16 roundings in another order (fused norms, fp32 GEMM accumulation order)
     assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
@@ -681,7 +799,7 @@ def test_fp8_checkpoint_through_load_model_and_runner(tmp_path):
 
     loaded = load_model_dir(path, load_tokenizer=False, weight_dtype="fp8_e4m3")
     runner = make_runner(loaded, kv_dtype=E4M3)
-    assert runner.fp8_counts == {"fp8_linear": 14, "norm_quant": 4, "q_amax": 2}
+    assert runner.fp8_counts == {"fp8_linear": 14, "norm_quant": 4, "q_amax": 2, "silu_quant": 2}
     assert run_prompts(runner, PROMPTS[:1]).isfinite().all()
 
 
