@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue #39 on the lent GPU machine: the FP8 GPU tests, the per-op profile of one 128K prefill
+# and the TTFT rows, with our CUTLASS library carried prebuilt (see scripts/gpu_bench_peer.sh):
+#   run(carry=[".carry/c"]): bash scripts/gpu_ttft.sh [tests] [profile] [ttft]
+# Results (JSON, logs) land in $OUT; commit them under benchmarks/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ -f .carry/c/libfp_cutlass.so.xz ] && [ -z "${FLASHPREFILL_CUTLASS_LIB:-}" ]; then
+  xz -d -c .carry/c/libfp_cutlass.so.xz > /tmp/libfp_cutlass.so && chmod +x /tmp/libfp_cutlass.so
+  export FLASHPREFILL_CUTLASS_LIB=/tmp/libfp_cutlass.so
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/env.txt"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile ttft)
+for step in "${steps[@]}"; do
+  case $step in
+    tests) python3 -m pytest -q -m gpu tests/test_fp8_linear.py tests/test_profile_prefill.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    profile) python3 benchmarks/profile_prefill.py --length 131072 --weight-dtype bf16,fp8_channel,fp8_block \
+               --out "$OUT/profile_prefill_h200.json" 2>&1 | tee "$OUT/profile_prefill_h200.log" ;;
+    profile32k) python3 benchmarks/profile_prefill.py --length 32768 --weight-dtype bf16,fp8_channel,fp8_block \
+               --out "$OUT/profile_prefill_32k_h200.json" 2>&1 | tee "$OUT/profile_prefill_32k_h200.log" ;;
+    ttft) python3 benchmarks/bench_ttft.py --lengths 32768,131072 --batch 1 --models structured --skip-decode \
+            --weight-dtype bf16,fp8_channel,fp8_block --out "$OUT/ttft_fp8w2_h200.json" 2>&1 | tee "$OUT/ttft_fp8w2_h200.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
