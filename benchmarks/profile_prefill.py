@@ -122,15 +122,21 @@ def attribute(events, outer: str = OUTER) -> dict:
     t0, t1 = root.time_range.start, root.time_range.end
     wall = t1 - t0
     ops: dict[str, float] = {}
+    methods: dict[str, int] = {}  # device activities per way they were attributed (diagnostics)
     device = [e for e in events if _is_device(e) and not e.is_user_annotation
               and not e.name.startswith((PREFIX, "profile::"))]
     if device:
-        # the host side of a device activity: the runtime call that launched it (same CUPTI
-        # correlation id; placed in the host tree by time), else the frontend op it links to
-        # (torch's own association); the two id spaces are kept apart
+        # Which op a device activity belongs to, first way that answers:
+        # 1. its host side: the runtime call that launched it (same CUPTI correlation id; placed
+        #    in the host tree by time), else the frontend op it links to (torch's own
+        #    association); the two id spaces are kept apart;
+        # 2. the innermost device-side ``op::`` annotation around it (Kineto's
+        #    gpu_user_annotation: a record_function range's span on the GPU stream).
         host_events = [e for e in events if not _is_device(e) and e.id]
         runtime = {e.id: e for e in host_events if getattr(e, "linked_correlation_id", 0) > 0}
         frontend = {e.id: e for e in host_events if getattr(e, "linked_correlation_id", 0) == 0}
+        annotations = sorted(((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]) for e in events
+                              if _is_device(e) and e.name.startswith(PREFIX)), key=lambda r: r[1] - r[0])
         spans = []
         for e in device:
             a, b = max(e.time_range.start, t0), min(e.time_range.end, t1)
@@ -139,15 +145,21 @@ def attribute(events, outer: str = OUTER) -> dict:
             spans.append((a, b))
             host = runtime.get(e.id) or frontend.get(getattr(e, "linked_correlation_id", 0))
             op = _op_of(host) if host is not None else None
+            how = "host event"
+            if op is None:
+                mid = (e.time_range.start + e.time_range.end) / 2
+                op = next((name for lo, hi, name in annotations if lo <= mid <= hi), None)  # shortest first
+                how = "device annotation" if op is not None else UNANNOTATED
             key = op if op is not None else UNANNOTATED
             ops[key] = ops.get(key, 0.0) + (b - a)
+            methods[how] = methods.get(how, 0) + 1
         busy = _union_us(spans)
         # overlapping activities (another stream) count once in busy: scale them into it
         total = sum(ops.values())
         if total > busy > 0:
             ops = {k: v * busy / total for k, v in ops.items()}
         ops[HOST_GAPS] = max(0.0, wall - busy)
-        return {"wall_us": wall, "device": True, "ops": ops}
+        return {"wall_us": wall, "device": True, "ops": ops, "attributed_by": methods}
     ranges = [e for e in events if e.name.startswith(PREFIX) and not _is_device(e)
               and e.time_range.start >= t0 and e.time_range.end <= t1]
 
@@ -287,6 +299,31 @@ def _hook_ranges(model) -> list:
     return handles
 
 
+def _explain_unannotated(events, samples: int = 6) -> None:
+    """Most device time found no op: print what the events hold, so the attribution can be
+    fixed from one run's output (a profiler build whose ids or annotations differ)."""
+    events = list(events)
+    host = [e for e in events if not _is_device(e)]
+    dev = [e for e in events if _is_device(e)]
+    print(f"[attribution] host events {len(host)} ({sum(e.name.startswith(PREFIX) for e in host)} op ranges), "
+          f"device events {len(dev)} ({sum(bool(e.is_user_annotation) for e in dev)} annotations, "
+          f"{sum(e.name.startswith(PREFIX) for e in dev)} named op::)")
+    by_id: dict = {}
+    for e in host:
+        by_id.setdefault(e.id, []).append(e)
+    for e in [e for e in dev if not e.is_user_annotation][:samples]:
+        linked = getattr(e, "linked_correlation_id", None)
+        found = by_id.get(e.id, []) + (by_id.get(linked, []) if linked else [])
+        chains = []
+        for h in found[:2]:
+            chain, p = [], h
+            while p is not None and len(chain) < 6:
+                chain.append(p.name)
+                p = p.cpu_parent
+            chains.append(" < ".join(chain))
+        print(f"[attribution] kernel {e.name[:60]!r} id={e.id} linked={linked} -> {chains or 'no host event'}")
+
+
 def profile_one(cfg: ProfileConfig, tcfg, device: torch.device, weight_dtype: str) -> dict:
     model = bt.build_model("structured", tcfg, device, weight_dtype)
     side = bt.Ours(model, tcfg, device, 1, cfg.length, 0)
@@ -324,7 +361,10 @@ def profile_one(cfg: ProfileConfig, tcfg, device: torch.device, weight_dtype: st
     finally:
         for h in handles:
             h.remove()
-    attr = attribute(prof.events())
+    events = prof.events()
+    attr = attribute(events)
+    if attr.get("attributed_by") and attr["ops"].get(UNANNOTATED, 0.0) > 0.5 * attr["wall_us"]:
+        _explain_unannotated(events)
     act_bytes = next(model.parameters()).element_size()
     kv_bytes = side.pool.k.element_size()
     costs = op_costs(model.config, cfg.length, weight_dtype, act_bytes, kv_bytes,
