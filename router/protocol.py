@@ -82,7 +82,8 @@ def _param(loc: tuple, body: Any) -> str:
         parts = parts[:1]
     if not parts:
         return "body"
-    return _escaped(str(parts[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[1:]))
+    # a key is client data of any length: the name is cut to keep the error short
+    return _escaped(str(parts[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[1:]))[:200]
 
 
 def _request_error(exc: ValidationError, body: Any, prefix: tuple = ()) -> RequestError:

@@ -221,3 +221,9 @@ def test_responses_and_chunks_are_valid_by_the_schema():
         jsonschema.validate(bad, response_schema("completion"))
     error = RequestError("n: bad", param="n", status=400, code="invalid_value").to_dict()
     jsonschema.validate(error, openapi_extra("chat")["responses"]["400"]["content"]["application/json"]["schema"])
+
+
+def test_a_long_unknown_message_key_gives_a_short_error():
+    with pytest.raises(RequestError) as info:
+        strict().parse({"model": "m", "messages": [{"role": "user", "content": "x", "k" * 5000: 1}]}, "chat")
+    assert info.value.param.startswith("messages[0].kkk") and len(info.value.message) <= 512
