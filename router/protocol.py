@@ -1,100 +1,43 @@
 """The OpenAI-compatible wire protocol: request validation, response and error objects.
 
-Requests are parsed from plain JSON objects by hand, field by field, so that every bad field
+A request body is validated through its pydantic model (``router/openai_models.py``: every
+field's type, range and allowed values); what depends on the served model (vocabulary, context
+length, chat template, grammars) and the rules between fields are checked here. Every bad field
 gets a 400 naming it (OpenAI's ``invalid_request_error`` shape), not a generic 422. The gRPC
-service reuses the same validation (``router/grpc_service.py`` turns its message into the
-same dict). What comes out is a :class:`GenerationRequest`: token ids and sampling options,
-everything the workers need, nothing they do not.
+service reuses the same validation (``router/app.py`` turns its message into the same dict).
+What comes out is a :class:`GenerationRequest`: token ids and sampling options, everything the
+workers need, nothing they do not.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from model_executor.sampling import SamplingParams
 from serving.errors import RequestError
 
+from .openai_models import (CHUNKS, MAX_SEED, REQUESTS, RESPONSES, ChatMessage, ErrorResponse, StreamOptions,
+                            ignored_fields, json_schema)
+
 logger = logging.getLogger("ray.serve")
 
-MAX_STOP_STRINGS = 4
-MAX_STOP_LEN = 256
-MAX_SEED = (1 << 63) - 1
-MAX_TEMPERATURE = 2.0
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI
-MAX_STOP_TOKEN_IDS = 64
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions' logprobs, chat's top_logprobs
-MAX_TOP_LOGPROBS = 20
-MAX_PROMPTS = 32  # prompts in one completions request
-MAX_N = 16  # n and best_of
 SYSTEM_FINGERPRINT = "fp_flashprefill"  # ``system_fingerprint`` of every response
-
-# What the parser does with each request field OpenAI or vLLM define (docs/API.md, "Request
-# fields", is this table for people). Acted on: _COMMON and the kind's own. Neutral only: accepted
-# at these values (clients send some of them by default), 400 naming the field otherwise. Ignored:
-# accepted with any value and logged once per process: they would change nothing we can do
-# differently (hints, bookkeeping, engine knobs of no meaning here). Any other field is unknown:
-# ignored and logged the same way, or a 400 naming it with ``ingress.strict_fields``.
-_NEUTRAL = {
-    "suffix": (None, ""),
-    "user": None,  # any string: recorded nowhere
-    "parallel_tool_calls": (None, False),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    # vLLM's sampling and output extensions we do not implement
-    "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False),
-    "length_penalty": (None, 1.0, 1),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
-    "logits_processors": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-}
-_NEUTRAL_CHAT = {
-    "best_of": (None, 1),  # completions only (gRPC's GenerateRequest has it for both)
-    "echo": (None, False),  # vLLM's chat echo (the last message again) is not done here
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "chat_template": (None,),
-    "audio": (None,),
-    "web_search_options": (None,),
-    "documents": (None,),
-}
-_NEUTRAL_COMPLETION = {"prompt_embeds": (None,)}
-IGNORED_FIELDS = frozenset({
-    "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",  # OpenAI: bookkeeping, caching
-    "priority", "cache_salt", "kv_transfer_params", "vllm_xargs", "skip_special_tokens",  # vLLM
-    "spaces_between_special_tokens", "guided_decoding_backend", "guided_whitespace_pattern",
-})
-IGNORED_CHAT_FIELDS = frozenset({
-    "reasoning_effort", "verbosity", "modalities", "prediction",  # OpenAI: no reasoning, text only, a hint
-    "functions", "function_call",  # OpenAI's deprecated function calling (tools replace it)
-    "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs",  # vLLM
-})
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream",
-           "stream_options", "seed", "return_token_ids", "request_id", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "n",
-           "sparse_attention", "response_format", "add_special_tokens", "return_tokens_as_token_ids"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo"} | set(_NEUTRAL) | set(_NEUTRAL_COMPLETION) | IGNORED_FIELDS
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat takes them (neutral in completions)
-CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL) | set(_NEUTRAL_CHAT)
-               | IGNORED_FIELDS | IGNORED_CHAT_FIELDS)
-STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# message fields the openai client may echo back from a response message: accepted when null
-_NULL_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
+STREAM_OPTIONS = tuple(StreamOptions.model_fields)
 # roles the chat templates do not know, and the role they are rendered as
 _ROLE_AS = {"developer": "system"}
+_IGNORED = {kind: ignored_fields(kind) for kind in REQUESTS}
+_MESSAGES = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
+# errors inside these fields name the field, not the entry (a stop string, a token id, a bias)
+_NAMED_WHOLE = frozenset({"stop", "logit_bias", "stop_token_ids", "sparse_attention"})
+# the models' own error types: their message says what was expected, and shows no input
+_OWN_ERRORS = frozenset({"invalid_type", "neutral", "invalid_unicode", "not_printable"})
 _logged_fields: set[str] = set()  # field names already logged as ignored, in this process
 MAX_LOGGED_FIELDS = 256  # names are client data: a bound on the memory and the log lines they take
 
@@ -114,6 +57,89 @@ def _log_ignored(name: str, why: str) -> None:
 
 def bad(param: str, message: str) -> RequestError:
     return RequestError(f"{param}: {message}", param=param, status=400, code="invalid_value")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with any lone surrogate escaped: an error naming client data must render as JSON."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _param(loc: tuple, body: Any) -> str:
+    """The name a bad field is answered with: ``messages[0].content[1].text`` for pydantic's
+    ``("messages", 0, "content", "~list", 1, "text")`` (union tags left out; a token-id list,
+    a one-prompt list and the fields of ``_NAMED_WHOLE`` named as a whole)."""
+    parts: list = []
+    for p in loc:
+        if isinstance(p, str) and p.startswith("~"):
+            if p == "~ids":
+                break
+            continue
+        parts.append(p)
+    if parts and parts[0] in _NAMED_WHOLE:
+        parts = parts[:1]
+    if parts[:1] == ["prompt"] and isinstance(body, dict) and isinstance(body.get("prompt"), list) \
+            and len(body["prompt"]) == 1:
+        parts = parts[:1]
+    if not parts:
+        return "body"
+    # a key is client data of any length: the name is cut to keep the error short
+    return _escaped(str(parts[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[1:]))[:200]
+
+
+def _request_error(exc: ValidationError, body: Any, prefix: tuple = ()) -> RequestError:
+    """pydantic's first error as a 400 naming the field: ``<param>: <what>, got <value>``."""
+    err = exc.errors(include_url=False)[0]
+    at = (err.get("ctx") or {}).get("field")  # a rule between a message's fields names the one at fault
+    param = _param((*prefix, *err["loc"], *((at,) if at else ())), body)
+    if err["type"] == "string_unicode" and isinstance(err["input"], str):  # pydantic's own lone-surrogate check
+        try:
+            _check_text(param, err["input"])
+        except RequestError as named:  # the same message as the models' own check
+            return named
+    if at or err["type"] in _OWN_ERRORS:
+        message = err["msg"]
+        if err["type"] == "invalid_type":
+            message += f", got {type(err['input']).__name__}"
+    elif err["type"] == "extra_forbidden":
+        message = "unrecognized field"
+    elif err["type"] == "missing":
+        message = "required"
+    else:
+        message = f"{err['msg']}, got {_escaped(repr(err['input']))[:100]}"
+    return bad(param, message[:300])
+
+
+def _check_text(name: str, value: str) -> str:
+    """A string field must be valid Unicode that UTF-8 can encode (JSON lets a client send a
+    lone surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(name, f"invalid Unicode: a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
+                        f"{exc.start}") from None
+    return value
+
+
+def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
+    """The body's field names against the request model: unknown ones logged (or a 400 when
+    ``strict``), ignored ones logged. (Their values are the model's to check.)"""
+    if not isinstance(body, dict):
+        raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
+    wrong = "messages" if kind == "completion" else "prompt"  # the other endpoint's input: a mistake, not noise
+    if wrong in body:
+        raise bad(wrong, "not a field of this endpoint (send it to "
+                         f"{'/v1/chat/completions' if kind == 'completion' else '/v1/completions'})")
+    for name in sorted(set(body) - set(REQUESTS[kind].model_fields)):
+        if strict:  # a name with a lone surrogate is escaped: the error must render as JSON
+            raise bad(_escaped(name), "unrecognized request argument (ingress.strict_fields is on)")
+        _log_ignored(name, "not a field OpenAI or vLLM define for this endpoint")
+    for name in sorted(set(body) & _IGNORED[kind]):
+        _log_ignored(name, "accepted, not acted on (docs/API.md, Request fields)")
+    return body
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -203,119 +229,6 @@ class GenerationRequest:
         )
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(name, f"expected a number, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise bad(name, f"expected a number in {bracket}{lo}, {hi}], got {value!r}")
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(name, f"expected an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise bad(name, f"expected an integer in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(name, f"expected true or false, got {value!r}")
-    return value
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS:
-        raise bad("stop", f"expected a string or a list of at most {MAX_STOP_STRINGS} strings, got {value!r}")
-    for s in value:
-        if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
-            raise bad("stop", f"expected non-empty strings of at most {MAX_STOP_LEN} characters, got {s!r}")
-        _check_text("stop", s)
-    return tuple(value)
-
-
-def _sparse_attention(body: dict) -> float | None:
-    """``sparse_attention``: ``false`` (dense prefill), ``true`` / null (the service's
-    setting), or ``{"alpha": a}`` with ``a`` in [0, 1] (FlashPrefill V2's threshold)."""
-    value = body.get("sparse_attention")
-    if value is None or value is True:
-        return None
-    if value is False:
-        return 0.0
-    if not isinstance(value, dict) or set(value) != {"alpha"}:
-        raise bad("sparse_attention", f"expected false, true or {{\"alpha\": float in [0, 1]}}, got {value!r}"[:200])
-    try:
-        return _number(value, "alpha", 0.0, 0.0, 1.0) if value["alpha"] is not None else None
-    except RequestError as err:
-        raise bad("sparse_attention", err.message.replace("alpha:", "alpha", 1)) from None
-
-
-def _check_text(name: str, value: str) -> str:
-    """A string field must be valid Unicode that UTF-8 can encode (JSON lets a client send a
-    lone surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad(name, f"invalid Unicode: a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
-                        f"{exc.start}") from None
-    return value
-
-
-def _neutral_error(name: str, neutral: tuple) -> RequestError:
-    values = [v for v in neutral if v is not None]
-    shown = " or ".join(repr(v) for v in values[:1] + [v for v in values[1:] if not isinstance(v, int)])
-    return bad(name, "not supported here" + (f": send {shown}, null, or leave it out" if values else
-                                             ": send null or leave it out"))
-
-
-def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
-    """The body's fields against the tables above: unknown ones logged (or a 400 when
-    ``strict``), ignored ones logged, neutral-only ones checked."""
-    if not isinstance(body, dict):
-        raise RequestError("body: expected a JSON object", param=None, status=400, code="invalid_json")
-    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
-    wrong = "messages" if kind == "completion" else "prompt"  # the other endpoint's input: a mistake, not noise
-    if wrong in body:
-        raise bad(wrong, "not a field of this endpoint (send it to "
-                         f"{'/v1/chat/completions' if kind == 'completion' else '/v1/completions'})")
-    for name in sorted(set(body) - allowed):
-        if strict:  # a name with a lone surrogate is escaped: the error must render as JSON
-            raise bad(name.encode("utf-8", "backslashreplace").decode("utf-8"),
-                      "unrecognized request argument (ingress.strict_fields is on)")
-        _log_ignored(name, "not a field OpenAI or vLLM define for this endpoint")
-    for name in sorted(set(body) & (IGNORED_FIELDS | (IGNORED_CHAT_FIELDS if kind == "chat" else frozenset()))):
-        _log_ignored(name, "accepted, not acted on (docs/API.md, Request fields)")
-    neutrals = {**_NEUTRAL, **(_NEUTRAL_CHAT if kind == "chat" else _NEUTRAL_COMPLETION)}
-    for name, neutral in neutrals.items():
-        if name not in body or (kind == "chat" and name in _TOOL_FIELDS):
-            continue
-        value = body[name]
-        if neutral is None:
-            if value is not None and not isinstance(value, str):
-                raise bad(name, f"expected a string, got {value!r}"[:200])
-        elif not any(value == n and type(value) is type(n) for n in neutral):
-            if name == "echo":
-                raise bad(name, "not supported in chat (only false)")
-            raise _neutral_error(name, neutral)
-    return body
-
-
 class RequestParser:
     """Turns OpenAI request bodies into GenerationRequests for one served model."""
 
@@ -338,25 +251,19 @@ class RequestParser:
         self.stop_token_ids = tuple(getattr(tokenizer, "stop_token_ids", ()) or ())
 
     # -- prompts ---------------------------------------------------------------------
-    def _token_ids(self, name: str, ids: list) -> list[int]:
-        if not ids:
-            raise bad(name, "expected a non-empty prompt")
+    def _in_vocab(self, name: str, ids: Any) -> None:
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+            if t >= self.vocab_size:
                 raise bad(name, f"expected token ids in [0, {self.vocab_size}), got {t!r}")
-        return list(ids)
 
-    def _one_prompt(self, name: str, prompt: Any, add_special: bool) -> tuple[list[int], int]:
+    def _one_prompt(self, name: str, prompt: str | list[int], add_special: bool) -> tuple[list[int], int]:
         """``(token ids, leading tokens the tokenizer added)``: a string follows the tokenizer's
         ``add_special_tokens`` (``add_special``); token ids are taken as they are."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad(name, "expected a non-empty string")
-            ids = self.tokenizer.encode(_check_text(name, prompt), add_bos=add_special)
+            ids = self.tokenizer.encode(prompt, add_bos=add_special)
             return ids, self._added_prefix(prompt, ids) if add_special else 0
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self._token_ids(name, prompt), 0
-        raise bad(name, f"expected a string or a list of token ids, got {type(prompt).__name__}")
+        self._in_vocab(name, prompt)
+        return list(prompt), 0
 
     def _added_prefix(self, text: str, ids: list[int]) -> int:
         """How many tokens before ``text``'s own the tokenizer put (a BOS), found by encoding it
@@ -372,13 +279,10 @@ class RequestParser:
         ids = self.tokenizer.encode("a", add_bos=True)
         return ids[:self._added_prefix("a", ids)]
 
-    def _prompts(self, body: dict, add_special: bool) -> tuple[list[list[int]], list[int]]:
+    def _prompts(self, prompt: Any, add_special: bool) -> tuple[list[list[int]], list[int]]:
         """A string, a list of token ids, or a list of either (a list of prompts): each prompt's
         ids and its count of added leading tokens."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) > MAX_PROMPTS:
-                raise bad("prompt", f"expected at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             out = [self._one_prompt("prompt" if len(prompt) == 1 else f"prompt[{i}]", p, add_special)
                    for i, p in enumerate(prompt)]
         else:
@@ -386,47 +290,23 @@ class RequestParser:
         return [ids for ids, _ in out], [skip for _, skip in out]
 
     def _messages(self, body: dict, tools: list | None = None) -> list[int]:
-        """The chat prompt; ``tools``: rendered into it by the template (already checked)."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages", "expected a non-empty list of {role, content} objects")
+        """The chat prompt of ``body["messages"]``; ``tools``: rendered into it by the template
+        (already checked)."""
+        try:
+            messages = _MESSAGES.validate_python(body.get("messages"), strict=True)
+        except ValidationError as exc:
+            raise _request_error(exc, body, ("messages",)) from None
         clean, tool_turn = [], None  # tool_turn: the first field that needs a tool-capable template
         for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise bad(f"messages[{i}]", "expected an object with role and content")
-            role, content = m.get("role"), m.get("content")
-            if role not in CHAT_ROLES:
-                raise bad(f"messages[{i}].role", f"expected one of {CHAT_ROLES}, got {role!r}")
+            content = m.content
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                parts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad(f"messages[{i}].content[{j}]", "only {'type': 'text', 'text': str} parts are supported")
-                    parts.append(_check_text(f"messages[{i}].content[{j}].text", part["text"]))
-                content = "".join(parts)
-            calls = m.get("tool_calls") if role == "assistant" else None
-            if content is None and role == "assistant" and calls is not None:
-                content = ""  # an assistant turn of calls only
-            if not isinstance(content, str):
-                raise bad(f"messages[{i}].content", f"expected a string, got {type(content).__name__}")
-            _check_text(f"messages[{i}].content", content)
-            if isinstance(m.get("name"), str):
-                _check_text(f"messages[{i}].name", m["name"])
-            allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
-            extra = sorted(k for k in set(m) - allowed if not (k in _NULL_MESSAGE_FIELDS and m[k] in (None, [])))
-            if extra:
-                raise bad(f"messages[{i}].{extra[0]}", "unrecognized message field"
-                          + (" (only in assistant messages)" if extra[0] == "tool_calls" else "")
-                          + (" (only in tool messages)" if extra[0] == "tool_call_id" else ""))
-            out: dict[str, Any] = {"role": _ROLE_AS.get(role, role), "content": content}
-            if role == "tool":
-                call_id = m.get("tool_call_id")
-                if not isinstance(call_id, str) or not call_id:
-                    raise bad(f"messages[{i}].tool_call_id", f"expected the id of the call this answers, got {call_id!r}"[:200])
-                out["tool_call_id"] = _check_text(f"messages[{i}].tool_call_id", call_id)
+                content = "".join(part.text for part in content)
+            out: dict[str, Any] = {"role": _ROLE_AS.get(m.role, m.role), "content": content or ""}
+            if m.role == "tool":
+                out["tool_call_id"] = m.tool_call_id
                 tool_turn = tool_turn or f"messages[{i}].role"
-            if calls is not None:
-                out["tool_calls"] = self._history_calls(f"messages[{i}].tool_calls", calls)
+            if m.tool_calls is not None:
+                out["tool_calls"] = self._history_calls(f"messages[{i}].tool_calls", m.tool_calls)
                 tool_turn = tool_turn or f"messages[{i}].tool_calls"
             clean.append(out)
         try:
@@ -482,15 +362,14 @@ class RequestParser:
             out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": parsed}})
         return out
 
-    def _tools(self, body: dict) -> tuple[list | None, dict | None, str | None, bool]:
+
+    def _tools(self, req: BaseModel) -> tuple[list | None, dict | None, str | None, bool]:
         """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat request: ``(tools for
         the prompt, grammar spec forcing the call, format to parse the reply in, parallel)``.
         ``tool_choice``: ``auto`` (default with tools: the tools in the prompt, free decoding, the
         reply parsed), ``required`` / a named function (also forced by a grammar), ``none``
         (no tools in the prompt, the reply is plain content)."""
-        tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise bad("parallel_tool_calls", f"expected true or false, got {parallel!r}"[:200])
+        tools, choice, parallel = req.tools, req.tool_choice, req.parallel_tool_calls
         if tools is None or tools == []:
             if choice is not None and choice != "none":
                 raise bad("tool_choice", "only allowed with tools (send a non-empty tools list)")
@@ -531,56 +410,58 @@ class RequestParser:
         return model
 
     def parse(self, body: Any, kind: str, *, request_id: str | None = None) -> GenerationRequest:
-        if kind not in ("completion", "chat"):
+        if kind not in REQUESTS:
             raise ValueError(f"kind: expected 'completion' or 'chat', got {kind!r}")
         body = _check_fields(body, kind, strict=self.strict_fields)
-        model = self._model(body)
-        tools, tool_guided, tool_format, parallel = self._tools(body) if kind == "chat" else (None, None, None, True)
-        if tool_format is not None and body.get("response_format") not in (None, {"type": "text"}):
+        try:
+            req = REQUESTS[kind].model_validate(body, strict=True)
+        except ValidationError as exc:
+            raise _request_error(exc, body) from None
+        model = self._model({"model": req.model})
+        tools, tool_guided, tool_format, parallel = self._tools(req) if kind == "chat" else (None, None, None, True)
+        if tool_format is not None and req.response_format not in (None, {"type": "text"}):
             raise bad("response_format", "cannot be combined with tools (unless tool_choice is 'none'): "
                                          "a tool call's arguments are constrained by its parameters schema")
-        echo = kind == "completion" and _bool(body, "echo", False)
+        echo = kind == "completion" and bool(req.echo)
         # vLLM's defaults: the tokenizer's specials for completions; none for chat (its template has them)
-        add_special = _bool(body, "add_special_tokens", kind == "completion")
+        add_special = _or(req.add_special_tokens, kind == "completion")
         if kind == "completion":
-            prompts, skips = self._prompts(body, add_special)
+            prompts, skips = self._prompts(req.prompt, add_special)
         else:
-            prompts, skips = [self._messages(body, tools)], [0]
+            prompts, skips = [self._messages({"messages": req.messages}, tools)], [0]
             if add_special:
                 prompts[0] = self._special_prefix() + list(prompts[0])
         ids = max(prompts, key=len)  # the room below is the longest prompt's
-        if kind == "chat" and body.get("max_completion_tokens") is not None:
-            if body.get("max_tokens") is not None:
+        max_tokens = req.max_tokens
+        if kind == "chat" and req.max_completion_tokens is not None:
+            if max_tokens is not None:
                 raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
-            body = {**body, "max_tokens": body["max_completion_tokens"]}
+            max_tokens = req.max_completion_tokens
         room = self.max_model_len - len(ids)
         if room < 1:
             raise bad("prompt" if kind == "completion" else "messages",
                       f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
                       "(max_model_len, one token of room to generate)")
+        n = _or(req.n, 1)
         # max_tokens 0: only the prompt (with echo: its logprobs, for loglikelihood evaluations)
-        max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1, self.max_model_len)
+        if max_tokens == 0 and not echo:
+            raise bad("max_tokens", "expected at least 1 (0 only with echo), got 0")
         if max_tokens is None and kind == "chat":  # OpenAI's and vLLM's: until the context ends
-            max_tokens = max(min(room, self._decode_room(len(ids), body)), 1)
+            max_tokens = max(min(room, self._decode_room(len(ids), n)), 1)
         elif max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
             raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.max_model_len}")
-        temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-        top_k = _integer(body, "top_k", 0, -1, self.vocab_size)
-        min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-        seed = _integer(body, "seed", None, 0, MAX_SEED)
-        stream = _bool(body, "stream", False)
-        include_usage, continuous_usage = self._stream_options(body, stream)
-        rid = body.get("request_id")
-        if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 128 or not rid.isprintable()):
-            raise bad("request_id", "expected a printable string of at most 128 characters")
+        top_k = _or(req.top_k, 0)
+        if top_k > self.vocab_size:
+            raise bad("top_k", f"expected an integer in [-1, {self.vocab_size}] (the vocabulary), got {top_k}")
+        stream = bool(req.stream)
+        include_usage, continuous_usage = self._stream_options(req.stream_options, stream)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        stop_ids = self._stop_token_ids(body)
-        min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
-        n = _integer(body, "n", 1, 1, MAX_N)
-        best_of = _integer(body, "best_of", None, 1, MAX_N)
+        min_tokens = _or(req.min_tokens, 0)
+        if min_tokens > max_tokens:
+            raise bad("min_tokens", f"expected an integer in [0, {max_tokens}] (max_tokens), got {min_tokens}")
+        best_of = req.best_of
         if best_of is not None:
             if best_of < n:
                 raise bad("best_of", f"expected best_of >= n ({n}), got {best_of}")
@@ -588,8 +469,9 @@ class RequestParser:
                 raise bad("best_of", "best_of > n cannot be streamed (the best are known at the end)")
             if best_of == n:
                 best_of = None  # nothing to choose
+        sparse = req.sparse_attention
         return GenerationRequest(
-            request_id=rid or request_id or f"{prefix}-{uuid.uuid4().hex}",
+            request_id=req.request_id or request_id or f"{prefix}-{uuid.uuid4().hex}",
             kind=kind,
             model=model,
             prompt_token_ids=tuple(prompts[0]),
@@ -599,78 +481,67 @@ class RequestParser:
             echo=echo,
             echo_skip=skips[0] if echo else 0,
             batch_skip=tuple(skips) if echo and len(prompts) > 1 else (),
-            sparse_alpha=_sparse_attention(body),
-            guided=tool_guided or self._guided(body),
+            # false: dense; true / null: the service's setting; {"alpha": a}: FlashPrefill V2's threshold
+            sparse_alpha=None if sparse is None or sparse is True else 0.0 if sparse is False else sparse.alpha,
+            guided=tool_guided or self._guided(req.response_format),
             tool_format=tool_format,
             parallel_tool_calls=parallel,
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
             top_k=max(top_k, 0),
-            min_p=min_p,
-            seed=seed,
-            stop=_stop(body),
-            stop_token_ids=stop_ids,
+            min_p=_or(req.min_p, 0.0),
+            seed=req.seed,
+            stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            stop_token_ids=self._stop_token_ids(req.stop_token_ids, bool(req.ignore_eos)),
             stream=stream,
             include_usage=include_usage,
             continuous_usage=continuous_usage,
-            return_token_ids=_bool(body, "return_token_ids", False),
-            return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
-            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-            logit_bias=self._logit_bias(body),
+            return_token_ids=bool(req.return_token_ids),
+            return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            logit_bias=self._logit_bias(req.logit_bias),
             min_tokens=min_tokens,
-            logprobs=self._logprobs(body, kind),
+            logprobs=self._logprobs(req, kind),
         )
 
-    def _decode_room(self, prompt_len: int, body: dict) -> int:
+    def _decode_room(self, prompt_len: int, n: int) -> int:
         """Output tokens per choice that a decode replica can admit for a chat request without
         ``max_tokens`` (its choices share the prompt's pages and each grows its own, starting
         with a copy of the partial last page): so the default never exceeds the pool."""
         if self.max_sequence_tokens is None:
             return self.max_model_len
-        n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) else 1
-        n = min(max(n, 1), MAX_N)  # a bad n is refused below
         if n == 1:
             return self.max_sequence_tokens - prompt_len
         return (self.max_sequence_tokens - prompt_len) // n - 2 * self.page_size
 
-    def _stream_options(self, body: dict, stream: bool) -> tuple[bool, bool]:
+    def _stream_options(self, options: StreamOptions | None, stream: bool) -> tuple[bool, bool]:
         """``(include_usage, continuous_usage)`` of ``stream_options``: ``include_usage`` (a last
         chunk with usage), ``continuous_usage_stats`` (vLLM's: usage in every chunk too, with
         ``include_usage`` only, as vLLM), ``include_obfuscation`` (OpenAI's padding: accepted, not
         added)."""
-        options = body.get("stream_options")
         if options is None:
             return False, False
         if not stream:
             raise bad("stream_options", "only allowed with stream: true")
-        if not isinstance(options, dict):
-            raise bad("stream_options", f"expected an object with {', '.join(STREAM_OPTIONS)}, got {options!r}"[:200])
-        values = {}
-        for key in STREAM_OPTIONS:
-            try:
-                values[key] = _bool(options, key, False)
-            except RequestError as err:
-                raise bad(f"stream_options.{key}", err.message[len(key) + 2:]) from None
-        for key in sorted(set(options) - set(STREAM_OPTIONS)):
+        for key in sorted(options.model_extra or ()):
             name = f"stream_options.{key}"
             if self.strict_fields:
-                raise bad(name.encode("utf-8", "backslashreplace").decode("utf-8"),
-                          "unrecognized stream option (ingress.strict_fields is on)")
+                raise bad(_escaped(name), "unrecognized stream option (ingress.strict_fields is on)")
             _log_ignored(name, "not a stream option OpenAI or vLLM define")
-        if "include_obfuscation" in options:
+        if "include_obfuscation" in options.model_fields_set:
             _log_ignored("stream_options.include_obfuscation", "accepted, not acted on (no obfuscation padding)")
-        return values["include_usage"], values["include_usage"] and values["continuous_usage_stats"]
+        include_usage = bool(options.include_usage)
+        return include_usage, include_usage and bool(options.continuous_usage_stats)
 
     # -- sampling controls -------------------------------------------------------------
-    def _guided(self, body: dict) -> dict | None:
+    def _guided(self, response_format: Any) -> dict | None:
         """``response_format`` (OpenAI's ``text``, ``json_object``, ``json_schema``; our ``regex``
         and ``choice``) as a grammar spec, compiled once here against this model's tokenizer so a
         spec it cannot take is a 400 now, not a failure on a worker (compiled grammars are
         cached, the workers reuse the compilation work per process)."""
-        response_format = body.get("response_format")
         if response_format is None:
             return None
         if isinstance(response_format, dict) and response_format.get("type") == "text" and len(response_format) == 1:
@@ -692,44 +563,28 @@ class RequestParser:
             raise RequestError(message, param=param, status=400, code="invalid_value") from None
         return guided
 
-    def _stop_token_ids(self, body: dict) -> tuple[int, ...]:
+    def _stop_token_ids(self, ids: list[int] | None, ignore_eos: bool) -> tuple[int, ...]:
         """The tokenizer's end-of-text ids (unless ``ignore_eos``) and the request's own."""
-        ids = body.get("stop_token_ids")
-        if ids is None:
-            ids = []
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"expected a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {ids!r}")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise bad("stop_token_ids", f"expected token ids in [0, {self.vocab_size}), got {t!r}")
-        base = () if _bool(body, "ignore_eos", False) else self.stop_token_ids
-        return tuple(dict.fromkeys((*base, *ids)))
+        self._in_vocab("stop_token_ids", ids or ())
+        base = () if ignore_eos else self.stop_token_ids
+        return tuple(dict.fromkeys((*base, *(ids or ()))))
 
-    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
-        bias = body.get("logit_bias")
-        if bias is None:
-            return ()
-        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-            raise bad("logit_bias", f"expected an object of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         out = []
-        for key, value in bias.items():
-            tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
-            if tok is None or not 0 <= tok < self.vocab_size:
+        for key, value in (bias or {}).items():
+            tok = int(key) if key.isascii() and key.isdigit() else None
+            if tok is None or not tok < self.vocab_size:
                 raise bad("logit_bias", f"expected token ids in [0, {self.vocab_size}) as keys, got {_check_text('logit_bias', key)[:32]!r}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise bad("logit_bias", f"expected a bias in [-100, 100] for token {tok}, got {value!r}")
             out.append((tok, float(value)))
         return tuple(out)
 
     @staticmethod
-    def _logprobs(body: dict, kind: str) -> int | None:
+    def _logprobs(req: BaseModel, kind: str) -> int | None:
         if kind == "completion":
-            return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
-        on = _bool(body, "logprobs", False)
-        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-        if top is not None and not on:
+            return req.logprobs
+        if req.top_logprobs is not None and not req.logprobs:
             raise bad("top_logprobs", "requires logprobs: true")
-        return (top or 0) if on else None
+        return _or(req.top_logprobs, 0) if req.logprobs else None
 
 
 # ----------------------------------------------------------------------------- responses
@@ -950,123 +805,20 @@ def models_response(model_id: str, created: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- OpenAPI
-def _request_schema(kind: str) -> dict:
-    """JSON schema of a request body, for the OpenAPI description (``/openapi.json``). The
-    parser above stays the authority: model-dependent bounds (vocabulary, ``max_model_len``)
-    are checked there and answered with 400s naming the field."""
-    stop = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
-                      {"type": "array", "maxItems": MAX_STOP_STRINGS,
-                       "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}},
-                      {"type": "null"}]}
-    props: dict[str, Any] = {
-        "model": {"type": "string", "minLength": 1, "description": "the served model id (GET /v1/models)"},
-        "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}, {"type": "null"}]},
-        "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}]},
-        "top_k": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
-        "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_SEED}, {"type": "null"}]},
-        "stop": stop,
-        "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {
-            "include_usage": {"type": "boolean"},
-            "continuous_usage_stats": {"type": "boolean", "description": "vLLM's: with include_usage, usage in "
-                                       "every chunk (the tokens so far)"},
-            "include_obfuscation": {"type": "boolean", "description": "accepted, not acted on"}}},
-        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
-                  "description": "extension (vLLM's): only tokens at least min_p times as likely as the top one"},
-        "add_special_tokens": {"type": "boolean", "description": "extension (vLLM's): the tokenizer's special "
-                               "tokens around a text prompt (default: true for completions, false for chat)"},
-        "return_tokens_as_token_ids": {"type": "boolean", "description": "extension (vLLM's): logprobs name "
-                                       "tokens 'token_id:<id>'"},
-        "return_token_ids": {"type": "boolean"},
-        "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "n": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]},
-        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}],
-                       "description": "0 only with echo (completions)"},
-        "user": {"type": "string"},
-        "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}]},
-        "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}]},
-        "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 10}, {"type": "null"}],
-                               "description": "extension: over the generated tokens"},
-        "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
-                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-                                 {"type": "null"}]},
-        "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
-        "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
-                                      "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]},
-        "ignore_eos": {"type": "boolean"},
-        "sparse_attention": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {
-            "type": "object", "required": ["alpha"], "additionalProperties": False,
-            "properties": {"alpha": {"type": "number", "minimum": 0, "maximum": 1}}}],
-            "description": "extension: this request's prefill sparsity (false: dense)"},
-    }
-    if kind == "completion":
-        props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
-                                       {"type": "null"}]}
-        one = [{"type": "string", "minLength": 1},
-               {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]
-        props["prompt"] = {"anyOf": [*one, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
-                                            "items": {"anyOf": one}}]}
-        props["echo"] = {"type": "boolean", "description": "the prompt before the output; with logprobs, the "
-                         "prompt's logprobs, from the prefill (sparse attention where it is on)"}
-        props["best_of"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}]}
-        required = ["model", "prompt"]
-    else:
-        call = {"type": "object", "required": ["id", "type", "function"], "additionalProperties": False, "properties": {
-            "id": {"type": "string", "minLength": 1}, "type": {"type": "string", "enum": ["function"]},
-            "function": {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-                         "properties": {"name": {"type": "string", "minLength": 1},
-                                        "arguments": {"type": "string", "description": "a JSON object"}}}}}
-        props["messages"] = {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
-                           "content": {"anyOf": [{"type": "string"}, {"type": "null"}],
-                                       "description": "null only in an assistant message with tool_calls"},
-                           "name": {"type": "string"},
-                           "tool_calls": {"type": "array", "minItems": 1, "items": call,
-                                          "description": "assistant messages only"},
-                           "tool_call_id": {"type": "string", "minLength": 1,
-                                            "description": "tool messages only (required there)"}}}}
-        function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-]+$"},
-            "description": {"type": "string"},
-            "parameters": {"type": "object", "description": "a JSON Schema (absent: no arguments)"},
-            "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
-        props["tools"] = {"anyOf": [{"type": "array", "maxItems": 128, "items": {
-            "type": "object", "required": ["type", "function"], "additionalProperties": False,
-            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}}, {"type": "null"}],
-            "description": "functions the model may call (400 naming tools for a model whose chat template takes none)"}
-        props["tool_choice"] = {"anyOf": [
-            {"type": "string", "enum": ["none", "auto", "required"]},
-            {"type": "object", "required": ["type", "function"], "additionalProperties": False,
-             "properties": {"type": {"type": "string", "enum": ["function"]},
-                            "function": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                         "properties": {"name": {"type": "string"}}}}},
-            {"type": "null"}], "description": "with tools: auto (default), none, required, or a named function"}
-        props["parallel_tool_calls"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
-        props["logprobs"] = {"type": "boolean"}
-        props["top_logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-                                           {"type": "null"}]}
-        props["max_completion_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
-        required = ["model", "messages"]
-    # other fields OpenAI and vLLM define are accepted (docs/API.md, Request fields); unknown ones are
-    # ignored, or refused where ingress.strict_fields is on
-    return {"type": "object", "required": required, "properties": props, "additionalProperties": True}
-
-
-ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
-}
-
-
 def openapi_extra(kind: str) -> dict:
-    """``openapi_extra`` for a FastAPI route taking a raw ``Request``: body schema and errors."""
-    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    """``openapi_extra`` for a FastAPI route taking a raw ``Request``: the body, response and
+    error schemas, generated from ``router.openai_models``. The parser stays the authority on
+    what depends on the served model (vocabulary, ``max_model_len``, the chat template); other
+    fields OpenAI and vLLM define are there (docs/API.md, Request fields), and unknown ones are
+    ignored, or refused where ``ingress.strict_fields`` is on."""
+    error = {"content": {"application/json": {"schema": json_schema(ErrorResponse)}}}
     return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _request_schema(kind)}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": json_schema(REQUESTS[kind])}}},
         "responses": {
+            "200": {"description": "the response; with stream: true, server-sent events of chunks, then "
+                                   "'data: [DONE]'",
+                    "content": {"application/json": {"schema": json_schema(RESPONSES[kind])},
+                                "text/event-stream": {"schema": json_schema(CHUNKS[kind])}}},
             "400": {"description": "invalid request (the error's param names the field)", **error},
             "401": {"description": "missing or wrong bearer token", **error},
             "404": {"description": "unknown model", **error},
