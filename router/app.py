@@ -262,7 +262,7 @@ class OpenAIIngress:
             except Exception as exc:
                 return error_response(_as_request_error(exc))
             return JSONResponse(completion_response(req, choices[0][2], choices=choices, completion_tokens=generated))
-        deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
+        deltas = self.pipeline.stream_choices(req)
         try:  # wait for the first token before committing to a 200: errors keep their status
             first = await deltas.__anext__()
         except Exception as exc:
@@ -270,15 +270,6 @@ class OpenAIIngress:
             return error_response(_as_request_error(exc))
         return StreamingResponse(self._sse_stream(req, first, deltas), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _single_choice(self, req: GenerationRequest):
-        """The one stream of a single-choice request, as ``(0, Delta)`` (as ``stream_choices``)."""
-        stream = self.pipeline.stream(req)
-        try:
-            async for delta in stream:
-                yield 0, delta
-        finally:
-            await stream.aclose()
 
     async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
         completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
@@ -692,7 +683,7 @@ class OpenAIIngress:
         sparse = None
         left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
         tool_streams: dict[int, ToolChoiceStream] = {}  # chat with tools: per choice, its call parser
-        deltas = self._single_choice(req) if req.single else self.pipeline.stream_choices(req)
+        deltas = self.pipeline.stream_choices(req)
         try:
             async for index, delta in deltas:
                 completion_tokens += len(delta.token_ids)
