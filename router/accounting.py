@@ -4,15 +4,17 @@ HTTP SSE, gRPC unary, gRPC streaming) reports the same numbers.
 - :class:`Delta`: one step of one choice's output, as the pipeline yields it;
 - :class:`ChoiceAccount`: one choice's output so far (tokens, text, logprobs, finish reason,
   timing, routing); :meth:`ChoiceAccount.completion` is the unary answer's choice;
-- :class:`UsageAccount`: the request's ``usage``: every prompt once, every generated token, and
-  ``cached_tokens`` by a single definition (:meth:`UsageAccount.cached_tokens`).
+- :class:`StreamAccount`: a streamed request's choices as their deltas arrive, each delta a
+  :class:`StreamStep` that the SSE and gRPC streams render; its ``usage`` is a
+  :class:`~router.protocol.UsageAccount` (every prompt once, every generated token,
+  ``cached_tokens`` by one definition), as the unary answers' (``protocol.choices_usage``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .protocol import GenerationRequest, usage
+from .protocol import GenerationRequest, ToolChoiceStream, UsageAccount
 
 
 @dataclass
@@ -102,58 +104,55 @@ class ChoiceAccount:
                           self.logprobs, self.prompt_text, self.prompt_logprobs)
 
 
-class UsageAccount:
-    """The ``usage`` of one request, fed every choice's deltas (streaming) or finished choices
-    (unary), in any order.
+@dataclass
+class StreamStep:
+    """One delta of one choice, as every stream renders it."""
 
-    ``cached_tokens``: OpenAI's ``prompt_tokens_details.cached_tokens`` is a part of
-    ``prompt_tokens``, which counts every prompt once however many choices it has; so each prompt
-    counts the cached tokens of its prefill once: those reported by its lowest-index choice
-    (the choices of a prompt share one prefill). None while no choice has reported any.
-    ``sparse_attention``: how the prefill of the lowest-index reporting choice ran."""
+    index: int
+    delta: Delta
+    text: str  # the delta's text, after the prompt on an echo's first delta
+    logprobs: list | None  # the generated tokens' (None: the request asked for none)
+    prompt_logprobs: list | None  # an echo's first delta: the prompt's (the first token's logprob None)
+    events: list | None  # chat with tools: ``("content", text)`` / ``("call", {...})`` now final
+    finish_reason: str | None  # with tools, "tool_calls" for a "stop" once a call came
+    text_offset: int  # completions' logprobs: where this step's text starts in the choice's
+    last: bool  # every choice has finished: the stream's last step
+
+    @property
+    def echoed_logprobs(self) -> list | None:
+        """HTTP's logprobs: the prompt's (echo) then the generated tokens'."""
+        if self.logprobs is None or self.prompt_logprobs is None:
+            return self.logprobs
+        return self.prompt_logprobs + self.logprobs
+
+
+class StreamAccount:
+    """A streamed request's accounts as its ``(index, Delta)`` arrive: per choice its tool-call
+    parser and logprobs text offset, the request's :class:`~router.protocol.UsageAccount`, and
+    which step is the last. The HTTP SSE and gRPC streams render the same steps."""
 
     def __init__(self, req: GenerationRequest) -> None:
         self.req = req
-        self.completion_tokens = 0
-        self._cached: dict[int, int] = {}  # choice index -> its prefill's cached tokens
-        self._sparse: dict[int, dict] = {}
+        self.usage = UsageAccount(req)
+        self.left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
+        self._tools: dict[int, ToolChoiceStream] = {}
+        self._offset: dict[int, int] = {}
 
-    def add(self, index: int, delta: Delta) -> None:
-        self.completion_tokens += len(delta.token_ids)
-        self._report(index, delta.timing)
-
-    def add_choice(self, index: int, choice: ChoiceAccount | Completion, *, count_tokens: bool = True) -> None:
-        """A finished choice; ``count_tokens`` False where the caller counts the generated
-        tokens itself (best_of: the discarded choices' tokens count too)."""
-        if count_tokens:
-            self.completion_tokens += len(choice.token_ids)
-        self._report(index, choice.timing)
-
-    def _report(self, index: int, timing: dict | None) -> None:
-        if not timing:
-            return
-        if timing.get("cached_tokens") is not None:
-            self._cached[index] = int(timing["cached_tokens"])
-        if timing.get("sparse_attention"):
-            self._sparse[index] = timing["sparse_attention"]
-
-    def cached_tokens(self) -> int | None:
-        if not self._cached:
-            return None
-        per_prompt: dict[int, int] = {}
-        for index in sorted(self._cached):  # lowest index first: it names its prompt's count
-            per_prompt.setdefault(index // self.req.n, self._cached[index])
-        return sum(per_prompt.values())
-
-    def sparse_attention(self) -> dict | None:
-        return self._sparse[min(self._sparse)] if self._sparse else None
-
-    def usage(self) -> dict:
-        """OpenAI's usage object (``protocol.usage``); ``sparse_attention`` only for a request
-        that set its own."""
-        return usage(self.req.prompt_len, self.completion_tokens, self.cached_tokens(),
-                     self.sparse_attention() if self.req.sparse_alpha is not None else None)
-
-    def running(self) -> dict:
-        """The usage so far without the prompt details (vLLM's ``continuous_usage_stats``)."""
-        return usage(self.req.prompt_len, self.completion_tokens)
+    def step(self, index: int, delta: Delta) -> StreamStep:
+        req = self.req
+        self.usage.add(index, len(delta.token_ids), delta.timing)
+        echo = req.echo and delta.first
+        text = (delta.prompt_text or "") + delta.text if echo else delta.text
+        events, finish = None, delta.finish_reason
+        if req.tool_format is not None:  # content as it comes, each call once complete
+            if index not in self._tools:
+                self._tools[index] = ToolChoiceStream(req)
+            events, finish = self._tools[index].push(text, finish)
+        step = StreamStep(index, delta, text, delta.logprobs,
+                          (delta.prompt_logprobs or []) if echo and delta.logprobs is not None else None,
+                          events, finish, self._offset.get(index, 0), False)
+        self._offset[index] = step.text_offset + sum(len(e.token) for e in step.echoed_logprobs or ())
+        if delta.finish_reason is not None:
+            self.left -= 1
+            step.last = not self.left
+        return step

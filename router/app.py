@@ -25,20 +25,20 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.config import ServiceConfig
-from .pipeline import Delta, DisaggregatedPipeline, LeaseReleaser
+from .accounting import Delta, StreamAccount
+from .pipeline import DisaggregatedPipeline, LeaseReleaser
 from .protocol import (
     SYSTEM_FINGERPRINT,
     GenerationRequest,
     RequestError,
     RequestParser,
-    ToolChoiceStream,
+    choices_usage,
     completion_response,
     models_response,
     openapi_extra,
     split_tool_calls,
     stream_chunk,
-    tool_stream_chunks,
-    usage,
+    tool_chunks,
     usage_chunk,
 )
 from serving.runtime import load_tokenizer
@@ -272,48 +272,31 @@ class OpenAIIngress:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
-        completion_tokens, cached_tokens, text_offset, sparse = 0, None, {}, None
-        tool_streams: dict[int, ToolChoiceStream] = {}  # chat with tools: per choice, its call parser
-        left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
+        account = StreamAccount(req)
         try:
             index, delta = first
             while True:
-                completion_tokens += len(delta.token_ids)
-                if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
-                    cached_tokens = (cached_tokens or 0) + delta.timing["cached_tokens"]
-                if delta.timing is not None:
-                    sparse = delta.timing.get("sparse_attention") or sparse
-                text, logprobs = delta.text, delta.logprobs
-                if req.echo and delta.first:  # the prompt goes first
-                    text = (delta.prompt_text or "") + text
-                    if logprobs is not None:
-                        logprobs = (delta.prompt_logprobs or []) + logprobs
-                if req.tool_format is not None:  # content streams, each call goes out whole once complete
-                    if index not in tool_streams:
-                        tool_streams[index] = ToolChoiceStream(req)
-                    stream = tool_streams[index]
-                    chunks = tool_stream_chunks(req, stream, text, delta.token_ids, delta.finish_reason,
-                                                first=delta.first, logprobs=logprobs, index=index)
+                step = account.step(index, delta)
+                if step.events is not None:  # chat with tools: content streams, each call goes out whole
+                    chunks = tool_chunks(req, step.events, step.finish_reason, delta.token_ids, first=delta.first,
+                                         logprobs=step.echoed_logprobs, index=index)
                 else:
-                    chunks = [stream_chunk(req, text, delta.token_ids, delta.finish_reason, first=delta.first,
-                                           logprobs=logprobs, text_offset=text_offset.get(index, 0), index=index)]
-                    text_offset[index] = text_offset.get(index, 0) + sum(len(e.token) for e in logprobs or ())
+                    chunks = [stream_chunk(req, step.text, delta.token_ids, delta.finish_reason, first=delta.first,
+                                           logprobs=step.echoed_logprobs, text_offset=step.text_offset, index=index)]
                 if req.continuous_usage:  # vLLM's continuous_usage_stats: the tokens so far, every choice's
                     for chunk in chunks:
-                        chunk["usage"] = usage(req.prompt_len, completion_tokens)
+                        chunk["usage"] = account.usage.running()
                 if delta.finish_reason is not None:
                     chunks[-1]["timing"] = delta.timing
                     if delta.routing is not None:
                         chunks[-1]["routing"] = delta.routing
                 for chunk in chunks:
                     yield _sse(chunk)
-                if delta.finish_reason is not None:
-                    left -= 1
-                    if not left:
-                        break
+                if step.last:
+                    break
                 index, delta = await deltas.__anext__()
             if req.include_usage:
-                yield _sse(usage_chunk(req, completion_tokens, cached_tokens, sparse))
+                yield _sse(usage_chunk(req, account.usage.usage()))
         except StopAsyncIteration:
             pass
         except Exception as exc:  # after a 200 went out, the error travels in-band
@@ -544,15 +527,14 @@ class OpenAIIngress:
                 grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after_s))])
 
     @staticmethod
-    def _grpc_usage(pb: Any, msg: Any, req: GenerationRequest, completion_tokens: int, cached_tokens: int | None,
-                    sparse: dict | None) -> None:
-        """``usage`` as HTTP reports it: every prompt once, every choice's tokens."""
-        u = usage(req.prompt_len, completion_tokens, cached_tokens)
+    def _grpc_usage(pb: Any, msg: Any, u: dict) -> None:
+        """``usage`` as HTTP reports it (a :class:`~router.protocol.UsageAccount`'s)."""
         cached = u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
                                     total_tokens=u["total_tokens"], cached_tokens=cached,
                                     prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
-        if sparse and req.sparse_alpha is not None:
+        sparse = u.get("sparse_attention")
+        if sparse:
             msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"],
                                                                         density=sparse.get("density")))
 
@@ -601,9 +583,7 @@ class OpenAIIngress:
                                   finish_reason=first.finish_reason, logprobs=first.logprobs,
                                   prompt_logprobs=first.prompt_logprobs, system_fingerprint=SYSTEM_FINGERPRINT,
                                   choices=out_choices, tool_calls=first.tool_calls)
-        cached = [(res.timing or {}).get("cached_tokens") for _, _, res in choices]
-        self._grpc_usage(pb, out, req, generated, None if None in cached else sum(cached),
-                         (result.timing or {}).get("sparse_attention"))
+        self._grpc_usage(pb, out, choices_usage(req, choices, generated))
         self._grpc_timing(pb, out, result.timing, result.routing)
         return out
 
@@ -678,45 +658,27 @@ class OpenAIIngress:
             # Serve ends a stream with the status set on grpc_context only when the method raises
             self._grpc_fail(grpc_context, err)
             raise
-        completion_tokens = 0
-        cached: dict[int, int] = {}  # per choice, from whichever message carried timing; summed as HTTP
-        sparse = None
-        left = len(req.batch or (req.prompt_token_ids,)) * req.n  # choices still running
-        tool_streams: dict[int, ToolChoiceStream] = {}  # chat with tools: per choice, its call parser
+        account = StreamAccount(req)
         deltas = self.pipeline.stream_choices(req)
         try:
             async for index, delta in deltas:
-                completion_tokens += len(delta.token_ids)
-                if delta.timing is not None and delta.timing.get("cached_tokens") is not None:
-                    cached[index] = delta.timing["cached_tokens"]
-                if delta.timing is not None:
-                    sparse = delta.timing.get("sparse_attention") or sparse
-                echo = req.echo and delta.first
-                text, token_ids, logprobs = (delta.prompt_text or "") + delta.text if echo else delta.text, \
-                    delta.token_ids, delta.logprobs
-                finish, calls = delta.finish_reason, None
-                if req.tool_format is not None:  # content as it comes, calls in the message they complete in
-                    if index not in tool_streams:
-                        tool_streams[index] = ToolChoiceStream(req)
-                    stream = tool_streams[index]
-                    events, finish = stream.push(text, finish)
-                    text = "".join(value for kind, value in events if kind == "content")
-                    calls = [value for kind, value in events if kind == "call"]
+                step = account.step(index, delta)
+                text, calls = step.text, None
+                if step.events is not None:  # content as it comes, calls in the message they complete in
+                    text = "".join(value for kind, value in step.events if kind == "content")
+                    calls = [value for kind, value in step.events if kind == "call"]
                 msg = pb.GenerateStreamResponse(request_id=req.request_id, index=index, text=text or "",
-                                                token_ids=token_ids, finish_reason=finish or "",
-                                                logprobs=self._grpc_logprobs(pb, logprobs),
-                                                prompt_logprobs=self._grpc_logprobs(
-                                                    pb, _scored(delta.prompt_logprobs) if echo else []),
+                                                token_ids=delta.token_ids, finish_reason=step.finish_reason or "",
+                                                logprobs=self._grpc_logprobs(pb, step.logprobs),
+                                                prompt_logprobs=self._grpc_logprobs(pb, _scored(step.prompt_logprobs)),
                                                 system_fingerprint=SYSTEM_FINGERPRINT,
                                                 tool_calls=self._grpc_tool_calls(pb, calls))
                 if delta.finish_reason is not None:
                     self._grpc_timing(pb, msg, delta.timing, delta.routing)
-                    left -= 1
-                    if not left:  # the stream's last message: usage of every choice
-                        self._grpc_usage(pb, msg, req, completion_tokens, sum(cached.values()) if cached else None,
-                                         sparse)
+                    if step.last:  # the stream's last message: usage of every choice
+                        self._grpc_usage(pb, msg, account.usage.usage())
                 yield msg
-                if not left:
+                if step.last:
                     break
         except Exception as exc:
             self._grpc_fail(grpc_context, _as_request_error(exc))
