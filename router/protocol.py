@@ -1004,6 +1004,25 @@ def usage_chunk(req: GenerationRequest, usage_object: dict) -> dict:
             "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": usage_object}
 
 
+UNAUTHORIZED = RequestError("missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                            status=401, code="invalid_api_key")
+
+
+def as_request_error(exc: BaseException) -> RequestError:
+    """An exception as the error the client sees (HTTP status / gRPC code): overload and a
+    missing deployment keep their meaning; anything else is logged and is a 500."""
+    if isinstance(exc, RequestError):
+        return exc
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, BackPressureError):
+        return RequestError("service overloaded; retry later", status=429, code="overloaded", retry_after_s=1)
+    if isinstance(exc, DeploymentUnavailableError):
+        return RequestError("a worker deployment is unavailable", status=503, code="unavailable", retry_after_s=1)
+    logger.exception("request failed")
+    return RequestError(f"internal error: {type(exc).__name__}", status=500, code="internal_error")
+
+
 def models_response(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "flashprefill-serve"}]}
 
