@@ -1,5 +1,7 @@
 """DisaggregatedPipeline: one request's trip prefill -> KV transfer -> decode, seen from the
-ingress. Protocol-free: the HTTP and gRPC front ends both consume :meth:`stream`.
+ingress. Protocol-free: the HTTP and gRPC front ends consume :meth:`stream_choices` (or
+:meth:`complete` / :meth:`complete_choices`). One state machine drives every request
+(:meth:`DisaggregatedPipeline._drive`): a single choice is a group of one.
 
 Page ownership along the way (see docs/ARCHITECTURE.md):
 - prefill replica: reserves pages, prefills, returns the first token and a ticket. Where the
@@ -37,6 +39,7 @@ import logging
 import time
 import dataclasses
 import uuid
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,53 +53,12 @@ from serving.metrics import Metrics
 from serving.errors import RequestError
 from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, TransferFailed
 
+from .accounting import ChoiceAccount, Completion, Delta, Logprob
 from .protocol import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
 from .state import RequestLifecycle, RequestPhase
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass
-class Delta:
-    """New output of one request: text and token ids; the last one has ``finish_reason``."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    first: bool = False
-    timing: dict | None = None
-    routing: dict | None = None
-    logprobs: list | None = None  # one Logprob per token id, when the request asked for them
-    prompt_text: str | None = None  # first delta, with echo
-    prompt_logprobs: list | None = None  # first delta, with echo and logprobs (None for token 0)
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A token's logprob with the strings of it and of its top alternatives (the protocol
-    renders them in the OpenAI shapes)."""
-
-    token_id: int
-    token: str
-    logprob: float | None  # None: a prompt's first token (echo)
-    top: tuple[tuple[int, str, float], ...] = ()  # (token id, token, logprob), most likely first
-    # the bytes of the token and of each of ``top`` (tokenizer.token_bytes: a piece of a multi-byte
-    # character is its raw bytes); None / () : the UTF-8 of the strings
-    token_bytes: bytes | None = None
-    top_bytes: tuple[bytes, ...] = ()
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    timing: dict
-    routing: dict | None = None
-    logprobs: list | None = None
-    prompt_text: str | None = None
-    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -108,6 +70,30 @@ class _Attempt:
     decode_stream: Any = None
     timing: dict = field(default_factory=dict)
     routing: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Choice:
+    """One choice of a request in the driver: what its client has been sent so far."""
+
+    req: GenerationRequest
+    params: SamplingParams
+    text: TextStream
+    generated: list[int] = field(default_factory=list)  # every token the client has been sent
+    outcome: str | None = None  # the finish reason once its last delta is decided
+
+
+@dataclass
+class _Connection:
+    """The connect-and-retry state of one driver, across its attempts and resumes."""
+
+    request_id: str
+    nonce: str
+    first_sent: bool = False  # the first tokens went out: a retry prefills for the pages only
+    attempt: _Attempt | None = None  # the current attempt (its lease, its decode stream)
+    attempts: int = 0
+    transport: str | None = None  # "object_store" once a channel transfer of this request failed
+    live: list[int] = field(default_factory=list)  # the choices the adopted decode stream runs
 
 
 def _own_serve_request(suffix: str) -> None:
@@ -186,19 +172,8 @@ class DisaggregatedPipeline:
         return -(-tokens // self.page_size)
 
     async def complete(self, req: GenerationRequest) -> Completion:
-        text, ids, reason, timing, routing = [], [], "length", {}, None
-        logprobs = [] if req.logprobs is not None else None
-        prompt_text = prompt_logprobs = None
-        async for d in self.stream(req):
-            if d.first:
-                prompt_text, prompt_logprobs = d.prompt_text, d.prompt_logprobs
-            text.append(d.text)
-            ids.extend(d.token_ids)
-            if logprobs is not None:
-                logprobs.extend(d.logprobs or ())
-            if d.finish_reason is not None:
-                reason, timing, routing = d.finish_reason, d.timing or {}, d.routing
-        return Completion("".join(text), ids, reason, timing, routing, logprobs, prompt_text, prompt_logprobs)
+        """A single-choice request's answer."""
+        return (await self._collect([req]))[0]
 
     # -- several choices: n, best_of, a list of prompts ---------------------------------
     async def complete_choices(self, req: GenerationRequest) -> tuple[list, int]:
@@ -227,200 +202,140 @@ class DisaggregatedPipeline:
 
     async def _complete_group(self, subs: list[GenerationRequest]) -> list[Completion]:
         _own_serve_request(subs[0].request_id)
-        acc = [{"text": [], "ids": [], "reason": "length", "timing": {}, "routing": None, "prompt": (None, None),
-                "logprobs": [] if sub.logprobs is not None else None} for sub in subs]
-        async for k, d in self.stream_group(subs):
-            a = acc[k]
-            if d.first:
-                a["prompt"] = (d.prompt_text, d.prompt_logprobs)
-            a["text"].append(d.text)
-            a["ids"].extend(d.token_ids)
-            if a["logprobs"] is not None:
-                a["logprobs"].extend(d.logprobs or ())
-            if d.finish_reason is not None:
-                a["reason"], a["timing"], a["routing"] = d.finish_reason, d.timing or {}, d.routing
-        return [Completion("".join(a["text"]), a["ids"], a["reason"], a["timing"], a["routing"], a["logprobs"],
-                           *a["prompt"]) for a in acc]
+        return await self._collect(subs)
+
+    async def _collect(self, subs: list[GenerationRequest]) -> list[Completion]:
+        accounts = [ChoiceAccount.of(sub) for sub in subs]
+        async with aclosing(self.stream_group(subs)) as stream:
+            async for k, d in stream:
+                accounts[k].add(d)
+        return [a.completion() for a in accounts]
 
     async def stream_choices(self, req: GenerationRequest) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, Delta)`` of every choice as they come (no ``best_of`` > n: the
         parser refuses to stream it); each choice's last delta has its ``finish_reason``. One
-        group per prompt (:meth:`stream_group`). Closing this iterator (or one choice failing)
-        cancels every choice still running."""
-        groups = req.choices()
+        group per prompt (:meth:`stream_group`; a single-choice request is its own group of
+        one, under its own request id). Closing this iterator (or one choice failing) cancels
+        every choice still running."""
+        groups = [[req]] if req.single else req.choices()
         if len(groups) == 1:
-            async for item in self.stream_group(groups[0]):
-                yield item
+            async with aclosing(self.stream_group(groups[0])) as stream:
+                async for item in stream:
+                    yield item
             return
         width = len(groups[0])
         streams = {i: self.stream_group(row) for i, row in enumerate(groups)}
         async for i, (k, delta) in _merge(streams, {i: row[0].request_id for i, row in enumerate(groups)}):
             yield i * width + k, delta
 
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """One request's deltas: a group of one (:meth:`stream_group`)."""
+        async with aclosing(self._drive([self._choice(req)])) as stream:
+            async for _, delta in stream:
+                yield delta
+
     async def stream_group(self, subs: list[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
         """The choices of one prompt (``req.choices()``'s row: each choice's own seed, logprobs
-        and request id), as ``(choice, Delta)``: ONE prefill samples every choice's first token
-        from the same logits, ONE transfer ships the pages, the decode replica forks them
-        (shared full pages, a copy of the partial last one per choice) and decodes the choices
-        as separate sequences of its batch; its events name the choice. A stop string found
-        here ends that choice alone (``cancel_choice`` to the decode replica frees its own pages;
-        the shared ones go with the last choice). Closing this iterator cancels them all.
-        Retries as :meth:`stream` (tokens sent are kept; the decode side continues each choice
-        from its first token). A decode replica dying mid-stream: each unfinished choice resumes
-        on its own through :meth:`stream`'s per-request resume path."""
-        if len(subs) == 1:
-            async for d in self.stream(subs[0]):
-                yield 0, d
-            return
-        base, n = subs[0], len(subs)
+        and request id), as ``(choice, Delta)`` (:meth:`_drive`). Closing this iterator closes
+        the driver at once (its streams close, its lease is released)."""
+        async with aclosing(self._drive([self._choice(sub) for sub in subs])) as stream:
+            async for item in stream:
+                yield item
+
+    def _choice(self, req: GenerationRequest) -> _Choice:
+        return _Choice(req, req.sampling_params(), TextStream(self.tokenizer, req.stop))
+
+    async def _drive(self, choices: list[_Choice], resumes: int = 0) -> AsyncIterator[tuple[int, Delta]]:
+        """THE request state machine, for the choices of one prompt (a single request is a
+        group of one), as ``(choice, Delta)``.
+
+        Connect: ONE prefill samples every choice's first token from the same logits (their
+        deltas go out at once), ONE transfer ships the pages, and a decode replica adopts them;
+        a retryable failure before adoption prefills again (:meth:`_connect`). Several choices:
+        the decode replica forks the pages (shared full pages, a copy of the partial last one
+        per choice) and decodes the choices as separate sequences of its batch, its events
+        naming the choice; a stop string found here ends that choice alone (``cancel_choice``
+        frees its own pages; the shared ones go with the last choice). Closing this iterator
+        cancels them all.
+
+        A decode replica dying mid-stream: a group of one connects again with prompt +
+        generated[:-1] and decodes on from generated[-1] (``resumes`` counts these); each
+        unfinished choice of a larger group resumes as a group of one of its own (it records
+        its own metrics). ``choices`` that already have tokens (a resume) send no first delta."""
+        base, n = choices[0].req, len(choices)
         life = RequestLifecycle(base.request_id)
-        texts = [TextStream(self.tokenizer, sub.stop) for sub in subs]
-        params = [sub.sampling_params() for sub in subs]
-        nonce = uuid.uuid4().hex[:8]
-        generated: list[list[int]] = [[] for _ in subs]
-        outcomes: list[str | None] = [None] * n
-        first_sent = False
-        resumed: list[int] = []  # choices handed to the per-request resume path (they record their own metrics)
-        attempt: _Attempt | None = None
-        attempts = 0
-        transport: str | None = None
+        conn = _Connection(base.request_id, uuid.uuid4().hex[:8], first_sent=bool(choices[0].generated))
+        handed: list[int] = []  # choices resumed as groups of their own (they record their own metrics)
         failure = "cancelled"
         try:
-            context = list(base.prompt_token_ids)
-            cost = self.cost_model.cost(len(context), alpha=base.sparse_alpha)
-            for r in range(self.config.transfer.retries + 1):
-                attempt = _Attempt(f"{base.request_id}:{nonce}:{attempts}")
-                attempts += 1
-                life.to(RequestPhase.PREFILLING)
-                try:
-                    # a retry (first tokens sent) prefills the prompt again for its pages only
-                    event = await self._start_prefill(
-                        attempt, base, context, params[0] if not first_sent else dataclasses.replace(params[0], prompt_logprobs=None),
-                        cost, skip_transfer=base.max_tokens <= 1, transport=transport,
-                        choices=tuple(params) if not first_sent else ())
-                except Exception as exc:
-                    self._close(attempt)
-                    if _is_replica_failure(exc) and r < self.config.transfer.retries:
-                        logger.warning("prefill replica failed for %s (%s); prefilling again",
-                                       base.request_id, type(exc).__name__)
-                        continue
-                    if _is_replica_failure(exc):
-                        raise self._unavailable("prefill", exc) from exc
-                    raise
-                if not first_sent:
-                    first_sent = True
-                    life.mark_first_token()
-                    firsts = list(event.first_tokens) or [event.first_token]
-                    lps = list(event.first_logprobs) if len(event.first_logprobs) == n else [None] * n
-                    if len(firsts) != n:
-                        raise RequestError(f"the prefill sampled {len(firsts)} first tokens for {n} choices",
-                                           status=502, code="prefill_failed")
-                    prompt_text = self._prompt_text(base) if base.echo else None
-                    prompt_lps = self._prompt_logprobs(base, event.prompt_logprobs) if base.echo else None
-                    for k, sub in enumerate(subs):
-                        if sub.max_tokens == 0:  # echo of the prompt alone: its token is not output
-                            delta = Delta("", [], first=True, logprobs=[] if sub.logprobs is not None else None)
-                            reason = "length"
-                        else:
-                            generated[k].append(firsts[k])
-                            delta = Delta(texts[k].push([firsts[k]]), [firsts[k]], first=True,
-                                          logprobs=self._logprobs(sub, [lps[k]]))
-                            reason = self._finish_after_first(sub, firsts[k], texts[k])
-                        if sub.echo:
-                            delta.prompt_text, delta.prompt_logprobs = prompt_text, prompt_lps
-                        if reason is not None:
-                            delta.text += texts[k].finish()
-                            delta.finish_reason = outcomes[k] = reason
-                            delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
-                        yield k, delta
-                live = [k for k in range(n) if outcomes[k] is None]
+            while True:
+                async for item in self._connect(conn, choices, life, resumes):
+                    yield item
+                live = conn.live
                 if not live:
-                    life.to(RequestPhase.FINISHED)
                     return
-                life.to(RequestPhase.TRANSFERRING)
+                # -- decode: one stream, the choices' events interleaved (decode choice j = live[j])
+                attempt = conn.attempt
+                ended_there = 0  # choices the decode replica ended itself (the rest: cancelled from here)
                 try:
-                    event = await self._start_decode(attempt, base, params[live[0]], generated[live[0]][-1], event,
-                                                     choices=tuple((generated[k][-1], params[k]) for k in live))
-                except Exception as exc:
-                    self._close(attempt)
-                    if _is_replica_failure(exc) and r < self.config.transfer.retries:
-                        logger.warning("decode replica failed before adopting %s (%s); prefilling again",
-                                       base.request_id, type(exc).__name__)
-                        continue
-                    if _is_replica_failure(exc):
-                        raise self._unavailable("decode", exc) from exc
-                    raise
-                if isinstance(event, Adopted):
-                    attempt.lease = None
-                    life.to(RequestPhase.DECODING)
-                    break
-                self._close(attempt)
-                if event.fallback == "object_store":
-                    transport = "object_store"
-                if not (event.retryable and r < self.config.transfer.retries):
-                    raise self._transfer_error(event)
-                logger.warning("KV transfer of %s failed (%s); prefilling again", base.request_id, event.reason)
-            else:
-                raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
-                                   retry_after_s=self.config.ingress.retry_after_s or 1)
-
-            # -- decode: one stream, the choices' events interleaved (decode choice j = live[j])
-            ended_there = 0  # choices the decode replica ended itself (the rest: cancelled from here)
-            try:
-                async for event in attempt.decode_stream:
-                    if not 0 <= event.choice < len(live):
-                        raise RequestError(f"decode event for choice {event.choice} of {len(live)}",
-                                           status=502, code="decode_failed")
-                    k = live[event.choice]
-                    if outcomes[k] is not None:  # ended here before (stop string): its cancellation's echo
-                        continue
-                    if event.first_step_s is not None:
-                        attempt.timing["first_decode_s"] = event.first_step_s
-                    tokens = list(event.tokens)
-                    generated[k].extend(tokens)
-                    delta = Delta(texts[k].push(tokens), tokens, logprobs=self._logprobs(subs[k], event.logprobs))
-                    if texts[k].stopped:
-                        reason = "stop"
-                    elif event.finished:
-                        reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "abort")
-                        delta.text += texts[k].finish()
-                    else:
-                        reason = None
-                    if reason is not None:
-                        outcomes[k] = delta.finish_reason = reason
+                    async for event in attempt.decode_stream:
+                        if not 0 <= event.choice < len(live):
+                            raise RequestError(f"decode event for choice {event.choice} of {len(live)}",
+                                               status=502, code="decode_failed")
+                        k = live[event.choice]
+                        c = choices[k]
+                        if c.outcome is not None:  # ended here before (stop string): its cancellation's echo
+                            continue
+                        if event.first_step_s is not None:
+                            attempt.timing["first_decode_s"] = event.first_step_s
+                        tokens = list(event.tokens)
+                        c.generated.extend(tokens)
+                        delta = Delta(c.text.push(tokens), tokens, logprobs=self._logprobs(c.req, event.logprobs))
+                        if c.text.stopped:
+                            reason = "stop"
+                        elif event.finished:
+                            # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
+                            reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "abort")
+                            delta.text += c.text.finish()
+                        else:
+                            reason = None
+                        if reason is None:
+                            yield k, delta
+                            continue
                         if event.finished:
                             ended_there += 1
-                        else:
+                        elif n > 1:
                             self._cancel_choice(attempt, event.choice)
-                        if all(o is not None for o in outcomes):
-                            life.to(RequestPhase.FINISHED)
-                            if ended_there == len(live):
-                                attempt.decode_stream = None  # ended on its own: nothing to cancel
-                        delta.timing, delta.routing = self._timing(life, attempt), self._routing(attempt)
+                        if ended_there == len(live):
+                            attempt.decode_stream = None  # ended on its own: nothing to cancel
+                        self._finish(choices, k, delta, reason, life, attempt, resumes)
                         yield k, delta
-                        if all(o is not None for o in outcomes):
+                        if life.done:
                             return
-                        continue
+                    raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+                except RequestError:
+                    raise
+                except Exception as exc:
+                    self._close(attempt)
+                    if not (_is_replica_failure(exc) and resumes < self.config.ingress.decode_resumes):
+                        raise RequestError(
+                            f"decode replica failed mid-stream ({type(exc).__name__}) after "
+                            f"{sum(len(c.generated) for c in choices)} tokens", status=502,
+                            code="decode_failed") from exc
+                    logger.warning("decode replica failed mid-stream for %s (%s); resuming %d choices after %d tokens",
+                                   base.request_id, type(exc).__name__, sum(c.outcome is None for c in choices),
+                                   sum(len(c.generated) for c in choices))
+                if n == 1:
+                    resumes += 1
+                    conn.attempt = None
+                    continue
+                # -- resume: every unfinished choice as a group of one
+                handed = [k for k in range(n) if choices[k].outcome is None]
+                streams = {k: self._drive([choices[k]], resumes + 1) for k in handed}
+                async for k, (_, delta) in _merge(streams, {k: choices[k].req.request_id for k in handed}):
                     yield k, delta
-                raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
-            except RequestError:
-                raise
-            except Exception as exc:
-                self._close(attempt)
-                if not (_is_replica_failure(exc) and self.config.ingress.decode_resumes > 0):
-                    raise RequestError(
-                        f"decode replica failed mid-stream ({type(exc).__name__}) after "
-                        f"{sum(map(len, generated))} tokens", status=502, code="decode_failed") from exc
-                logger.warning("decode replica failed mid-stream for %s (%s); resuming %d choices one by one",
-                               base.request_id, type(exc).__name__, sum(o is None for o in outcomes))
-            # -- resume: every unfinished choice on its own (the per-request path)
-            resumed = [k for k in range(n) if outcomes[k] is None]
-            streams = {k: self.stream(subs[k], resume=(generated[k], texts[k])) for k in resumed}
-            async for k, delta in _merge(streams, {k: subs[k].request_id for k in resumed}):
-                if delta.finish_reason is not None:
-                    outcomes[k] = delta.finish_reason
-                yield k, delta
-            life.to(RequestPhase.FINISHED)
+                life.to(RequestPhase.FINISHED)
+                return
         except (asyncio.CancelledError, GeneratorExit):
             if not life.done:
                 life.to(RequestPhase.CANCELLED)
@@ -431,15 +346,128 @@ class DisaggregatedPipeline:
                 life.to(RequestPhase.FAILED)
             raise
         finally:
-            if attempt is not None:
+            if conn.attempt is not None:
+                self._close(conn.attempt)
+            counted = False  # a prompt is counted once, as OpenAI's usage
+            for k, c in enumerate(choices):
+                if k not in handed:
+                    self._record(c.req, life, c.outcome or failure, len(c.generated), resumes, count_prompt=not counted)
+                    counted = True
+
+    async def _connect(self, conn: _Connection, choices: list[_Choice], life: RequestLifecycle,
+                       resumes: int) -> AsyncIterator[tuple[int, Delta]]:
+        """Prefill (+ transfer) until a decode replica has adopted the pages (``conn.attempt``,
+        its stream open, ``conn.live`` the choices it decodes) or every choice has finished
+        (``conn.live`` empty). The first prefill's first tokens go out as each choice's first
+        delta. The context is prompt + generated[:-1] and the decode side continues from
+        generated[-1] (a choice of a larger group has at most its first token here): nothing is
+        sent twice, nothing is skipped."""
+        base, n = choices[0].req, len(choices)
+        head = choices[0]
+        done = max(len(head.generated) - 1, 0)  # decoded tokens already sent (a resume)
+        context = list(base.prompt_token_ids) + head.generated[:-1]
+        params = dataclasses.replace(head.params, max_new_tokens=max(base.max_tokens - done, 1),
+                                     prompt_logprobs=None if conn.first_sent else head.params.prompt_logprobs,
+                                     min_tokens=max(head.params.min_tokens - done, 0))
+        cost = self.cost_model.cost(len(context), alpha=base.sparse_alpha)
+        for r in range(self.config.transfer.retries + 1):
+            attempt = conn.attempt = _Attempt(f"{base.request_id}:{conn.nonce}:{conn.attempts}")
+            conn.attempts += 1
+            life.to(RequestPhase.PREFILLING)
+            try:
+                # a retry (first tokens sent) prefills the prompt again for its pages only
+                event = await self._start_prefill(
+                    attempt, base, context, params, cost, skip_transfer=not conn.first_sent and base.max_tokens <= 1,
+                    transport=conn.transport,
+                    choices=tuple(c.params for c in choices) if n > 1 and not conn.first_sent else ())
+            except Exception as exc:
                 self._close(attempt)
-            prompt_counted = False
-            for k in range(n):
-                if k in resumed:
+                if _is_replica_failure(exc) and r < self.config.transfer.retries:
+                    logger.warning("prefill replica failed for %s (%s); prefilling again",
+                                   base.request_id, type(exc).__name__)
                     continue
-                self._record(subs[k], life, outcomes[k] or failure, len(generated[k]), 0,
-                             count_prompt=not prompt_counted)
-                prompt_counted = True
+                if _is_replica_failure(exc):
+                    raise self._unavailable("prefill", exc) from exc
+                raise
+            if not conn.first_sent:
+                conn.first_sent = True
+                life.mark_first_token()
+                for item in self._first_deltas(choices, event, life, attempt, resumes):
+                    yield item
+            conn.live = [k for k in range(n) if choices[k].outcome is None]
+            if not conn.live:
+                return
+            life.to(RequestPhase.TRANSFERRING)
+            lead = choices[conn.live[0]]
+            try:
+                # the decode side continues the whole output: penalties, the guide, min/max
+                # tokens and seeded draws see what was generated before a resume too
+                event = await self._start_decode(
+                    attempt, base, dataclasses.replace(lead.params, prompt_logprobs=None), lead.generated[-1], event,
+                    choices=tuple((choices[k].generated[-1], choices[k].params) for k in conn.live) if n > 1 else (),
+                    history=tuple(lead.generated[:-1]))
+            except Exception as exc:
+                self._close(attempt)
+                if _is_replica_failure(exc) and r < self.config.transfer.retries:
+                    logger.warning("decode replica failed before adopting %s (%s); prefilling again",
+                                   base.request_id, type(exc).__name__)
+                    continue
+                if _is_replica_failure(exc):
+                    raise self._unavailable("decode", exc) from exc
+                raise
+            if isinstance(event, Adopted):
+                attempt.lease = None  # the decode replica has the pages; the lease has ended there
+                life.to(RequestPhase.DECODING)
+                return
+            self._close(attempt)
+            if event.fallback == "object_store":  # the channel failed: this request's retries avoid it
+                conn.transport = "object_store"
+            if not (event.retryable and r < self.config.transfer.retries):
+                raise self._transfer_error(event)
+            logger.warning("KV transfer of %s failed (%s); prefilling again", base.request_id, event.reason)
+        raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
+                           retry_after_s=self.config.ingress.retry_after_s or 1)
+
+    def _first_deltas(self, choices: list[_Choice], event: Prefilled, life: RequestLifecycle, attempt: _Attempt,
+                      resumes: int) -> list[tuple[int, Delta]]:
+        """Each choice's first delta from the prefill's first tokens (a choice with max_tokens 0
+        echoes the prompt alone: its token is not output)."""
+        base, n = choices[0].req, len(choices)
+        if n == 1:
+            firsts, lps = [event.first_token], [event.first_logprob]
+        else:
+            firsts = list(event.first_tokens) or [event.first_token]
+            lps = list(event.first_logprobs) if len(event.first_logprobs) == n else [None] * n
+            if len(firsts) != n:
+                raise RequestError(f"the prefill sampled {len(firsts)} first tokens for {n} choices",
+                                   status=502, code="prefill_failed")
+        prompt_text = self._prompt_text(base) if base.echo else None
+        prompt_lps = self._prompt_logprobs(base, event.prompt_logprobs) if base.echo else None
+        out = []
+        for k, c in enumerate(choices):
+            if c.req.max_tokens == 0:
+                delta = Delta("", [], first=True, logprobs=[] if c.req.logprobs is not None else None)
+                reason = "length"
+            else:
+                c.generated.append(firsts[k])
+                delta = Delta(c.text.push([firsts[k]]), [firsts[k]], first=True, logprobs=self._logprobs(c.req, [lps[k]]))
+                reason = self._finish_after_first(c.req, firsts[k], c.text)
+            if c.req.echo:
+                delta.prompt_text, delta.prompt_logprobs = prompt_text, prompt_lps
+            if reason is not None:
+                delta.text += c.text.finish()
+                self._finish(choices, k, delta, reason, life, attempt, resumes)
+            out.append((k, delta))
+        return out
+
+    def _finish(self, choices: list[_Choice], k: int, delta: Delta, reason: str, life: RequestLifecycle,
+                attempt: _Attempt, resumes: int) -> None:
+        """Choice ``k`` ends with ``delta``: its finish reason, timing and routing (the request
+        is finished with its last choice)."""
+        choices[k].outcome = delta.finish_reason = reason
+        if all(c.outcome is not None for c in choices):
+            life.to(RequestPhase.FINISHED)
+        delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
 
     def _cancel_choice(self, attempt: _Attempt, choice: int) -> None:
         """Ask the decode replica of ``attempt`` to stop one choice (fire and forget: if it is lost
@@ -493,152 +521,6 @@ class DisaggregatedPipeline:
                         tuple((t, self._token_str(t), lp) for t, lp in e.top),
                         self._token_bytes(e.token), tuple(self._token_bytes(t) for t, _ in e.top))
                 for e in entries or () if e is not None]
-
-    async def stream(self, req: GenerationRequest, *,
-                     resume: tuple[list[int], TextStream] | None = None) -> AsyncIterator[Delta]:
-        """One request's deltas. ``resume``: (tokens already sent, their TextStream): continue a
-        request whose decode replica died (a group's choice, :meth:`stream_group`), as a resume."""
-        life = RequestLifecycle(req.request_id)
-        text = TextStream(self.tokenizer, req.stop) if resume is None else resume[1]
-        params = req.sampling_params()
-        nonce = uuid.uuid4().hex[:8]
-        generated: list[int] = [] if resume is None else list(resume[0])  # every token the client has been sent
-        attempt: _Attempt | None = None
-        attempts = 0
-        resumes = 0 if resume is None else 1
-        transport: str | None = None  # "object_store" once a channel transfer of this request failed
-        outcome: str | None = None  # the finish reason once the last delta is decided (metrics)
-        try:
-            while True:
-                # -- connect: prefill (+ transfer) until a decode replica has adopted the pages.
-                # On a resume the context is prompt + generated[:-1] and the decode side
-                # continues from generated[-1]: nothing is sent twice, nothing is skipped.
-                context = list(req.prompt_token_ids) + generated[:-1]
-                left = max(req.max_tokens - max(len(generated) - 1, 0), 1)
-                step_params = dataclasses.replace(params, max_new_tokens=left,
-                                                  prompt_logprobs=None if generated else params.prompt_logprobs,
-                                                  min_tokens=max(params.min_tokens - max(len(generated) - 1, 0), 0))
-                cost = self.cost_model.cost(len(context), alpha=req.sparse_alpha)
-                for n in range(self.config.transfer.retries + 1):
-                    attempt = _Attempt(f"{req.request_id}:{nonce}:{attempts}")
-                    attempts += 1
-                    life.to(RequestPhase.PREFILLING)
-                    try:
-                        event = await self._start_prefill(attempt, req, context, step_params, cost,
-                                                          skip_transfer=not generated and req.max_tokens <= 1,
-                                                          transport=transport)
-                    except Exception as exc:
-                        self._close(attempt)
-                        if _is_replica_failure(exc) and n < self.config.transfer.retries:
-                            logger.warning("prefill replica failed for %s (%s); prefilling again",
-                                           req.request_id, type(exc).__name__)
-                            continue
-                        if _is_replica_failure(exc):
-                            raise self._unavailable("prefill", exc) from exc
-                        raise
-                    if not generated:
-                        first_token = event.first_token
-                        generated.append(first_token)
-                        life.mark_first_token()
-                        if req.max_tokens == 0:  # echo of the prompt alone: its token is not output
-                            delta = Delta("", [], first=True, logprobs=[] if req.logprobs is not None else None)
-                            generated.clear()
-                        else:
-                            delta = Delta(text.push([first_token]), [first_token], first=True,
-                                          logprobs=self._logprobs(req, [event.first_logprob]))
-                        if req.echo:
-                            delta.prompt_text = self._prompt_text(req)
-                            delta.prompt_logprobs = self._prompt_logprobs(req, event.prompt_logprobs)
-                        reason = "length" if req.max_tokens == 0 else self._finish_after_first(req, first_token, text)
-                        if reason is not None:
-                            life.to(RequestPhase.FINISHED)
-                            delta.text += text.finish()
-                            delta.finish_reason = outcome = reason
-                            delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
-                            yield delta
-                            return
-                        yield delta
-                    life.to(RequestPhase.TRANSFERRING)
-                    try:
-                        # the decode side continues the whole output: penalties, the guide, min/max
-                        # tokens and seeded draws see what was generated before a resume too
-                        event = await self._start_decode(attempt, req, dataclasses.replace(params, prompt_logprobs=None),
-                                                         generated[-1], event, history=tuple(generated[:-1]))
-                    except Exception as exc:
-                        self._close(attempt)
-                        if _is_replica_failure(exc) and n < self.config.transfer.retries:
-                            logger.warning("decode replica failed before adopting %s (%s); prefilling again",
-                                           req.request_id, type(exc).__name__)
-                            continue
-                        if _is_replica_failure(exc):
-                            raise self._unavailable("decode", exc) from exc
-                        raise
-                    if isinstance(event, Adopted):
-                        attempt.lease = None  # the decode replica has the pages; the lease has ended there
-                        life.to(RequestPhase.DECODING)
-                        break
-                    self._close(attempt)
-                    if event.fallback == "object_store":
-                        transport = "object_store"
-                    if not (event.retryable and n < self.config.transfer.retries):
-                        raise self._transfer_error(event)
-                    logger.warning("KV transfer of %s failed (%s); prefilling again", req.request_id, event.reason)
-                else:
-                    raise RequestError("prefill failed on every attempt", status=503, code="prefill_unavailable",
-                                       retry_after_s=self.config.ingress.retry_after_s or 1)
-
-                # -- decode: stream tokens until the request finishes or the replica dies.
-                try:
-                    async for event in attempt.decode_stream:
-                        if event.first_step_s is not None:
-                            attempt.timing["first_decode_s"] = event.first_step_s
-                        tokens = list(event.tokens)
-                        generated.extend(tokens)
-                        delta = Delta(text.push(tokens), tokens, logprobs=self._logprobs(req, event.logprobs))
-                        if text.stopped:
-                            reason = "stop"
-                        elif event.finished:
-                            # "abort" (as vLLM): the decode pool ran out of pages before max_tokens
-                            reason = {"stop": "stop", "length": "length"}.get(event.finish_reason, "abort")
-                            delta.text += text.finish()
-                        else:
-                            reason = None
-                        if reason is not None:
-                            life.to(RequestPhase.FINISHED)
-                            if event.finished:
-                                attempt.decode_stream = None  # ended on its own: nothing to cancel
-                            delta.finish_reason = outcome = reason
-                            delta.timing, delta.routing = self._timing(life, attempt, resumes), self._routing(attempt)
-                            yield delta
-                            return
-                        yield delta
-                    raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
-                except RequestError:
-                    raise
-                except Exception as exc:
-                    self._close(attempt)
-                    if not (_is_replica_failure(exc) and resumes < self.config.ingress.decode_resumes):
-                        raise RequestError(
-                            f"decode replica failed mid-stream ({type(exc).__name__}) after {len(generated)} tokens",
-                            status=502, code="decode_failed",
-                        ) from exc
-                    resumes += 1
-                    logger.warning("decode replica failed mid-stream for %s (%s); resuming after %d tokens",
-                                   req.request_id, type(exc).__name__, len(generated))
-        except (asyncio.CancelledError, GeneratorExit):
-            if not life.done:
-                life.to(RequestPhase.CANCELLED)
-            outcome = outcome or "cancelled"
-            raise
-        except Exception:
-            if not life.done:
-                life.to(RequestPhase.FAILED)
-            outcome = outcome or "failed"
-            raise
-        finally:
-            if attempt is not None:
-                self._close(attempt)
-            self._record(req, life, outcome or "cancelled", len(generated), resumes)
 
     def _record(self, req: GenerationRequest, life: RequestLifecycle, outcome: str, output_tokens: int,
                 resumes: int, *, count_prompt: bool = True) -> None:

@@ -603,6 +603,65 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
+class UsageAccount:
+    """The ``usage`` of one request, fed each choice's generated tokens and timing (every delta
+    of a stream, or each finished choice of a unary answer), in any order. One definition for
+    every front end:
+
+    - ``completion_tokens``: every token generated (best_of's discarded choices too: the caller
+      sets the total);
+    - ``cached_tokens``: OpenAI's ``prompt_tokens_details.cached_tokens`` is a part of
+      ``prompt_tokens``, which counts each prompt once however many choices it has; so each
+      prompt counts the cached tokens of ONE prefill: those reported by its lowest-index choice
+      (the choices of a prompt share their prefill). None while no choice reported any;
+    - ``sparse_attention``: how the prefill of the lowest-index reporting choice ran (only for
+      a request that set its own)."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        self.req = req
+        self.completion_tokens = 0
+        self._cached: dict[int, int] = {}  # choice index -> the cached tokens its prefill reported
+        self._sparse: dict[int, dict] = {}
+
+    def add(self, index: int, tokens: int, timing: dict | None = None) -> None:
+        self.completion_tokens += tokens
+        if not timing:
+            return
+        if timing.get("cached_tokens") is not None:
+            self._cached[index] = int(timing["cached_tokens"])
+        if timing.get("sparse_attention"):
+            self._sparse[index] = timing["sparse_attention"]
+
+    def cached_tokens(self) -> int | None:
+        if not self._cached:
+            return None
+        per_prompt: dict[int, int] = {}
+        for index in sorted(self._cached):  # the lowest index of a prompt names its count
+            per_prompt.setdefault(index // self.req.n, self._cached[index])
+        return sum(per_prompt.values())
+
+    def sparse_attention(self) -> dict | None:
+        return self._sparse[min(self._sparse)] if self._sparse else None
+
+    def usage(self) -> dict:
+        return usage(self.req.prompt_len, self.completion_tokens, self.cached_tokens(),
+                     self.sparse_attention() if self.req.sparse_alpha is not None else None)
+
+    def running(self) -> dict:
+        """The tokens so far, without prompt details (vLLM's ``continuous_usage_stats``)."""
+        return usage(self.req.prompt_len, self.completion_tokens)
+
+
+def choices_usage(req: GenerationRequest, choices: list, completion_tokens: int | None = None) -> dict:
+    """The usage of a unary answer: ``choices`` as :func:`completion_response` takes them."""
+    account = UsageAccount(req)
+    for index, _, res in choices:
+        account.add(index, len(res.token_ids), res.timing)
+    if completion_tokens is not None:
+        account.completion_tokens = completion_tokens
+    return account.usage()
+
+
 def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", "surrogatepass"))
 
@@ -720,6 +779,13 @@ def tool_stream_chunks(req: GenerationRequest, stream: ToolChoiceStream, text: s
     ``delta.role`` for the choice's first; ``finish_reason`` on the last (after a call: a chunk
     ``delta: {}`` of its own)."""
     events, finish = stream.push(text, finish_reason)
+    return tool_chunks(req, events, finish, token_ids, first=first, logprobs=logprobs, index=index)
+
+
+def tool_chunks(req: GenerationRequest, events: list, finish: str | None, token_ids: list[int], *,
+                first: bool = False, logprobs: list | None = None, index: int = 0) -> list[dict]:
+    """:func:`tool_stream_chunks` of the events a ``ToolChoiceStream`` returned."""
+    events = list(events)
     if not events or (finish is not None and events[-1][0] == "call"):
         events.append(("content", None))
     chunks = []
@@ -755,15 +821,10 @@ def completion_response(req: GenerationRequest, result: Any, *, choices: list | 
             choice["token_ids"] = list(res.token_ids)
             choice["prompt_token_ids"] = list(prompt_ids)
         out_choices.append(choice)
-    if completion_tokens is None:
-        completion_tokens = sum(len(res.token_ids) for _, _, res in choices)
-    cached = [(res.timing or {}).get("cached_tokens") for _, _, res in choices]
     out = {
         "id": req.response_id, "object": "text_completion" if req.kind == "completion" else "chat.completion",
         "created": req.created, "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": out_choices,
-        "usage": usage(req.prompt_len, completion_tokens,
-                       None if None in cached else (cached[0] if len(cached) == 1 else sum(cached)),
-                       (result.timing or {}).get("sparse_attention") if req.sparse_alpha is not None else None),
+        "usage": choices_usage(req, choices, completion_tokens),
         "timing": result.timing,
     }
     if result.routing is not None:
@@ -791,13 +852,30 @@ def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int],
             "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, completion_tokens: int, cached_tokens: int | None = None,
-                sparse_attention: dict | None = None) -> dict:
+def usage_chunk(req: GenerationRequest, usage_object: dict) -> dict:
+    """A stream's usage chunk (``include_usage``): ``usage_object`` from :class:`UsageAccount`."""
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
-            "usage": usage(req.prompt_len, completion_tokens, cached_tokens,
-                           sparse_attention if req.sparse_alpha is not None else None)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": usage_object}
+
+
+UNAUTHORIZED = RequestError("missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                            status=401, code="invalid_api_key")
+
+
+def as_request_error(exc: BaseException) -> RequestError:
+    """An exception as the error the client sees (HTTP status / gRPC code): overload and a
+    missing deployment keep their meaning; anything else is logged and is a 500."""
+    if isinstance(exc, RequestError):
+        return exc
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, BackPressureError):
+        return RequestError("service overloaded; retry later", status=429, code="overloaded", retry_after_s=1)
+    if isinstance(exc, DeploymentUnavailableError):
+        return RequestError("a worker deployment is unavailable", status=503, code="unavailable", retry_after_s=1)
+    logger.exception("request failed")
+    return RequestError(f"internal error: {type(exc).__name__}", status=500, code="internal_error")
 
 
 def models_response(model_id: str, created: int) -> dict:

@@ -700,3 +700,32 @@ def test_a_group_records_each_choice_and_its_prompt_once():
     assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["cancelled"] * 3
     # gone after the first tokens, before a decode replica took the ticket: the ingress ends the one lease
     assert pipe._decode.generate.calls == [] and len(pipe.released) == 1
+
+
+def test_a_single_choice_is_a_group_of_one_under_its_own_request_id():
+    """stream_choices takes a single-choice request as it is: one driver, the worker calls
+    named after the request (not a choice's ``-0`` id) and without a choices tuple."""
+    pipe = _pipeline(_prefill, _decode)
+    out, error = _run_choices(pipe, REQ)
+    assert error is None and sorted(out) == [0]
+    assert [t for d in out[0] for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
+    prefill, decode = pipe._prefill.prefill.calls[0], pipe._decode.generate.calls[0]
+    assert prefill.request_id.startswith(REQ.request_id + ":") and prefill.choices == () and decode.choices == ()
+
+
+@pytest.mark.parametrize("req", [REQ, NREQ], ids=["single", "group"])
+def test_closing_a_stream_ends_its_driver_at_once(req):
+    """The lease of an attempt the client left is released when the stream is closed, not
+    when the event loop later finalizes the inner generators."""
+    import asyncio
+
+    pipe = _pipeline(_group_prefill, _group_decode)
+
+    async def first_then_leave():
+        stream = pipe.stream_choices(req)
+        await stream.__anext__()
+        await stream.aclose()
+        return list(pipe.released)  # before asyncio.run finalizes anything left open
+
+    released = asyncio.run(first_then_leave())
+    assert [lease.request_id for lease in released] == [pipe._prefill.prefill.calls[0].request_id]
