@@ -57,7 +57,16 @@ from kv_transfer.transfer import (
 )
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
-from serving.messages import Adopted, DecodeCall, Tokens, TransferFailed
+from serving.messages import (
+    Adopted,
+    CancelChoice,
+    ChoiceCancelled,
+    DecodeCall,
+    ReleasePages,
+    Tokens,
+    TransferFailed,
+    checked,
+)
 from serving.metrics import Metrics
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from serving.costs import routing_hint
@@ -102,7 +111,7 @@ class PrefillCaller:
         self.method = method
         self._handles: dict[tuple[str, str], Any] = {}
 
-    async def __call__(self, sender: dict, request: dict) -> dict:
+    async def __call__(self, sender: dict, request: Any) -> Any:
         key = (sender.get("app"), sender.get("deployment"))
         if not all(isinstance(k, str) for k in key):
             raise ValueError(f"sender: expected its Serve app and deployment, got {sender!r}")
@@ -392,7 +401,7 @@ class DecodeServer:
 
     async def _release(self, sender: dict, request_id: str) -> None:
         try:
-            await asyncio.wait_for(self._release_caller(sender, {"request_id": request_id}), RELEASE_TIMEOUT_S)
+            await asyncio.wait_for(self._release_caller(sender, ReleasePages(request_id)), RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the sender's deadline ends the lease anyway
             logger.info("releasing the lease of %s on %s failed: %r", request_id, sender.get("replica_id"), exc)
 
@@ -487,15 +496,15 @@ class DecodeServer:
             self.completed += 1
             await self._leave(rid)
 
-    async def cancel_choice(self, request: dict, routing: dict | None = None) -> dict:
+    async def cancel_choice(self, request: CancelChoice, routing: dict | None = None) -> ChoiceCancelled:
         """Stop one choice of a group this replica decodes (the ingress found a stop string in
         it): its own pages go back now, the pages its siblings share stay theirs; the group's
         stream carries on with a ``cancelled`` finish for it. Called pinned to this replica.
-        Unknown or ended choices: ``{"cancelled": False}``."""
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        k = request.get("choice") if isinstance(request, dict) else None
-        if not isinstance(rid, str) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            return {"cancelled": False, "message": f"request: expected {{'request_id': str, 'choice': int >= 0}}, got {request!r}"}
+        Unknown or ended choices: ``cancelled`` False."""
+        bad = checked(request, CancelChoice)
+        if bad is not None:
+            return ChoiceCancelled(False, bad)
+        rid, k = request.request_id, request.choice
         cid = f"{rid}#{k}"
         inbox = list(self.loop._inbox)
         live = (cid in self.loop._outboxes or any(isinstance(c, _Add) and any(x[0] == cid for x in c.choices)
@@ -503,7 +512,7 @@ class DecodeServer:
             isinstance(c, _Cancel) and c.request_id == cid for c in inbox)  # not already being cancelled
         if live:
             self.loop.cancel(cid)
-        return {"cancelled": live}
+        return ChoiceCancelled(live)
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:

@@ -51,7 +51,17 @@ from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
 from serving.errors import RequestError
-from serving.messages import PrefillCall, Prefilled
+from serving.messages import (
+    PagesReleased,
+    PrefillCall,
+    Prefilled,
+    ReleasePages,
+    SendPages,
+    SendReply,
+    StagePages,
+    StageReply,
+    checked,
+)
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
 from serving.costs import PrefillCostModel
 
@@ -358,16 +368,16 @@ class PrefillServer:
         lease.exporter.discard(lease.ticket)  # a channel's export record; a send under way then fails
         self._free(lease.request_id)
 
-    async def release_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def release_pages(self, request: ReleasePages, routing: dict | None = None) -> PagesReleased:
         """End a lease: the decode replica is done with the pages (its IPC copy finished or
         failed, or it gave up before fetching), or the ingress abandoned the attempt. Idempotent;
-        called pinned to this replica. ``{"ended": bool}``: False when no lease was held."""
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        if not isinstance(rid, str):
-            return {"ended": False, "message": f"request: expected {{'request_id': str}}, got {request!r}"}
-        return {"ended": self.leases.end(rid, "released")}
+        called pinned to this replica. ``ended``: False when no lease was held."""
+        bad = checked(request, ReleasePages)
+        if bad is not None:
+            return PagesReleased(False, bad)
+        return PagesReleased(self.leases.end(request.request_id, "released"))
 
-    async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def send_pages(self, request: SendPages, routing: dict | None = None) -> SendReply:
         """Channel transports: a decode replica (or one rank of a TP decode group) that
         reserved room for a request's pages asks this replica (which holds them, under a lease)
         to send them, or some of their KV heads, over their channel. A TP replica's rank named
@@ -380,20 +390,20 @@ class PrefillServer:
         else:
             channel = self._channel()
             if channel is None:
-                return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
-                        "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
+                return SendReply(False, TransferFailure.UNAVAILABLE.value,
+                                 f"this replica ships KV pages with {self.transport.name!r}, not over channels")
             reply = await channel.serve_send(request)
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        if isinstance(rid, str):
-            self.leases.sent(rid, bool(isinstance(reply, dict) and reply.get("ok")), send_pulls(request))
+        if isinstance(request, SendPages) and isinstance(request.request_id, str):
+            self.leases.sent(request.request_id, isinstance(reply, SendReply) and reply.ok is True,
+                             send_pulls(request))
         return reply
 
-    async def stage_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def stage_pages(self, request: StagePages, routing: dict | None = None) -> StageReply:
         """cuda_ipc with a fallback: a decode replica on another GPU asks this replica to export
         a leased request's pages over the fallback channel; the reply carries that ticket."""
         if not isinstance(self.transport, CudaIpcTransport):
-            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value, "ticket": None,
-                    "message": f"this replica ships KV pages with {self.transport.name!r}, not cuda_ipc"}
+            return StageReply(False, TransferFailure.UNAVAILABLE.value,
+                              f"this replica ships KV pages with {self.transport.name!r}, not cuda_ipc")
         # a device gather and checksum: off the event loop
         return await asyncio.to_thread(self.transport.serve_stage, self.pool, request)
 

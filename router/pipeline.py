@@ -48,7 +48,7 @@ from serving.config import ServiceConfig
 from .detokenize import TextStream
 from serving.metrics import Metrics
 from serving.errors import RequestError
-from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, TransferFailed
+from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Prefilled, ReleasePages, TransferFailed
 
 from .protocol import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
@@ -451,7 +451,7 @@ class DisaggregatedPipeline:
             _own_serve_request(f"cancel-{choice}")  # its own Serve request: the stream's ledger entry stays
             try:
                 await asyncio.wait_for(self._decode_calls.cancel_choice.remote(
-                    {"request_id": request_id, "choice": choice}, routing=routing_hint(replica=replica)),
+                    CancelChoice(request_id, choice), routing=routing_hint(replica=replica)),
                     RELEASE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the choice then ends on the decode replica by itself
                 logger.info("cancelling choice %d of %s failed: %r", choice, request_id, exc)
@@ -783,7 +783,7 @@ class LeaseReleaser:
 
                 self._handle = await asyncio.to_thread(serve.get_deployment_handle, self._name, self._app)
             await asyncio.wait_for(self._handle.release_pages.remote(
-                {"request_id": request_id}, routing=routing_hint(replica=replica)), RELEASE_TIMEOUT_S)
+                ReleasePages(request_id), routing=routing_hint(replica=replica)), RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the lease's deadline ends it anyway
             logger.info("releasing the lease of %s on %s failed: %r", request_id, replica, exc)
 

@@ -335,10 +335,13 @@ def _channel_export(self, request_id: str, fault: str | None, setup: dict) -> by
     return _rank_channel(self, setup).export(request_id, fault)
 
 
-def _channel_send(self, request: dict) -> dict:
+def _channel_send(self, request: Any) -> Any:
+    from kv_transfer.transfer import TransferFailure
+    from kv_transfer.wire import SendReply
+
     channel = getattr(self, "_tp_channel", None)
     if channel is None:
-        return {"ok": False, "reason": "lost", "message": "this rank exported nothing", "checksums": None}
+        return SendReply(False, TransferFailure.LOST.value, "this rank exported nothing")
     return channel.send_blocking(request)
 
 
@@ -370,7 +373,7 @@ class RayRankChannel:
             raise RankFailed(f"TP rank {self.rank}: channel export of {request_id!r}: {type(exc).__name__}: "
                              f"{str(exc)[:300]}") from None
 
-    async def send(self, request: dict) -> dict:
+    async def send(self, request: Any) -> Any:  # kv_transfer.wire.SendPages -> SendReply
         return await self.actor.channel_send.remote(request)
 
     def discard(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ pytest.importorskip("ray.serve")
 from model_executor.sampling import SamplingParams  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
+from serving.messages import StagePages  # noqa: E402
 from router.detokenize import TextStream  # noqa: E402
 from router.protocol import RequestError, RequestParser  # noqa: E402
 from router.scheduling import (  # noqa: E402
@@ -593,7 +594,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             stats = pre.record_routing_stats()
             assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
             assert isinstance(stats["attention_kernels"], dict)  # kernels.ops' counts, by kernel
-            request = {"request_id": "r", "sender_id": ipc.replica_id, "transport": "gloo"}
+            request = StagePages(request_id="r", sender_id=ipc.replica_id, transport="gloo")
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
                 assert isinstance(ipc.fallback, ChannelTransport) and pre._channel() is ipc.fallback
@@ -605,13 +606,13 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                 assert isinstance(receiver.call_sender, dd.PrefillCaller) and receiver.call_sender.method == "stage_pages"
                 assert dec.receivers["gloo"].call_sender.method == "send_pages"
                 assert "channel_sends" in stats and "channel_receives" in dec.record_routing_stats()
-                assert reply["ok"] is False and reply["reason"] == "lost"  # no such lease
+                assert reply.ok is False and reply.reason == "lost"  # no such lease
             else:
                 assert ipc.fallback is None and pre._channel() is None
                 assert set(dec.receivers) == {"object_store", "cuda_ipc"} and receiver.fallback is None
-                assert reply["ok"] is False and reply["reason"] == "unavailable"
+                assert reply.ok is False and reply.reason == "unavailable"
                 reply = asyncio.run(pre.send_pages({}))
-                assert reply["ok"] is False and "not over channels" in reply["message"]
+                assert reply.ok is False and "not over channels" in reply.message
             dec.check_health()
             receiver.device_error = "CUDA error: an illegal memory access was encountered"
             with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -622,8 +623,8 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                 r.close()
     monkeypatch.undo()
     pre = pd.PrefillServer({**opts, "transport": "object_store"})
-    reply = asyncio.run(pre.stage_pages({"request_id": "r", "sender_id": "x", "transport": "nccl"}))
-    assert reply["ok"] is False and reply["reason"] == "unavailable" and "object_store" in reply["message"]
+    reply = asyncio.run(pre.stage_pages(StagePages(request_id="r", sender_id="x", transport="nccl")))
+    assert reply.ok is False and reply.reason == "unavailable" and "object_store" in reply.message
     with pytest.raises(ValueError, match="method"):
         dd.PrefillCaller("generate")
 
