@@ -69,11 +69,9 @@ from serving.messages import (
 )
 from serving.metrics import Metrics
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
-from serving.costs import routing_hint
+from serving.prefill_client import PrefillClient, send_caller
 
 logger = logging.getLogger("ray.serve")
-
-RELEASE_TIMEOUT_S = 30.0  # a release_pages call to a prefill replica that does not answer
 
 
 @dataclass(frozen=True)
@@ -94,33 +92,6 @@ class _Cancel:
 
 class _LoopFailed(RuntimeError):
     pass
-
-
-PREFILL_METHODS = ("send_pages", "stage_pages", "release_pages")
-
-
-class PrefillCaller:
-    """Channel and IPC transfers: deliver a request to the one prefill replica holding the
-    pages (a Serve call to its ``method``: ``send_pages``, ``stage_pages`` or ``release_pages``,
-    pinned to it by ``PrefillRequestRouter``). Its handle is its own (its own router), used only
-    for pinned calls."""
-
-    def __init__(self, method: str = "send_pages") -> None:
-        if method not in PREFILL_METHODS:
-            raise ValueError(f"method: expected one of {PREFILL_METHODS}, got {method!r}")
-        self.method = method
-        self._handles: dict[tuple[str, str], Any] = {}
-
-    async def __call__(self, sender: dict, request: Any) -> Any:
-        key = (sender.get("app"), sender.get("deployment"))
-        if not all(isinstance(k, str) for k in key):
-            raise ValueError(f"sender: expected its Serve app and deployment, got {sender!r}")
-        handle = self._handles.get(key)
-        if handle is None:  # asks the controller once: off the event loop
-            handle = await asyncio.to_thread(serve.get_deployment_handle, key[1], key[0])
-            self._handles[key] = handle
-        call = getattr(handle, self.method)
-        return await call.remote(request, routing=routing_hint(replica=sender["replica_id"]))
 
 
 class DecodeLoop:
@@ -274,6 +245,7 @@ class DecodeServer:
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
+        self.prefill = PrefillClient()  # pinned calls to the prefill replica holding a request's pages
         self.receivers = self._make_receivers()  # ticket.transport -> what receives it
         self.replica_id = replica_id()
         self.transfers: collections.Counter = collections.Counter()  # adopted, by transport
@@ -285,7 +257,6 @@ class DecodeServer:
         # a running request never runs out of pages mid-stream (no "abort" under load).
         self._footprints: dict[str, int] = {}
         self._room: asyncio.Condition | None = None  # made on the replica's event loop
-        self._release_caller: PrefillCaller | None = None  # ends prefill leases (release_pages)
         self._background: set[asyncio.Task] = set()
 
     def _start_tp_group(self) -> WorkerRuntime:
@@ -331,7 +302,7 @@ class DecodeServer:
             if kind != "object_store":
                 channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
                                                     identity=replica_identity(), host=node_ip(),
-                                                    make_caller=PrefillCaller)
+                                                    make_caller=send_caller)
                 receivers[channels.name] = channels
             return receivers
         receivers: dict[str, KVTransport] = {
@@ -340,14 +311,14 @@ class DecodeServer:
         channels = None
         if kind not in ("object_store", "cuda_ipc"):
             channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                        call_sender=PrefillCaller(), config=transfer.channel.channel_config(),
+                                        call_sender=self.prefill.send_pages, config=transfer.channel.channel_config(),
                                         max_workers=transfer.channel.max_workers)
             receivers[channels.name] = channels
         if kind in ("cuda_ipc", IPC_OR_NCCL):
             # the channel is also the IPC transport's way to pages on another GPU
             ipc = transfer.ipc
             receivers["cuda_ipc"] = CudaIpcTransport(identity=replica_identity(), fallback=channels,
-                                                     call_sender=PrefillCaller("stage_pages") if channels else None,
+                                                     call_sender=self.prefill.stage_pages if channels else None,
                                                      copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
                                                      stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
         return receivers
@@ -393,17 +364,9 @@ class DecodeServer:
         sender = handle.get("sender") if isinstance(handle, dict) else None
         if getattr(ticket, "transport", None) == "object_store" or not isinstance(sender, dict):
             return  # a frame: nothing held
-        if self._release_caller is None:
-            self._release_caller = PrefillCaller("release_pages")
-        task = asyncio.get_running_loop().create_task(self._release(sender, ticket.request_id))
+        task = self.prefill.release(sender, ticket.request_id)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _release(self, sender: dict, request_id: str) -> None:
-        try:
-            await asyncio.wait_for(self._release_caller(sender, ReleasePages(request_id)), RELEASE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the sender's deadline ends the lease anyway
-            logger.info("releasing the lease of %s on %s failed: %r", request_id, sender.get("replica_id"), exc)
 
     async def generate(self, call: DecodeCall, routing: dict | None = None):
         """Streaming: :class:`Adopted` (or :class:`TransferFailed`), then :class:`Tokens`."""

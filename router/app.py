@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.config import ServiceConfig
-from .pipeline import Delta, DisaggregatedPipeline, LeaseReleaser
+from .pipeline import Delta, DisaggregatedPipeline
 from .protocol import (
     SYSTEM_FINGERPRINT,
     GenerationRequest,
@@ -41,6 +41,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
+from serving.prefill_client import PrefillClient
 from serving.runtime import load_tokenizer
 from .health import ReadinessProbe
 from .tokenize import detokenize, tokenize
@@ -128,7 +129,7 @@ class OpenAIIngress:
             page_size=self.config.kv.page_size,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
-                                              release_lease=LeaseReleaser(prefill))
+                                              release_lease=PrefillClient().lease_releaser(prefill))
         self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
         self.readiness = ReadinessProbe(prefill.app_name, {"prefill": prefill.deployment_name, "decode": decode.deployment_name},

@@ -198,15 +198,15 @@ def test_transports_that_copy_at_export_need_no_lease():
 
 def _wire(monkeypatch, pre):
     """The decode replica's Serve calls to the prefill replica, made directly."""
-    import decode_worker.deployment as dd
+    from serving.prefill_client import PrefillClient
 
     calls = []
 
-    async def call(self, sender, request):
-        calls.append((self.method, sender["replica_id"], request.request_id))
-        return await getattr(pre, self.method)(request)
+    async def call(self, method, sender, request):
+        calls.append((method, sender["replica_id"], request.request_id))
+        return await getattr(pre, method)(request)
 
-    monkeypatch.setattr(dd.PrefillCaller, "__call__", call)
+    monkeypatch.setattr(PrefillClient, "_call", call)
     return calls
 
 
