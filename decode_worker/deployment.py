@@ -45,16 +45,7 @@ from typing import Any
 from ray import serve
 
 from decode_worker.engine import DecodeEngine, FinishReason, StepOutput
-from kv_transfer.channel import ChannelTransport
-from kv_transfer.ipc import CudaIpcTransport
-from kv_transfer.transfer import (
-    IPC_OR_NCCL,
-    KVTransport,
-    ObjectStoreTransport,
-    TransferError,
-    TransferFailure,
-    select_transport,
-)
+from kv_transfer.transfer import TransferError, TransferFailure
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.messages import (
@@ -69,7 +60,8 @@ from serving.messages import (
 )
 from serving.metrics import Metrics
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
-from serving.prefill_client import PrefillClient, send_caller
+from serving.prefill_client import PrefillClient
+from serving.transports import TPGroup, make_decode_receivers, placement_of
 
 logger = logging.getLogger("ray.serve")
 
@@ -246,7 +238,10 @@ class DecodeServer:
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
         self.prefill = PrefillClient()  # pinned calls to the prefill replica holding a request's pages
-        self.receivers = self._make_receivers()  # ticket.transport -> what receives it
+        self.receivers = make_decode_receivers(  # ticket.transport -> what receives it
+            self.config, placement_of(self.config, "decode", self.pool.device), identity=replica_identity(),
+            host=node_ip(), prefill=self.prefill,
+            group=TPGroup(self.runtime.runner, self._tp_actors) if self._tp_actors else None)
         self.replica_id = replica_id()
         self.transfers: collections.Counter = collections.Counter()  # adopted, by transport
         self.transfer_failures = 0
@@ -283,45 +278,6 @@ class DecodeServer:
         from model_executor.loading import load_tokenizer
 
         return load_tokenizer(self.config.model.model)
-
-    def _make_receivers(self) -> dict[str, KVTransport]:
-        transfer = self.config.transfer
-        if self._tp_actors:
-            # TP decode: object-store frames (split by head over the ranks; the retry path), and
-            # channels into every rank (each pulls its own heads) unless the transport says
-            # otherwise (CUDA IPC does not reach a group: group_transport)
-            from kv_transfer.tp_transfer import group_transport
-            from serving.tp_group import make_tp_channel_receiver, make_tp_receiver
-
-            fi = self.config.fault_injection
-            receivers = {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
-                                                          transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
-                                                          faults=fi.corrupt_rank_frames)}
-            kind = group_transport(select_transport(transfer.transport, device=self.pool.device),
-                                   self.config.prefill.tensor_parallel_size, self.config.decode.tensor_parallel_size)
-            if kind != "object_store":
-                channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
-                                                    identity=replica_identity(), host=node_ip(),
-                                                    make_caller=send_caller)
-                receivers[channels.name] = channels
-            return receivers
-        receivers: dict[str, KVTransport] = {
-            "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
-        kind = select_transport(transfer.transport, device=self.pool.device)
-        channels = None
-        if kind not in ("object_store", "cuda_ipc"):
-            channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                        call_sender=self.prefill.send_pages, config=transfer.channel.channel_config(),
-                                        max_workers=transfer.channel.max_workers)
-            receivers[channels.name] = channels
-        if kind in ("cuda_ipc", IPC_OR_NCCL):
-            # the channel is also the IPC transport's way to pages on another GPU
-            ipc = transfer.ipc
-            receivers["cuda_ipc"] = CudaIpcTransport(identity=replica_identity(), fallback=channels,
-                                                     call_sender=self.prefill.stage_pages if channels else None,
-                                                     copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                                                     stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
-        return receivers
 
     @property
     def committed_pages(self) -> int:
@@ -394,7 +350,7 @@ class DecodeServer:
                     raise TransferError(TransferFailure.UNAVAILABLE,
                                         f"this replica receives {sorted(self.receivers)}, not {transport!r}", rid)
                 await receiver.receive(ticket, self.pool)
-                sent = transport != "cuda_ipc"
+                sent = not receiver.releases_after_receive
             except TransferError as exc:
                 self.transfer_failures += 1
                 self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
@@ -526,12 +482,12 @@ class DecodeServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
         for receiver in self.receivers.values():
-            if isinstance(receiver, CudaIpcTransport):
-                if receiver.device_error is not None:  # a failed IPC copy left the CUDA context unusable
-                    raise RuntimeError(f"CUDA context broken by a KV copy: {receiver.device_error}")
-                # Serve's health-check period is also the clock that closes mappings of prefill
-                # replicas that went away (a mapping can keep a dead replica's pool allocated)
-                receiver.sweep()
+            error = receiver.health_error()
+            if error is not None:  # a failed IPC copy left the CUDA context unusable
+                raise RuntimeError(f"CUDA context broken by a KV copy: {error}")
+            # Serve's health-check period is also the clock that closes mappings of prefill
+            # replicas that went away (a mapping can keep a dead replica's pool allocated)
+            receiver.sweep()
         if self._tp_actors:
             from serving.tp_group import check_ranks
 

@@ -259,6 +259,7 @@ class ChannelTransport(KVTransport):
 
     fault_modes = ("flip", "break")
     reads_pages_after_export = True  # the send reads them from the pool
+    serves_sends = True
 
     def __init__(self, device: str | torch.device, *, host: str = "127.0.0.1", identity: dict | None = None,
                  call_sender: SendCall | None = None, config: ChannelConfig | None = None,

@@ -388,6 +388,7 @@ class CudaIpcTransport(KVTransport):
     name = IPC_NAME
     fault_modes = ("break",)  # the ticket names a GPU nobody has and offers no fallback
     reads_pages_after_export = True  # the receiver copies them out of this pool
+    releases_after_receive = True  # the copy leaves the sender's lease to the receiver's release
 
     def __init__(self, *, identity: dict | None = None, fallback: KVTransport | None = None,
                  call_sender: StageCall | None = None, lease_timeout_s: float | None = None,
@@ -521,6 +522,22 @@ class CudaIpcTransport(KVTransport):
             staged = self._staged.pop(rid, None)
         if staged is not None and self.fallback is not None:
             self.fallback.discard(staged)
+
+    @property
+    def serves_sends(self) -> bool:
+        """Sends go over the fallback channel, where there is one."""
+        return self.fallback is not None and self.fallback.serves_sends
+
+    async def serve_send(self, request: Any) -> Any:
+        """A receiver on another GPU pulls staged pages over the fallback channel."""
+        if self.fallback is None:
+            return await super().serve_send(request)
+        return await self.fallback.serve_send(request)
+
+    serves_stages = True  # without a fallback it refuses each stage itself
+
+    def health_error(self) -> str | None:
+        return self.device_error
 
     def serve_stage(self, pool: KVPool, request: StagePages) -> StageReply:
         """Sender side of a fallback transfer (blocking: run it in a worker thread): export the

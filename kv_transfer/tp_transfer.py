@@ -484,6 +484,7 @@ class TPChannelTransport(KVTransport):
 
     fault_modes = ("flip", "break")
     reads_pages_after_export = True
+    serves_sends = True
 
     def __init__(self, leader: Any, layout: HeadLayout, followers: Sequence[Any], *, identity: dict,
                  host: str) -> None:

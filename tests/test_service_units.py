@@ -570,6 +570,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     """What each transport choice builds in the replicas (the CUDA choices forced onto CPU
     pools: the fallback channel is then gloo), and the prefill replica's stage_pages."""
     import decode_worker.deployment as dd
+    import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
     from kv_transfer.channel import ChannelTransport
     from kv_transfer.ipc import CudaIpcTransport
@@ -580,8 +581,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                          "ipc": {"copy_chunk_bytes": 8192, "idle_close_s": 9.0, "stage_timeout_s": 11.0},
                          "object_store": {"fetch_timeout_s": 13.0}}}
     for kind in (IPC_OR_NCCL, "cuda_ipc"):
-        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
-        monkeypatch.setattr(dd, "select_transport", lambda requested, device, kind=kind: kind)
+        monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre, dec = pd.PrefillServer(opts), dd.DecodeServer(opts)
         try:
             ipc = pre.transport
@@ -597,7 +597,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             request = StagePages(request_id="r", sender_id=ipc.replica_id, transport="gloo")
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
-                assert isinstance(ipc.fallback, ChannelTransport) and pre._channel() is ipc.fallback
+                assert isinstance(ipc.fallback, ChannelTransport) and ipc.serves_sends
                 for channel in (ipc.fallback, dec.receivers["gloo"]):  # the transfer.channel knobs
                     assert (channel.config.chunk_bytes, channel.config.ring_depth, channel.config.connect_timeout_s) \
                         == (4096, 2, 7.0)
@@ -609,7 +609,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                 assert "channel_sends" in stats and "channel_receives" in dec.record_routing_stats()
                 assert reply.ok is False and reply.reason == "lost"  # no such lease
             else:
-                assert ipc.fallback is None and pre._channel() is None
+                assert ipc.fallback is None and not ipc.serves_sends
                 assert set(dec.receivers) == {"object_store", "cuda_ipc"} and receiver.fallback is None
                 assert reply.ok is False and reply.reason == "unavailable"
                 reply = asyncio.run(pre.send_pages({}))

@@ -305,7 +305,7 @@ def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
 
 def test_tp_prefill_transport_choice():
     from kv_transfer.transfer import select_transport
-    from prefill_worker.deployment import tp_transport_choice
+    from kv_transfer.tp_transfer import tp_transport_choice
 
     # CPU: gloo is the channel; auto means the object store
     assert tp_transport_choice(select_transport("gloo", device="cpu")) == "channel"
@@ -559,6 +559,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     gloo): with ``decode.tensor_parallel_size`` 2 the replica exports over its channel (before:
     always the object store), ``auto`` on CUDA without its CUDA IPC part, ``cuda_ipc`` alone over
     the object store."""
+    import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
     from kv_transfer.ipc import CudaIpcTransport
     from kv_transfer.transfer import IPC_OR_NCCL
@@ -567,7 +568,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
             "decode": {"tensor_parallel_size": 2}}
     for kind, want in ((IPC_OR_NCCL, "channel"), ("gloo", "channel"), ("cuda_ipc", "object_store"),
                        ("object_store", "object_store")):
-        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
+        monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre = pd.PrefillServer(opts)
         try:
             assert not isinstance(pre.transport, CudaIpcTransport), kind
