@@ -53,7 +53,6 @@ from serving.messages import (
     CancelChoice,
     ChoiceCancelled,
     DecodeCall,
-    ReleasePages,
     Tokens,
     TransferFailed,
     checked,

@@ -49,7 +49,7 @@ from .detokenize import TextStream
 from serving.metrics import Metrics
 from serving.prefill_client import RELEASE_TIMEOUT_S
 from serving.errors import RequestError
-from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Prefilled, ReleasePages, TransferFailed
+from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Prefilled, TransferFailed
 
 from .protocol import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
