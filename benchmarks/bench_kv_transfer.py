@@ -172,10 +172,10 @@ def _endpoint_class():
         def set_peer(self, peer) -> None:
             self.peer = peer
 
-        async def _call_peer(self, sender: dict, request: dict) -> dict:
+        async def _call_peer(self, sender: dict, request):
             return await self.peer.serve_send.remote(request)
 
-        async def serve_send(self, request: dict) -> dict:
+        async def serve_send(self, request):  # kv_transfer.wire.SendPages -> SendReply
             return await self.channels.serve_send(request)
 
         def hold(self, rid: str, tokens: int) -> None:

@@ -45,26 +45,24 @@ from typing import Any
 from ray import serve
 
 from decode_worker.engine import DecodeEngine, FinishReason, StepOutput
-from kv_transfer.channel import ChannelTransport
-from kv_transfer.ipc import CudaIpcTransport
-from kv_transfer.transfer import (
-    IPC_OR_NCCL,
-    KVTransport,
-    ObjectStoreTransport,
-    TransferError,
-    TransferFailure,
-    select_transport,
-)
+from kv_transfer.transfer import TransferError, TransferFailure
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
-from serving.messages import Adopted, DecodeCall, Tokens, TransferFailed
+from serving.messages import (
+    Adopted,
+    CancelChoice,
+    ChoiceCancelled,
+    DecodeCall,
+    Tokens,
+    TransferFailed,
+    checked,
+)
 from serving.metrics import Metrics
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
-from serving.costs import routing_hint
+from serving.prefill_client import PrefillClient
+from serving.transports import TPGroup, make_decode_receivers, placement_of
 
 logger = logging.getLogger("ray.serve")
-
-RELEASE_TIMEOUT_S = 30.0  # a release_pages call to a prefill replica that does not answer
 
 
 @dataclass(frozen=True)
@@ -85,33 +83,6 @@ class _Cancel:
 
 class _LoopFailed(RuntimeError):
     pass
-
-
-PREFILL_METHODS = ("send_pages", "stage_pages", "release_pages")
-
-
-class PrefillCaller:
-    """Channel and IPC transfers: deliver a request to the one prefill replica holding the
-    pages (a Serve call to its ``method``: ``send_pages``, ``stage_pages`` or ``release_pages``,
-    pinned to it by ``PrefillRequestRouter``). Its handle is its own (its own router), used only
-    for pinned calls."""
-
-    def __init__(self, method: str = "send_pages") -> None:
-        if method not in PREFILL_METHODS:
-            raise ValueError(f"method: expected one of {PREFILL_METHODS}, got {method!r}")
-        self.method = method
-        self._handles: dict[tuple[str, str], Any] = {}
-
-    async def __call__(self, sender: dict, request: dict) -> dict:
-        key = (sender.get("app"), sender.get("deployment"))
-        if not all(isinstance(k, str) for k in key):
-            raise ValueError(f"sender: expected its Serve app and deployment, got {sender!r}")
-        handle = self._handles.get(key)
-        if handle is None:  # asks the controller once: off the event loop
-            handle = await asyncio.to_thread(serve.get_deployment_handle, key[1], key[0])
-            self._handles[key] = handle
-        call = getattr(handle, self.method)
-        return await call.remote(request, routing=routing_hint(replica=sender["replica_id"]))
 
 
 class DecodeLoop:
@@ -265,7 +236,11 @@ class DecodeServer:
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
                                metrics=self.metrics)
-        self.receivers = self._make_receivers()  # ticket.transport -> what receives it
+        self.prefill = PrefillClient()  # pinned calls to the prefill replica holding a request's pages
+        self.receivers = make_decode_receivers(  # ticket.transport -> what receives it
+            self.config, placement_of(self.config, "decode", self.pool.device), identity=replica_identity(),
+            host=node_ip(), prefill=self.prefill,
+            group=TPGroup(self.runtime.runner, self._tp_actors) if self._tp_actors else None)
         self.replica_id = replica_id()
         self.transfers: collections.Counter = collections.Counter()  # adopted, by transport
         self.transfer_failures = 0
@@ -276,7 +251,6 @@ class DecodeServer:
         # a running request never runs out of pages mid-stream (no "abort" under load).
         self._footprints: dict[str, int] = {}
         self._room: asyncio.Condition | None = None  # made on the replica's event loop
-        self._release_caller: PrefillCaller | None = None  # ends prefill leases (release_pages)
         self._background: set[asyncio.Task] = set()
 
     def _start_tp_group(self) -> WorkerRuntime:
@@ -303,45 +277,6 @@ class DecodeServer:
         from model_executor.loading import load_tokenizer
 
         return load_tokenizer(self.config.model.model)
-
-    def _make_receivers(self) -> dict[str, KVTransport]:
-        transfer = self.config.transfer
-        if self._tp_actors:
-            # TP decode: object-store frames (split by head over the ranks; the retry path), and
-            # channels into every rank (each pulls its own heads) unless the transport says
-            # otherwise (CUDA IPC does not reach a group: group_transport)
-            from kv_transfer.tp_transfer import group_transport
-            from serving.tp_group import make_tp_channel_receiver, make_tp_receiver
-
-            fi = self.config.fault_injection
-            receivers = {"object_store": make_tp_receiver(self.runtime.runner, self._tp_actors,
-                                                          transfer.object_store.fetch_timeout_s, fault_mode=fi.mode,
-                                                          faults=fi.corrupt_rank_frames)}
-            kind = group_transport(select_transport(transfer.transport, device=self.pool.device),
-                                   self.config.prefill.tensor_parallel_size, self.config.decode.tensor_parallel_size)
-            if kind != "object_store":
-                channels = make_tp_channel_receiver(self.runtime.runner, self._tp_actors, self.config,
-                                                    identity=replica_identity(), host=node_ip(),
-                                                    make_caller=PrefillCaller)
-                receivers[channels.name] = channels
-            return receivers
-        receivers: dict[str, KVTransport] = {
-            "object_store": ObjectStoreTransport(fetch_timeout_s=transfer.object_store.fetch_timeout_s)}
-        kind = select_transport(transfer.transport, device=self.pool.device)
-        channels = None
-        if kind not in ("object_store", "cuda_ipc"):
-            channels = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                        call_sender=PrefillCaller(), config=transfer.channel.channel_config(),
-                                        max_workers=transfer.channel.max_workers)
-            receivers[channels.name] = channels
-        if kind in ("cuda_ipc", IPC_OR_NCCL):
-            # the channel is also the IPC transport's way to pages on another GPU
-            ipc = transfer.ipc
-            receivers["cuda_ipc"] = CudaIpcTransport(identity=replica_identity(), fallback=channels,
-                                                     call_sender=PrefillCaller("stage_pages") if channels else None,
-                                                     copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                                                     stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
-        return receivers
 
     @property
     def committed_pages(self) -> int:
@@ -384,17 +319,9 @@ class DecodeServer:
         sender = handle.get("sender") if isinstance(handle, dict) else None
         if getattr(ticket, "transport", None) == "object_store" or not isinstance(sender, dict):
             return  # a frame: nothing held
-        if self._release_caller is None:
-            self._release_caller = PrefillCaller("release_pages")
-        task = asyncio.get_running_loop().create_task(self._release(sender, ticket.request_id))
+        task = self.prefill.release(sender, ticket.request_id)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _release(self, sender: dict, request_id: str) -> None:
-        try:
-            await asyncio.wait_for(self._release_caller(sender, {"request_id": request_id}), RELEASE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the sender's deadline ends the lease anyway
-            logger.info("releasing the lease of %s on %s failed: %r", request_id, sender.get("replica_id"), exc)
 
     async def generate(self, call: DecodeCall, routing: dict | None = None):
         """Streaming: :class:`Adopted` (or :class:`TransferFailed`), then :class:`Tokens`."""
@@ -422,7 +349,7 @@ class DecodeServer:
                     raise TransferError(TransferFailure.UNAVAILABLE,
                                         f"this replica receives {sorted(self.receivers)}, not {transport!r}", rid)
                 await receiver.receive(ticket, self.pool)
-                sent = transport != "cuda_ipc"
+                sent = not receiver.releases_after_receive
             except TransferError as exc:
                 self.transfer_failures += 1
                 self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
@@ -487,15 +414,15 @@ class DecodeServer:
             self.completed += 1
             await self._leave(rid)
 
-    async def cancel_choice(self, request: dict, routing: dict | None = None) -> dict:
+    async def cancel_choice(self, request: CancelChoice, routing: dict | None = None) -> ChoiceCancelled:
         """Stop one choice of a group this replica decodes (the ingress found a stop string in
         it): its own pages go back now, the pages its siblings share stay theirs; the group's
         stream carries on with a ``cancelled`` finish for it. Called pinned to this replica.
-        Unknown or ended choices: ``{"cancelled": False}``."""
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        k = request.get("choice") if isinstance(request, dict) else None
-        if not isinstance(rid, str) or isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            return {"cancelled": False, "message": f"request: expected {{'request_id': str, 'choice': int >= 0}}, got {request!r}"}
+        Unknown or ended choices: ``cancelled`` False."""
+        bad = checked(request, CancelChoice)
+        if bad is not None:
+            return ChoiceCancelled(False, bad)
+        rid, k = request.request_id, request.choice
         cid = f"{rid}#{k}"
         inbox = list(self.loop._inbox)
         live = (cid in self.loop._outboxes or any(isinstance(c, _Add) and any(x[0] == cid for x in c.choices)
@@ -503,7 +430,7 @@ class DecodeServer:
             isinstance(c, _Cancel) and c.request_id == cid for c in inbox)  # not already being cancelled
         if live:
             self.loop.cancel(cid)
-        return {"cancelled": live}
+        return ChoiceCancelled(live)
 
     # -- Serve hooks -------------------------------------------------------------------
     def record_routing_stats(self) -> dict:
@@ -554,12 +481,12 @@ class DecodeServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"decode loop died: {task.exception()!r}")
         for receiver in self.receivers.values():
-            if isinstance(receiver, CudaIpcTransport):
-                if receiver.device_error is not None:  # a failed IPC copy left the CUDA context unusable
-                    raise RuntimeError(f"CUDA context broken by a KV copy: {receiver.device_error}")
-                # Serve's health-check period is also the clock that closes mappings of prefill
-                # replicas that went away (a mapping can keep a dead replica's pool allocated)
-                receiver.sweep()
+            error = receiver.health_error()
+            if error is not None:  # a failed IPC copy left the CUDA context unusable
+                raise RuntimeError(f"CUDA context broken by a KV copy: {error}")
+            # Serve's health-check period is also the clock that closes mappings of prefill
+            # replicas that went away (a mapping can keep a dead replica's pool allocated)
+            receiver.sweep()
         if self._tp_actors:
             from serving.tp_group import check_ranks
 

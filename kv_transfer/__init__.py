@@ -1,11 +1,13 @@
 """kv_transfer: KV pages shipped between a prefill and a decode replica (see docs/ARCHITECTURE.md).
 
 Above ``model_executor``; the pool it moves pages in and out of is ``kv_cache.KVPool``.
-- ``transfer``: the KV header and frame, their checks, ``LocalTransport``,
-  ``ObjectStoreTransport`` (imports Ray when used), ``select_transport``.
+- ``transfer``: the KV header and frame, their checks, the transport interface (``KVSender``,
+  ``KVReceiver``, ``KVTransport``), ``LocalTransport``, ``ObjectStoreTransport`` (imports Ray
+  when used), ``select_transport``.
+- ``choice``: which sender / receivers a replica uses (``Placement``, ``choose_transports``).
 - ``channel``: ``ChannelTransport``, pairwise NCCL (CUDA) / gloo (CPU) channels; its parts:
   ``pages`` (a chunk's bytes: gather, scatter, checksum), ``process_group`` (one end of a
-  channel), ``wire`` (the send request and reply), ``config`` (``ChannelConfig``, standard
+  channel), ``wire`` (the typed send and stage requests and replies), ``config`` (``ChannelConfig``, standard
   library only: the service's options import it).
 - ``ipc``: ``CudaIpcTransport``, same-GPU copies through CUDA IPC.
 - ``routes`` and ``tp_transfer``: transfers between tensor-parallel groups.

@@ -138,11 +138,11 @@ from .transfer import (
 from .wire import (
     _MAX_NAME_LEN,
     _PREFIX_ROOT,
-    _PULLS_KEY,
+    SendPages,
+    SendReply,
     _reply,
     _reply_failure,
     _sender_checksums,
-    _SendRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ logger = logging.getLogger(__name__)
 _SETTLE_S = 1.0
 
 
-SendCall = Callable[[dict, dict], Awaitable[Any]]  # (sender address, send request) -> reply dict
+SendCall = Callable[[dict, SendPages], Awaitable[Any]]  # (sender address, send request) -> SendReply
 
 
 # ---------------------------------------------------------------------------- the transport
@@ -259,6 +259,7 @@ class ChannelTransport(KVTransport):
 
     fault_modes = ("flip", "break")
     reads_pages_after_export = True  # the send reads them from the pool
+    serves_sends = True
 
     def __init__(self, device: str | torch.device, *, host: str = "127.0.0.1", identity: dict | None = None,
                  call_sender: SendCall | None = None, config: ChannelConfig | None = None,
@@ -341,25 +342,25 @@ class ChannelTransport(KVTransport):
             if exp is not None:
                 exp.discarded = True
 
-    async def serve_send(self, request: dict) -> dict:
+    async def serve_send(self, request: SendPages) -> SendReply:
         """Sender side of a transfer, called by the receiver (through ``call_sender``): send
-        the exported pages over the requested channel. Returns ``{"ok", "reason", "message",
-        "checksums"}``, the last the per-chunk checksums when ``ok``."""
+        the exported pages over the requested channel. The reply's ``checksums`` are the
+        per-chunk checksums when ``ok``."""
         checked = self._check_send(request)
-        if isinstance(checked, dict):
+        if isinstance(checked, SendReply):
             return checked
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._send_blocking, *checked)
 
-    def serve_send_blocking(self, request: dict) -> dict:
+    def serve_send_blocking(self, request: SendPages) -> SendReply:
         """:meth:`serve_send` in the calling thread (a TP rank actor's worker thread)."""
         checked = self._check_send(request)
-        return checked if isinstance(checked, dict) else self._send_blocking(*checked)
+        return checked if isinstance(checked, SendReply) else self._send_blocking(*checked)
 
-    def _check_send(self, request: dict) -> dict | tuple[_SendRequest, _Export]:
+    def _check_send(self, request: SendPages) -> SendReply | tuple[SendPages, _Export]:
         """The parsed request and its export, or the failure reply."""
         try:
-            req = _SendRequest.parse(request)
+            req = SendPages.parse(request)
         except ValueError as exc:
             return _reply(False, TransferFailure.UNAVAILABLE, f"bad send request: {exc}")
         if req.backend != self.backend:
@@ -380,7 +381,7 @@ class ChannelTransport(KVTransport):
                           f"[0, {exp.header.num_kv_heads}), got {list(req.heads)}")
         return req, exp
 
-    def _outbound_channel(self, req: _SendRequest) -> Channel:
+    def _outbound_channel(self, req: SendPages) -> Channel:
         stale: list[Channel] = []
         with self._lock:
             now = time.monotonic()
@@ -403,7 +404,7 @@ class ChannelTransport(KVTransport):
             old.abort()
         return ch
 
-    def _send_blocking(self, req: _SendRequest, exp: _Export) -> dict:
+    def _send_blocking(self, req: SendPages, exp: _Export) -> SendReply:
         deadline = time.monotonic() + req.timeout_s
         try:
             channel = self._outbound_channel(req)
@@ -436,7 +437,7 @@ class ChannelTransport(KVTransport):
                                                exp.header.payload_bytes // exp.header.num_kv_heads * len(req.heads))
         return _reply(True, checksums=checksums)
 
-    def _send_chunks(self, channel: Channel, req: _SendRequest, exp: _Export, deadline: float) -> list[int]:
+    def _send_chunks(self, channel: Channel, req: SendPages, exp: _Export, deadline: float) -> list[int]:
         """Blocking: gather, checksum and send ``exp``'s pages chunk by chunk through a ring of
         staging buffers; returns the chunks' checksums."""
         pool, header = exp.pool, exp.header
@@ -610,7 +611,7 @@ class ChannelTransport(KVTransport):
                 # pulls: every route of the transfer is one send, whichever decode rank asks for it
                 await self._pull(part, sender, pool, pages,
                                  channel_id=f"{sender['replica_id']}:tp{s}" if grouped else None,
-                                 extra={"rank": s, "heads": [r.src_local for r in rs], _PULLS_KEY: len(routes)},
+                                 extra={"rank": s, "heads": tuple(r.src_local for r in rs), "pulls": len(routes)},
                                  heads=[r.dst_local for r in rs])
         except BaseException:
             pool.release(rid)
@@ -657,12 +658,10 @@ class ChannelTransport(KVTransport):
             timeout = budget + (cfg.connect_timeout_s if channel.pg is None else 0.0)
             layers_per_chunk = cfg.layers_per_chunk(header.num_layers, header.payload_bytes // header.num_layers)
             plan = chunk_layers(header.num_layers, layers_per_chunk)
-            request = {
-                "request_id": rid, "sender_id": sender_id, "receiver_id": self.replica_id, "host": self.host,
-                "port": int(self._store.port), "prefix": channel.prefix, "generation": channel.generation,
-                "backend": self.backend, "timeout_s": timeout, "layers_per_chunk": layers_per_chunk,
-                **(extra or {}),
-            }
+            request = SendPages(request_id=rid, sender_id=sender_id, receiver_id=self.replica_id, host=self.host,
+                                port=int(self._store.port), prefix=channel.prefix, generation=channel.generation,
+                                backend=self.backend, timeout_s=timeout, layers_per_chunk=layers_per_chunk,
+                                **(extra or {}))
             reply = asyncio.ensure_future(self.call_sender(sender, request))
             recv = loop.run_in_executor(self._executor, self._receive_blocking, channel, sender_id, pool, pages,
                                         plan, timeout, fence, heads)

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The ``transfer.transport`` option's values (``kv_transfer.transfer.select_transport`` reads
+# them; ``kv_transfer.choice`` turns one into a replica's transports). Here so the service's
+# options take them without importing the transports.
+TRANSPORT_OPTIONS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
+
 _MAX_RING_DEPTH = 8
 
 

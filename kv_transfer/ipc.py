@@ -74,7 +74,6 @@ from kv_cache.pool import KVPool
 from kv_cache.tensors import copy_word, pool_page_words
 
 from .transfer import (
-    MAX_REQUEST_ID_LEN,
     KVFrameHeader,
     KVTransport,
     TransferError,
@@ -84,6 +83,7 @@ from .transfer import (
     check_geometry,
     describe_pages,
 )
+from .wire import StagePages, StageReply, reply_reason
 
 IPC_NAME = "cuda_ipc"
 _MAX_NAME_LEN = 256
@@ -93,12 +93,11 @@ _HANDLE_KEYS = frozenset(
     {"header", "sender", "device_uuid", "pid", "pidns", "pool_pages", "pages", "k", "v", "fallback", "expires_at"}
 )
 _STORAGE_KEYS = frozenset({"handle", "size", "offset", "ref_counter", "ref_counter_offset", "tensor_offset"})
-_STAGE_KEYS = frozenset({"request_id", "sender_id", "transport"})
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 _BROKEN_UUID = "fault-injection:no-such-gpu"
 
 # async (sender identity from the ticket, stage request) -> the sender's serve_stage reply
-StageCall = Callable[[dict, dict], Awaitable[Any]]
+StageCall = Callable[[dict, StagePages], Awaitable[Any]]
 
 # Storages this process exported, by (IPC handle, offset): CUDA refuses to open a handle in the
 # process that made it, so a receiver in the sender's own process (tests, single-process
@@ -272,34 +271,18 @@ def parse_ticket(ticket: Any, name: str = IPC_NAME) -> _IpcTicket:
     return spec
 
 
-def _parse_stage_request(obj: Any) -> tuple[str, str, str]:
-    if not isinstance(obj, dict) or set(obj) != _STAGE_KEYS:
-        got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"request: expected the keys {sorted(_STAGE_KEYS)}, got {got}")
-    for key in _STAGE_KEYS:
-        value = obj[key]
-        if not isinstance(value, str) or not value or len(value) > max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN):
-            raise ValueError(f"{key}: expected a short non-empty str, got {value!r:.80}")
-    return obj["request_id"], obj["sender_id"], obj["transport"]
-
-
-def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "", ticket: Any = None) -> dict:
-    return {"ok": ok, "reason": reason.value if reason is not None else None, "message": message, "ticket": ticket}
+def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "", ticket: Any = None) -> StageReply:
+    return StageReply(ok, reason.value if reason is not None else None, message, ticket)
 
 
 def _staged_ticket(reply: Any, transport: str, rid: str) -> TransferTicket:
     """The fallback ticket in a ``serve_stage`` reply, or the ``TransferError`` it reports."""
-    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-        raise TransferError(TransferFailure.LOST, f"stage: unexpected reply {type(reply).__name__}", rid)
-    if not reply["ok"]:
-        try:
-            reason = TransferFailure(reply.get("reason"))
-        except ValueError:
-            reason = TransferFailure.LOST
-        if reason not in _REPLY_REASONS:
-            reason = TransferFailure.LOST
-        raise TransferError(reason, f"sender: {str(reply.get('message'))[:500]}", rid)
-    ticket = reply.get("ticket")
+    reason, message = reply_reason(reply, StageReply)
+    if reason is not None:
+        if not isinstance(reply, StageReply):
+            raise TransferError(reason, f"stage: {message}", rid)
+        raise TransferError(reason, f"sender: {message}", rid)
+    ticket = reply.ticket
     if not isinstance(ticket, TransferTicket) or ticket.transport != transport or ticket.request_id != rid:
         raise TransferError(TransferFailure.LOST, f"stage: expected a {transport!r} ticket for {rid!r}, "
                             f"got {type(ticket).__name__}", rid)
@@ -405,6 +388,7 @@ class CudaIpcTransport(KVTransport):
     name = IPC_NAME
     fault_modes = ("break",)  # the ticket names a GPU nobody has and offers no fallback
     reads_pages_after_export = True  # the receiver copies them out of this pool
+    releases_after_receive = True  # the copy leaves the sender's lease to the receiver's release
 
     def __init__(self, *, identity: dict | None = None, fallback: KVTransport | None = None,
                  call_sender: StageCall | None = None, lease_timeout_s: float | None = None,
@@ -539,12 +523,29 @@ class CudaIpcTransport(KVTransport):
         if staged is not None and self.fallback is not None:
             self.fallback.discard(staged)
 
-    def serve_stage(self, pool: KVPool, request: Any) -> dict:
+    @property
+    def serves_sends(self) -> bool:
+        """Sends go over the fallback channel, where there is one."""
+        return self.fallback is not None and self.fallback.serves_sends
+
+    async def serve_send(self, request: Any) -> Any:
+        """A receiver on another GPU pulls staged pages over the fallback channel."""
+        if self.fallback is None:
+            return await super().serve_send(request)
+        return await self.fallback.serve_send(request)
+
+    serves_stages = True  # without a fallback it refuses each stage itself
+
+    def health_error(self) -> str | None:
+        return self.device_error
+
+    def serve_stage(self, pool: KVPool, request: StagePages) -> StageReply:
         """Sender side of a fallback transfer (blocking: run it in a worker thread): export the
         pages of an exported request, still under its lease, over ``fallback`` for a receiver on
-        another GPU. Returns ``{"ok", "reason", "message", "ticket"}``."""
+        another GPU. An ``ok`` reply carries the fallback's ticket."""
         try:
-            rid, sender_id, transport = _parse_stage_request(request)
+            req = StagePages.parse(request)
+            rid, sender_id, transport = req.request_id, req.sender_id, req.transport
         except ValueError as exc:
             return _reply(False, TransferFailure.UNAVAILABLE, f"bad stage request: {exc}")
         if self.fallback is None or transport != self.fallback.name:
@@ -715,7 +716,7 @@ class CudaIpcTransport(KVTransport):
 
     async def _receive_via_fallback(self, spec: _IpcTicket, pool: KVPool) -> list[int]:
         rid = spec.header.request_id
-        request = {"request_id": rid, "sender_id": spec.sender_id, "transport": self.fallback.name}
+        request = StagePages(request_id=rid, sender_id=spec.sender_id, transport=self.fallback.name)
         try:
             reply = await asyncio.wait_for(self.call_sender(dict(spec.sender), request), timeout=self.stage_timeout_s)
             ticket = _staged_ticket(reply, self.fallback.name, rid)

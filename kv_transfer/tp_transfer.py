@@ -63,6 +63,7 @@ from .transfer import (
     describe_pages,
     read_frame,
 )
+from .wire import SendPages, SendReply
 
 
 def _head_dim_of(pool: KVPool, part: int) -> int:
@@ -483,6 +484,7 @@ class TPChannelTransport(KVTransport):
 
     fault_modes = ("flip", "break")
     reads_pages_after_export = True
+    serves_sends = True
 
     def __init__(self, leader: Any, layout: HeadLayout, followers: Sequence[Any], *, identity: dict,
                  host: str) -> None:
@@ -539,20 +541,19 @@ class TPChannelTransport(KVTransport):
         caller frees the pages."""
         self._discard_ranks(ticket.request_id, self.layout.tp_size)
 
-    async def serve_send(self, request: dict) -> dict:
-        """A receiver's send request for one rank (``request["rank"]``): the leader sends its
+    async def serve_send(self, request: SendPages) -> SendReply:
+        """A receiver's send request for one rank (``request.rank``): the leader sends its
         own heads, a follower's request is relayed to it."""
-        rank = request.get("rank") if isinstance(request, dict) else None
+        rank = request.rank if isinstance(request, SendPages) else None
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.layout.tp_size:
-            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value, "checksums": None,
-                    "message": f"rank: expected a rank of this TP group in [0, {self.layout.tp_size}), got {rank!r}"}
+            return SendReply(False, TransferFailure.UNAVAILABLE.value,
+                             f"rank: expected a rank of this TP group in [0, {self.layout.tp_size}), got {rank!r}")
         if rank == 0:
             return await self.leader.serve_send(request)
         try:
             return await self.followers[rank - 1].send(request)
         except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
-            return {"ok": False, "reason": TransferFailure.LOST.value, "checksums": None,
-                    "message": f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}"}
+            return SendReply(False, TransferFailure.LOST.value, f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}")
 
     async def receive(self, ticket: Any, pool: KVPool) -> list[int]:
         """Receiving is the decode side's ``ChannelTransport`` (it reads the ``tp`` ticket)."""
@@ -577,10 +578,10 @@ class RankChannel:
     def export(self, request_id: str, fault: str | None = None) -> bytes:
         return self.transport.export(self.pool, request_id, fault=fault).handle["header"]
 
-    def send_blocking(self, request: dict) -> dict:
+    def send_blocking(self, request: SendPages) -> SendReply:
         return self.transport.serve_send_blocking(request)
 
-    async def send(self, request: dict) -> dict:
+    async def send(self, request: SendPages) -> SendReply:
         return await self.transport.serve_send(request)
 
     def discard(self, request_id: str) -> None:

@@ -19,8 +19,9 @@ pages and raises :class:`TransferError` with a :class:`TransferFailure` reason, 
 decide between retrying (checksum, truncation, a lost object, an unusable transport) and
 failing the request (shape mismatch, malformed data).
 
-Transports (all behind :class:`KVTransport`; :func:`select_transport` picks one from the
-``transport`` option and the pool's device):
+Transports (each a :class:`KVSender` and a :class:`KVReceiver`, both in one
+:class:`KVTransport`; ``kv_transfer.choice.choose_transports`` picks a replica's from the
+``transport`` option and its placement, :func:`select_transport` from the pool's device alone):
 - :class:`LocalTransport`: the frame stays in process (tests, single-process tools).
 - :class:`ObjectStoreTransport`: ``ray.put`` of the frame (CPU bytes, so it works across
   nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
@@ -55,6 +56,8 @@ import torch
 
 from kv_cache.manager import PoolExhausted
 from kv_cache.pool import KVPool
+
+from .config import TRANSPORT_OPTIONS
 
 
 FRAME_MAGIC = b"FPKV"
@@ -454,8 +457,12 @@ class TransferTicket:
     handle: Any = field(repr=False, default=None)
 
 
-class KVTransport(abc.ABC):
-    """Sender: ``export`` (pages stay in the sender's pool); receiver: ``receive``."""
+class KVSender(abc.ABC):
+    """The sending end of a transport (a prefill replica): ``export`` a request's pages as a
+    ticket, ``discard`` it when done, and answer the receiver's side calls: ``serve_send``
+    (channels: send the pages now) and ``serve_stage`` (CUDA IPC: stage them on the fallback
+    channel). ``serves_sends`` / ``serves_stages`` say whether it answers them; the replica
+    refuses a call its sender does not answer, without asking which transport it holds."""
 
     name: str = "abstract"
     fault_modes: tuple[str, ...] = ()  # what ``export(fault=...)`` can inject
@@ -463,17 +470,27 @@ class KVTransport(abc.ABC):
     # channel send, a CUDA IPC copy): the sender keeps them under a lease until then. False
     # when ``export`` copied them (a frame): the sender may free them at once.
     reads_pages_after_export: bool = False
+    # True when ``serve_send`` can send pages over a channel (the replica's lease then counts
+    # the sends): the channels, and CUDA IPC with a channel fallback.
+    serves_sends: bool = False
+    serves_stages: bool = False  # True when ``serve_stage`` answers (CUDA IPC)
 
     @abc.abstractmethod
     def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
         """Ship ``request_id``'s pages; ``fault`` (one of ``fault_modes``) damages the transfer on
         purpose (fault-injection drills and tests)."""
 
-    @abc.abstractmethod
-    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]: ...
-
     def discard(self, ticket: TransferTicket) -> None:
         """Sender-side cleanup of a ticket that is done with (received or abandoned)."""
+
+    async def serve_send(self, request: Any) -> Any:
+        """A receiver's ``kv_transfer.wire.SendPages``; the ``SendReply`` (with ``serves_sends``)."""
+        raise TransferError(TransferFailure.UNAVAILABLE, f"{self.name!r} does not send over channels")
+
+    def serve_stage(self, pool: KVPool, request: Any) -> Any:
+        """A receiver's ``kv_transfer.wire.StagePages`` (blocking); the ``StageReply`` (with
+        ``serves_stages``)."""
+        raise TransferError(TransferFailure.UNAVAILABLE, f"{self.name!r} does not stage pages")
 
     def counters(self) -> dict[str, int]:
         """Counters for the replica's stats (none by default)."""
@@ -481,6 +498,47 @@ class KVTransport(abc.ABC):
 
     def close(self) -> None:
         """Release what the transport holds (connections, threads); the replica is stopping."""
+
+
+class KVReceiver(abc.ABC):
+    """The receiving end of a transport (a decode replica): ``receive`` a ticket's pages into
+    a pool (``TransferError`` on failure, nothing left allocated)."""
+
+    name: str = "abstract"
+    # True when the sender still holds the pages under a lease after a receive (a CUDA IPC
+    # copy): the receiver's replica then calls ``release_pages`` on it. False when the
+    # transfer itself ended the lease (a channel send) or there was none (a frame).
+    releases_after_receive: bool = False
+
+    @abc.abstractmethod
+    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]: ...
+
+    def health_error(self) -> str | None:
+        """Why this replica can no longer receive (a CUDA context broken by a copy), or None."""
+        return None
+
+    def sweep(self) -> int:
+        """Periodic upkeep (the replica's health check calls it); returns what it closed."""
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        """Counters for the replica's stats (none by default)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the transport holds (connections, threads); the replica is stopping."""
+
+
+class KVTransport(KVSender, KVReceiver):
+    """A transport that plays both ends (one instance per replica serves its role's end)."""
+
+    name: str = "abstract"
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 class LocalTransport(KVTransport):
@@ -548,7 +606,7 @@ def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle:
     return TransferTicket(request_id, name, num_tokens, pool.pages_for(num_tokens), int(frame.nbytes), handle)
 
 
-TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo", "local")
+TRANSPORTS = (*TRANSPORT_OPTIONS, "local")  # "local": tests and single-process tools
 # What ``auto`` means for CUDA pools: CUDA IPC when the receiver's pool is on the sender's GPU,
 # the NCCL channel otherwise (kv_transfer.ipc.CudaIpcTransport with a ChannelTransport fallback).
 IPC_OR_NCCL = "cuda_ipc+nccl"

@@ -1,6 +1,12 @@
-"""What a receiver and a sender of a channel transfer say to each other through Ray (the pages
-travel over the channel): the send request (strictly parsed: it comes from another replica), the
-reply, and how a receiver reads a reply.
+"""What a receiver and a sender of a transfer say to each other through Ray (the pages travel
+over the channel): the typed control messages :class:`SendPages` / :class:`SendReply` (a
+channel send) and :class:`StagePages` / :class:`StageReply` (CUDA IPC's fallback: stage the
+pages on the channel), and how a receiver reads a reply.
+
+They live here, not in ``serving.messages`` (which re-exports them), because the transports
+build and answer them and ``kv_transfer`` sits below ``serving``. A request comes from another
+replica: the side that acts on it checks it (:meth:`SendPages.check`, ``ValueError`` naming
+the field); a pickled dataclass skips ``__init__``, so the check cannot live there.
 """
 
 from __future__ import annotations
@@ -14,25 +20,25 @@ from .transfer import MAX_REQUEST_ID_LEN, TransferFailure
 
 _PREFIX_ROOT = "fpkv/"
 _MAX_NAME_LEN = 256
-_SEND_REQUEST_KEYS = frozenset(
-    {"request_id", "sender_id", "receiver_id", "host", "port", "prefix", "generation", "backend", "timeout_s",
-     "layers_per_chunk"}
-)
-# A TP prefill group's send request also names the rank holding the pages and the rank's
-# local KV heads the receiver needs (kv_transfer.tp_transfer.TPChannelTransport); a per-head
-# pull (``receive_heads``) adds ``pulls``: how many sends the receiving replica makes for the
-# request in all (one per (prefill rank, decode rank) route), so the sender's lease ends only
-# after the last of them (prefill_worker/leases.py ``LeaseTable.sent``).
-_TP_SEND_KEYS = frozenset({"rank", "heads"})
-_PULLS_KEY = "pulls"
 MAX_PULLS = 1 << 16
 _REPLY_REASONS = (TransferFailure.LOST, TransferFailure.UNAVAILABLE)
 
 
-@dataclass(frozen=True)
-class _SendRequest:
-    """What a receiver asks a sender: send ``request_id``'s pages over this channel, in
-    chunks of ``layers_per_chunk`` whole layers."""
+def _short_str(name: str, value: Any, limit: int) -> None:
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise ValueError(f"{name}: expected a short non-empty str, got {value!r:.80}")
+
+
+@dataclass(frozen=True, slots=True)
+class SendPages:
+    """What a receiver asks a sender (``PrefillServer.send_pages``): send ``request_id``'s
+    pages over this channel, in chunks of ``layers_per_chunk`` whole layers.
+
+    A TP prefill group's request also names the rank holding the pages and which of the rank's
+    local KV heads the receiver needs (``kv_transfer.tp_transfer.TPChannelTransport``); a
+    per-head pull (``receive_heads``) adds ``pulls``: how many sends the receiving replica makes
+    for the request in all (one per (prefill rank, decode rank) route), so the sender's lease
+    ends only after the last of them (prefill_worker/leases.py ``LeaseTable.sent``)."""
 
     request_id: str
     sender_id: str
@@ -44,46 +50,91 @@ class _SendRequest:
     backend: str
     timeout_s: float
     layers_per_chunk: int
-    rank: int | None = None  # TP prefill groups: the rank holding the pages
-    heads: tuple[int, ...] | None = None  # ... and which of its local KV heads to send, in order
-    pulls: int | None = None  # per-head pulls: the sends the receiving replica makes for the request in all
+    rank: int | None = None
+    heads: tuple[int, ...] | None = None
+    pulls: int | None = None
 
-    @classmethod
-    def parse(cls, obj: Any) -> "_SendRequest":
-        """Strict: exact key set (optionally with both ``rank`` and ``heads``, and then
-        optionally ``pulls``), typed and bounded fields (``ValueError`` naming the field)."""
-        tp = _SEND_REQUEST_KEYS | _TP_SEND_KEYS
-        if not isinstance(obj, dict) or set(obj) not in (_SEND_REQUEST_KEYS, tp, tp | {_PULLS_KEY}):
-            got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(f"request: expected the keys {sorted(_SEND_REQUEST_KEYS)} (and, per head, "
-                             f"{sorted(_TP_SEND_KEYS)}, optionally {_PULLS_KEY!r}), got {got}")
-        extra = {}
-        if _PULLS_KEY in obj:
-            extra["pulls"] = parse_pulls(obj[_PULLS_KEY])
-            obj = {k: v for k, v in obj.items() if k != _PULLS_KEY}
-        if "rank" in obj:
-            rank, heads = obj["rank"], obj["heads"]
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
-                raise ValueError(f"rank: expected an int in [0, 65536), got {rank!r}")
-            if (not isinstance(heads, (list, tuple)) or not 0 < len(heads) <= 1 << 12 or len(set(heads)) != len(heads)
-                    or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 12 for h in heads)):
-                raise ValueError(f"heads: expected distinct local KV head indices, got {heads!r:.80}")
-            extra.update(rank=rank, heads=tuple(heads))
-            obj = {k: v for k, v in obj.items() if k not in _TP_SEND_KEYS}
+    def check(self) -> "SendPages":
+        """Typed and bounded fields, ``rank`` and ``heads`` together, ``pulls`` only with them
+        (``ValueError`` naming the field); returns ``self``."""
         for key in ("request_id", "sender_id", "receiver_id", "host", "prefix", "backend"):
-            value = obj[key]
-            if not isinstance(value, str) or not value or len(value) > max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN) * 2:
-                raise ValueError(f"{key}: expected a short non-empty str, got {value!r:.80}")
-        if not obj["prefix"].startswith(_PREFIX_ROOT) or not obj["prefix"].endswith("/"):
-            raise ValueError(f"prefix: expected '{_PREFIX_ROOT}.../', got {obj['prefix']!r}")
+            _short_str(key, getattr(self, key), max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN) * 2)
+        if not self.prefix.startswith(_PREFIX_ROOT) or not self.prefix.endswith("/"):
+            raise ValueError(f"prefix: expected '{_PREFIX_ROOT}.../', got {self.prefix!r}")
         for key, lo, hi in (("port", 1, 65535), ("generation", 1, 1 << 62), ("layers_per_chunk", 1, 1 << 20)):
-            value = obj[key]
+            value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"{key}: expected an int in [{lo}, {hi}], got {value!r}")
-        timeout = obj["timeout_s"]
+        timeout = self.timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise ValueError(f"timeout_s: expected a number in (0, 86400], got {timeout!r}")
-        return cls(**obj, **extra)
+        if (self.rank is None) != (self.heads is None):
+            raise ValueError(f"rank, heads: expected both (a TP group's rank) or neither, got rank={self.rank!r}, "
+                             f"heads={self.heads!r:.80}")
+        if self.rank is None:
+            if self.pulls is not None:
+                raise ValueError("pulls: expected only with rank and heads (a per-head pull)")
+            return self
+        rank, heads = self.rank, self.heads
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
+            raise ValueError(f"rank: expected an int in [0, 65536), got {rank!r}")
+        if (not isinstance(heads, tuple) or not 0 < len(heads) <= 1 << 12 or len(set(heads)) != len(heads)
+                or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 12 for h in heads)):
+            raise ValueError(f"heads: expected a tuple of distinct local KV head indices, got {heads!r:.80}")
+        if self.pulls is not None:
+            parse_pulls(self.pulls)
+        return self
+
+    @classmethod
+    def parse(cls, obj: Any) -> "SendPages":
+        """``obj`` checked (:meth:`check`), or ``ValueError`` naming what is wrong."""
+        if not isinstance(obj, cls):
+            raise ValueError(f"request: expected a {cls.__name__}, got {type(obj).__name__}")
+        return obj.check()
+
+
+@dataclass(frozen=True, slots=True)
+class SendReply:
+    """A sender's answer to :class:`SendPages`: ``ok``, or the failure's ``reason`` (a
+    ``TransferFailure`` value) and ``message``; ``checksums``: one per chunk when ``ok``."""
+
+    ok: bool
+    reason: str | None = None
+    message: str = ""
+    checksums: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StagePages:
+    """CUDA IPC with a fallback (``PrefillServer.stage_pages``): a receiver on another GPU asks
+    the sender to export ``request_id``'s leased pages over its ``transport`` channel."""
+
+    request_id: str
+    sender_id: str
+    transport: str
+
+    def check(self) -> "StagePages":
+        """Every field a short non-empty str (``ValueError`` naming it); returns ``self``."""
+        for key in ("request_id", "sender_id", "transport"):
+            _short_str(key, getattr(self, key), max(MAX_REQUEST_ID_LEN, _MAX_NAME_LEN))
+        return self
+
+    @classmethod
+    def parse(cls, obj: Any) -> "StagePages":
+        if not isinstance(obj, cls):
+            raise ValueError(f"request: expected a {cls.__name__}, got {type(obj).__name__}")
+        return obj.check()
+
+
+@dataclass(frozen=True, slots=True)
+class StageReply:
+    """A sender's answer to :class:`StagePages`: ``ok`` with the fallback channel's ``ticket``,
+    or the failure's ``reason`` (a ``TransferFailure`` value) and ``message``."""
+
+    ok: bool
+    reason: str | None = None
+    message: str = ""
+    ticket: Any = None
 
 
 def parse_pulls(value: Any) -> int:
@@ -98,15 +149,32 @@ def send_pulls(request: Any) -> int:
     for its request in all: its ``pulls``, 1 when it names none (a whole-replica pull) or a bad
     value (the send itself is refused then)."""
     try:
-        return parse_pulls(request[_PULLS_KEY]) if isinstance(request, dict) and _PULLS_KEY in request else 1
+        pulls = request.pulls if isinstance(request, SendPages) else None
+        return parse_pulls(pulls) if pulls is not None else 1
     except ValueError:
         return 1
 
 
 def _reply(ok: bool, reason: TransferFailure | None = None, message: str = "",
-           checksums: list[int] | None = None) -> dict:
-    return {"ok": ok, "reason": reason.value if reason is not None else None, "message": message,
-            "checksums": checksums}
+           checksums: list[int] | None = None) -> SendReply:
+    return SendReply(ok, reason.value if reason is not None else None, message,
+                     tuple(checksums) if checksums is not None else None)
+
+
+def reply_reason(reply: Any, kind: type) -> tuple[TransferFailure | None, str]:
+    """(reason, message) of a failed reply of type ``kind``, (None, "") for success; anything
+    but a ``kind`` is LOST, and a reason a sender may not give (only LOST, UNAVAILABLE) too."""
+    if not isinstance(reply, kind) or not isinstance(reply.ok, bool):
+        return TransferFailure.LOST, f"unexpected reply {type(reply).__name__}"
+    if reply.ok:
+        return None, ""
+    try:
+        reason = TransferFailure(reply.reason)
+    except ValueError:
+        reason = TransferFailure.LOST
+    if reason not in _REPLY_REASONS:
+        reason = TransferFailure.LOST
+    return reason, str(reply.message)[:500]
 
 
 def _reply_failure(reply: asyncio.Future) -> tuple[TransferFailure | None, str]:
@@ -116,24 +184,13 @@ def _reply_failure(reply: asyncio.Future) -> tuple[TransferFailure | None, str]:
     exc = reply.exception()
     if exc is not None:  # the sender replica died, could not be reached, ...
         return TransferFailure.LOST, f"{type(exc).__name__}: {exc}"
-    obj = reply.result()
-    if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):
-        return TransferFailure.LOST, f"unexpected reply {type(obj).__name__}"
-    if obj["ok"]:
-        return None, ""
-    try:
-        reason = TransferFailure(obj.get("reason"))
-    except ValueError:
-        reason = TransferFailure.LOST
-    if reason not in _REPLY_REASONS:
-        reason = TransferFailure.LOST
-    return reason, str(obj.get("message"))[:500]
+    return reply_reason(reply.result(), SendReply)
 
 
-def _sender_checksums(reply: dict, n: int) -> list[int] | None:
+def _sender_checksums(reply: Any, n: int) -> list[int] | None:
     """The per-chunk checksums of a successful ``serve_send`` reply, or None if it has not ``n``."""
-    sums = reply.get("checksums")
-    if (isinstance(sums, list) and len(sums) == n
+    sums = reply.checksums if isinstance(reply, SendReply) else None
+    if (isinstance(sums, (list, tuple)) and len(sums) == n
             and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64 for x in sums)):
-        return sums
+        return list(sums)
     return None

@@ -331,6 +331,22 @@ class LockstepRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
+    @property
+    def leader(self) -> Any:
+        """Rank 0's own ``ModelRunner``: what the transports read and write on this rank (the
+        followers' sides go through their own calls)."""
+        return self._runner
+
+    def report_failure(self, exc: Exception) -> None:
+        """A follower failed outside a lockstep call (a KV transfer's rank call): run
+        ``on_failure`` as a failed step would, so the replica ends itself the same way."""
+        if self._group.on_failure is not None:
+            self._group.on_failure(exc)
+
+    def keep_alive(self, *resources: Any) -> None:
+        """Hold ``resources`` (the group's rendezvous store, its process group) as long as this."""
+        self._kept = resources
+
     def _step(self, method: str, *args, concurrent: bool = True, **kwargs) -> Any:
         local = getattr(self._runner, method)
         return self._group.run(("runner", method, args, kwargs), lambda: local(*args, **kwargs), concurrent=concurrent)

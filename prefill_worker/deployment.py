@@ -24,7 +24,9 @@ With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 relays to it) or the object store (one merged frame). Into a TP decode group every decode rank
 pulls its own heads; the lease ends once every send the receiver announced (``pulls``) has
 succeeded, or at the first failure (``LeaseTable.sent``). CUDA IPC never joins a TP group
-(``kv_transfer.tp_transfer.group_transport``).
+(``kv_transfer.tp_transfer.group_transport``). Which transport the replica holds is decided
+once, at start (``serving.transports``: the placement and ``transfer.transport``); the side
+calls go to it whatever it is (``KVSender.serves_sends`` / ``serves_stages``).
 Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends
 its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's fetch).
 """
@@ -40,19 +42,27 @@ from typing import Any
 from ray import serve
 
 from kernels.ops import attention_kernel_calls
-from kv_transfer.channel import ChannelTransport
-from kv_transfer.ipc import CudaIpcTransport
+from kv_transfer.transfer import TransferFailure
 from kv_transfer.wire import send_pulls
-from kv_transfer.tp_transfer import TPChannelTransport, group_transport, tp_transport_choice  # noqa: F401 (re-export)
-from kv_transfer.transfer import IPC_OR_NCCL, KVTransport, ObjectStoreTransport, TransferFailure, select_transport
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
 from prefill_worker.leases import Lease, LeaseTable
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
 from serving.errors import RequestError
-from serving.messages import PrefillCall, Prefilled
+from serving.messages import (
+    PagesReleased,
+    PrefillCall,
+    Prefilled,
+    ReleasePages,
+    SendPages,
+    SendReply,
+    StagePages,
+    StageReply,
+    checked,
+)
 from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from serving.transports import TPGroup, make_prefill_transports, placement_of
 from serving.costs import PrefillCostModel
 
 logger = logging.getLogger("ray.serve")
@@ -230,13 +240,10 @@ class PrefillServer:
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
-        self.object_store = ObjectStoreTransport(fetch_timeout_s=self.config.transfer.object_store.fetch_timeout_s)
-        if self._tp_actors:  # frames of every rank's heads, merged (the object store and retries)
-            from serving.tp_group import make_tp_exporter
-
-            self.object_store = make_tp_exporter(self.runtime.runner, self._tp_actors,
-                                                 self.config.transfer.object_store.fetch_timeout_s)
-        self.transport = self._make_transport()
+        transports = make_prefill_transports(
+            self.config, placement_of(self.config, "prefill", self.pool.device), identity=replica_identity(),
+            host=node_ip(), group=TPGroup(self.runtime.runner, self._tp_actors) if self._tp_actors else None)
+        self.transport, self.object_store = transports.sender, transports.object_store
         self.replica_id = replica_id()
         self._faults_left = self.config.fault_injection.corrupt_transfers
         self.leases = LeaseTable(self.config.transfer.lease_timeout_s, self._end_lease)
@@ -252,58 +259,6 @@ class PrefillServer:
         from model_executor.loading import load_tokenizer
 
         return load_tokenizer(self.config.model.model)
-
-    def _make_transport(self) -> KVTransport:
-        transfer = self.config.transfer
-        kind = select_transport(transfer.transport, device=self.pool.device)
-        if kind == "object_store":
-            return self.object_store
-        if self._tp_actors:
-            return self._make_tp_transport(kind)
-        if self.config.decode.tensor_parallel_size > 1:
-            # a TP decode group: each rank pulls its own heads over its own channel; CUDA IPC
-            # does not reach a group spread over GPUs (auto on CUDA: the NCCL channel alone;
-            # cuda_ipc alone: the object store, one frame split by head there)
-            kind = group_transport(kind, 1, self.config.decode.tensor_parallel_size)
-            if kind == "object_store":
-                if transfer.transport == "cuda_ipc":
-                    logger.warning("transfer.transport 'cuda_ipc': a TP decode group receives over the object store "
-                                   "(use 'auto' or 'nccl' for channels to every rank)")
-                return self.object_store
-        channel = transfer.channel
-        if kind in ("cuda_ipc", IPC_OR_NCCL):
-            fallback = ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                        config=channel.channel_config(), max_workers=channel.max_workers) \
-                if kind == IPC_OR_NCCL else None
-            ipc = transfer.ipc
-            return CudaIpcTransport(identity=replica_identity(), fallback=fallback,
-                                    lease_timeout_s=transfer.lease_timeout_s, copy_chunk_bytes=ipc.copy_chunk_bytes,
-                                    idle_close_s=ipc.idle_close_s, stage_timeout_s=ipc.stage_timeout_s,
-                                    max_workers=ipc.max_workers)
-        return ChannelTransport(self.pool.device, host=node_ip(), identity=replica_identity(),
-                                config=channel.channel_config(), max_workers=channel.max_workers)
-
-    def _make_tp_transport(self, kind: str) -> KVTransport:
-        """A TP replica: its ranks send their own heads over their own channels (``nccl``,
-        ``gloo``; ``auto`` on CUDA too). CUDA IPC would need the decode replica on each rank's
-        GPU; a TP group is not exported over it (docs/ARCHITECTURE.md "Tensor parallelism"):
-        ``cuda_ipc`` alone ships over the object store."""
-        if tp_transport_choice(kind) == "object_store":
-            if kind == "cuda_ipc":
-                logger.warning("transfer.transport 'cuda_ipc': a TP prefill replica ships over the object store "
-                               "(use 'auto' or 'nccl' for channels from every rank)")
-            return self.object_store
-        from serving.tp_group import make_tp_channel_exporter
-
-        return make_tp_channel_exporter(self.runtime.runner, self._tp_actors, self.config,
-                                        identity=replica_identity(), host=node_ip())
-
-    def _channel(self) -> ChannelTransport | None:
-        """The channel this replica sends over: its transport, or the fallback of cuda_ipc."""
-        transport = self.transport
-        if isinstance(transport, CudaIpcTransport):
-            transport = transport.fallback
-        return transport if isinstance(transport, ChannelTransport) else None
 
     # -- the request path ----------------------------------------------------------------
     async def prefill(self, call: PrefillCall, routing: dict | None = None) -> Prefilled:
@@ -358,16 +313,16 @@ class PrefillServer:
         lease.exporter.discard(lease.ticket)  # a channel's export record; a send under way then fails
         self._free(lease.request_id)
 
-    async def release_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def release_pages(self, request: ReleasePages, routing: dict | None = None) -> PagesReleased:
         """End a lease: the decode replica is done with the pages (its IPC copy finished or
         failed, or it gave up before fetching), or the ingress abandoned the attempt. Idempotent;
-        called pinned to this replica. ``{"ended": bool}``: False when no lease was held."""
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        if not isinstance(rid, str):
-            return {"ended": False, "message": f"request: expected {{'request_id': str}}, got {request!r}"}
-        return {"ended": self.leases.end(rid, "released")}
+        called pinned to this replica. ``ended``: False when no lease was held."""
+        bad = checked(request, ReleasePages)
+        if bad is not None:
+            return PagesReleased(False, bad)
+        return PagesReleased(self.leases.end(request.request_id, "released"))
 
-    async def send_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def send_pages(self, request: SendPages, routing: dict | None = None) -> SendReply:
         """Channel transports: a decode replica (or one rank of a TP decode group) that
         reserved room for a request's pages asks this replica (which holds them, under a lease)
         to send them, or some of their KV heads, over their channel. A TP replica's rank named
@@ -375,25 +330,21 @@ class PrefillServer:
         failed send (a failed transfer is retried with a new prefill, never by sending these
         pages again) or once every send the receiver announced (``pulls``: one per (prefill
         rank, decode rank) route) has succeeded (``LeaseTable.sent``)."""
-        if isinstance(self.transport, TPChannelTransport):  # the rank named in the request sends its heads
-            reply = await self.transport.serve_send(request)
-        else:
-            channel = self._channel()
-            if channel is None:
-                return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value,
-                        "message": f"this replica ships KV pages with {self.transport.name!r}, not over channels"}
-            reply = await channel.serve_send(request)
-        rid = request.get("request_id") if isinstance(request, dict) else None
-        if isinstance(rid, str):
-            self.leases.sent(rid, bool(isinstance(reply, dict) and reply.get("ok")), send_pulls(request))
+        if not self.transport.serves_sends:  # refused before it could end a lease
+            return SendReply(False, TransferFailure.UNAVAILABLE.value,
+                             f"this replica ships KV pages with {self.transport.name!r}, not over channels")
+        reply = await self.transport.serve_send(request)
+        if isinstance(request, SendPages) and isinstance(request.request_id, str):
+            self.leases.sent(request.request_id, isinstance(reply, SendReply) and reply.ok is True,
+                             send_pulls(request))
         return reply
 
-    async def stage_pages(self, request: dict, routing: dict | None = None) -> dict:
+    async def stage_pages(self, request: StagePages, routing: dict | None = None) -> StageReply:
         """cuda_ipc with a fallback: a decode replica on another GPU asks this replica to export
         a leased request's pages over the fallback channel; the reply carries that ticket."""
-        if not isinstance(self.transport, CudaIpcTransport):
-            return {"ok": False, "reason": TransferFailure.UNAVAILABLE.value, "ticket": None,
-                    "message": f"this replica ships KV pages with {self.transport.name!r}, not cuda_ipc"}
+        if not self.transport.serves_stages:
+            return StageReply(False, TransferFailure.UNAVAILABLE.value,
+                              f"this replica ships KV pages with {self.transport.name!r}, not cuda_ipc")
         # a device gather and checksum: off the event loop
         return await asyncio.to_thread(self.transport.serve_stage, self.pool, request)
 

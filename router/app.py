@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.config import ServiceConfig
 from .accounting import Delta, StreamAccount, StreamStep
 from .grpc_ingress import GrpcIngress
-from .pipeline import DisaggregatedPipeline, LeaseReleaser
+from .pipeline import DisaggregatedPipeline
 from .protocol import (
     UNAUTHORIZED,
     GenerationRequest,
@@ -42,6 +42,7 @@ from .protocol import (
     tool_chunks,
     usage_chunk,
 )
+from serving.prefill_client import PrefillClient
 from serving.runtime import load_tokenizer
 from .health import ReadinessProbe
 from .tokenize import detokenize, tokenize
@@ -124,7 +125,7 @@ class OpenAIIngress(GrpcIngress):
             page_size=self.config.kv.page_size,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
-                                              release_lease=LeaseReleaser(prefill))
+                                              release_lease=PrefillClient().lease_releaser(prefill))
         self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
         self.readiness = ReadinessProbe(prefill.app_name, {"prefill": prefill.deployment_name, "decode": decode.deployment_name},

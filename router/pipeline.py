@@ -50,8 +50,9 @@ from prefill_worker.engine import prefix_reuse_granule
 from serving.config import ServiceConfig
 from .detokenize import TextStream
 from serving.metrics import Metrics
+from serving.prefill_client import RELEASE_TIMEOUT_S
 from serving.errors import RequestError
-from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, TransferFailed
+from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Prefilled, TransferFailed
 
 from .accounting import ChoiceAccount, Completion, Delta, Logprob
 from .protocol import GenerationRequest
@@ -479,7 +480,7 @@ class DisaggregatedPipeline:
             _own_serve_request(f"cancel-{choice}")  # its own Serve request: the stream's ledger entry stays
             try:
                 await asyncio.wait_for(self._decode_calls.cancel_choice.remote(
-                    {"request_id": request_id, "choice": choice}, routing=routing_hint(replica=replica)),
+                    CancelChoice(request_id, choice), routing=routing_hint(replica=replica)),
                     RELEASE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the choice then ends on the decode replica by itself
                 logger.info("cancelling choice %d of %s failed: %r", choice, request_id, exc)
@@ -637,37 +638,3 @@ class DisaggregatedPipeline:
 
     def _routing(self, attempt: _Attempt) -> dict | None:
         return dict(attempt.routing) if self.config.ingress.debug_routing else None
-
-
-class LeaseReleaser:
-    """Ends the prefill lease of an abandoned attempt: a ``release_pages`` call pinned to the
-    replica holding the pages, fire and forget. It uses a deployment handle of its own, so its
-    router sees only pinned calls (sharing the prefill calls' router delayed pinned calls behind
-    the queued unpinned ones). Needs a running event loop and a Serve handle."""
-
-    def __init__(self, prefill_handle: Any) -> None:
-        self._name = getattr(prefill_handle, "deployment_name", None)
-        self._app = getattr(prefill_handle, "app_name", None)
-        self._handle: Any = None
-        self._tasks: set[asyncio.Task] = set()
-
-    def __call__(self, lease: Prefilled) -> None:
-        if not (isinstance(self._name, str) and isinstance(self._app, str)):
-            return
-        task = asyncio.get_running_loop().create_task(self._release(lease.replica_id, lease.request_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _release(self, replica: str, request_id: str) -> None:
-        try:
-            if self._handle is None:  # asks the controller once: off the event loop
-                from ray import serve
-
-                self._handle = await asyncio.to_thread(serve.get_deployment_handle, self._name, self._app)
-            await asyncio.wait_for(self._handle.release_pages.remote(
-                {"request_id": request_id}, routing=routing_hint(replica=replica)), RELEASE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the lease's deadline ends it anyway
-            logger.info("releasing the lease of %s on %s failed: %r", request_id, replica, exc)
-
-
-RELEASE_TIMEOUT_S = 30.0

@@ -31,10 +31,10 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticUndefined
 
 from kernels.config import KV_TILE, SparseConfig
-from kv_transfer.config import ChannelConfig
+from kv_transfer.config import TRANSPORT_OPTIONS, ChannelConfig
 from model_executor.fp8_linear import WEIGHT_DTYPES
 
-TRANSPORTS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
+TRANSPORTS = TRANSPORT_OPTIONS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)

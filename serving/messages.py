@@ -16,6 +16,15 @@ A group (the ``n`` / ``best_of`` choices of one prompt) makes the same trip once
 token per choice; its :class:`DecodeCall` lists (first token, params) per choice, the decode
 replica adopts the pages once and forks them per choice, and each :class:`Tokens` names its
 choice; the stream ends when every choice has had its ``finished`` event.
+
+The side calls, each pinned to one replica: ``PrefillServer.release_pages``
+(:class:`ReleasePages` -> :class:`PagesReleased`), ``send_pages`` and ``stage_pages``
+(:class:`SendPages` -> :class:`SendReply`, :class:`StagePages` -> :class:`StageReply`: the
+transports build and answer those, so they live in ``kv_transfer.wire``, below this layer,
+and are re-exported here), and ``DecodeServer.cancel_choice`` (:class:`CancelChoice` ->
+:class:`ChoiceCancelled`). Their requests come from another replica: the callee checks them
+(``check()``: ``ValueError`` naming the field) and answers a bad one with a refusal, never an
+exception. ``serving.prefill_client.PrefillClient`` makes the prefill calls.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv_transfer.transfer import MAX_REQUEST_ID_LEN
+from kv_transfer.wire import SendPages, SendReply, StagePages, StageReply
 from model_executor.sampling import SamplingParams
 
 
@@ -125,4 +136,66 @@ class Tokens:
     choice: int = 0  # a group's choice these tokens are of
 
 
-__all__ = ["Adopted", "DecodeCall", "PrefillCall", "Prefilled", "Tokens", "TransferFailed"]
+def _check_request_id(value: Any) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id: expected a non-empty str of at most {MAX_REQUEST_ID_LEN} characters, "
+                         f"got {value!r:.80}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePages:
+    """End the lease on ``request_id``'s pages (``PrefillServer.release_pages``): the decode
+    replica is done with them, or the ingress abandoned the attempt."""
+
+    request_id: str
+
+    def check(self) -> "ReleasePages":
+        _check_request_id(self.request_id)
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PagesReleased:
+    """``ended``: a lease was held and has ended (False: none was, or the request was bad:
+    ``message`` says why)."""
+
+    ended: bool
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelChoice:
+    """Stop choice ``choice`` of the group ``request_id`` (``DecodeServer.cancel_choice``)."""
+
+    request_id: str
+    choice: int
+
+    def check(self) -> "CancelChoice":
+        _check_request_id(self.request_id)
+        if isinstance(self.choice, bool) or not isinstance(self.choice, int) or self.choice < 0:
+            raise ValueError(f"choice: expected an int >= 0, got {self.choice!r:.80}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceCancelled:
+    """``cancelled``: the choice was live and is being stopped (False: unknown or ended, or the
+    request was bad: ``message`` says why)."""
+
+    cancelled: bool
+    message: str = ""
+
+
+def checked(request: Any, kind: type) -> str | None:
+    """Why ``request`` is not a valid ``kind`` message (its ``check()``'s error), or None."""
+    if not isinstance(request, kind):
+        return f"request: expected a {kind.__name__}, got {type(request).__name__}"
+    try:
+        request.check()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+__all__ = ["Adopted", "CancelChoice", "ChoiceCancelled", "DecodeCall", "PagesReleased", "PrefillCall", "Prefilled",
+           "ReleasePages", "SendPages", "SendReply", "StagePages", "StageReply", "Tokens", "TransferFailed", "checked"]

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from model_executor.parallel import shard_of
+
 from .config import ServiceConfig
 from .runtime import resolve_device, resolve_dtype
 
@@ -100,6 +102,9 @@ class RankActor:
         device = resolve_device(cfg)
         self.group = _process_group(host, port, rank, size, is_master=False, device=device, timeout_s=RANK_TIMEOUT_S)
         self.runner = build_rank_runner(cfg, side, TensorParallel.from_group(self.group), num_pages)
+        self._tp_channel: Any = None  # TP prefill: this rank's sending channel (RankChannel)
+        self._tp_receiver: tuple | None = None  # TP decode: (ChannelTransport, its event loop)
+        self._rx_lock = threading.Lock()
 
     def ready(self) -> int:
         return int(self.runner.pool.num_kv_heads)
@@ -118,8 +123,85 @@ class RankActor:
         allocated here on a failure."""
         from kv_transfer.tp_transfer import adopt_rank_frame
 
-        shard = self.runner.model._fpv2_tp
+        shard = shard_of(self.runner.model)
         return adopt_rank_frame(self.runner.pool, frame, shard.layout, shard.tp.rank, request_id)
+
+    # -- KV transfers: this rank's side (the leader drives them: make_tp_exporter,
+    # make_tp_channel_exporter, make_tp_channel_receiver) ---------------------------------
+    def export_frame(self, request_id: str) -> Any:
+        """TP prefill over the object store: this rank's frame of a request, for merging."""
+        shard = shard_of(self.runner.model)
+        return _rank_frame(self.runner.pool, request_id, shard.layout, shard.tp.rank)
+
+    def channel_export(self, request_id: str, fault: str | None, setup: dict) -> bytes:
+        """TP prefill over channels: record a request's pages for a send; its header."""
+        return self._channel(setup).export(request_id, fault)
+
+    def channel_send(self, request: Any) -> Any:
+        """A receiver's ``SendPages`` for this rank (relayed by the leader); the ``SendReply``."""
+        from kv_transfer.transfer import TransferFailure
+        from kv_transfer.wire import SendReply
+
+        if self._tp_channel is None:
+            return SendReply(False, TransferFailure.LOST.value, "this rank exported nothing")
+        return self._tp_channel.send_blocking(request)
+
+    def channel_discard(self, request_id: str) -> None:
+        if self._tp_channel is not None:
+            self._tp_channel.discard(request_id)
+
+    def channel_receive(self, ticket: Any, setup: dict) -> Any:
+        """TP decode: pull this rank's KV heads of ``ticket``'s request from the prefill ranks
+        holding them; returns the ``TransferError`` (the leader settles every rank's outcome) or
+        None. On a failure nothing stays allocated here (the channel receive frees its pages)."""
+        import asyncio
+
+        from kv_cache.heads import HeadLayout
+        from kv_transfer.transfer import TransferError
+
+        transport, loop = self._receiver(setup)
+        layout = HeadLayout(*setup["layout"])
+        rank = shard_of(self.runner.model).tp.rank
+        future = asyncio.run_coroutine_threadsafe(
+            transport.receive_heads(ticket, self.runner.pool, dst_layout=layout, dst_rank=rank), loop)
+        try:
+            future.result()
+        except TransferError as exc:
+            return exc
+        return None
+
+    def receiver_counters(self) -> dict:
+        return self._tp_receiver[0].counters() if self._tp_receiver is not None else {}
+
+    def _channel(self, setup: dict) -> Any:
+        """This rank's sending channel (``RankChannel``), made at its first export."""
+        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.config import ChannelConfig
+        from kv_transfer.tp_transfer import RankChannel
+
+        if self._tp_channel is None:
+            transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                         config=ChannelConfig(**setup["config"]), max_workers=setup["max_workers"])
+            self._tp_channel = RankChannel(transport, self.runner.pool)
+        return self._tp_channel
+
+    def _receiver(self, setup: dict) -> tuple[Any, Any]:
+        """This decode rank's channel receiver and the event loop it runs on (a thread of its
+        own: the actor's methods are threaded and blocking)."""
+        import asyncio
+
+        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.config import ChannelConfig
+
+        with self._rx_lock:
+            if self._tp_receiver is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="kv-rank-receive", daemon=True).start()
+                transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                             call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
+                                             max_workers=setup["max_workers"])
+                self._tp_receiver = (transport, loop)
+        return self._tp_receiver
 
 
 class RayRankLink:
@@ -174,7 +256,7 @@ def start_group(config: ServiceConfig, side: str, *, num_pages: int, host: str =
     runner = build_rank_runner(config, side, TensorParallel.from_group(group), num_pages)
     ray.get([a.ready.remote() for a in actors], timeout=RANK_TIMEOUT_S)
     lock = LockstepRunner(runner, [RayRankLink(a, r) for r, a in enumerate(actors, start=1)], on_failure=on_failure)
-    lock._store, lock._group_handle = store, group  # keep the rendezvous alive with the runner
+    lock.keep_alive(store, group)  # the rendezvous lives as long as the runner
     if runner.pool.k_scale is not None:
         lock.calibrate_kv_scales(margin=config.kv.scale_margin)
     return lock, actors
@@ -189,14 +271,6 @@ def _rank_frame(pool: Any, request_id: str, layout: Any, rank: int):
     return export_rank(pool, request_id, layout, dst, rank)[0]
 
 
-def _export_frame(self, request_id: str):
-    shard = self.runner.model._fpv2_tp
-    return _rank_frame(self.runner.pool, request_id, shard.layout, shard.tp.rank)
-
-
-RankActor.export_frame = _export_frame
-
-
 def make_tp_exporter(lock: Any, actors: list, fetch_timeout_s: float):
     """An object-store transport whose frames hold every rank's heads (``merge_frames``): a TP
     prefill replica feeds TP=1 decode replicas unchanged (they receive ordinary frames)."""
@@ -204,9 +278,9 @@ def make_tp_exporter(lock: Any, actors: list, fetch_timeout_s: float):
 
     from kv_transfer.transfer import ObjectStoreTransport, _maybe_corrupt, _ticket
     from kv_transfer.tp_transfer import merge_frames
-    from model_executor.parallel import RankFailed, shard_of
+    from model_executor.parallel import RankFailed
 
-    leader = lock._runner
+    leader = lock.leader
     shard = shard_of(leader.model)
 
     class TPObjectStoreTransport(ObjectStoreTransport):
@@ -248,9 +322,9 @@ def make_tp_receiver(lock: Any, actors: list, fetch_timeout_s: float, *, fault_m
 
     from kv_transfer.transfer import ObjectStoreTransport, corrupt_frame
     from kv_transfer.tp_transfer import adopt_rank_frame, settle, split_frame
-    from model_executor.parallel import RankFailed, shard_of
+    from model_executor.parallel import RankFailed
 
-    leader = lock._runner
+    leader = lock.leader
     layout = shard_of(leader.model).layout
 
     class TPObjectStoreReceiver(ObjectStoreTransport):
@@ -277,8 +351,7 @@ def make_tp_receiver(lock: Any, actors: list, fetch_timeout_s: float, *, fault_m
                 outcomes += ray.get(refs, timeout=RANK_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
                 failed = RankFailed(f"TP receive of {request_id!r}: {type(exc).__name__}: {str(exc)[:300]}")
-                if lock._group.on_failure is not None:
-                    lock._group.on_failure(failed)
+                lock.report_failure(failed)
                 raise failed from None
             settle(outcomes, lambda: lock.pool.release(request_id))  # release: every rank, in lockstep
             return leader.pool.pages(request_id)
@@ -318,41 +391,6 @@ CHANNEL_ACTOR_CONCURRENCY = 8
 RANK_CALL_TIMEOUT_S = 30.0  # a follower's export or discard (no data moves: bookkeeping only)
 
 
-def _rank_channel(self, setup: dict):
-    from kv_transfer.channel import ChannelTransport
-    from kv_transfer.config import ChannelConfig
-    from kv_transfer.tp_transfer import RankChannel
-
-    channel = getattr(self, "_tp_channel", None)
-    if channel is None:
-        transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
-                                     config=ChannelConfig(**setup["config"]), max_workers=setup["max_workers"])
-        channel = self._tp_channel = RankChannel(transport, self.runner.pool)
-    return channel
-
-
-def _channel_export(self, request_id: str, fault: str | None, setup: dict) -> bytes:
-    return _rank_channel(self, setup).export(request_id, fault)
-
-
-def _channel_send(self, request: dict) -> dict:
-    channel = getattr(self, "_tp_channel", None)
-    if channel is None:
-        return {"ok": False, "reason": "lost", "message": "this rank exported nothing", "checksums": None}
-    return channel.send_blocking(request)
-
-
-def _channel_discard(self, request_id: str) -> None:
-    channel = getattr(self, "_tp_channel", None)
-    if channel is not None:
-        channel.discard(request_id)
-
-
-RankActor.channel_export = _channel_export
-RankActor.channel_send = _channel_send
-RankActor.channel_discard = _channel_discard
-
-
 class RayRankChannel:
     """The leader's handle on a follower's channel (``TPChannelTransport``'s follower)."""
 
@@ -370,7 +408,7 @@ class RayRankChannel:
             raise RankFailed(f"TP rank {self.rank}: channel export of {request_id!r}: {type(exc).__name__}: "
                              f"{str(exc)[:300]}") from None
 
-    async def send(self, request: dict) -> dict:
+    async def send(self, request: Any) -> Any:  # kv_transfer.wire.SendPages -> SendReply
         return await self.actor.channel_send.remote(request)
 
     def discard(self, request_id: str) -> None:
@@ -385,9 +423,7 @@ def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, 
     ``identity``: the leader's Serve identity (where receivers send their requests)."""
     from kv_transfer.channel import ChannelTransport
     from kv_transfer.tp_transfer import TPChannelTransport
-    from model_executor.parallel import shard_of
-
-    leader = lock._runner
+    leader = lock.leader
     layout = shard_of(leader.model).layout
     channel = config.transfer.channel
     cfg = channel.channel_config()
@@ -410,57 +446,6 @@ def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, 
 # pair has its own channel, store prefix and generations. The leader runs rank 0's receive on
 # the replica's event loop and each follower's through ``RankActor.channel_receive``; it waits
 # for all of them and settles all or nothing (``kv_transfer.tp_transfer.receive_group``).
-_RX_LOCK = threading.Lock()
-
-
-def _rank_receiver(self, setup: dict):
-    """This decode rank's channel receiver and the event loop it runs on (a thread of its own:
-    the actor's methods are threaded and blocking)."""
-    import asyncio
-
-    from kv_transfer.channel import ChannelTransport
-    from kv_transfer.config import ChannelConfig
-
-    with _RX_LOCK:
-        rx = getattr(self, "_tp_receiver", None)
-        if rx is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="kv-rank-receive", daemon=True).start()
-            transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
-                                         call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
-                                         max_workers=setup["max_workers"])
-            rx = self._tp_receiver = (transport, loop)
-    return rx
-
-
-def _channel_receive(self, ticket: Any, setup: dict) -> Any:
-    """TP decode: pull this rank's KV heads of ``ticket``'s request from the prefill ranks
-    holding them; returns the ``TransferError`` (the leader settles every rank's outcome) or
-    None. On a failure nothing stays allocated here (the channel receive frees its pages)."""
-    import asyncio
-
-    from kv_cache.heads import HeadLayout
-    from kv_transfer.transfer import TransferError
-
-    transport, loop = _rank_receiver(self, setup)
-    shard = self.runner.model._fpv2_tp
-    layout = HeadLayout(*setup["layout"])
-    future = asyncio.run_coroutine_threadsafe(
-        transport.receive_heads(ticket, self.runner.pool, dst_layout=layout, dst_rank=shard.tp.rank), loop)
-    try:
-        future.result()
-    except TransferError as exc:
-        return exc
-    return None
-
-
-def _receiver_counters(self) -> dict:
-    rx = getattr(self, "_tp_receiver", None)
-    return rx[0].counters() if rx is not None else {}
-
-
-RankActor.channel_receive = _channel_receive
-RankActor.receiver_counters = _receiver_counters
 
 
 def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, identity: dict, host: str,
@@ -479,9 +464,9 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
     from kv_transfer.channel import ChannelTransport
     from kv_transfer.transfer import KVTransport
     from kv_transfer.tp_transfer import TPChannelTransport, receive_group
-    from model_executor.parallel import RankFailed, shard_of
+    from model_executor.parallel import RankFailed
 
-    leader = lock._runner
+    leader = lock.leader
     layout = shard_of(leader.model).layout
     channel = config.transfer.channel
     cfg = channel.channel_config()
@@ -511,8 +496,7 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
                 except Exception as exc:  # noqa: BLE001 - a dead rank: the replica is broken
                     failed = RankFailed(f"TP rank {rank}: channel receive of {rid!r}: {type(exc).__name__}: "
                                         f"{str(exc)[:300]}")
-                    if lock._group.on_failure is not None:
-                        lock._group.on_failure(failed)
+                    lock.report_failure(failed)
                     raise failed from None
 
             receives = [transport.receive_heads(ticket, leader.pool, dst_layout=layout, dst_rank=0)]

@@ -13,6 +13,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from kv_transfer.config import ChannelConfig
 from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages
 from kv_transfer.process_group import Channel, ChannelBroken
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
+from kv_transfer.wire import SendPages
 from tests.test_kv_transfer import fill, make_pool, tokens_of
 
 FAST = ChannelConfig(connect_timeout_s=2.0, transfer_timeout_s=1.0, idle_reopen_s=60.0)
@@ -92,7 +94,7 @@ def test_pages_arrive_bit_exact_over_one_reused_channel(pair, dtype):
     assert pair.receiver.counters()["channel_receives"] == 3 and pair.sender.counters()["channel_sends"] == 3
     assert pair.receiver.counters()["channels_opened"] == 1 == pair.sender.counters()["channels_opened"]
     assert pair.sender.counters()["channel_staged"] == 0  # exports are forgotten once sent
-    assert [c["generation"] for c in pair.calls] == [1, 1, 1]
+    assert [c.generation for c in pair.calls] == [1, 1, 1]
 
 
 def test_concurrent_transfers_of_one_pair_take_turns(pair):
@@ -126,7 +128,7 @@ def test_idle_channel_is_reopened_and_the_old_generation_dropped():
         run(p.receiver.receive(p.sender.export(src, "a"), dst))
         time.sleep(0.1)
         run(p.receiver.receive(p.sender.export(src, "b"), dst))
-        assert [c["generation"] for c in p.calls] == [1, 2]
+        assert [c.generation for c in p.calls] == [1, 2]
         assert p.sender.counters()["channels_open"] == 1 and p.receiver.counters()["channels_open"] == 1
         assert_same_tokens(src, dst, "b")
     finally:
@@ -164,9 +166,9 @@ def test_multi_chunk_transfers_are_bit_exact_with_per_chunk_checksums(layers, to
         pages = run(p.receiver.receive(p.sender.export(src, "r"), dst))
         assert pages == dst.pages("r") and dst.seq_len("r") == tokens and pages != src.pages("r")
         assert_same_tokens(src, dst, "r")
-        assert p.calls[0]["layers_per_chunk"] == ranges[0][1]
+        assert p.calls[0].layers_per_chunk == ranges[0][1]
         want = [_reference_checksum(_chunk_reference(src, src.pages("r"), l0, l1)) for l0, l1 in ranges]
-        assert p.replies[0]["ok"] and p.replies[0]["checksums"] == want
+        assert p.replies[0].ok and list(p.replies[0].checksums) == want
         assert p.sender.counters()["channel_staged"] == 0 and p.receiver.counters()["channel_failures"] == 0
     finally:
         p.close()
@@ -183,7 +185,7 @@ def test_multi_chunk_narrow_dtypes(dtype):
         src.reserve("r", 19)
         src.set_seq_len("r", 19)
         run(p.receiver.receive(p.sender.export(src, "r"), dst))
-        assert len(p.replies[0]["checksums"]) == 5
+        assert len(p.replies[0].checksums) == 5
         for a, b in ((src.k, dst.k), (src.v, dst.v)):
             assert torch.equal(a[:, src.pages("r")].view(torch.uint8), b[:, dst.pages("r")].view(torch.uint8))
     finally:
@@ -220,7 +222,7 @@ def test_corrupt_middle_chunk_is_caught_and_no_page_leaks():
         assert dst.free_pages == dst.num_pages and not dst.has("r") and src.has("r")
         # every chunk was scattered before the comparison: the freed pages were zeroed again
         assert not dst.k.any() and not dst.v.any()
-        sums = p.replies[0]["checksums"]
+        sums = list(p.replies[0].checksums)
         want = [_reference_checksum(_chunk_reference(src, src.pages("r"), i, i + 1)) for i in range(5)]
         assert sums == want  # the sender's checksums are of the data before the flip
         run(p.receiver.receive(p.sender.export(src, "r"), dst))  # a new generation
@@ -436,7 +438,7 @@ def test_checksum_mismatch_frees_pages_and_rebuilds_the_channel(pair):
     assert dst.free_pages == dst.num_pages and not dst.has("r") and src.has("r")
     assert pair.receiver.counters()["channel_failures"] == 1 and pair.receiver.counters()["channels_open"] == 0
     run(pair.receiver.receive(pair.sender.export(src, "r"), dst))  # a new generation on both ends
-    assert [c["generation"] for c in pair.calls] == [1, 2]
+    assert [c.generation for c in pair.calls] == [1, 2]
     assert pair.sender.counters()["channels_opened"] == 2 and pair.sender.counters()["channels_open"] == 1
     assert_same_tokens(src, dst, "r")
 
@@ -626,36 +628,34 @@ def test_serve_send_refuses_bad_stale_and_misrouted_requests(pair):
     src, dst = make_pool(), make_pool()
     fill(src, "r", 6)
     pair.sender.export(src, "r")
-    good = {"request_id": "r", "sender_id": "P", "receiver_id": "D", "host": "127.0.0.1", "port": 1,
-            "prefix": "fpkv/P/D/1/", "generation": 1, "backend": "gloo", "timeout_s": 1.0,
-            "layers_per_chunk": 1}
+    good = SendPages(request_id="r", sender_id="P", receiver_id="D", host="127.0.0.1", port=1,
+                     prefix="fpkv/P/D/1/", generation=1, backend="gloo", timeout_s=1.0, layers_per_chunk=1)
     cases = [
-        ([1, 2], TransferFailure.UNAVAILABLE, "bad send request"),
-        ({**good, "extra": 1}, TransferFailure.UNAVAILABLE, "bad send request"),
-        ({**good, "port": 0}, TransferFailure.UNAVAILABLE, "port"),
-        ({**good, "generation": True}, TransferFailure.UNAVAILABLE, "generation"),
-        ({**good, "prefix": "elsewhere/"}, TransferFailure.UNAVAILABLE, "prefix"),
-        ({**good, "timeout_s": 0}, TransferFailure.UNAVAILABLE, "timeout_s"),
-        ({**good, "layers_per_chunk": 0}, TransferFailure.UNAVAILABLE, "layers_per_chunk"),
-        ({**good, "layers_per_chunk": 4}, TransferFailure.UNAVAILABLE, "at most the 3 layers"),
-        ({k: v for k, v in good.items() if k != "layers_per_chunk"}, TransferFailure.UNAVAILABLE, "bad send request"),
-        ({**good, "host": ""}, TransferFailure.UNAVAILABLE, "host"),
-        ({**good, "backend": "nccl"}, TransferFailure.UNAVAILABLE, "sends over gloo"),
-        ({**good, "sender_id": "Q"}, TransferFailure.UNAVAILABLE, "pages are on replica Q"),
-        ({**good, "request_id": "unknown"}, TransferFailure.LOST, "no exported pages"),
+        ([1, 2], TransferFailure.UNAVAILABLE, "bad send request: request: expected a SendPages"),
+        (dataclasses.asdict(good), TransferFailure.UNAVAILABLE, "bad send request: request: expected a SendPages"),
+        (replace(good, port=0), TransferFailure.UNAVAILABLE, "port"),
+        (replace(good, generation=True), TransferFailure.UNAVAILABLE, "generation"),
+        (replace(good, prefix="elsewhere/"), TransferFailure.UNAVAILABLE, "prefix"),
+        (replace(good, timeout_s=0), TransferFailure.UNAVAILABLE, "timeout_s"),
+        (replace(good, layers_per_chunk=0), TransferFailure.UNAVAILABLE, "layers_per_chunk"),
+        (replace(good, layers_per_chunk=4), TransferFailure.UNAVAILABLE, "at most the 3 layers"),
+        (replace(good, host=""), TransferFailure.UNAVAILABLE, "host"),
+        (replace(good, backend="nccl"), TransferFailure.UNAVAILABLE, "sends over gloo"),
+        (replace(good, sender_id="Q"), TransferFailure.UNAVAILABLE, "pages are on replica Q"),
+        (replace(good, request_id="unknown"), TransferFailure.LOST, "no exported pages"),
     ]
     for request, reason, words in cases:
         reply = run(pair.sender.serve_send(request))
-        assert reply["ok"] is False and reply["reason"] == reason.value and words in reply["message"], request
+        assert reply.ok is False and reply.reason == reason.value and words in reply.message, request
     # a real channel at generation 2, then a late request for generation 1: stale
     fill(src, "s", 4)
     run(pair.receiver.receive(pair.sender.export(src, "s"), dst))  # generation 1
     pair.receiver._inbound["P"].mark_broken()
     run(pair.receiver.receive(pair.sender.export(src, "r"), dst))  # generation 2
     pair.sender.export(src, "s")
-    late = {**pair.calls[0], "request_id": "s"}
+    late = replace(pair.calls[0], request_id="s")
     reply = run(pair.sender.serve_send(late))
-    assert reply["ok"] is False and reply["reason"] == "unavailable" and "stale" in reply["message"]
+    assert reply.ok is False and reply.reason == "unavailable" and "stale" in reply.message
 
 
 def test_construction_errors():

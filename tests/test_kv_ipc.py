@@ -43,6 +43,7 @@ from kv_transfer.transfer import (
     pack_pages,
     read_frame,
 )
+from kv_transfer.wire import StagePages, StageReply
 from tests.test_kv_transfer import fill, make_pool, tokens_of
 
 FAST = ChannelConfig(connect_timeout_s=2.0, transfer_timeout_s=1.0, idle_reopen_s=60.0)
@@ -519,7 +520,7 @@ def test_another_gpu_gets_the_pages_over_a_real_gloo_channel():
         assert ticket.handle["fallback"] == "gloo" and send_ch.counters()["channel_staged"] == 0  # lazy
         pages = run(receiver.receive(ticket, dst))
         assert pages == dst.pages("r") and same_bytes(src, dst, "r")
-        assert stage_calls == [({"replica_id": "P"}, {"request_id": "r", "sender_id": "P", "transport": "gloo"})]
+        assert stage_calls == [({"replica_id": "P"}, StagePages(request_id="r", sender_id="P", transport="gloo"))]
         rstats, sstats = receiver.counters(), sender.counters()
         assert rstats["ipc_fallbacks"] == 1 and rstats["channel_receives"] == 1 and receiver.opened == 0
         assert sstats["ipc_stages"] == 1 and sstats["channel_sends"] == 1
@@ -538,15 +539,16 @@ def test_another_gpu_gets_the_pages_over_a_real_gloo_channel():
 
 
 @pytest.mark.parametrize("reply,reason", [
-    ({"ok": False, "reason": "unavailable", "message": "misrouted", "ticket": None}, TransferFailure.UNAVAILABLE),
-    ({"ok": False, "reason": "lost", "message": "lease ended", "ticket": None}, TransferFailure.LOST),
-    ({"ok": False, "reason": "shape", "message": "?", "ticket": None}, TransferFailure.LOST),
-    ({"ok": False, "reason": "bogus", "message": "?", "ticket": None}, TransferFailure.LOST),
+    (StageReply(False, "unavailable", "misrouted"), TransferFailure.UNAVAILABLE),
+    (StageReply(False, "lost", "lease ended"), TransferFailure.LOST),
+    (StageReply(False, "shape", "?"), TransferFailure.LOST),
+    (StageReply(False, "bogus", "?"), TransferFailure.LOST),
     ("junk", TransferFailure.LOST),
-    ({"ok": "yes"}, TransferFailure.LOST),
-    ({"ok": True, "ticket": "not a ticket"}, TransferFailure.LOST),
-    ({"ok": True, "ticket": TransferTicket("someone-else", "fake", 1, 1, 0)}, TransferFailure.LOST),
-    ({"ok": True, "ticket": TransferTicket("r", "gloo", 1, 1, 0)}, TransferFailure.LOST),
+    ({"ok": True, "ticket": TransferTicket("r", "fake", 1, 1, 0)}, TransferFailure.LOST),  # not a StageReply
+    (StageReply("yes"), TransferFailure.LOST),
+    (StageReply(True, ticket="not a ticket"), TransferFailure.LOST),
+    (StageReply(True, ticket=TransferTicket("someone-else", "fake", 1, 1, 0)), TransferFailure.LOST),
+    (StageReply(True, ticket=TransferTicket("r", "gloo", 1, 1, 0)), TransferFailure.LOST),
 ])
 def test_bad_stage_replies_fail_without_taking_pages(reply, reason):
     _, _, ticket = _good_ticket()
@@ -591,33 +593,33 @@ def test_serve_stage_refuses_bad_misrouted_and_ended_requests():
     fallback = FakeTransport()
     sender = FakeIpc(identity={"replica_id": "P"}, fallback=fallback)
     ticket = sender.export(src, "r")
-    good = {"request_id": "r", "sender_id": "P", "transport": "fake"}
+    good = StagePages(request_id="r", sender_id="P", transport="fake")
     cases = [
-        ([1, 2], TransferFailure.UNAVAILABLE, "bad stage request"),
-        ({**good, "extra": 1}, TransferFailure.UNAVAILABLE, "bad stage request"),
-        ({**good, "request_id": ""}, TransferFailure.UNAVAILABLE, "request_id"),
-        ({**good, "sender_id": 7}, TransferFailure.UNAVAILABLE, "sender_id"),
-        ({**good, "transport": "gloo"}, TransferFailure.UNAVAILABLE, "stages over 'fake'"),
-        ({**good, "sender_id": "Q"}, TransferFailure.UNAVAILABLE, "pages are on replica Q"),
-        ({**good, "request_id": "unknown"}, TransferFailure.LOST, "lease ended"),
+        ([1, 2], TransferFailure.UNAVAILABLE, "bad stage request: request: expected a StagePages"),
+        (dataclasses.asdict(good), TransferFailure.UNAVAILABLE, "bad stage request: request: expected a StagePages"),
+        (dataclasses.replace(good, request_id=""), TransferFailure.UNAVAILABLE, "request_id"),
+        (dataclasses.replace(good, sender_id=7), TransferFailure.UNAVAILABLE, "sender_id"),
+        (dataclasses.replace(good, transport="gloo"), TransferFailure.UNAVAILABLE, "stages over 'fake'"),
+        (dataclasses.replace(good, sender_id="Q"), TransferFailure.UNAVAILABLE, "pages are on replica Q"),
+        (dataclasses.replace(good, request_id="unknown"), TransferFailure.LOST, "lease ended"),
     ]
     for request, reason, words in cases:
         reply = sender.serve_stage(src, request)
-        assert reply["ok"] is False and reply["reason"] == reason.value and words in reply["message"], request
-    assert FakeIpc().serve_stage(src, good)["reason"] == "unavailable"  # no fallback at all
+        assert reply.ok is False and reply.reason == reason.value and words in reply.message, request
+    assert FakeIpc().serve_stage(src, good).reason == "unavailable"  # no fallback at all
     for error, reason in ((TransferError(TransferFailure.SHAPE, "odd"), TransferFailure.LOST),
                           (TransferError(TransferFailure.UNAVAILABLE, "closed"), TransferFailure.UNAVAILABLE),
                           (RuntimeError("CUDA OOM"), TransferFailure.LOST)):
         fallback.export_error = error
         reply = sender.serve_stage(src, good)
-        assert reply["ok"] is False and reply["reason"] == reason.value, error
+        assert reply.ok is False and reply.reason == reason.value, error
     fallback.export_error = None
     reply = sender.serve_stage(src, good)
-    assert reply["ok"] and reply["ticket"].transport == "fake" and fallback.exports == ["r"]
+    assert reply.ok and reply.ticket.transport == "fake" and fallback.exports == ["r"]
     sender.discard(ticket)  # the lease ends: the staging goes with it, and no new one starts
-    assert fallback.discarded == [reply["ticket"]]
+    assert fallback.discarded == [reply.ticket]
     reply = sender.serve_stage(src, good)
-    assert reply["ok"] is False and reply["reason"] == "lost"
+    assert reply.ok is False and reply.reason == "lost"
 
 
 def test_discard_waits_for_a_staging_in_progress():
@@ -636,7 +638,7 @@ def test_discard_waits_for_a_staging_in_progress():
     ticket = sender.export(src, "r")
     replies: list = []
     stager = threading.Thread(target=lambda: replies.append(
-        sender.serve_stage(src, {"request_id": "r", "sender_id": "P", "transport": "fake"})))
+        sender.serve_stage(src, StagePages(request_id="r", sender_id="P", transport="fake"))))
     stager.start()
     assert entered.wait(5)
     discarder = threading.Thread(target=sender.discard, args=(ticket,))
@@ -646,7 +648,7 @@ def test_discard_waits_for_a_staging_in_progress():
     go.set()
     stager.join(5)
     discarder.join(5)
-    assert not discarder.is_alive() and replies[0]["ok"] and fallback.discarded == [replies[0]["ticket"]]
+    assert not discarder.is_alive() and replies[0].ok and fallback.discarded == [replies[0].ticket]
 
 
 # ----------------------------------------------------------------------------- construction, export

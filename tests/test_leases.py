@@ -13,7 +13,18 @@ import pytest
 
 from model_executor.sampling import SamplingParams
 from prefill_worker.leases import END_REASONS, LeaseTable
-from serving.messages import Adopted, DecodeCall, PrefillCall, Prefilled, Tokens, TransferFailed
+from serving.messages import (
+    Adopted,
+    CancelChoice,
+    DecodeCall,
+    PagesReleased,
+    PrefillCall,
+    Prefilled,
+    ReleasePages,
+    SendPages,
+    Tokens,
+    TransferFailed,
+)
 
 
 class _Clock:
@@ -144,18 +155,22 @@ def test_prefill_returns_and_the_pages_stay_under_a_lease_until_its_deadline(pre
     assert pre.leases.sweep() == ["r"]
     assert not pre.pool.has("r") and pre.pool.free_pages == pre.pool.num_pages
     assert pre.record_routing_stats()["leases_ended"]["expired"] == 1
-    reply = asyncio.run(pre.send_pages({"request_id": "r"}))  # too late: nothing left to send
-    assert reply["ok"] is False
+    reply = asyncio.run(pre.send_pages(SendPages(request_id="r", sender_id=pre.transport.replica_id, receiver_id="D",
+                                                 host="127.0.0.1", port=1, prefix="fpkv/x/", generation=1,
+                                                 backend="gloo", timeout_s=1.0, layers_per_chunk=1)))
+    assert reply.ok is False and reply.reason == "lost"  # too late: nothing left to send
 
 
 def test_release_pages_ends_a_lease_and_is_idempotent(prefill_server):
     pre = prefill_server
     asyncio.run(pre.prefill(_call("r", _prompt(2))))
-    assert asyncio.run(pre.release_pages({"request_id": "r"})) == {"ended": True}
-    assert asyncio.run(pre.release_pages({"request_id": "r"})) == {"ended": False}
+    assert asyncio.run(pre.release_pages(ReleasePages("r"))) == PagesReleased(True)
+    assert asyncio.run(pre.release_pages(ReleasePages("r"))) == PagesReleased(False)
     assert pre.pool.free_pages == pre.pool.num_pages and pre.leases.ended["released"] == 1
-    bad = asyncio.run(pre.release_pages({"request_id": 7}))
-    assert bad["ended"] is False and "request_id" in bad["message"]
+    bad = asyncio.run(pre.release_pages(ReleasePages(7)))
+    assert bad.ended is False and "request_id" in bad.message
+    bad = asyncio.run(pre.release_pages({"request_id": "r"}))  # a dict is not the message
+    assert bad.ended is False and "ReleasePages" in bad.message
 
 
 def test_no_lease_without_a_ticket_or_when_the_export_fails(prefill_server, monkeypatch):
@@ -183,15 +198,15 @@ def test_transports_that_copy_at_export_need_no_lease():
 
 def _wire(monkeypatch, pre):
     """The decode replica's Serve calls to the prefill replica, made directly."""
-    import decode_worker.deployment as dd
+    from serving.prefill_client import PrefillClient
 
     calls = []
 
-    async def call(self, sender, request):
-        calls.append((self.method, sender["replica_id"], request["request_id"]))
-        return await getattr(pre, self.method)(request)
+    async def call(self, method, sender, request):
+        calls.append((method, sender["replica_id"], request.request_id))
+        return await getattr(pre, method)(request)
 
-    monkeypatch.setattr(dd.PrefillCaller, "__call__", call)
+    monkeypatch.setattr(PrefillClient, "_call", call)
     return calls
 
 
@@ -260,7 +275,7 @@ def test_a_stopping_replica_lets_open_leases_be_fetched_then_frees_them(monkeypa
         task = asyncio.ensure_future(drain)
         await asyncio.sleep(0.2)
         assert not task.done() and len(pre.leases) == 1  # still waiting for the fetch
-        await pre.release_pages({"request_id": "r"})
+        await pre.release_pages(ReleasePages("r"))
         await task
 
     asyncio.run(stop())
@@ -342,15 +357,15 @@ def test_a_group_is_adopted_once_forked_per_choice_and_one_choice_cancelled_alon
                 if e.finished:
                     reasons[e.choice] = e.finish_reason
                 if e.choice == 1 and not replies:
-                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 1}))
-                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 1}))  # ended: no-op
-                    replies.append(await dec.cancel_choice({"request_id": "g", "choice": 7}))
-                    replies.append(await dec.cancel_choice({"request_id": 3, "choice": 0}))
+                    replies.append(await dec.cancel_choice(CancelChoice("g", 1)))
+                    replies.append(await dec.cancel_choice(CancelChoice("g", 1)))  # ended: no-op
+                    replies.append(await dec.cancel_choice(CancelChoice("g", 7)))
+                    replies.append(await dec.cancel_choice(CancelChoice(3, 0)))
             await asyncio.gather(*dec._background)
             return out, reasons, replies
 
         out, reasons, replies = asyncio.run(go())
-        assert [r["cancelled"] for r in replies] == [True, False, False, False] and "request_id" in replies[-1]["message"]
+        assert [r.cancelled for r in replies] == [True, False, False, False] and "request_id" in replies[-1].message
         assert reasons == {0: "length", 1: "cancelled", 2: "length"}
         model = load_model(None)
         for k in (0, 2):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving.messages import Adopted, Prefilled, Tokens, TransferFailed
+from serving.messages import Adopted, ChoiceCancelled, Prefilled, Tokens, TransferFailed
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -601,7 +601,7 @@ def _cancel_handle(pipe):
             cancels.append((request, routing))
 
             async def answer():
-                return {"cancelled": True}
+                return ChoiceCancelled(True)
             return answer()
 
     pipe._decode_calls.cancel_choice = _Cancels()
@@ -670,8 +670,8 @@ def test_a_stop_string_in_one_choice_cancels_it_alone_on_its_decode_replica():
     stopped_early = [k for k in range(3) if 0 <= texts[k].find(stop) < len(texts[k]) - len(stop)]
     assert 1 in stopped_early
     rid = pipe._decode.generate.calls[0].request_id
-    assert sorted(c[0]["choice"] for c in cancels) == stopped_early
-    assert all(c[0]["request_id"] == rid and c[1]["replica"] == "d1" for c in cancels)
+    assert sorted(c[0].choice for c in cancels) == stopped_early
+    assert all(c[0].request_id == rid and c[1]["replica"] == "d1" for c in cancels)
 
 
 def test_a_group_records_each_choice_and_its_prompt_once():

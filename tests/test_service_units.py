@@ -16,6 +16,7 @@ pytest.importorskip("ray.serve")
 from model_executor.sampling import SamplingParams  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
+from serving.messages import StagePages  # noqa: E402
 from router.detokenize import TextStream  # noqa: E402
 from router.protocol import RequestError, RequestParser  # noqa: E402
 from router.scheduling import (  # noqa: E402
@@ -569,6 +570,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     """What each transport choice builds in the replicas (the CUDA choices forced onto CPU
     pools: the fallback channel is then gloo), and the prefill replica's stage_pages."""
     import decode_worker.deployment as dd
+    import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
     from kv_transfer.channel import ChannelTransport
     from kv_transfer.ipc import CudaIpcTransport
@@ -579,8 +581,7 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                          "ipc": {"copy_chunk_bytes": 8192, "idle_close_s": 9.0, "stage_timeout_s": 11.0},
                          "object_store": {"fetch_timeout_s": 13.0}}}
     for kind in (IPC_OR_NCCL, "cuda_ipc"):
-        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
-        monkeypatch.setattr(dd, "select_transport", lambda requested, device, kind=kind: kind)
+        monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre, dec = pd.PrefillServer(opts), dd.DecodeServer(opts)
         try:
             ipc = pre.transport
@@ -593,25 +594,26 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             stats = pre.record_routing_stats()
             assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
             assert isinstance(stats["attention_kernels"], dict)  # kernels.ops' counts, by kernel
-            request = {"request_id": "r", "sender_id": ipc.replica_id, "transport": "gloo"}
+            request = StagePages(request_id="r", sender_id=ipc.replica_id, transport="gloo")
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
-                assert isinstance(ipc.fallback, ChannelTransport) and pre._channel() is ipc.fallback
+                assert isinstance(ipc.fallback, ChannelTransport) and ipc.serves_sends
                 for channel in (ipc.fallback, dec.receivers["gloo"]):  # the transfer.channel knobs
                     assert (channel.config.chunk_bytes, channel.config.ring_depth, channel.config.connect_timeout_s) \
                         == (4096, 2, 7.0)
                 assert set(dec.receivers) == {"object_store", "cuda_ipc", "gloo"}
                 assert receiver.fallback is dec.receivers["gloo"]
-                assert isinstance(receiver.call_sender, dd.PrefillCaller) and receiver.call_sender.method == "stage_pages"
-                assert dec.receivers["gloo"].call_sender.method == "send_pages"
+                # one client of the prefill replicas: its stage and send calls
+                assert receiver.call_sender == dec.prefill.stage_pages
+                assert dec.receivers["gloo"].call_sender == dec.prefill.send_pages
                 assert "channel_sends" in stats and "channel_receives" in dec.record_routing_stats()
-                assert reply["ok"] is False and reply["reason"] == "lost"  # no such lease
+                assert reply.ok is False and reply.reason == "lost"  # no such lease
             else:
-                assert ipc.fallback is None and pre._channel() is None
+                assert ipc.fallback is None and not ipc.serves_sends
                 assert set(dec.receivers) == {"object_store", "cuda_ipc"} and receiver.fallback is None
-                assert reply["ok"] is False and reply["reason"] == "unavailable"
+                assert reply.ok is False and reply.reason == "unavailable"
                 reply = asyncio.run(pre.send_pages({}))
-                assert reply["ok"] is False and "not over channels" in reply["message"]
+                assert reply.ok is False and "not over channels" in reply.message
             dec.check_health()
             receiver.device_error = "CUDA error: an illegal memory access was encountered"
             with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -622,10 +624,8 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
                 r.close()
     monkeypatch.undo()
     pre = pd.PrefillServer({**opts, "transport": "object_store"})
-    reply = asyncio.run(pre.stage_pages({"request_id": "r", "sender_id": "x", "transport": "nccl"}))
-    assert reply["ok"] is False and reply["reason"] == "unavailable" and "object_store" in reply["message"]
-    with pytest.raises(ValueError, match="method"):
-        dd.PrefillCaller("generate")
+    reply = asyncio.run(pre.stage_pages(StagePages(request_id="r", sender_id="x", transport="nccl")))
+    assert reply.ok is False and reply.reason == "unavailable" and "object_store" in reply.message
 
 
 def _prefixed(cost, pages, prefix, key):

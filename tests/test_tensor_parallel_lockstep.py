@@ -172,3 +172,45 @@ def test_a_follower_killed_mid_prefill_fails_the_leader(tmp_path):
     assert codes == [0, 3]
     assert got["died"] is not None and "rank 1" in got["died"]
     assert got["tokens"] == got["again"]["tokens"]
+
+
+def test_the_lockstep_runner_public_api_for_transfers():
+    """What the TP transports use instead of the runner's private parts: ``leader`` (rank 0's
+    own runner), ``report_failure`` (a rank call outside a step fails the replica as a step
+    would) and ``keep_alive``."""
+    from types import SimpleNamespace
+
+    class Link(parallel.RankLink):
+        def submit(self, command):
+            return None
+
+        def wait(self, handle) -> None:
+            raise parallel.RankFailed("rank 1: gone")
+
+    runner = SimpleNamespace(pool=SimpleNamespace(num_pages=4), model="m", ensure_capacity=lambda rid, n: None)
+    failures = []
+    lock = parallel.LockstepRunner(runner, [Link()], on_failure=failures.append)
+    assert lock.leader is runner and lock.model == "m"
+    dead = parallel.RankFailed("TP rank 1: channel receive")
+    lock.report_failure(dead)
+    assert failures == [dead]
+    with pytest.raises(parallel.RankFailed, match="gone"):  # a step's failure takes the same path
+        lock.ensure_capacity("r", 3)
+    assert len(failures) == 2 and str(failures[1]) == "rank 1: gone"
+    quiet = parallel.LockstepRunner(runner, [])
+    quiet.report_failure(dead)  # no on_failure: nothing to tell
+    import gc
+    import weakref
+
+    class Store:
+        pass
+
+    store = Store()
+    held = weakref.ref(store)
+    quiet.keep_alive(store)
+    del store
+    gc.collect()
+    assert held() is not None  # the rendezvous lives as long as the runner
+    del quiet
+    gc.collect()
+    assert held() is None

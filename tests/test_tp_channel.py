@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,10 +20,14 @@ from kv_transfer.channel import ChannelTransport
 from kv_transfer.config import ChannelConfig
 from kv_transfer.pages import gather_heads, scatter_heads
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
-from kv_transfer.wire import send_pulls
+from kv_transfer.wire import SendPages, SendReply, send_pulls
 from kv_transfer.tp_transfer import RankChannel, TPChannelTransport, group_transport, receive_group
 from prefill_worker.leases import LeaseTable
 from tests.test_tp_transfer import HKV, HQ, PAGE, RID, assert_rank_holds_its_heads, full_pool, rank_pool
+
+# a well-formed send request for rank 0's sender (tests vary one field)
+BASE = SendPages(request_id=RID, sender_id="P:tp0", receiver_id="D0", host="127.0.0.1", port=1, prefix="fpkv/x/",
+                 generation=1, backend="gloo", timeout_s=1.0, layers_per_chunk=1)
 
 # torch's TCPStore reverse-resolves peer addresses while it connects
 # (getnameinfo on ::ffff:127.0.0.1), and a sandbox's resolver can take 5 s per lookup under a
@@ -66,12 +71,12 @@ class Group:
 
         self.leases = LeaseTable(60.0, end_lease)
 
-        async def call_sender(sender: dict, request: dict) -> dict:  # PrefillServer.send_pages
+        async def call_sender(sender: dict, request: SendPages) -> SendReply:  # PrefillServer.send_pages
             assert sender["replica_id"] == "P"  # routed to the leader, which relays
             self.calls.append(request)
-            self.leased_at_call.append(request["request_id"] in self.leases)
+            self.leased_at_call.append(request.request_id in self.leases)
             reply = await self.sender.serve_send(request)
-            self.leases.sent(request["request_id"], reply["ok"], send_pulls(request))
+            self.leases.sent(request.request_id, reply.ok, send_pulls(request))
             return reply
 
         self.receivers = [ChannelTransport("cpu", identity=TPChannelTransport.rank_identity("D", r),
@@ -122,8 +127,8 @@ def test_tp_group_to_one_decode_replica_is_bit_exact(dtype, p):
         pages = run(g.receivers[0].receive(ticket, g.dst_pools[0]))
         assert len(pages) == full.pages_for(full.seq_len(RID))
         assert_rank_holds_its_heads(full, g.dst_pools[0], range(HKV))
-        assert sorted(c["rank"] for c in g.calls) == list(range(p))  # one send per rank, each its own heads
-        assert [c["sender_id"] for c in g.calls] == [f"P:tp{r}" for r in range(p)]
+        assert sorted(c.rank for c in g.calls) == list(range(p))  # one send per rank, each its own heads
+        assert [c.sender_id for c in g.calls] == [f"P:tp{r}" for r in range(p)]
         assert g.lease_ended  # every rank sent
         assert all(t.counters()["channel_sends"] == 1 for t in g.rank_transports)
     finally:
@@ -188,7 +193,7 @@ def test_discard_before_a_send_fails_that_rank_and_the_transfer():
             run(g.receivers[0].receive(ticket, g.dst_pools[0]))
         assert info.value.reason is TransferFailure.LOST and "no exported pages" in str(info.value)
         assert g.dst_pools[0].used_pages == 0
-        assert [c["rank"] for c in g.calls] == [0, 1]
+        assert [c.rank for c in g.calls] == [0, 1]
     finally:
         g.close()
 
@@ -249,8 +254,10 @@ def test_leader_refuses_send_requests_for_no_rank():
     g = Group(full, 2)
     try:
         for rank in (None, -1, 2, True, "0"):
-            reply = run(g.sender.serve_send({"rank": rank}))
-            assert reply["ok"] is False and reply["reason"] == "unavailable" and "rank" in reply["message"]
+            reply = run(g.sender.serve_send(replace(BASE, rank=rank, heads=(0,))))
+            assert reply.ok is False and reply.reason == "unavailable" and "rank" in reply.message
+        reply = run(g.sender.serve_send({"rank": 0}))  # not a SendPages
+        assert reply.ok is False and reply.reason == "unavailable" and "rank" in reply.message
     finally:
         g.close()
 
@@ -260,13 +267,12 @@ def test_send_request_heads_are_checked():
     g = Group(full, 2)
     try:
         g.export()
-        base = {"request_id": RID, "sender_id": "P:tp0", "receiver_id": "D0", "host": "127.0.0.1", "port": 1,
-                "prefix": "fpkv/x/", "generation": 1, "backend": "gloo", "timeout_s": 1.0, "layers_per_chunk": 1}
-        for extra, words in (({"rank": 0}, "keys"), ({"rank": 0, "heads": []}, "heads"),
-                             ({"rank": 0, "heads": [0, 0]}, "heads"), ({"rank": 0, "heads": [True]}, "heads"),
-                             ({"rank": -1, "heads": [0]}, "rank"), ({"rank": 0, "heads": [HKV]}, "heads")):
-            reply = run(g.rank_transports[0].serve_send({**base, **extra}))
-            assert reply["ok"] is False and words in reply["message"], (extra, reply)
+        for extra, words in (({"rank": 0}, "rank, heads"), ({"rank": 0, "heads": ()}, "heads"),
+                             ({"rank": 0, "heads": (0, 0)}, "heads"), ({"rank": 0, "heads": (True,)}, "heads"),
+                             ({"rank": 0, "heads": [0]}, "heads"),
+                             ({"rank": -1, "heads": (0,)}, "rank"), ({"rank": 0, "heads": (HKV,)}, "heads")):
+            reply = run(g.rank_transports[0].serve_send(replace(BASE, **extra)))
+            assert reply.ok is False and words in reply.message, (extra, reply)
     finally:
         g.close()
 
@@ -299,7 +305,7 @@ def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
 
 def test_tp_prefill_transport_choice():
     from kv_transfer.transfer import select_transport
-    from prefill_worker.deployment import tp_transport_choice
+    from kv_transfer.tp_transfer import tp_transport_choice
 
     # CPU: gloo is the channel; auto means the object store
     assert tp_transport_choice(select_transport("gloo", device="cpu")) == "channel"
@@ -347,8 +353,8 @@ def test_discard_reaches_every_live_rank_past_a_dead_one_and_a_dead_rank_send_is
         ticket = g.export()
         live = g.sender.followers[1]
         g.sender.followers[0] = _DeadRank()
-        reply = run(g.sender.serve_send({"rank": 1, "request_id": RID}))
-        assert reply["ok"] is False and reply["reason"] == "lost" and "TP rank 1" in reply["message"]
+        reply = run(g.sender.serve_send(replace(BASE, rank=1, heads=(0,))))
+        assert reply.ok is False and reply.reason == "lost" and "TP rank 1" in reply.message
         g.sender.discard(ticket)  # must not stop at the dead rank 1
         assert live.transport.counters()["channel_staged"] == 0
         assert g.rank_transports[0].counters()["channel_staged"] == 0
@@ -375,12 +381,12 @@ def test_a_decode_group_pulls_every_rank_at_once_bit_exact_and_the_lease_ends_af
         for r in range(d):  # each decode rank: exactly its heads, bit for bit (against the unsharded pool)
             assert_rank_holds_its_heads(full, g.dst_pools[r], g.dst.kv_heads(r))
         pairs = _pairs(g.src, g.dst)
-        assert len(g.calls) == len(pairs) and all(c["pulls"] == len(pairs) for c in g.calls)
+        assert len(g.calls) == len(pairs) and all(c.pulls == len(pairs) for c in g.calls)
         # one channel per (prefill rank, decode rank) pair, each decode rank hosting its own store
-        assert {(c["sender_id"], c["receiver_id"]) for c in g.calls} == {
+        assert {(c.sender_id, c.receiver_id) for c in g.calls} == {
             (f"P:tp{s}" if not plain else "P", f"D:tp{r}") for s, r in pairs}
-        assert len({(c["port"], c["prefix"]) for c in g.calls}) == len(pairs)
-        assert len({c["port"] for c in g.calls}) == d
+        assert len({(c.port, c.prefix) for c in g.calls}) == len(pairs)
+        assert len({c.port for c in g.calls}) == d
         assert all(g.leased_at_call)  # the lease outlived every pull but the last...
         assert g.lease_ended == "sent" and RID not in g.leases  # ...whose success ended it
         assert all(pool.used_pages == 0 for pool in g.src_pools)  # freed on every prefill rank
@@ -538,14 +544,12 @@ def test_send_request_pulls_are_checked():
     g = Group(full, 2)
     try:
         g.export()
-        base = {"request_id": RID, "sender_id": "P:tp0", "receiver_id": "D0", "host": "127.0.0.1", "port": 1,
-                "prefix": "fpkv/x/", "generation": 1, "backend": "gloo", "timeout_s": 1.0, "layers_per_chunk": 1}
-        for extra in ({"pulls": 2}, {"rank": 0, "heads": [0], "pulls": 0}, {"rank": 0, "heads": [0], "pulls": True},
-                      {"rank": 0, "heads": [0], "pulls": 1 << 17}):
-            reply = run(g.rank_transports[0].serve_send({**base, **extra}))
-            assert reply["ok"] is False and "pulls" in reply["message"] or "keys" in reply["message"], (extra, reply)
-        assert send_pulls({**base, "pulls": 3}) == 3
-        assert send_pulls(base) == 1 and send_pulls({"pulls": "x"}) == 1 and send_pulls(None) == 1
+        for extra in ({"pulls": 2}, {"rank": 0, "heads": (0,), "pulls": 0}, {"rank": 0, "heads": (0,), "pulls": True},
+                      {"rank": 0, "heads": (0,), "pulls": 1 << 17}):
+            reply = run(g.rank_transports[0].serve_send(replace(BASE, **extra)))
+            assert reply.ok is False and "pulls" in reply.message, (extra, reply)
+        assert send_pulls(replace(BASE, rank=0, heads=(0,), pulls=3)) == 3
+        assert send_pulls(BASE) == 1 and send_pulls(replace(BASE, pulls="x")) == 1 and send_pulls(None) == 1
     finally:
         g.close()
 
@@ -555,6 +559,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     gloo): with ``decode.tensor_parallel_size`` 2 the replica exports over its channel (before:
     always the object store), ``auto`` on CUDA without its CUDA IPC part, ``cuda_ipc`` alone over
     the object store."""
+    import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
     from kv_transfer.ipc import CudaIpcTransport
     from kv_transfer.transfer import IPC_OR_NCCL
@@ -563,7 +568,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
             "decode": {"tensor_parallel_size": 2}}
     for kind, want in ((IPC_OR_NCCL, "channel"), ("gloo", "channel"), ("cuda_ipc", "object_store"),
                        ("object_store", "object_store")):
-        monkeypatch.setattr(pd, "select_transport", lambda requested, device, kind=kind: kind)
+        monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre = pd.PrefillServer(opts)
         try:
             assert not isinstance(pre.transport, CudaIpcTransport), kind
