@@ -7,14 +7,7 @@
 # Results (JSON, full log) land in $OUT; commit them under benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if [ -f .carry/c/libfp_cutlass.so.xz ] && [ -z "${FLASHPREFILL_CUTLASS_LIB:-}" ]; then
-  xz -d -c .carry/c/libfp_cutlass.so.xz > /tmp/libfp_cutlass.so && chmod +x /tmp/libfp_cutlass.so
-  export FLASHPREFILL_CUTLASS_LIB=/tmp/libfp_cutlass.so
-fi
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git log -1 --format='commit %h' 2>/dev/null; head -3 .peer/build/BUILD_INFO.txt; } | tee "$OUT/env.txt"
+source scripts/gpu_env.sh
+head -3 .peer/build/BUILD_INFO.txt | tee -a "$OUT/env.txt"
 python3 benchmarks/bench_peer.py --out "$OUT/peer_h200.json" "$@" 2>&1 | tee "$OUT/peer_h200.log"
 exit "${PIPESTATUS[0]}"

@@ -5,14 +5,7 @@
 # Results (JSON, logs) land in $OUT; commit them under benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if [ -f .carry/c/libfp_cutlass.so.xz ] && [ -z "${FLASHPREFILL_CUTLASS_LIB:-}" ]; then
-  xz -d -c .carry/c/libfp_cutlass.so.xz > /tmp/libfp_cutlass.so && chmod +x /tmp/libfp_cutlass.so
-  export FLASHPREFILL_CUTLASS_LIB=/tmp/libfp_cutlass.so
-fi
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/env.txt"
+source scripts/gpu_env.sh
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile ttft)
 for step in "${steps[@]}"; do
   case $step in

@@ -1,0 +1,14 @@
+# Sourced by the scripts run on the lent GPU machine (gpu_bench_peer.sh, gpu_ttft.sh): $OUT, the
+# import path, our CUTLASS library from the carried .carry/c/libfp_cutlass.so.xz (built here:
+# `.venv/bin/python -m kernels.cutlass_build --out build/cutlass`, then
+# `xz -c build/cutlass/libfp_cutlass.so > .carry/c/libfp_cutlass.so.xz`), and the machine and
+# versions into $OUT/env.txt.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ -f .carry/c/libfp_cutlass.so.xz ] && [ -z "${FLASHPREFILL_CUTLASS_LIB:-}" ]; then
+  xz -d -c .carry/c/libfp_cutlass.so.xz > /tmp/libfp_cutlass.so && chmod +x /tmp/libfp_cutlass.so
+  export FLASHPREFILL_CUTLASS_LIB=/tmp/libfp_cutlass.so
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log -1 --format='commit %h' 2>/dev/null; } | tee "$OUT/env.txt"
