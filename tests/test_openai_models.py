@@ -13,7 +13,7 @@ import torch
 from model_executor.tokenizer import ByteTokenizer
 from router.pipeline import Completion, Logprob
 from router.protocol import (RequestError, RequestParser, completion_response, openapi_extra, stream_chunk,
-                             tool_stream_chunks, ToolChoiceStream, usage_chunk)
+                             tool_stream_chunks, ToolChoiceStream, usage, usage_chunk)
 
 # docs/API.md's "Request fields" table, written out by hand: the fields each endpoint accepts
 BOTH = ["model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "logprobs", "logit_bias",
@@ -200,12 +200,12 @@ def test_responses_and_chunks_are_valid_by_the_schema():
                                                       (1, comp.prompt_token_ids, result)])
     jsonschema.validate(whole, response_schema("completion"))
     events = [stream_chunk(comp, "A", [65], None, logprobs=lps[:1]), stream_chunk(comp, "B", [66], "length"),
-              usage_chunk(comp, 2, 1, {"alpha": 0.2, "dense": False, "density": 0.5})]
+              usage_chunk(comp, usage(comp.prompt_len, 2, 1, {"alpha": 0.2, "dense": False, "density": 0.5}))]
     chat = _parse("chat", logprobs=True, top_logprobs=2)
     whole_chat = completion_response(chat, Completion("hi", [104, 105], "stop", {}, None, lps))
     jsonschema.validate(whole_chat, response_schema("chat"))
     chat_events = [stream_chunk(chat, "h", [104], None, first=True, logprobs=lps[:1]),
-                   stream_chunk(chat, None, [], "stop"), usage_chunk(chat, 2)]
+                   stream_chunk(chat, None, [], "stop"), usage_chunk(chat, usage(chat.prompt_len, 2))]
     tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
     called = _parse("chat", tools=tools)
     reply = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
