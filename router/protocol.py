@@ -129,13 +129,16 @@ def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
     if wrong in body:
         raise bad(wrong, "not a field of this endpoint (send it to "
                          f"{'/v1/chat/completions' if kind == 'completion' else '/v1/completions'})")
-    for name in sorted(set(body) - set(REQUESTS[kind].model_fields)):
+    unknown = sorted(set(body) - set(REQUESTS[kind].model_fields))
+    for name in unknown:
         if strict:  # a name with a lone surrogate is escaped: the error must render as JSON
             raise bad(_escaped(name), "unrecognized request argument (ingress.strict_fields is on)")
         _log_ignored(name, "not a field OpenAI or vLLM define for this endpoint")
     for name in sorted(set(body) & _IGNORED[kind]):
         _log_ignored(name, "accepted, not acted on (docs/API.md, Request fields)")
-    return body
+    # an ignored unknown field is not the model's to check: a name pydantic cannot take as a
+    # string (a lone surrogate) must not turn a valid request into a 400
+    return {k: v for k, v in body.items() if k not in unknown} if unknown else body
 
 
 def _or(value: Any, default: Any) -> Any:

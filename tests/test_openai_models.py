@@ -227,3 +227,17 @@ def test_a_long_unknown_message_key_gives_a_short_error():
     with pytest.raises(RequestError) as info:
         strict().parse({"model": "m", "messages": [{"role": "user", "content": "x", "k" * 5000: 1}]}, "chat")
     assert info.value.param.startswith("messages[0].kkk") and len(info.value.message) <= 512
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_an_unknown_field_whose_name_has_a_lone_surrogate_is_ignored_or_named_when_strict(kind):
+    """JSON lets a client send ``"\\ud800x"`` as a key: ignored like any unknown field (the
+    request's own fields still checked), and under strict_fields a 400 naming it escaped."""
+    body = {**json.loads('{"\\ud800x": 1}'), "max_tokens": 3, **BASE[kind]}
+    assert _parse(kind, **body).max_tokens == 3
+    with pytest.raises(RequestError) as info:
+        _parse(kind, **{**body, "max_tokens": -1})
+    assert info.value.param == "max_tokens"
+    with pytest.raises(RequestError) as info:
+        strict().parse(body, kind)
+    assert info.value.status == 400 and info.value.param == "\\ud800x"
