@@ -543,7 +543,7 @@ class DecodeServer:
             "kv_heads": int(self.pool.num_kv_heads),  # this rank's (all of them at TP=1)
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
-            "room_pages": self.scheduler.room_pages,  # free, less adoptions in flight and the growth watermark
+            "room_pages": max(0, self.pool.free_pages - self.committed_pages),  # free, less adoptions in flight
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "transfer_failures": self.transfer_failures,
