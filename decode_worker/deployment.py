@@ -22,8 +22,14 @@ an object-store frame is split by KV head over the ranks; all or nothing either 
 4. if the stream is closed early (client gone, stop string matched at the ingress), its
    ``finally`` cancels the request in the engine, which frees its pages.
 
+Admission, the page budget and preemption are the engine's ``DecodeScheduler``'s
+(``decode_worker/scheduler.py``): a request is admitted when the pages its adoption takes fit next
+to the other adoptions in flight and a watermark kept for growth; its growth to ``max_new_tokens``
+is not reserved up front (only a request whose whole footprint, ``DecodeCall.footprint``, exceeds
+the pool is refused at once).
+
 A group (``DecodeCall.choices``: the ``n`` / ``best_of`` choices of one prompt) is admitted
-with its footprint (``DecodeCall.footprint``: shared pages once), adopted once, then forked into
+with its shared pages once, adopted once, then forked into
 one engine request per choice (``<request id>#<k>``, ``DecodeEngine.add_group``); its
 ``Tokens`` name their ``choice`` and the stream ends when every choice has ended.
 ``cancel_choice`` (a unary call pinned to this replica) stops one choice: its own pages go back,
@@ -88,8 +94,10 @@ class _LoopFailed(RuntimeError):
 class DecodeLoop:
     """Continuous batching: the only code that calls the engine."""
 
-    def __init__(self, engine: DecodeEngine, *, step_delay_s: float = 0.0, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: DecodeEngine, *, step_delay_s: float = 0.0, metrics: Metrics | None = None,
+                 on_freed: Any = None) -> None:
         self.engine = engine
+        self.on_freed = on_freed  # called when pages may have gone back (a step ran, a cancel applied)
         self.step_delay_s = step_delay_s  # fault-injection drills only
         self.metrics = metrics if metrics is not None else Metrics()
         self._graph_counts = (None, 0, 0)  # the runner's decode graphs and their (graph, eager) steps last seen
@@ -126,7 +134,16 @@ class DecodeLoop:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def _freed(self) -> None:
+        if self.on_freed is not None:
+            self.on_freed()
+
     def _apply_inbox(self) -> None:
+        if self._inbox:
+            self._apply_commands()
+            self._freed()
+
+    def _apply_commands(self) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
             if isinstance(cmd, _Add):
@@ -146,8 +163,11 @@ class DecodeLoop:
                             pass
                         if self.engine.pool.has(rid):
                             self.engine.pool.release(rid)
+                    self.engine.scheduler.settle(cmd.request_id)
                     cmd.outbox.put_nowait(exc)
                     continue
+                # registered (a group: forked): the pool counts its pages, its claim ends
+                self.engine.scheduler.settle(cmd.request_id)
                 for req in reqs:
                     if req.is_done:  # the first token already ended it
                         self.engine.pop_finished(req.request_id)
@@ -203,6 +223,7 @@ class DecodeLoop:
                     self.engine.cancel(rid)
                     self.engine.pop_finished(rid)
                 self._outboxes.clear()
+                self._freed()
                 continue
             self.steps += 1
             self._record()
@@ -216,6 +237,7 @@ class DecodeLoop:
                 if out.finished:
                     self._outboxes.pop(out.request_id, None)
                     self.engine.pop_finished(out.request_id)
+            self._freed()
             await asyncio.sleep(0)  # let streams flush between steps
 
 
@@ -233,9 +255,10 @@ class DecodeServer:
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running,
                                    tokenizer=self._tokenizer())
+        self.scheduler = self.engine.scheduler  # admission here and into the running batch: one place
         self.metrics = Metrics()
         self.loop = DecodeLoop(self.engine, step_delay_s=self.config.fault_injection.decode_step_delay_ms / 1000.0,
-                               metrics=self.metrics)
+                               metrics=self.metrics, on_freed=self._room_changed)
         self.prefill = PrefillClient()  # pinned calls to the prefill replica holding a request's pages
         self.receivers = make_decode_receivers(  # ticket.transport -> what receives it
             self.config, placement_of(self.config, "decode", self.pool.device), identity=replica_identity(),
@@ -246,11 +269,7 @@ class DecodeServer:
         self.transfer_failures = 0
         self.refused_full = 0
         self.completed = 0
-        # Admission ledger: pages each admitted request may grow to (prompt + max_new_tokens).
-        # A request is adopted only when its final footprint fits next to everyone else's, so
-        # a running request never runs out of pages mid-stream (no "abort" under load).
-        self._footprints: dict[str, int] = {}
-        self._room: asyncio.Condition | None = None  # made on the replica's event loop
+        self._room: asyncio.Event | None = None  # set (and replaced) when room may have grown
         self._background: set[asyncio.Task] = set()
 
     def _start_tp_group(self) -> WorkerRuntime:
@@ -280,35 +299,38 @@ class DecodeServer:
 
     @property
     def committed_pages(self) -> int:
-        return sum(self._footprints.values())
+        """Pages claimed by adoptions in flight (adopted requests' pages are the pool's to count)."""
+        return self.scheduler.claimed_pages
 
-    async def _admit(self, rid: str, footprint: int) -> bool:
-        """Wait (bounded by ``decode.adopt_wait_s``) until ``footprint`` pages fit; reserve them.
-        The ledger (``_footprints``) is the one place decode admission is decided; a waiter
-        wakes when a request leaves it (``_leave``), not by polling."""
-        if footprint > self.pool.num_pages:
+    def _room_changed(self) -> None:
+        """Wake every waiting admission (each checks again); later waiters wait on a fresh event."""
+        if self._room is not None:
+            room, self._room = self._room, None
+            room.set()
+
+    async def _admit(self, rid: str, pages: int) -> bool:
+        """Claim ``pages`` for ``rid``'s adoption (``DecodeScheduler.claim``), waiting up to
+        ``decode.adopt_wait_s`` for room; a waiter wakes when pages may have gone back (a
+        request left, a step or a cancel ran), not by polling."""
+        if not self.scheduler.fits_ever(pages):
             return False
-        if footprint <= self.pool.num_pages - self.committed_pages:  # room now: no wait, no lock
-            self._footprints[rid] = footprint
-            return True
-        if self._room is None:
-            self._room = asyncio.Condition()
-        async with self._room:
-            try:
-                await asyncio.wait_for(
-                    self._room.wait_for(lambda: footprint <= self.pool.num_pages - self.committed_pages),
-                    timeout=self.config.decode.adopt_wait_s)
-            except asyncio.TimeoutError:
+        deadline = time.monotonic() + self.config.decode.adopt_wait_s
+        while not self.scheduler.claim(rid, pages):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            self._footprints[rid] = footprint
+            if self._room is None:
+                self._room = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._room.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                return self.scheduler.claim(rid, pages)  # a last look
         return True
 
     async def _leave(self, rid: str) -> None:
-        """``rid`` no longer needs room: take it off the ledger and wake the waiters."""
-        self._footprints.pop(rid, None)
-        if self._room is not None:
-            async with self._room:
-                self._room.notify_all()
+        """``rid`` no longer needs room: its claim (if still in flight) ends; waiters wake."""
+        self.scheduler.settle(rid)
+        self._room_changed()
 
     def _release_sender(self, ticket: Any) -> None:
         """Tell the prefill replica holding ``ticket``'s pages under a lease that this replica
@@ -328,14 +350,19 @@ class DecodeServer:
         rid = call.request_id
         ticket = call.ticket
         t0 = time.monotonic()
-        footprint = call.footprint(self.pool.page_size)  # a group: shared pages once, each choice's own; a resume: less its history
-        if not await self._admit(rid, footprint):
+        # the most it may grow to (a group: shared pages once; a resume: less its history), and
+        # what its adoption takes now (its growth comes page by page, DecodeScheduler)
+        footprint = call.footprint(self.pool.page_size)
+        pages = self.scheduler.adoption_pages(call.kv_len, len(call.choices) or 1)
+        if footprint > self.pool.num_pages or not await self._admit(rid, pages):
             self.refused_full += 1
             self.metrics.inc("kv_transfers_total", transport=str(getattr(ticket, "transport", None)),
                              outcome=TransferFailure.POOL_EXHAUSTED.value)
             self._release_sender(ticket)
-            yield TransferFailed(reason=TransferFailure.POOL_EXHAUSTED.value, retryable=footprint <= self.pool.num_pages,
-                                 message=f"no room for {footprint} pages within {self.config.decode.adopt_wait_s}s",
+            fits = footprint <= self.pool.num_pages
+            yield TransferFailed(reason=TransferFailure.POOL_EXHAUSTED.value, retryable=fits,
+                                 message=(f"no room for {pages} pages within {self.config.decode.adopt_wait_s}s" if fits
+                                          else f"{footprint} pages exceed this replica's {self.pool.num_pages}"),
                                  replica_id=self.replica_id)
             return
         submitted = False
@@ -443,12 +470,13 @@ class DecodeServer:
             "kv_heads": int(self.pool.num_kv_heads),  # this rank's (all of them at TP=1)
             "free_pages": self.pool.free_pages,
             "num_pages": self.pool.num_pages,
-            "room_pages": self.pool.num_pages - self.committed_pages,
+            "room_pages": max(0, self.pool.free_pages - self.committed_pages),  # free, less adoptions in flight
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "transfer_failures": self.transfer_failures,
             "transfers": dict(self.transfers),
             "refused_full": self.refused_full,
+            "preempted": self.scheduler.preempted,
             "steps": self.loop.steps,
             "decode_graphs": self.runtime.decode_graphs,
             "metrics": self.metrics.status(),
@@ -464,10 +492,11 @@ class DecodeServer:
 
     def record_autoscaling_stats(self) -> dict:
         """Serve's custom autoscaling metrics: what ``serving.autoscaling.DecodePolicy`` scales on
-        (pages busy: in use, or reserved for the admitted requests' growth, whichever is more)."""
+        (pages busy: in use, plus those claimed by adoptions in flight)."""
         in_use = self.pool.num_pages - self.pool.free_pages
         return {"running_streams": float(self.loop.num_streams),
-                "kv_pages_busy": float(max(in_use, self.committed_pages)), "kv_pages": float(self.pool.num_pages)}
+                "kv_pages_busy": float(min(in_use + self.committed_pages, self.pool.num_pages)),
+                "kv_pages": float(self.pool.num_pages)}
 
     def record_replica_metadata(self) -> dict:
         return {"role": "decode", "device": str(self.pool.device), "page_size": self.pool.page_size}

@@ -8,6 +8,10 @@ finishes requests on a stop token or ``max_new_tokens``, releasing their pages.
 Request life (explicit, see ``RequestState``):
 WAITING -> RUNNING -> FINISHED; WAITING or RUNNING -> CANCELLED (``cancel``).
 A request whose first token already ends it goes straight to FINISHED.
+
+Which requests run, the pages they grow into and who is preempted when the pool runs out are
+the :class:`~decode_worker.scheduler.DecodeScheduler`'s (``self.scheduler``) to decide; the
+engine registers requests, runs the forward, samples and ends requests.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from decode_worker.scheduler import DecodeScheduler
 from model_executor.runner import ModelRunner
 from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
 
@@ -30,7 +35,7 @@ class RequestState(enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # emitted a stop token (it is the last output token), or its guide ended
     LENGTH = "length"  # reached max_new_tokens
-    KV_EXHAUSTED = "kv_exhausted"  # no page for the next token; the newest running request ends
+    KV_EXHAUSTED = "kv_exhausted"  # preempted: no page for a next token, the newest request ends
     CANCELLED = "cancelled"
 
 
@@ -67,20 +72,19 @@ class StepOutput:
 
 class DecodeEngine:
     """max_running: requests decoded per step; the rest wait (WAITING) in arrival order.
+    watermark_pages: free pages the scheduler keeps for running requests' growth (default
+    ``decode_worker.scheduler.default_watermark``).
     tokenizer: for structured output (requests with ``params.guided``) only."""
 
     def __init__(self, runner: ModelRunner, *, max_running: int = 256, sampler: Sampler | None = None,
-                 tokenizer: Any = None) -> None:
-        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
-            raise ValueError(f"max_running: expected an int >= 1, got {max_running!r}")
+                 tokenizer: Any = None, watermark_pages: int | None = None) -> None:
         self.runner = runner
         self.pool = runner.pool
-        self.max_running = max_running
+        self.scheduler = DecodeScheduler(self.pool, max_running=max_running, watermark_pages=watermark_pages,
+                                         ensure_capacity=runner.ensure_capacity)
         self.sampler = sampler or Sampler()
         self.tokenizer = tokenizer
         self._requests: dict[str, DecodeRequest] = {}
-        self._waiting: list[str] = []
-        self._running: list[str] = []
 
     # -- request life -------------------------------------------------------------------
     def add_request(
@@ -121,7 +125,7 @@ class DecodeEngine:
         if reason is not None:
             self._finish(req, reason)
         else:
-            self._waiting.append(request_id)
+            self.scheduler.add(request_id)
         return req
 
     def add_group(self, request_id: str, prompt_len: int,
@@ -178,15 +182,19 @@ class DecodeEngine:
         return self._requests.pop(request_id)
 
     @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
     def _finish_reason(self, req: DecodeRequest) -> FinishReason | None:
         if req.output_ids and req.output_ids[-1] in req.params.stop_token_ids:
@@ -200,36 +208,19 @@ class DecodeEngine:
     def _finish(self, req: DecodeRequest, reason: FinishReason) -> None:
         req.state = RequestState.CANCELLED if reason is FinishReason.CANCELLED else RequestState.FINISHED
         req.finish_reason = reason
-        for queue in (self._waiting, self._running):
-            if req.request_id in queue:
-                queue.remove(req.request_id)
-        if self.pool.has(req.request_id):
-            self.pool.release(req.request_id)
+        self.scheduler.finish(req.request_id)  # out of the queues, pages back
 
     # -- the loop -----------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_running:
-            rid = self._waiting.pop(0)
-            self._requests[rid].state = RequestState.RUNNING
-            self._running.append(rid)
-
     def step(self) -> list[StepOutput]:
         """Decode one token for every running request; returns what each produced."""
-        from kv_cache import PoolExhausted
-
-        self._admit()
+        running, preempted = self.scheduler.schedule()
         outputs: list[StepOutput] = []
-        for rid in list(self._running):
-            while rid in self._running:
-                try:
-                    self.runner.ensure_capacity(rid, self.pool.seq_len(rid) + 1)
-                    break
-                except PoolExhausted:
-                    # the most recently admitted request gives its pages up (it may be this one)
-                    victim = self._requests[self._running[-1]]
-                    self._finish(victim, FinishReason.KV_EXHAUSTED)
-                    outputs.append(StepOutput(victim.request_id, None, True, FinishReason.KV_EXHAUSTED))
-        batch = [self._requests[rid] for rid in self._running]
+        for rid in preempted:  # the scheduler released their pages
+            self._finish(self._requests[rid], FinishReason.KV_EXHAUSTED)
+            outputs.append(StepOutput(rid, None, True, FinishReason.KV_EXHAUSTED))
+        batch = [self._requests[rid] for rid in running]
+        for req in batch:
+            req.state = RequestState.RUNNING
         if not batch:
             return outputs
         logits = self.runner.decode([r.request_id for r in batch], [r.output_ids[-1] for r in batch])

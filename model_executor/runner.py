@@ -4,7 +4,9 @@ The runner packs a batch into ``input_ids [1, T]`` / ``position_ids [1, T]`` (po
 continue after each sequence's cached prefix), builds the :class:`ForwardBatch` the attention
 function reads, and computes the LM head only where a next token is needed (the last position
 of each sequence). It never allocates pages: the engines reserve them (``ensure_capacity``)
-and release them; the runner writes K/V into reserved pages and advances ``seq_len``.
+and release them; the runner writes K/V into reserved pages and advances ``seq_len``. A decode
+step's metadata stays on the device between steps (``decode_metadata.py``), or in the CUDA
+graphs' static buffers (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kernels.config import SparseConfig
 
 from . import fp8_linear, fused, parallel
 from .cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from .decode_metadata import DecodeMetadata
 from .attention import (
     ATTENTION_NAME,
     BATCH_KWARG,
@@ -118,6 +121,8 @@ class ModelRunner:
         self.last_state: ForwardState | None = None  # of the latest eager forward (a graph step keeps none), for tests
         self._last_rids: list[str] = []
         self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
+        # the eager decode step's metadata, on the device between steps (decode_metadata.py)
+        self.decode_metadata = DecodeMetadata(self.page_size, self.device)
         self.memory = self.memory_report()
         logger.info(
             "weights %.2f GiB (%s, %d FP8 layers, %.2f GiB saved vs the model dtype: room for %d more KV pages); "
@@ -401,7 +406,17 @@ class ModelRunner:
                 for rid, start in zip(rids, starts):
                     self.pool.set_seq_len(rid, start + 1)
                 return logits
-        return self._forward(
-            rids, ids, torch.tensor(starts, dtype=torch.int64), starts, [1] * len(rids),
-            ForwardMode.DECODE, logits_to_keep=0,
+        meta = self.decode_metadata.prepare(rids, self.pool.manager.page_lists(rids), ids, starts)
+        longest = max(starts) + 1
+        batch = ForwardBatch(
+            pool=self.pool, page_table=meta["page_table"], cu_seqlens_q=meta["cu_seqlens_q"],
+            seqlens_kv=meta["seqlens_kv"], slots=meta["slots"], mode=ForwardMode.DECODE,
+            sparse_config=self.sparse_config, max_seqlen_kv=longest, dense=longest < self.dense_below,
+            backend=self.backend,
         )
+        logits = self.run_model(batch, meta["input_ids"], meta["positions"], 0)
+        for rid, start in zip(rids, starts):
+            self.pool.set_seq_len(rid, start + 1)
+        self.last_state = batch.state
+        self._last_rids = rids
+        return logits

@@ -292,7 +292,7 @@ def test_a_stopping_replica_lets_open_leases_be_fetched_then_frees_them(monkeypa
 
 
 def test_decode_admission_waits_on_its_ledger_and_wakes_when_a_request_leaves():
-    """One ledger of page footprints; a request that does not fit waits (bounded by
+    """One ledger of page claims (DecodeScheduler); a request that does not fit waits (bounded by
     ``decode.adopt_wait_s``) and is admitted when another leaves it, with no polling."""
     from decode_worker.deployment import DecodeServer
 
@@ -305,7 +305,7 @@ def test_decode_admission_waits_on_its_ledger_and_wakes_when_a_request_leaves():
             assert not waiter.done()  # 6 + 4 > 8: waits
             await dec._leave("a")
             assert await asyncio.wait_for(waiter, 10) is True
-            assert dec._footprints == {"b": 4}
+            assert dec.committed_pages == 4  # b's claim alone
             assert await dec._admit("huge", 9) is False  # larger than the pool: refused at once
 
         asyncio.run(go())
@@ -351,7 +351,9 @@ def test_a_group_is_adopted_once_forked_per_choice_and_one_choice_cancelled_alon
             reasons, replies = {}, []
             async for e in dec.generate(call):
                 if isinstance(e, Adopted):
-                    assert dec.committed_pages == call.footprint(dec.pool.page_size)
+                    # its adoption's pages (shared once, a partial page copy per extra choice), not
+                    # its growth to max_new_tokens (DecodeScheduler)
+                    assert dec.committed_pages == dec.scheduler.adoption_pages(call.kv_len, len(call.choices))
                     continue
                 out[e.choice].extend(e.tokens)
                 if e.finished:
