@@ -20,8 +20,8 @@ The page budget and preemption (``schedule``)
     its next token needs (``ensure_capacity``). When the pool has none, the newest sequence
     holding pages (waiting or running, latest arrival first; it may be the one that asked) is
     preempted: it leaves the scheduler, its pages go back, and the engine ends it with
-    ``kv_exhausted``. Preemption is by abort, not recompute: a decode replica never holds the
-    prompt's tokens (only their K/V), so it cannot rebuild a freed sequence itself.
+    ``kv_exhausted``. The replica cannot rebuild a freed sequence (it holds the prompt's K/V, not
+    its tokens): the ingress recomputes it through its resume path (``router/pipeline.py``).
 
 Thread use: ``claim`` / ``settle`` / ``leave`` run on the replica's event loop while a step
 (``schedule``) may run in a worker thread; the claims sit behind a lock, the queues are only

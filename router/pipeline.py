@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from decode_worker.engine import FinishReason
 from model_executor.sampling import SamplingParams
 from prefill_worker.engine import prefix_reuse_granule
 
@@ -58,6 +59,8 @@ from .accounting import ChoiceAccount, Completion, Delta, Logprob
 from .protocol import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
 from .state import RequestLifecycle, RequestPhase
+
+PREEMPTED = FinishReason.KV_EXHAUSTED.value  # a decode replica's preemption (decode_worker/scheduler.py)
 
 logger = logging.getLogger("ray.serve")
 
@@ -278,6 +281,7 @@ class DisaggregatedPipeline:
                 # -- decode: one stream, the choices' events interleaved (decode choice j = live[j])
                 attempt = conn.attempt
                 ended_there = 0  # choices the decode replica ended itself (the rest: cancelled from here)
+                preempted = False
                 try:
                     async for event in attempt.decode_stream:
                         if not 0 <= event.choice < len(live):
@@ -292,6 +296,15 @@ class DisaggregatedPipeline:
                         tokens = list(event.tokens)
                         c.generated.extend(tokens)
                         delta = Delta(c.text.push(tokens), tokens, logprobs=self._logprobs(c.req, event.logprobs))
+                        if (event.finished and event.finish_reason == PREEMPTED and n == 1 and not c.text.stopped
+                                and resumes < self.config.ingress.decode_resumes):
+                            # preempted (the decode pool had no page for its next token): recompute,
+                            # as a resume (prefill of prompt + output, decode on), not an "abort"
+                            if tokens:
+                                yield k, delta
+                            attempt.decode_stream = None  # it ended on its own: nothing to cancel
+                            preempted = True
+                            break
                         if c.text.stopped:
                             reason = "stop"
                         elif event.finished:
@@ -313,7 +326,12 @@ class DisaggregatedPipeline:
                         yield k, delta
                         if life.done:
                             return
-                    raise RequestError("decode stream ended without a finished event", status=502, code="decode_failed")
+                    if not preempted:
+                        raise RequestError("decode stream ended without a finished event", status=502,
+                                           code="decode_failed")
+                    self._close(attempt)
+                    logger.info("%s preempted by its decode replica after %d tokens; recomputing",
+                                base.request_id, len(choices[0].generated))
                 except RequestError:
                     raise
                 except Exception as exc:

@@ -386,6 +386,45 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     assert len(prefills) == 2 and pipe.released == []
 
 
+def _preempting(after, when=lambda n: True):
+    """A decode replica that preempts the request (kv_exhausted) after ``after`` tokens on the
+    calls ``when`` names, and decodes it to the end otherwise."""
+    def decode(payload, n):
+        stream = _decode(payload, n)
+        if not when(n):
+            return stream
+        events = stream._events[: 1 + after]
+        last = events[-1]
+        events[-1] = Tokens(tokens=last.tokens, finished=True, finish_reason="kv_exhausted")
+        return _Stream(events)
+    return decode
+
+
+def test_a_preempted_request_is_recomputed_without_gap_or_repeat():
+    """The decode pool ran out of pages (decode_worker/scheduler.py preempts the newest
+    sequence): the ingress recomputes it as a resume (prefill of prompt + output, decode on)
+    instead of ending it with "abort"."""
+    pipe = _pipeline(_prefill, _preempting(3, when=lambda n: n == 1))
+    out, error = _run(pipe, REQ)
+    assert error is None
+    tokens = [t for d in out for t in d.token_ids]
+    assert tokens == _reference(REQ.prompt_token_ids, 12)
+    assert out[-1].finish_reason == "length" and out[-1].timing["decode_resumes"] == 1
+    sent = tokens[:4]  # first token + the 3 decoded before the preemption
+    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
+    assert decodes[1].first_token == sent[-1] and decodes[1].history == tuple(sent[:-1])
+
+
+def test_preempted_every_time_ends_as_abort_after_decode_resumes():
+    pipe = _pipeline(_prefill, _preempting(2))
+    out, error = _run(pipe, REQ)
+    assert error is None and out[-1].finish_reason == "abort"
+    tokens = [t for d in out for t in d.token_ids]
+    assert tokens == _reference(REQ.prompt_token_ids, 12)[: len(tokens)] and len(tokens) == 1 + 2 * 3
+    assert len(pipe._decode.generate.calls) == 3  # first try + decode_resumes (2)
+
+
 def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent():
     pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, die_after=lambda n: 2))
     out, error = _run(pipe, REQ)
