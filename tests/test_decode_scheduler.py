@@ -192,6 +192,7 @@ def test_a_default_max_tokens_chat_no_longer_reserves_its_whole_context():
     """Chat without max_tokens runs to the end of the context; the replica admits it by its
     prompt's pages and grows it page by page, so two such chats fit where a whole-context
     reservation (its ``DecodeCall.footprint``) fitted only one."""
+    pytest.importorskip("pydantic")  # the ingress's request models (the GPU machine has no Ray, no pydantic)
     from model_executor.tokenizer import ByteTokenizer
     from router.protocol import RequestParser
     from serving.messages import DecodeCall
