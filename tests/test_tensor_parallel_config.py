@@ -48,15 +48,17 @@ def test_a_directory_model_is_checked_from_its_config_json(tmp_path):
         ServiceConfig(model={"model": str(tmp_path)}, decode={"tensor_parallel_size": 2})
 
 
-def test_bad_settings_fail_in_the_builder_before_ray_starts():
+def test_bad_settings_fail_in_the_builder_before_ray_starts(monkeypatch):
     import ray
 
     from router.app import build_application
 
-    assert not ray.is_initialized()
+    def no_start(*args, **kwargs):  # the builder must refuse before it starts or joins a Ray
+        raise AssertionError("ray.init called")
+
+    monkeypatch.setattr(ray, "init", no_start)
     with pytest.raises(ConfigError, match="prefill.tensor_parallel_size"):
         build_application({"model": TINY, "prefill": {"tensor_parallel_size": 3}})
-    assert not ray.is_initialized()
 
 
 def test_the_cost_model_splits_a_tp_replica_s_work_over_its_ranks():
