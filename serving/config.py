@@ -226,7 +226,7 @@ class DecodeOptions(_Section):
     target_running: int | None = Field(None, ge=1, description=(
         "Autoscaling: streams per decode replica the autoscaler aims for (null: half of `decode.max_running`)."))
     target_kv_fraction: float = Field(0.7, gt=0.0, le=1.0, description=(
-        "Autoscaling: fraction of a decode replica's KV pages in use (or reserved for admitted requests) "
+        "Autoscaling: fraction of a decode replica's KV pages in use (or claimed by adoptions in flight) "
         "the autoscaler aims for."))
 
     @field_validator("max_replicas")
