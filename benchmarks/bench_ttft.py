@@ -804,15 +804,21 @@ def parse_args(argv=None) -> tuple[TTFTBenchConfig, argparse.Namespace]:
     return cfg, args
 
 
+def resolve_device(name: str, script: str) -> torch.device:
+    """``name`` as a device, a CUDA one with its index; no CUDA GPU here: exit naming ``script``."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{script}: no CUDA GPU here; use --device cpu for the smoke test")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, args = parse_args(argv)
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_ttft: no CUDA GPU here; use --device cpu for the smoke test")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(cfg.device, "bench_ttft")
     if args.out:
         out_path = Path(args.out)
     elif device.type == "cuda":

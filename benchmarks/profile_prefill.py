@@ -429,12 +429,7 @@ def bench_config(cfg: ProfileConfig):
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, args = parse_args(argv)
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("profile_prefill: no CUDA GPU here; use --device cpu for the smoke test")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = bt.resolve_device(cfg.device, "profile_prefill")
     out_path = Path(args.out) if args.out else (RESULTS if device.type == "cuda"
                                                  else Path(tempfile.gettempdir()) / "profile_prefill_cpu.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)

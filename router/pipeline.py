@@ -373,6 +373,19 @@ class DisaggregatedPipeline:
                     self._record(c.req, life, c.outcome or failure, len(c.generated), resumes, count_prompt=not counted)
                     counted = True
 
+    def _retry_or_raise(self, role: str, attempt: _Attempt, exc: Exception, r: int, request_id: str) -> None:
+        """An attempt whose ``role`` replica failed before the pages reached decode: closed, and
+        prefilled again (the caller continues) while ``transfer.retries`` allows; else raised
+        (a replica failure as 503 ``<role>_unavailable``)."""
+        self._close(attempt)
+        if _is_replica_failure(exc) and r < self.config.transfer.retries:
+            logger.warning("%s replica failed before the pages reached decode for %s (%s); prefilling again",
+                           role, request_id, type(exc).__name__)
+            return
+        if _is_replica_failure(exc):
+            raise self._unavailable(role, exc) from exc
+        raise exc
+
     async def _connect(self, conn: _Connection, choices: list[_Choice], life: RequestLifecycle,
                        resumes: int) -> AsyncIterator[tuple[int, Delta]]:
         """Prefill (+ transfer) until a decode replica has adopted the pages (``conn.attempt``,
@@ -400,14 +413,8 @@ class DisaggregatedPipeline:
                     transport=conn.transport,
                     choices=tuple(c.params for c in choices) if n > 1 and not conn.first_sent else ())
             except Exception as exc:
-                self._close(attempt)
-                if _is_replica_failure(exc) and r < self.config.transfer.retries:
-                    logger.warning("prefill replica failed for %s (%s); prefilling again",
-                                   base.request_id, type(exc).__name__)
-                    continue
-                if _is_replica_failure(exc):
-                    raise self._unavailable("prefill", exc) from exc
-                raise
+                self._retry_or_raise("prefill", attempt, exc, r, base.request_id)
+                continue
             if not conn.first_sent:
                 conn.first_sent = True
                 life.mark_first_token()
@@ -426,14 +433,8 @@ class DisaggregatedPipeline:
                     choices=tuple((choices[k].generated[-1], choices[k].params) for k in conn.live) if n > 1 else (),
                     history=tuple(lead.generated[:-1]))
             except Exception as exc:
-                self._close(attempt)
-                if _is_replica_failure(exc) and r < self.config.transfer.retries:
-                    logger.warning("decode replica failed before adopting %s (%s); prefilling again",
-                                   base.request_id, type(exc).__name__)
-                    continue
-                if _is_replica_failure(exc):
-                    raise self._unavailable("decode", exc) from exc
-                raise
+                self._retry_or_raise("decode", attempt, exc, r, base.request_id)
+                continue
             if isinstance(event, Adopted):
                 attempt.lease = None  # the decode replica has the pages; the lease has ended there
                 life.to(RequestPhase.DECODING)
