@@ -15,7 +15,8 @@
 # last request finishes; a request is cut only 450 s after the 150 s sending window: $CELL_OPTS
 # replaces those four options). Extra bench_service options go in $SERVICE_OPTS (e.g. "--gpus 2"). DIR/log has every run's output;
 # `poll` prints the progress lines and, where $OUT is set, copies the JSON files and log there.
-# Needs Ray importable (see ../shared/device/stage-wheels.sh) and, for the CUTLASS attention
+# Needs Ray importable (`../shared/device/stage-wheels.sh "ray[serve]==2.60.0" grpcio-reflection==1.84.0
+# grpcio-health-checking==1.84.0`: the proxies load our gRPC health service) and, for the CUTLASS attention
 # stage, FLASHPREFILL_CUTLASS_LIB; GIT_COMMIT names the commit in the records; $PYTHON the
 # interpreter (default python3).
 set -uo pipefail
