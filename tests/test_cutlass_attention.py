@@ -215,6 +215,28 @@ def test_more_shapes(case):
     _check_close(out, lse, batch, plan, index, _case_id(case))
 
 
+# every K/V load path by page size (sparse_attn_fwd.cu, launch): cp.async row gathers (1, 4, 24:
+# not a divisor of 64), TMA per page for whole tiles (8, 16, 32: a box of page_size rows) and
+# per tile (64); each case also has partial last tiles (Lkv 433, 77, 251) on cp.async with
+# zero fill, a varlen batch with prefixes, two KV heads, correction on (one split) and off (two)
+PAGE_CASES = [(1, 128), (4, 64), (8, 64), (16, 128), (24, 128), (32, 128), (64, 128)]
+
+
+@pytest.mark.parametrize("page_size,d", PAGE_CASES, ids=[f"ps{c[0]}-d{c[1]}" for c in PAGE_CASES])
+def test_page_sizes(page_size, d):
+    for corr, splits in ((True, 1), (False, 2)):
+        cfg = SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=64,
+                           mean_correction=corr)
+        batch, plan = _case([333, 77, 1], [100, 0, 250], hq=8, hkv=2, d=d, page_size=page_size,
+                            cfg=cfg, needles=2, device=DEVICE)
+        assert all(n % 64 for n in plan.seqlens_kv)  # every sequence ends in a partial tile
+        index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan)
+        pruned, corrected = _pruning_stats(plan, index)
+        assert pruned > 0 and corrected > 0, "inputs must make the index prune and correct"
+        out, lse = _run(batch, plan, index, num_splits=splits)
+        _check_close(out, lse, batch, plan, index, f"ps{page_size} d{d} corr{int(corr)}")
+
+
 def test_correction_changes_the_output():
     base = dict(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=64)
     outs = []
@@ -431,6 +453,19 @@ def test_fp8_dense_flag():
     assert (lse - want_lse).abs().max().item() <= 1e-2
 
 
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64])
+def test_fp8_page_sizes(page_size):
+    """e4m3 by page size: K by TMA per page (16, 32) or per tile (64), V^T by cp.async below 64
+    keys a page; 48: cp.async for both. Partial last tiles, varlen, correction on and off."""
+    for corr, splits in ((True, 1), (False, 2)):
+        batch, cfg, plan, ds = _fp8_case([333, 77, 1], [100, 0, 250], page_size=page_size,
+                                         corr=corr)
+        assert all(n % 64 for n in plan.seqlens_kv)
+        index = ref.build_index(batch.q, batch.k_pages, batch.v_pages, plan, descales=ds)
+        out, lse = _run(batch, plan, index, num_splits=splits, descales=ds)
+        _check_fp8(out, lse, batch, cfg, plan, index, corr, f"fp8 ps{page_size} corr{int(corr)}")
+
+
 @pytest.mark.parametrize("length,page_size", [(16384, 64), (4099, 16)])
 def test_fp8_long_against_reference(length, page_size):
     batch, cfg, plan, ds = _fp8_case([length, 500], [0, 3000], page_size=page_size,
@@ -468,7 +503,7 @@ def test_fp8_dispatch_through_ops():
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("d,page_size", [(128, 64), (64, 16), (128, 1)])
+@pytest.mark.parametrize("d,page_size", [(128, 64), (64, 16), (128, 1), (128, 8)])
 def test_sanitizer_paths(d, page_size):
     cfg = SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=64)
     batch, plan = _case([150, 1], [70, 30], hq=4, hkv=2, d=d, page_size=page_size, cfg=cfg,

@@ -6,9 +6,11 @@
 //     the same (row, key) coordinate (fp8: after P8Shuffle, emulated lane by lane);
 //  3. the swizzled shared-memory layouts are bijections whose 16-byte chunks are contiguous
 //     (one cp.async each), the V^T view addresses the same element as V (16-bit), and every
-//     TMA box lands as the hardware's swizzle pattern says (fp8 V^T: 64-byte swizzle);
+//     TMA box lands as the hardware's swizzle pattern says (fp8 V^T: 64-byte swizzle), a
+//     page box of 8, 16 or 32 rows included;
 //     16-bit correction chunks pair S slot j with slot j + half (the lo part of its block);
-//  4. the warpgroup of a thread owns rows [64 w, 64 w + 64).
+//  4. the warpgroup of a thread owns rows [64 w, 64 w + 64);
+//  5. the producer's page-id shuffles (RowPages) hand each cp.async row its own page.
 #include <cstdio>
 #include <set>
 #include <vector>
@@ -233,6 +235,15 @@ void check_variant(const char* name) {
               CHECK(got == want, "%s: TMA box (s%d,h%d,c%d) element (%d,%d) at %ld, swizzle says %ld", name,
                     s, hf, cb, r, c, got, want);
             }
+          // pages of 8, 16, 32 keys: one box each at stage row 64 hf + i rows, which must start
+          // 1024-aligned (the swizzle pattern's period) and continue the tile box's bytes
+          for (int rows = 8; rows < 64; rows *= 2)
+            for (int i = 0; i < 64 / rows; ++i) {
+              const char* page_base = reinterpret_cast<const char*>(&sK(hf * 64 + i * rows, cb * W, s));
+              CHECK((page_base - reinterpret_cast<const char*>(buf)) % 1024 == 0 && page_base == base + i * rows * 128,
+                    "%s: page box (s%d,h%d,c%d) of %d rows at row %d not 1024-aligned in the tile box", name, s,
+                    hf, cb, rows, i * rows);
+            }
         }
   }
   // correction chunks: one TMA box of kBlockN rows x one 128-byte row per column block (16-bit:
@@ -277,6 +288,20 @@ void check_variant(const char* name) {
           }
       }
     for (int i = 0; i < n; ++i) CHECK(seen[i] == 1, "%s: sVt not a bijection at %d", name, i);
+  }
+  // the producer's row-page shuffles (pages under 64 keys): the lane a thread reads in pass i
+  // fetched that pass's row, and the passes copy every chunk of the tile once
+  {
+    using RP = fp::RowPages<T>;
+    std::vector<int> copied(64 * T::kChunksPerRow, 0);
+    for (int t = 0; t < T::kProducerThreads; ++t)
+      for (int i = 0; i < RP::kPasses; ++i) {
+        const int r = RP::row(t, i), src = RP::src_lane(t, i);
+        CHECK(src >= 0 && src < 32 && RP::fetch_row((t & ~31) | src) == r,
+              "%s: thread %d pass %d copies row %d but reads lane %d's page", name, t, i, r, src);
+        if (r >= 0 && r < 64) copied[r * T::kChunksPerRow + t % T::kChunksPerRow]++;
+      }
+    for (int c = 0; c < 64 * T::kChunksPerRow; ++c) CHECK(copied[c] == 1, "%s: tile chunk %d copied %d times", name, c, copied[c]);
   }
   const size_t smem = storage_bytes<T>();
   CHECK(smem + 1024 <= 227 * 1024, "%s: %zu bytes of shared memory (+1024 pad) > 227 KB", name, smem);

@@ -7,8 +7,12 @@
 // - FP8 e4m3 at head_dim 128 (SPEC.md's eq. 15, kernels/fp8.py): per-(sequence, KV head)
 //   descales, V from a token-major pool (page_size % 16 == 0), P as round_e4m3(256 p), bf16 out.
 // - PackGQA: one work unit per (sequence, KV head, 128-row query tile[, split]), rows r = p*g + t.
-// - Paged K/V, any page_size: TMA per 64-key tile when page_size % 64 == 0 (one page-table
-//   lookup per tile), cp.async per key row otherwise; rows past Lkv are zero-filled.
+// - Paged K/V, any page_size. Whole 64-key tiles by TMA: one box per tile when page_size % 64
+//   == 0 (one page-table lookup per tile), one box per page at page_size 8, 16 or 32 (e4m3: 16,
+//   32; its V^T by cp.async there). Everything else by 16-byte cp.async with each row's page
+//   looked up once per tile: page sizes 1, 2, 4 and those that neither divide nor are
+//   multiples of 64 (24, 48, ...), and the sequence's partial last tile (rows past Lkv
+//   zero-filled) at every page size.
 // - The CSR list walked backwards (diagonal tiles first, masked; fully visible tiles unmasked),
 //   then the mean-correction chunks (logit bias log2|B_J| or -inf from the selected-block
 //   bitmask) in the same online softmax and the same smem pipeline. The term uses the fp32
@@ -18,8 +22,8 @@
 // - Split-KV by tile count (eq. 18) with an exact LSE combine (combine_splits_kernel); CTAs
 //   ordered by the caller's decreasing-work order. dense=1: every visible tile, no index.
 // Structure (v1, kernels/csrc/sparse_attn_ws.cuh): warp-specialized, 384 threads. A producer
-// warpgroup fills a shared-memory ring (TMA boxes for whole 64-key tiles inside a page and for
-// the correction chunks, zero-filling cp.async through the page table otherwise); two consumer
+// warpgroup fills a shared-memory ring (TMA boxes for whole 64-key tiles, a box per tile or per
+// page, and for the correction chunks, zero-filling cp.async through the page table otherwise); two consumer
 // warpgroups (64 of the 128 rows each) run S = Q K^T and O += P V on wgmma with the softmax of
 // one step under the GEMMs of the next. 128 keys (two CSR entries) per step, or 64 (ws64);
 // ws128_pingpong: the consumer warpgroups also take turns at the tensor cores (FA3's
@@ -46,13 +50,15 @@
 namespace fp {
 
 // TMA descriptors of the K and V pools (ws kernels; enabled when a page holds whole 64-key
-// tiles). Passed as a __grid_constant__ kernel parameter: TMA reads descriptors in param space.
+// tiles, or a tile whole pages of 8, 16 or 32 keys). Passed as a __grid_constant__ kernel
+// parameter: TMA reads descriptors in param space.
 struct FpTmaMaps {
   CUtensorMap k;
-  CUtensorMap v;
+  CUtensorMap v;  // unused for e4m3 at box_rows < 64 (V^T by cp.async)
   CUtensorMap kbar;  // correction means: one box = one chunk of block means of one head
   CUtensorMap vbar;
   int enabled;
+  int box_rows;  // keys per K/V box: 64 (a tile inside a page) or page_size (8, 16, 32)
   int means;  // correction chunks by TMA (K and V block means)
 };
 
@@ -209,15 +215,15 @@ int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* d
   return FP_OK;
 }
 
-// A [num_pages, page_size, Hkv, d] pool as a 4-D map (d, head, slot, page); box = one 64-key
-// tile of one head, one swizzle row of d wide.
+// A [num_pages, page_size, Hkv, d] pool as a 4-D map (d, head, slot, page); box = `box_rows`
+// keys (a 64-key tile, or one whole page of 8 to 32 keys) of one head, one swizzle row of d wide.
 int encode_pool_map(CUtensorMap* map, const void* base, int64_t s_page, int64_t s_slot,
-                    int64_t s_head, const FpAttnParams& p, const char* what) {
+                    int64_t s_head, int box_rows, const FpAttnParams& p, const char* what) {
   const int64_t es = element_bytes(p.dtype);
   const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.num_qo_heads / p.group_size),
                               cuuint64_t(p.page_size), cuuint64_t(p.num_pages)};
   const cuuint64_t strides[3] = {cuuint64_t(s_head * es), cuuint64_t(s_slot * es), cuuint64_t(s_page * es)};
-  const cuuint32_t box[4] = {cuuint32_t(128 / es), 1, 64, 1};
+  const cuuint32_t box[4] = {cuuint32_t(128 / es), 1, cuuint32_t(box_rows), 1};
   return encode_map(map, base, 4, dims, strides, box, p.dtype, CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
@@ -261,14 +267,24 @@ int launch(const FpAttnParams& p, cudaStream_t stream) {
   if (grid == 0) return FP_OK;
   fp::FpTmaMaps maps;
   std::memset(&maps, 0, sizeof(maps));
-  // TMA for whole tiles: a page must hold whole 64-key tiles (the gathers go through cp.async otherwise)
+  // TMA for whole tiles: one box per tile when a page holds whole 64-key tiles; one box per page
+  // when whole pages of 8, 16 or 32 keys make up a tile. A page's box then lands at a stage row
+  // that is a multiple of 8 (1024 bytes: the 128-byte swizzle pattern's period, the alignment its
+  // boxes need); pages of 1, 2 or 4 keys would start a box inside a period, and other sizes do
+  // not tile a tile: those gather through cp.async. e4m3 V^T boxes span keys: a page of 16 or 32
+  // keys would start inside a 64-byte swizzle row, so V^T takes cp.async below 64 keys a page.
   const bool fp8 = p.dtype == FP_DTYPE_E4M3;
-  if (p.page_size % 64 == 0 && p.num_pages > 0) {
-    int st = encode_pool_map(&maps.k, p.k, p.sk_p, p.sk_s, p.sk_h, p, "k");
-    if (st == FP_OK)
-      st = fp8 ? encode_pool_vt_map(&maps.v, p) : encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, p, "v");
+  const int box_rows = p.page_size % 64 == 0                            ? 64
+                       : (64 % p.page_size == 0 && p.page_size % 8 == 0) ? p.page_size
+                                                                          : 0;
+  if (box_rows > 0 && p.num_pages > 0) {
+    int st = encode_pool_map(&maps.k, p.k, p.sk_p, p.sk_s, p.sk_h, box_rows, p, "k");
+    if (st == FP_OK && !fp8)
+      st = encode_pool_map(&maps.v, p.v, p.sv_p, p.sv_s, p.sv_h, box_rows, p, "v");
+    if (st == FP_OK && fp8 && box_rows == 64) st = encode_pool_vt_map(&maps.v, p);
     if (st != FP_OK) return st;
     maps.enabled = 1;
+    maps.box_rows = box_rows;
   }
   // (fp8 kernels load correction chunks by TMA only)
   if (p.correction && !p.dense && p.total_blocks > 0) {

@@ -64,9 +64,13 @@ struct WsTraits {
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kMmaThreads = kConsumerThreads;
   // CSR entries whose tile and page the producer looks up together (one thread each), so the
-  // dependent index -> page-table -> K/V loads cost one round trip per kTableTiles entries
+  // dependent index -> page-table -> K/V loads cost one round trip per kTableTiles entries.
+  // Pages of 8, 16 or 32 keys (one TMA box each) need 64 / page_size page ids per tile: a
+  // refill then covers kTablePages / (64 / page_size) entries (one thread per page id)
   static constexpr int kTableTiles = 64;
+  static constexpr int kTablePages = 128;
   static_assert(kTableTiles % kTilesPerStage == 0 && kTableTiles <= kProducerThreads);
+  static_assert(kTablePages <= kProducerThreads && kTablePages / 8 >= kTilesPerStage);
   static constexpr int kProducerRegs = 40;   // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
   static constexpr int kConsumerRegs = 232;
   static constexpr int kChunk = 16 / sizeof(Element);
@@ -154,6 +158,25 @@ struct P8Shuffle {
   }
 };
 
+// Pages under 64 keys, a tile by cp.async: pass i of producer thread t copies 16-byte chunk
+// t % kChunksPerRow of tile row row(t, i). Over the passes a warp copies 16 rows; lane l (and
+// l + 16) looks up the page of row fetch_row(t) once a tile, and in pass i thread t takes its
+// row's page from lane src_lane(t, i) of its warp by shuffle. layout_check.cu checks that the
+// lane it reads fetched its row.
+template <class T>
+struct RowPages {
+  static constexpr int kRowsPerPass = T::kProducerThreads / T::kChunksPerRow;
+  static constexpr int kRowsPerWarp = 32 / T::kChunksPerRow;
+  static constexpr int kPasses = T::kTileN / kRowsPerPass;
+  static_assert(32 % T::kChunksPerRow == 0 && kRowsPerWarp * kPasses == 16);
+  CUTE_HOST_DEVICE static int row(int t, int i) { return (t + i * T::kProducerThreads) / T::kChunksPerRow; }
+  CUTE_HOST_DEVICE static int fetch_row(int t) {
+    const int l = t % 16;
+    return (l / kRowsPerWarp) * kRowsPerPass + (t / 32) * kRowsPerWarp + l % kRowsPerWarp;
+  }
+  CUTE_HOST_DEVICE static int src_lane(int t, int i) { return i * kRowsPerWarp + (t % 32) / T::kChunksPerRow; }
+};
+
 template <class T>
 struct WsSharedStorage {
   using Element = typename T::Element;
@@ -164,9 +187,11 @@ struct WsSharedStorage {
   uint64_t empty[T::kStages];  // consumers -> producer: both warpgroups are done with it
   uint64_t q_full;   // producer -> consumers: Q of the unit landed
   uint64_t q_empty;  // consumers -> producer: both warpgroups' last S GEMM of the unit is done
-  // the producer's next T::kTableTiles CSR entries from the top: tile index and first page
+  // the producer's next CSR entries from the top: tile index, and the tile's page (pages of 64
+  // keys or more) or its 64 / page_size pages (8 to 32 keys, TMA per page) at 64 / page_size
+  // consecutive slots
   int32_t tab_tile[T::kTableTiles];
-  int32_t tab_page[T::kTableTiles];
+  int32_t tab_page[T::kTablePages];
 };
 
 }  // namespace fp

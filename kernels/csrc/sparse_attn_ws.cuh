@@ -3,11 +3,14 @@
 //
 // CTA = 3 warpgroups. Warpgroup 0 (producer, setmaxnreg down) loads Q once, then walks the
 // same item sequence as the consumers (CSR positions from the top, then the correction
-// chunks) into a kStages ring: whole 64-key tiles of a page and correction chunks by TMA (one
-// thread; `mbarrier.expect_tx` on full[s]), partial tiles and pages smaller than a tile by
-// every producer thread's zero-filling 16-byte cp.async through the page table;
-// `cp.async.mbarrier.arrive.noinc` on full[s] by all 128 completes the stage when both kinds
-// of copies have landed. Warpgroups 1 and 2 (consumers, setmaxnreg up) own rows 0-63 / 64-127 of the
+// chunks) into a kStages ring. By TMA (`mbarrier.expect_tx` on full[s] by each issuing
+// thread first): correction chunks, and whole 64-key tiles, one box per tile at page sizes
+// that are multiples of 64 (thread 0) or one per page at 8, 16, 32 (lane 0 of up to 4 warps;
+// the page ids come with the tile ids in the lookup table; e4m3 V^T by cp.async there). By
+// every producer thread's zero-filling 16-byte cp.async: partial tiles and all tiles at other
+// page sizes (1, 2, 4, 24, 48, ...), each row's page read once per tile and shuffled to the
+// lanes that copy the row (RowPages). `cp.async.mbarrier.arrive.noinc` on full[s] by all 128
+// completes the stage when both kinds of copies have landed. Warpgroups 1 and 2 (consumers, setmaxnreg up) own rows 0-63 / 64-127 of the
 // 128-row PackGQA tile. Each consumer overlaps the softmax of item k with the tensor cores:
 //   issue S_k = Q K_k^T; issue O += P_{k-1} V_{k-1}; wait S_k; softmax(S_k) while PV runs;
 //   wait PV; release stage k-1 (one arrive per warpgroup on empty[s]); O *= alpha_k; P_k = S_k.
@@ -174,6 +177,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
     constexpr int kProducerBarrier = 1;  // named barrier of the producer warpgroup (0: __syncthreads)
     constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
     constexpr int kTable = T::kTableTiles;
+    using RowPages = fp::RowPages<T>;
+    static_assert(RowPages::kPasses == kTileN / kRowsPerPass);
+    const int lane = ptid % 32, warp = ptid / 32;
+    // TMA boxes of a whole tile: one (a page of 64 keys or more) or one per page (8 to 32
+    // keys); the lookup table then holds pages_per_tile page ids an entry, fewer entries
+    const int pages_per_tile = tma.enabled ? kTileN / tma.box_rows : 1;
+    const int ppt_log2 = __ffs(pages_per_tile) - 1;
+    const int table_entries = min(kTable, T::kTablePages >> ppt_log2);
+    // e4m3 at pages under 64 keys: K by TMA, V^T by cp.async (see the host's map choice)
+    const bool vt_by_cp_async = kFp8 && pages_per_tile > 1;
+    // up to 4 warps (lane 0 each) issue a stage's page boxes side by side
+    const int issuers = min(pages_per_tile, kProducerThreads / 32);
 
     int it = 0;  // items over every unit of this CTA: the ring's position and phase
     int n_unit = 0;
@@ -212,91 +227,131 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       for (int k = 0; k < wk.n_items; ++k, ++it) {
         const int st = it % kStages;
         const int e0 = k * kTilesPerStage;  // first list entry (from the top) of item k
-        if (k < n_main && e0 % kTable == 0) {
-          // refill the lookup table for entries e0 .. e0 + kTable - 1: kTable independent
-          // index and page-table reads in flight at once instead of two dependent ones per tile
+        if (k < n_main && (e0 & (table_entries - 1)) == 0) {
+          // refill the lookup table for entries e0 .. e0 + table_entries - 1: independent index
+          // and page-table reads in flight at once instead of two dependent ones per tile.
+          // Pages of whole tiles only (a partial tile's last pages may lie past the sequence's)
           cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);  // last table read
-          if (ptid < kTable) {
-            const int n = wk.entry_tile(p, e0 + ptid);
-            ss.tab_tile[ptid] = n;
-            ss.tab_page[ptid] = (n >= 0 && tile_in_one_page) ? pt_row[n * kTileN / page_size] : 0;
+          if (ptid < (table_entries << ppt_log2)) {
+            const int e = ptid >> ppt_log2, i = ptid & (pages_per_tile - 1);
+            const int n = wk.entry_tile(p, e0 + e);
+            if (i == 0) ss.tab_tile[e] = n;
+            int page = 0;
+            if (n >= 0 && (tile_in_one_page || (pages_per_tile > 1 && (n + 1) * kTileN <= lkv)))
+              page = pt_row[(n * kTileN + i * tma.box_rows) / page_size];
+            ss.tab_page[ptid] = page;
           }
           cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBarrier);
         }
         cutlass::arch::ClusterBarrier::wait(&ss.empty[st], ((it / kStages) & 1) ^ 1);
         if (k < n_main) {
-          // whole tiles in one page go by TMA (one thread, 2 x d/64 boxes per tile); a partial or
-          // missing tile by everyone's cp.async with zero-fill (its keys past Lkv must not carry
-          // stale pool bytes, NaN included, into P V)
+          // whole tiles go by TMA (2 x d/64 boxes per tile or per page); a partial or missing
+          // tile by everyone's cp.async with zero-fill (its keys past Lkv must not carry stale
+          // pool bytes, NaN included, into P V)
           int by_tma = 0;
           if (tma.enabled) {
             CUTE_UNROLL
             for (int hf = 0; hf < kTilesPerStage; ++hf) {
-              const int n = ss.tab_tile[(e0 + hf) % kTable];
+              const int n = ss.tab_tile[(e0 + hf) & (table_entries - 1)];
               if (n >= 0 && (n + 1) * kTileN <= lkv) by_tma |= 1 << hf;
             }
           }
-          if (by_tma && ptid == 0) {
-            constexpr uint32_t kTileBytes = 2 * kTileN * kHeadDim * sizeof(Element);  // K and V
-            mbarrier_expect_tx(&ss.full[st], __popc(by_tma) * kTileBytes);
-            CUTE_UNROLL
-            for (int hf = 0; hf < kTilesPerStage; ++hf) {
+          if (by_tma && lane == 0 && warp < issuers) {
+            // box q (page q % pages_per_tile of tile q / pages_per_tile) from warp q % issuers;
+            // each issuer expects its own boxes' bytes before issuing them (and before its arrive
+            // below), so full[st] cannot complete without them
+            const int rows = kTileN >> ppt_log2;
+            const int n_boxes = kTilesPerStage << ppt_log2;
+            constexpr int kPerRow = kHeadDim * int(sizeof(Element));  // bytes of one key's K (V)
+            const uint32_t box_bytes = rows * kPerRow * (vt_by_cp_async ? 1 : 2);  // K and V
+            uint32_t bytes = 0;
+#pragma unroll 1
+            for (int q = warp; q < n_boxes; q += issuers)
+              if (by_tma >> (q >> ppt_log2) & 1) bytes += box_bytes;
+            if (bytes) mbarrier_expect_tx(&ss.full[st], bytes);
+#pragma unroll 1
+            for (int q = warp; q < n_boxes; q += issuers) {
+              const int hf = q >> ppt_log2, i = q & (pages_per_tile - 1);
               if (!(by_tma >> hf & 1)) continue;
-              const int n = ss.tab_tile[(e0 + hf) % kTable];
-              const int slot0 = (n * kTileN) % page_size;
-              const int page = ss.tab_page[(e0 + hf) % kTable];
+              const int e = (e0 + hf) & (table_entries - 1);
+              const int n = ss.tab_tile[e];
+              const int page = ss.tab_page[(e << ppt_log2) + i];
+              const int slot0 = (n * kTileN + i * rows) % page_size;
+              // stage row: a multiple of 8, where the 128-byte swizzle pattern starts over
+              const int row = hf * kTileN + i * rows;
               CUTE_UNROLL
               for (int cb = 0; cb < kHeadDim / kBoxCols; ++cb) {
-                tma_load_4d(&sK(hf * kTileN, cb * kBoxCols, st), &tma.k, &ss.full[st], cb * kBoxCols, h, slot0, page);
+                tma_load_4d(&sK(row, cb * kBoxCols, st), &tma.k, &ss.full[st], cb * kBoxCols, h, slot0, page);
                 if constexpr (!kFp8)
-                  tma_load_4d(&sV(hf * kTileN, cb * kBoxCols, st), &tma.v, &ss.full[st], cb * kBoxCols, h, slot0, page);
+                  tma_load_4d(&sV(row, cb * kBoxCols, st), &tma.v, &ss.full[st], cb * kBoxCols, h, slot0, page);
               }
               // fp8: the tile's V^T, keys x all d rows of the token-major pool, in one box
-              if constexpr (kFp8) tma_load_4d(&sVt(0, hf * kTileN, st), &tma.v, &ss.full[st], slot0, 0, h, page);
+              if constexpr (kFp8) {
+                if (!vt_by_cp_async) tma_load_4d(&sVt(0, hf * kTileN, st), &tma.v, &ss.full[st], slot0, 0, h, page);
+              }
             }
           }
 #pragma unroll 1
           for (int hf = 0; hf < kTilesPerStage; ++hf) {
-            if (by_tma >> hf & 1) continue;
-            const int n = ss.tab_tile[(e0 + hf) % kTable];  // uniform over the CTA
+            const bool tile_by_tma = by_tma >> hf & 1;
+            if (tile_by_tma && !vt_by_cp_async) continue;
+            const int e = (e0 + hf) & (table_entries - 1);
+            const int n = ss.tab_tile[e];  // uniform over the CTA
             const int j0 = n * kTileN;
-            const int64_t page0 = ss.tab_page[(e0 + hf) % kTable];
-#pragma unroll 2
-            for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
-              const int c = ptid + i * kProducerThreads;
-              const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-              const int j = j0 + r;
-              const bool ok = n >= 0 && j < lkv;
-              int64_t page, slot;
-              if (tile_in_one_page) {
-                page = page0;
-                slot = j0 % page_size + r;
-              } else {
-                page = ok ? pt_row[j / page_size] : 0;
-                slot = j % page_size;
+            const int64_t page0 = ss.tab_page[e << ppt_log2];  // pages of 64 keys or more
+            if (!tile_by_tma) {
+              // pages under 64 keys: the page and slot of this warp's 16 rows, one lookup per
+              // row (RowPages), handed to the row's copying lanes by shuffles: no page-table
+              // read in the chunk loop
+              int row_page = 0, row_slot = 0;
+              if (!tile_in_one_page) {
+                const int j = j0 + RowPages::fetch_row(ptid);
+                if (n >= 0 && j < lkv) {
+                  row_page = pt_row[j / page_size];
+                  row_slot = j % page_size;
+                }
               }
-              const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
-              cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
-              if constexpr (!kFp8) {
-                const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
-                cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+#pragma unroll 2
+              for (int i = 0; i < kTileN / kRowsPerPass; ++i) {
+                const int c = ptid + i * kProducerThreads;
+                // r = RowPages::row(ptid, i); the column recomputed a pass (the same every pass,
+                // but held across the loop it made the producer spill in the persistent d=128 kernels)
+                const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+                const int j = j0 + r;
+                const bool ok = n >= 0 && j < lkv;
+                int64_t page, slot;
+                if (tile_in_one_page) {
+                  page = page0;
+                  slot = j0 % page_size + r;
+                } else {
+                  const int src = RowPages::src_lane(ptid, i);
+                  page = __shfl_sync(0xffffffffu, row_page, src);
+                  slot = __shfl_sync(0xffffffffu, row_slot, src);
+                }
+                const Element* ks = ok ? k_head + page * p.sk_p + slot * p.sk_s + col : k_ptr;
+                cp_async_16(&sK(hf * kTileN + r, col, st), ks, ok);
+                if constexpr (!kFp8) {
+                  const Element* vs = ok ? v_head + page * p.sv_p + slot * p.sv_s + col : v_ptr;
+                  cp_async_16(&sV(hf * kTileN + r, col, st), vs, ok);
+                }
               }
             }
             if constexpr (kFp8) {
               // V^T: 16 keys of one d row per chunk (token-major pages hold whole chunks: the
-              // host asks page_size % 16 == 0); keys past Lkv zero-filled byte by byte
+              // host asks page_size % 16 == 0); keys past Lkv zero-filled byte by byte. A thread's
+              // chunks share their keys (c % kKeyChunks = ptid % kKeyChunks): one page lookup
               constexpr int kKeyChunks = kTileN / 16;
-              static_assert(kHeadDim * kKeyChunks % kProducerThreads == 0);
+              static_assert(kHeadDim * kKeyChunks % kProducerThreads == 0 && kProducerThreads % kKeyChunks == 0);
+              const int c16 = ptid % kKeyChunks;
+              const int j = j0 + 16 * c16;
+              const int bytes = n >= 0 ? max(0, min(16, lkv - j)) : 0;
+              int64_t page = page0;
+              if (!tile_in_one_page) page = bytes > 0 ? pt_row[j / page_size] : 0;
+              const Element* vs0 = v_head + page * p.sv_p + j % page_size;
 #pragma unroll 2
               for (int i = 0; i < kHeadDim * kKeyChunks / kProducerThreads; ++i) {
-                const int c = ptid + i * kProducerThreads;
-                const int dd = c / kKeyChunks, c16 = c % kKeyChunks;
-                const int j = j0 + 16 * c16;
-                const int bytes = n >= 0 ? max(0, min(16, lkv - j)) : 0;
-                int64_t page = page0;
-                if (!tile_in_one_page) page = bytes > 0 ? pt_row[j / page_size] : 0;
-                const Element* vs =
-                    bytes > 0 ? v_head + page * p.sv_p + int64_t(dd) * p.sv_d + j % page_size : v_ptr;
+                const int dd = (ptid + i * kProducerThreads) / kKeyChunks;
+                const Element* vs = bytes > 0 ? vs0 + int64_t(dd) * p.sv_d : v_ptr;
                 cp_async_16_bytes(&sVt(dd, hf * kTileN + 16 * c16, st), vs, bytes);
               }
             }
@@ -492,9 +547,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) sparse_attn_fwd_ws_kernel(cons
       // that may hold cp.async data needs the proxy fence (a MEMBAR + FENCE.VIEW.ASYNC in SASS).
       // TMA writes through the async proxy, and the producer used TMA alone for correction
       // chunks (tma.means) and for items without a diagonal or missing tile (those tiles are
-      // fully visible, hence whole: (n + 1) * 64 <= lo + 1 <= Lkv).
+      // fully visible, hence whole: (n + 1) * 64 <= lo + 1 <= Lkv), but for e4m3 V^T at pages
+      // under 64 keys (cp.async).
       const bool tma_only = k >= n_main ? bool(tma.means)
-                                        : tma.enabled && i_hi - 1 - k * kTilesPerStage < i_mid &&
+                                        : tma.enabled && !(kFp8 && tma.box_rows < kTileN) &&
+                                              i_hi - 1 - k * kTilesPerStage < i_mid &&
                                               i_hi - 1 - k * kTilesPerStage - (kTilesPerStage - 1) >= i_lo;
       if (!tma_only) fence_proxy_async();
     };
