@@ -30,9 +30,9 @@ No checksum: nothing sits between the bytes read and the bytes written (no wire,
 buffer, no reordering), so a CRC or the channel's on-device sum would re-read the whole
 payload to check one copy kernel. The header says so (``checksum_kind="none"``).
 
-Fallback (``auto`` on CUDA): with ``fallback`` (the NCCL ``ChannelTransport``) pages also move
-between pools on different GPUs, so one deployment works whether Ray puts the pair on one GPU
-or two. It is lazy: the ticket carries the IPC part only, and a receiver on another GPU asks
+Fallback (``auto`` on CUDA): with ``fallback`` (the NCCL channel's sender on a prefill
+replica, its receiver on a decode replica) pages also move between pools on different GPUs,
+so one deployment works whether Ray puts the pair on one GPU or two. It is lazy: the ticket carries the IPC part only, and a receiver on another GPU asks
 the sender (``call_sender``: the prefill replica's ``stage_pages``, which runs
 ``serve_stage``) to export the pages over the fallback, then receives that ticket. Exporting
 both up front would stage a full copy of every request's pages (the channel's staging
@@ -75,6 +75,8 @@ from kv_cache.tensors import copy_word, pool_page_words
 
 from .transfer import (
     KVFrameHeader,
+    KVReceiver,
+    KVSender,
     KVTransport,
     TransferError,
     TransferFailure,
@@ -372,9 +374,10 @@ class CudaIpcTransport(KVTransport):
 
     identity: how tickets name this replica as a sender (``replica_id`` plus what
         ``call_sender`` needs to reach it, e.g. Serve's app and deployment names).
-    fallback: receiver and sender side: the transport for pools on different GPUs (``auto``:
-        the NCCL ``ChannelTransport``); ``None``: such a transfer fails ``UNAVAILABLE``. The
-        transport owns it (``close`` closes it).
+    fallback: the transport for pools on different GPUs, this replica's end of it (``auto``:
+        the NCCL channel's ``ChannelSender`` on a prefill replica, ``ChannelReceiver`` on a
+        decode replica); ``None``: such a transfer fails ``UNAVAILABLE``. The transport owns
+        it (``close`` closes it).
     call_sender: receiver side, ``async (sender, request) -> reply``: deliver a stage request
         to the sender replica and return its ``serve_stage`` reply (needed for the fallback).
     lease_timeout_s: sender side: how long the sender keeps exported pages at most (the
@@ -390,7 +393,7 @@ class CudaIpcTransport(KVTransport):
     reads_pages_after_export = True  # the receiver copies them out of this pool
     releases_after_receive = True  # the copy leaves the sender's lease to the receiver's release
 
-    def __init__(self, *, identity: dict | None = None, fallback: KVTransport | None = None,
+    def __init__(self, *, identity: dict | None = None, fallback: KVSender | KVReceiver | None = None,
                  call_sender: StageCall | None = None, lease_timeout_s: float | None = None,
                  copy_chunk_bytes: int = 256 << 20, idle_close_s: float = 60.0, stage_timeout_s: float = 30.0,
                  uuid_of: Callable[[torch.device], str | None] | None = None, max_workers: int = 4) -> None:
@@ -398,8 +401,8 @@ class CudaIpcTransport(KVTransport):
         for key, value in identity.items():
             if not _short_str(key) or not _short_str(value):
                 raise ValueError(f"identity: expected short non-empty str values, got {key!r}: {value!r}")
-        if fallback is not None and (not isinstance(fallback, KVTransport) or fallback.name == self.name):
-            raise ValueError(f"fallback: expected another KVTransport, got {fallback!r}")
+        if fallback is not None and (not isinstance(fallback, (KVSender, KVReceiver)) or fallback.name == self.name):
+            raise ValueError(f"fallback: expected another transport's sender or receiver, got {fallback!r}")
         if call_sender is not None and not callable(call_sender):
             raise ValueError(f"call_sender: expected an async callable, got {type(call_sender).__name__}")
         for arg, value in (("lease_timeout_s", lease_timeout_s), ("idle_close_s", idle_close_s),
@@ -526,11 +529,11 @@ class CudaIpcTransport(KVTransport):
     @property
     def serves_sends(self) -> bool:
         """Sends go over the fallback channel, where there is one."""
-        return self.fallback is not None and self.fallback.serves_sends
+        return isinstance(self.fallback, KVSender) and self.fallback.serves_sends
 
     async def serve_send(self, request: Any) -> Any:
         """A receiver on another GPU pulls staged pages over the fallback channel."""
-        if self.fallback is None:
+        if not isinstance(self.fallback, KVSender):
             return await super().serve_send(request)
         return await self.fallback.serve_send(request)
 
@@ -548,7 +551,7 @@ class CudaIpcTransport(KVTransport):
             rid, sender_id, transport = req.request_id, req.sender_id, req.transport
         except ValueError as exc:
             return _reply(False, TransferFailure.UNAVAILABLE, f"bad stage request: {exc}")
-        if self.fallback is None or transport != self.fallback.name:
+        if not isinstance(self.fallback, KVSender) or transport != self.fallback.name:
             have = self.fallback.name if self.fallback is not None else None
             return _reply(False, TransferFailure.UNAVAILABLE, f"this replica stages over {have!r}, not {transport!r}")
         if sender_id != self.replica_id:  # routed to the wrong replica (ours has gone)
@@ -584,7 +587,8 @@ class CudaIpcTransport(KVTransport):
         local = self._uuid_of(pool.device)
         if local is not None and local == spec.device_uuid:
             return await self._receive_mapped(spec, pool)
-        if self.fallback is not None and spec.fallback == self.fallback.name and self.call_sender is not None:
+        if (isinstance(self.fallback, KVReceiver) and spec.fallback == self.fallback.name
+                and self.call_sender is not None):
             return await self._receive_via_fallback(spec, pool)
         self._counts["ipc_failures"] += 1
         offer = (f"; the sender offers {spec.fallback!r}, this replica has "

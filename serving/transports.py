@@ -68,11 +68,11 @@ def make_prefill_transports(config: ServiceConfig, placement: Placement, *, iden
 
         return PrefillTransports(make_tp_channel_exporter(group.lock, group.actors, config, identity=identity,
                                                           host=host), object_store, choice)
-    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.channel_send import ChannelSender
 
     channel = transfer.channel
-    make_channel = lambda: ChannelTransport(placement.device, host=host, identity=identity,  # noqa: E731
-                                            config=channel.channel_config(), max_workers=channel.max_workers)
+    make_channel = lambda: ChannelSender(placement.device, host=host, identity=identity,  # noqa: E731
+                                         config=channel.channel_config(), max_workers=channel.max_workers)
     if choice.sender == "channel":
         return PrefillTransports(make_channel(), object_store, choice)
     from kv_transfer.ipc import CudaIpcTransport
@@ -113,10 +113,10 @@ def make_decode_receivers(config: ServiceConfig, placement: Placement, *, identi
     receivers = {"object_store": ObjectStoreTransport(fetch_timeout_s=fetch_s)}
     channels = None
     if "channel" in choice.receivers:
-        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.channel_recv import ChannelReceiver
 
-        channels = ChannelTransport(placement.device, host=host, identity=identity, call_sender=prefill.send_pages,
-                                    config=transfer.channel.channel_config(), max_workers=transfer.channel.max_workers)
+        channels = ChannelReceiver(placement.device, host=host, identity=identity, call_sender=prefill.send_pages,
+                                   config=transfer.channel.channel_config(), max_workers=transfer.channel.max_workers)
         receivers[channels.name] = channels
     if "cuda_ipc" in choice.receivers:
         from kv_transfer.ipc import CudaIpcTransport

@@ -25,7 +25,8 @@ import torch
 
 from kv_cache import KVPool, KVPoolConfig
 from kv_cache.tensors import _plain_cuda_segments, copy_word
-from kv_transfer.channel import ChannelTransport
+from kv_transfer.channel_recv import ChannelReceiver
+from kv_transfer.channel_send import ChannelSender
 from kv_transfer.config import ChannelConfig
 from kv_transfer.ipc import (
     CudaIpcTransport,
@@ -504,9 +505,9 @@ def test_another_gpu_gets_the_pages_over_a_real_gloo_channel():
     src, dst = make_pool(), make_pool()
     dst.reserve("other", 10)
     fill(src, "r", 21, seed=12)
-    send_ch = ChannelTransport("cpu", identity={"replica_id": "P"}, config=FAST)
-    recv_ch = ChannelTransport("cpu", identity={"replica_id": "D"}, config=FAST,
-                               call_sender=lambda s, r: send_ch.serve_send(r))
+    send_ch = ChannelSender("cpu", identity={"replica_id": "P"}, config=FAST)
+    recv_ch = ChannelReceiver("cpu", identity={"replica_id": "D"}, config=FAST,
+                              call_sender=lambda s, r: send_ch.serve_send(r))
     sender = FakeIpc(gpu="GPU-A", identity={"replica_id": "P"}, fallback=send_ch)
     stage_calls = []
 
@@ -910,9 +911,9 @@ def test_gpu_auto_falls_back_to_nccl_between_two_gpus():
     dst = KVPool(KVPoolConfig(num_layers=3, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16,
                               num_pages=48, device="cuda:1"))
     cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0)
-    send_ch = ChannelTransport("cuda:0", identity={"replica_id": "P"}, config=cfg)
-    recv_ch = ChannelTransport("cuda:1", identity={"replica_id": "D"}, config=cfg,
-                               call_sender=lambda s, r: send_ch.serve_send(r))
+    send_ch = ChannelSender("cuda:0", identity={"replica_id": "P"}, config=cfg)
+    recv_ch = ChannelReceiver("cuda:1", identity={"replica_id": "D"}, config=cfg,
+                              call_sender=lambda s, r: send_ch.serve_send(r))
     sender = CudaIpcTransport(identity={"replica_id": "P"}, fallback=send_ch)
 
     async def stage(who, request):

@@ -572,7 +572,8 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     import decode_worker.deployment as dd
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.channel_recv import ChannelReceiver
+    from kv_transfer.channel_send import ChannelSender
     from kv_transfer.ipc import CudaIpcTransport
     from kv_transfer.transfer import IPC_OR_NCCL
 
@@ -597,7 +598,9 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             request = StagePages(request_id="r", sender_id=ipc.replica_id, transport="gloo")
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
-                assert isinstance(ipc.fallback, ChannelTransport) and ipc.serves_sends
+                # each end's fallback is its end of the channel: a sender here, a receiver there
+                assert type(ipc.fallback) is ChannelSender and ipc.serves_sends
+                assert type(dec.receivers["gloo"]) is ChannelReceiver and not receiver.serves_sends
                 for channel in (ipc.fallback, dec.receivers["gloo"]):  # the transfer.channel knobs
                     assert (channel.config.chunk_bytes, channel.config.ring_depth, channel.config.connect_timeout_s) \
                         == (4096, 2, 7.0)
