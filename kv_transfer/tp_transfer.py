@@ -56,7 +56,7 @@ from .transfer import (
     FRAME_MAGIC,
     MAX_HEADER_BYTES,
     KVFrameHeader,
-    KVTransport,
+    KVSender,
     TransferError,
     TransferFailure,
     adopt_pages,
@@ -457,7 +457,7 @@ async def _release_after(gathered: Any, release: Callable[[], Any]) -> None:
         logging.getLogger(__name__).exception("releasing the pages of a cancelled group receive failed")
 
 
-class TPChannelTransport(KVTransport):
+class TPChannelTransport(KVSender):
     """The channel transport of a TP prefill group (sender side): every rank ships its own KV
     heads over its own channel to the receiving replica (one pairwise channel per (prefill
     rank, decode replica) pair), so pages go from each rank's device straight to the decode
@@ -554,11 +554,6 @@ class TPChannelTransport(KVTransport):
             return await self.followers[rank - 1].send(request)
         except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
             return SendReply(False, TransferFailure.LOST.value, f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}")
-
-    async def receive(self, ticket: Any, pool: KVPool) -> list[int]:
-        """Receiving is the decode side's ``ChannelReceiver`` (it reads the ``tp`` ticket)."""
-        raise TransferError(TransferFailure.UNAVAILABLE, "a TP prefill group sends, it does not receive",
-                            getattr(ticket, "request_id", None))
 
     def counters(self) -> dict[str, int]:
         return self.leader.counters()

@@ -462,7 +462,7 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
     import asyncio
 
     from kv_transfer.channel_recv import ChannelReceiver
-    from kv_transfer.transfer import KVTransport
+    from kv_transfer.transfer import KVReceiver
     from kv_transfer.tp_transfer import TPChannelTransport, receive_group
     from model_executor.parallel import RankFailed
 
@@ -479,12 +479,8 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
                "layout": (layout.num_q_heads, layout.num_kv_heads, layout.tp_size)}
               for rank in range(1, layout.tp_size)]
 
-    class TPChannelReceiver(KVTransport):
+    class TPChannelReceiver(KVReceiver):
         name = transport.name
-        fault_modes = ()
-
-        def export(self, pool, request_id, *, fault=None):
-            raise ValueError("pool: a decode replica receives KV pages, it does not export them")
 
         async def receive(self, ticket, pool):
             rid = getattr(ticket, "request_id", None)

@@ -304,6 +304,18 @@ def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
         TPChannelTransport(ChannelSender("cpu"), HeadLayout(HQ, HKV, 2), [], identity={}, host="h")
 
 
+def test_the_tp_group_sender_is_a_sender_only():
+    from kv_transfer.transfer import KVReceiver, KVSender
+
+    leader = ChannelSender("cpu", identity=TPChannelTransport.rank_identity("P", 0))
+    sender = TPChannelTransport(leader, HeadLayout(HQ, HKV, 1), [], identity={"replica_id": "P"}, host="h")
+    try:
+        assert isinstance(sender, KVSender) and not isinstance(sender, KVReceiver) and not hasattr(sender, "receive")
+        assert sender.name == "gloo" and sender.serves_sends and sender.counters() == leader.counters()
+    finally:
+        sender.close()
+
+
 def test_tp_prefill_transport_choice():
     from kv_transfer.transfer import select_transport
     from kv_transfer.tp_transfer import tp_transport_choice
