@@ -10,7 +10,8 @@ Above ``model_executor``; the pool it moves pages in and out of is ``kv_cache.KV
   ``pages`` (a chunk's bytes: gather, scatter, checksum), ``process_group`` (one end of a
   channel), ``wire`` (the typed send and stage requests and replies), ``config`` (``ChannelConfig``, standard
   library only: the service's options import it).
-- ``ipc``: ``CudaIpcTransport``, same-GPU copies through CUDA IPC.
+- ``ipc``, ``ipc_send``, ``ipc_recv``: same-GPU copies through CUDA IPC, as a pair,
+  ``CudaIpcSender`` and ``CudaIpcReceiver`` (on ``CudaIpcEnd``).
 - ``routes`` and ``tp_transfer``: transfers between tensor-parallel groups.
 
 Import the module that holds a name: the package imports none of them, so that

@@ -75,13 +75,10 @@ def make_prefill_transports(config: ServiceConfig, placement: Placement, *, iden
                                          config=channel.channel_config(), max_workers=channel.max_workers)
     if choice.sender == "channel":
         return PrefillTransports(make_channel(), object_store, choice)
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.ipc_send import CudaIpcSender
 
-    ipc = transfer.ipc
     fallback = make_channel() if choice.sender == "cuda_ipc+channel" else None
-    sender = CudaIpcTransport(identity=identity, fallback=fallback, lease_timeout_s=transfer.lease_timeout_s,
-                              copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                              stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
+    sender = CudaIpcSender(identity=identity, fallback=fallback, lease_timeout_s=transfer.lease_timeout_s)
     return PrefillTransports(sender, object_store, choice)
 
 
@@ -119,14 +116,14 @@ def make_decode_receivers(config: ServiceConfig, placement: Placement, *, identi
                                    config=transfer.channel.channel_config(), max_workers=transfer.channel.max_workers)
         receivers[channels.name] = channels
     if "cuda_ipc" in choice.receivers:
-        from kv_transfer.ipc import CudaIpcTransport
+        from kv_transfer.ipc_recv import CudaIpcReceiver
 
         # the channel is also the IPC transport's way to pages on another GPU
         ipc = transfer.ipc
-        receivers["cuda_ipc"] = CudaIpcTransport(identity=identity, fallback=channels,
-                                                 call_sender=prefill.stage_pages if channels else None,
-                                                 copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                                                 stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
+        receivers["cuda_ipc"] = CudaIpcReceiver(identity=identity, fallback=channels,
+                                                call_sender=prefill.stage_pages if channels else None,
+                                                copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
+                                                stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
     return receivers
 
 

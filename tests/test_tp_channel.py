@@ -574,7 +574,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     the object store."""
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.ipc_send import CudaIpcSender
     from kv_transfer.transfer import IPC_OR_NCCL
 
     opts = {"model": "builtin:tiny", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,
@@ -584,7 +584,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
         monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre = pd.PrefillServer(opts)
         try:
-            assert not isinstance(pre.transport, CudaIpcTransport), kind
+            assert not isinstance(pre.transport, CudaIpcSender), kind
             if want == "channel":
                 assert isinstance(pre.transport, ChannelSender) and pre.transport.name == "gloo", kind
             else:
