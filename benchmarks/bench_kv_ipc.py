@@ -1,17 +1,17 @@
 """KV transfer between two processes on one GPU over CUDA IPC, against the GPU's own copy rate.
 
 A prefill and a decode replica that share a GPU (the default placement on a one-GPU machine)
-move a request's KV pages with ``CudaIpcTransport``: the decode side maps the prefill pool and
-copies the pages device to device (``kv_transfer/ipc.py``). This measures, for one request of
-a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128, bf16, 64-token pages:
-128 KiB a token) at each length:
+move a request's KV pages over CUDA IPC (``CudaIpcSender`` -> ``CudaIpcReceiver``): the decode
+side maps the prefill pool and copies the pages device to device (``kv_transfer/ipc.py``). This
+measures, for one request of a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128,
+bf16, 64-token pages: 128 KiB a token) at each length:
 
 (a) ``memcpy``: one contiguous device-to-device copy of the same byte count in this process,
     the ceiling for any copy on this GPU (each byte read once and written once);
 (b) ``copy_pages``: the IPC path's copy routine between two pools in this process (the same
     integer word, ``pool_page_words``), fragmented page lists, no IPC: gather into a temporary,
     scatter out (each byte read twice, written twice), ``copy_chunk_bytes`` at a time;
-(c) ``ipc``: ``CudaIpcTransport.receive`` end to end in this process of a ticket exported by a
+(c) ``ipc``: ``CudaIpcReceiver.receive`` end to end in this process of a ticket exported by a
     sender process (spawned): ticket checks, page reservation, the mapping (opened once per
     sender storage, then cached, as in a replica), the copy on a side stream, the sync.
 
@@ -50,7 +50,9 @@ import torch  # noqa: E402
 
 from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from kv_cache.tensors import pool_page_words  # noqa: E402
-from kv_transfer.ipc import CudaIpcTransport, copy_pages  # noqa: E402
+from kv_transfer.ipc import copy_pages  # noqa: E402
+from kv_transfer.ipc_recv import CudaIpcReceiver  # noqa: E402
+from kv_transfer.ipc_send import CudaIpcSender  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}
@@ -122,7 +124,7 @@ def _sender(conn, lengths: tuple[int, ...], device: str) -> None:
     """Child process: one pool per length, random bf16 K/V, a fragmented request, its ticket and
     page sums; stays alive (the pools must) until told."""
     try:
-        transport = CudaIpcTransport(identity={"replica_id": "bench-prefill"}, lease_timeout_s=3600.0)
+        transport = CudaIpcSender(identity={"replica_id": "bench-prefill"}, lease_timeout_s=3600.0)
         pools, out = [], []
         for n in lengths:
             pool = make_pool(n, device)
@@ -147,7 +149,7 @@ def run(lengths: tuple[int, ...], repeats: int, device: str = "cuda:0") -> dict:
     proc = ctx.Process(target=_sender, args=(child, lengths, device), daemon=True)
     proc.start()
     child.close()
-    receiver = CudaIpcTransport(identity={"replica_id": "bench-decode"})
+    receiver = CudaIpcReceiver(identity={"replica_id": "bench-decode"})
     loop = asyncio.new_event_loop()  # one loop, as a replica has
     rows = []
     try:

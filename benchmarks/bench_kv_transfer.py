@@ -8,7 +8,7 @@ pinned to one GPU each (``num_gpus=1``), as a prefill and a decode replica would
     process (peer-to-peer over NVLink), and a raw NCCL send/recv of one contiguous buffer
     between the two actors (a 2-rank process group built as our channels build theirs, no
     gather, checksum or scatter);
-(b) ``ChannelTransport`` end to end: the header through Ray, the decode side reserves pages
+(b) the channel (``ChannelSender`` -> ``ChannelReceiver``) end to end: the header through Ray, the decode side reserves pages
     and calls the sender back, then chunk by chunk (``--chunk-mib`` of whole layers through
     ``--ring-depth`` buffers per side, pipelined): gather on GPU 0, checksum, NCCL send/recv,
     checksum, scatter into the decode pool on GPU 1;
@@ -132,7 +132,8 @@ def _endpoint_class():
 
         def __init__(self, cfg: dict, num_pages: int, name: str, all_gpus_visible: bool) -> None:
             from kv_cache import KVPool, KVPoolConfig
-            from kv_transfer.channel import ChannelTransport
+            from kv_transfer.channel_recv import ChannelReceiver
+            from kv_transfer.channel_send import ChannelSender
             from kv_transfer.config import ChannelConfig
             from kv_transfer.transfer import ObjectStoreTransport
 
@@ -154,8 +155,12 @@ def _endpoint_class():
                                                         device=device, generator=g))
             slow = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0, min_bytes_per_s=1e9,
                                  chunk_bytes=self.cfg.chunk_bytes, ring_depth=self.cfg.ring_depth)
-            self.channels = ChannelTransport(device, host=ray.util.get_node_ip_address(), identity={"replica_id": name},
-                                             call_sender=self._call_peer, config=slow)
+            host = ray.util.get_node_ip_address()
+            # this endpoint's end of the channel: it exports and sends as "prefill", receives as "decode"
+            self.channels = (ChannelSender(device, host=host, identity={"replica_id": name}, config=slow)
+                             if name == "prefill" else
+                             ChannelReceiver(device, host=host, identity={"replica_id": name},
+                                             call_sender=self._call_peer, config=slow))
             self.object_store = ObjectStoreTransport(fetch_timeout_s=300.0)
             self.peer = None
             self._raw: dict = {}
@@ -428,7 +433,7 @@ def _ratio(x: float | None) -> str:
 
 
 # GB/s: copy = peer copy in one process (a), sendrecv = raw send/recv between the actors (a),
-# channel = ChannelTransport end to end (b), objstore = ObjectStoreTransport end to end (c)
+# channel = ChannelSender -> ChannelReceiver end to end (b), objstore = ObjectStoreTransport end to end (c)
 HEADER = (f"{'tokens':>7} {'MiB':>7} | {'copy':>8} {'sendrecv':>8} | {'channel':>8} {'/copy':>6} {'/s-r':>6} "
           f"{'exp ms':>7} {'rcv ms':>7} | {'objstore':>8} {'/copy':>6} | bit-exact")
 

@@ -30,13 +30,14 @@ No checksum: nothing sits between the bytes read and the bytes written (no wire,
 buffer, no reordering), so a CRC or the channel's on-device sum would re-read the whole
 payload to check one copy kernel. The header says so (``checksum_kind="none"``).
 
-Fallback (``auto`` on CUDA): with ``fallback`` (the NCCL ``ChannelTransport``) pages also move
-between pools on different GPUs, so one deployment works whether Ray puts the pair on one GPU
-or two. It is lazy: the ticket carries the IPC part only, and a receiver on another GPU asks
-the sender (``call_sender``: the prefill replica's ``stage_pages``, which runs
-``serve_stage``) to export the pages over the fallback, then receives that ticket. Exporting
-both up front would stage a full copy of every request's pages (the channel's staging
-buffer) even when the pair shares a GPU, the very case this transport is for.
+Fallback (``auto`` on CUDA): with ``fallback`` (the NCCL channel's sender on a prefill
+replica, its receiver on a decode replica) pages also move between pools on different GPUs,
+so one deployment works whether Ray puts the pair on one GPU or two. It is lazy: the ticket
+carries the IPC part only, and a receiver on another GPU asks the sender (``call_sender``:
+the prefill replica's ``stage_pages``, which runs ``serve_stage``) to export the pages over
+the fallback, then receives that ticket. Exporting both up front would stage a full copy of
+every request's pages (the channel's staging buffer) even when the pair shares a GPU, the
+very case this transport is for.
 
 The lease and the clock: the sender's pages are read in place, so they must still be the
 request's when the copy ends. The prefill replica frees them when the ingress closes the lease
@@ -51,38 +52,29 @@ be closed and never read again: ``sweep`` (at every receive, and from the decode
 health check) closes mappings idle for ``idle_close_s`` or whose sender process no longer
 exists; a copy checks that its sender is still alive before it acknowledges. See
 RELIABILITY.md for what a sender dying during a copy can do.
+
+The transport is a pair: ``kv_transfer.ipc_send.CudaIpcSender`` (``export``, ``serve_stage``:
+the prefill side) and ``kv_transfer.ipc_recv.CudaIpcReceiver`` (``receive``, ``sweep``: the
+decode side). This module holds what both read: the ticket and its checks, the copy, and
+:class:`CudaIpcEnd` (identity, fallback, counters, closing).
 """
 
 from __future__ import annotations
 
-import asyncio
+import abc
 import collections
 import contextlib
 import dataclasses
 import math
 import os
 import threading
-import time
 import weakref
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from kv_cache.pool import KVPool
-from kv_cache.tensors import copy_word, pool_page_words
-
-from .transfer import (
-    KVFrameHeader,
-    KVTransport,
-    TransferError,
-    TransferFailure,
-    TransferTicket,
-    adopt_pages,
-    check_geometry,
-    describe_pages,
-)
+from .transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
 from .wire import StagePages, StageReply, reply_reason
 
 IPC_NAME = "cuda_ipc"
@@ -342,424 +334,63 @@ def _copy_stream(device: torch.device):
             yield stream.synchronize
 
 
-@dataclasses.dataclass
-class _Mapping:
-    """A sender storage opened in this process (``base``: uint8 over the whole storage)."""
-
-    base: torch.Tensor
-    sender_id: str
-    pid: int
-    pidns: str | None
-    users: int = 0
-    last_used: float = dataclasses.field(default_factory=time.monotonic)
+# ---------------------------------------------------------------------------- both ends
+_COUNTER_KEYS = ("ipc_exports", "ipc_stages", "ipc_receives", "ipc_bytes_received", "ipc_failures", "ipc_fallbacks",
+                 "ipc_mappings_opened", "ipc_mappings_closed")
 
 
-@dataclasses.dataclass
-class _SharedPool:
-    """A pool's K and V storages as shared once (ticket parts), and what keeps them registered."""
-
-    uuid: str
-    k: dict
-    v: dict
-    keep: tuple
-
-
-# ---------------------------------------------------------------------------- the transport
-class CudaIpcTransport(KVTransport):
-    """KV transfers between pools on one physical GPU over CUDA IPC (see the module
-    docstring). One instance per replica serves both roles: ``export``/``serve_stage`` on
-    prefill replicas, ``receive`` on decode replicas.
+class CudaIpcEnd(abc.ABC):
+    """What the sender and the receiver of CUDA IPC transfers share (see the module docstring).
 
     identity: how tickets name this replica as a sender (``replica_id`` plus what
         ``call_sender`` needs to reach it, e.g. Serve's app and deployment names).
-    fallback: receiver and sender side: the transport for pools on different GPUs (``auto``:
-        the NCCL ``ChannelTransport``); ``None``: such a transfer fails ``UNAVAILABLE``. The
-        transport owns it (``close`` closes it).
-    call_sender: receiver side, ``async (sender, request) -> reply``: deliver a stage request
-        to the sender replica and return its ``serve_stage`` reply (needed for the fallback).
-    lease_timeout_s: sender side: how long the sender keeps exported pages at most (the
-        prefill lease); tickets carry the deadline. ``None``: no deadline.
-    copy_chunk_bytes: receiver side: the most temporary device memory one copy step takes.
-    idle_close_s: receiver side: mappings unused this long are closed.
-    stage_timeout_s: receiver side: how long the sender may take to stage over the fallback.
+    fallback: this replica's end of the transport for pools on different GPUs (``auto``: the
+        NCCL channel's ``ChannelSender`` on a prefill replica, ``ChannelReceiver`` on a decode
+        replica); ``None``: such a transfer fails ``UNAVAILABLE``. This end owns it (``close``
+        closes it).
     uuid_of: ``device -> physical GPU UUID or None`` (``device_uuid``; tests substitute it).
     """
 
     name = IPC_NAME
-    fault_modes = ("break",)  # the ticket names a GPU nobody has and offers no fallback
-    reads_pages_after_export = True  # the receiver copies them out of this pool
-    releases_after_receive = True  # the copy leaves the sender's lease to the receiver's release
+    _fallback_end: type  # what a fallback must be: a sender's sends over it, a receiver's receives
 
-    def __init__(self, *, identity: dict | None = None, fallback: KVTransport | None = None,
-                 call_sender: StageCall | None = None, lease_timeout_s: float | None = None,
-                 copy_chunk_bytes: int = 256 << 20, idle_close_s: float = 60.0, stage_timeout_s: float = 30.0,
-                 uuid_of: Callable[[torch.device], str | None] | None = None, max_workers: int = 4) -> None:
+    def __init__(self, *, identity: dict | None = None, fallback: Any = None,
+                 uuid_of: Callable[[torch.device], str | None] | None = None) -> None:
         identity = {"replica_id": "local", **(identity or {})}
         for key, value in identity.items():
             if not _short_str(key) or not _short_str(value):
                 raise ValueError(f"identity: expected short non-empty str values, got {key!r}: {value!r}")
-        if fallback is not None and (not isinstance(fallback, KVTransport) or fallback.name == self.name):
-            raise ValueError(f"fallback: expected another KVTransport, got {fallback!r}")
-        if call_sender is not None and not callable(call_sender):
-            raise ValueError(f"call_sender: expected an async callable, got {type(call_sender).__name__}")
-        for arg, value in (("lease_timeout_s", lease_timeout_s), ("idle_close_s", idle_close_s),
-                           ("stage_timeout_s", stage_timeout_s)):
-            if value is None and arg == "lease_timeout_s":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{arg}: expected a positive number, got {value!r}")
-        if isinstance(copy_chunk_bytes, bool) or not isinstance(copy_chunk_bytes, int) or copy_chunk_bytes < 1:
-            raise ValueError(f"copy_chunk_bytes: expected a positive int, got {copy_chunk_bytes!r}")
+        if fallback is not None and (not isinstance(fallback, self._fallback_end) or fallback.name == self.name):
+            raise ValueError(f"fallback: expected another transport's {self._fallback_end.__name__}, got {fallback!r}")
         if uuid_of is not None and not callable(uuid_of):
             raise ValueError(f"uuid_of: expected a callable, got {type(uuid_of).__name__}")
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-            raise ValueError(f"max_workers: expected a positive int, got {max_workers!r}")
         self.identity = identity
         self.fallback = fallback
-        self.call_sender = call_sender
-        self.lease_timeout_s = lease_timeout_s
-        self.copy_chunk_bytes = copy_chunk_bytes
-        self.idle_close_s = float(idle_close_s)
-        self.stage_timeout_s = float(stage_timeout_s)
         self._uuid_of = uuid_of or device_uuid
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-ipc")
-        self._lock = threading.Lock()  # the dicts below (event loop and worker threads)
-        self._share_lock = threading.Lock()  # a pool's first exports, concurrent: share it once
-        self._shared: "weakref.WeakKeyDictionary[KVPool, _SharedPool]" = weakref.WeakKeyDictionary()
-        self._exported: dict[str, threading.Lock] = {}  # sender: request id -> its staging lock
-        self._staged: dict[str, TransferTicket] = {}  # sender: fallback tickets staged for receivers
-        self._mappings: dict[tuple[str, bytes, int], _Mapping] = {}  # receiver: opened sender storages
+        self._lock = threading.Lock()  # the end's tables (event loop and worker threads)
         self._counts: collections.Counter = collections.Counter()
         self._closed = False
-        self.device_error: str | None = None  # a CUDA error after a failed copy: this process's context is unusable
 
     @property
     def replica_id(self) -> str:
         return self.identity["replica_id"]
 
-    # -- sender --------------------------------------------------------------------------
-    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> TransferTicket:
-        if fault is not None and fault not in self.fault_modes:
-            raise ValueError(f"fault: cuda_ipc injects one of {self.fault_modes}, got {fault!r}")
-        if self._closed:
-            raise TransferError(TransferFailure.UNAVAILABLE, "the transport is closed (replica stopping)", request_id)
-        header, pages = describe_pages(pool, request_id, checksum_kind="none")
-        shared = self._share_pool(pool)
-        if pool.device.type == "cuda":
-            # The prefill wrote the pages on the current (default) stream and read the first token
-            # back, so they are normally done; this makes it hold whatever ran before. An event
-            # on the stream, not a device sync: that would also wait for the next batch, which
-            # the batcher may be running already.
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(pool.device))
-            written.synchronize()
-        handle = {
-            "header": header.encode(),
-            "sender": dict(self.identity),
-            "device_uuid": shared.uuid,
-            "pid": os.getpid(),
-            "pidns": _pid_namespace(),
-            "pool_pages": pool.num_pages,
-            "pages": list(pages),
-            "k": dict(shared.k),
-            "v": dict(shared.v),
-            "fallback": self.fallback.name if self.fallback is not None else None,
-            "expires_at": time.time() + self.lease_timeout_s if self.lease_timeout_s is not None else None,
-        }
-        if fault == "break":
-            handle.update(device_uuid=_BROKEN_UUID, fallback=None)
-        with self._lock:
-            self._exported[request_id] = threading.Lock()
-            self._counts["ipc_exports"] += 1
-        return TransferTicket(request_id, self.name, header.num_tokens, header.num_pages, header.payload_bytes, handle)
+    @abc.abstractmethod
+    def _held(self) -> tuple[int, int]:
+        """Under ``_lock``: (exports whose lease has not ended, sender storages mapped here)."""
 
-    def _share_pool(self, pool: KVPool) -> _SharedPool:
-        # once per storage: every share wraps the storage again for torch's refcount
-        with self._share_lock:
-            with self._lock:
-                shared = self._shared.get(pool)
-            if shared is not None:
-                return shared
-            uuid = self._uuid_of(pool.device)
-            if not _short_str(uuid):
-                raise TransferError(TransferFailure.UNAVAILABLE,
-                                    f"cuda_ipc shares pools on CUDA devices, this one is on {pool.device}")
-            (k, keep_k), (v, keep_v) = self._share_storage(pool.k_raw), self._share_storage(pool.v_raw)
-            shared = _SharedPool(uuid, k, v, (keep_k, keep_v))
-            with self._lock:
-                self._shared[pool] = shared
-            return shared
+    @abc.abstractmethod
+    def _forget(self) -> None:
+        """Under ``_lock``, closing: drop the end's tables."""
 
-    def _share_storage(self, tensor: torch.Tensor) -> tuple[dict, Any]:
-        """The ticket part for ``tensor``'s storage, and what must stay alive with the pool."""
-        if tensor.device.type != "cuda":
-            raise TransferError(TransferFailure.UNAVAILABLE, f"cuda_ipc shares CUDA pools, this one is on {tensor.device}")
-        storage = tensor.untyped_storage()
-        try:
-            _dev, handle, size, offset, ref_counter, ref_counter_offset, _event, _sync = storage._share_cuda_()
-        except Exception as exc:  # e.g. an allocator that cannot export (cudaMallocAsync backend)
-            raise TransferError(TransferFailure.UNAVAILABLE, f"cannot share the KV pool over CUDA IPC: "
-                                f"{type(exc).__name__}: {exc}; use transport nccl or object_store") from None
-        if not handle or not ref_counter:
-            raise TransferError(TransferFailure.UNAVAILABLE, "torch gave no CUDA IPC handle for the pool")
-        part = {"handle": bytes(handle), "size": int(size), "offset": int(offset), "ref_counter": bytes(ref_counter),
-                "ref_counter_offset": int(ref_counter_offset),
-                "tensor_offset": tensor.storage_offset() * tensor.element_size()}
-        base = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (int(size),), (1,))
-        _LOCAL_EXPORTS[(part["handle"], part["offset"])] = base
-        return part, base
+    def _shutdown(self) -> None:
+        """Closing, after ``_forget``: stop the end's worker threads (if it has any)."""
 
-    def discard(self, ticket: TransferTicket) -> None:
-        """The lease ended: forget the export, and drop a fallback staging of it. Waits for a
-        staging that is gathering the pages right now, since the caller frees them next."""
-        rid = ticket.request_id
-        with self._lock:
-            lock = self._exported.pop(rid, None)
-        if lock is not None:
-            with lock:
-                pass
-        with self._lock:
-            staged = self._staged.pop(rid, None)
-        if staged is not None and self.fallback is not None:
-            self.fallback.discard(staged)
-
-    @property
-    def serves_sends(self) -> bool:
-        """Sends go over the fallback channel, where there is one."""
-        return self.fallback is not None and self.fallback.serves_sends
-
-    async def serve_send(self, request: Any) -> Any:
-        """A receiver on another GPU pulls staged pages over the fallback channel."""
-        if self.fallback is None:
-            return await super().serve_send(request)
-        return await self.fallback.serve_send(request)
-
-    serves_stages = True  # without a fallback it refuses each stage itself
-
-    def health_error(self) -> str | None:
-        return self.device_error
-
-    def serve_stage(self, pool: KVPool, request: StagePages) -> StageReply:
-        """Sender side of a fallback transfer (blocking: run it in a worker thread): export the
-        pages of an exported request, still under its lease, over ``fallback`` for a receiver on
-        another GPU. An ``ok`` reply carries the fallback's ticket."""
-        try:
-            req = StagePages.parse(request)
-            rid, sender_id, transport = req.request_id, req.sender_id, req.transport
-        except ValueError as exc:
-            return _reply(False, TransferFailure.UNAVAILABLE, f"bad stage request: {exc}")
-        if self.fallback is None or transport != self.fallback.name:
-            have = self.fallback.name if self.fallback is not None else None
-            return _reply(False, TransferFailure.UNAVAILABLE, f"this replica stages over {have!r}, not {transport!r}")
-        if sender_id != self.replica_id:  # routed to the wrong replica (ours has gone)
-            return _reply(False, TransferFailure.UNAVAILABLE, f"the pages are on replica {sender_id}, this is {self.replica_id}")
-        with self._lock:
-            lock = self._exported.get(rid)
-        if lock is None:
-            return _reply(False, TransferFailure.LOST, f"no exported pages for {rid!r} (lease ended)")
-        with lock:
-            with self._lock:
-                if self._exported.get(rid) is not lock:
-                    return _reply(False, TransferFailure.LOST, f"the lease of {rid!r} ended")
-            try:
-                ticket = self.fallback.export(pool, rid)
-            except TransferError as exc:
-                reason = exc.reason if exc.reason in _REPLY_REASONS else TransferFailure.LOST
-                return _reply(False, reason, f"staging over {transport}: {exc.detail}")
-            except Exception as exc:
-                return _reply(False, TransferFailure.LOST, f"staging over {transport}: {type(exc).__name__}: {exc}")
-            with self._lock:
-                self._staged[rid] = ticket
-                self._counts["ipc_stages"] += 1
-        return _reply(True, ticket=ticket)
-
-    # -- receiver ------------------------------------------------------------------------
-    async def receive(self, ticket: TransferTicket, pool: KVPool) -> list[int]:
-        spec = parse_ticket(ticket, self.name)
-        rid = spec.header.request_id
-        if self._closed:
-            raise TransferError(TransferFailure.UNAVAILABLE, "the transport is closed (replica stopping)", rid)
-        check_geometry(spec.header, pool)
-        self.sweep()
-        local = self._uuid_of(pool.device)
-        if local is not None and local == spec.device_uuid:
-            return await self._receive_mapped(spec, pool)
-        if self.fallback is not None and spec.fallback == self.fallback.name and self.call_sender is not None:
-            return await self._receive_via_fallback(spec, pool)
-        self._counts["ipc_failures"] += 1
-        offer = (f"; the sender offers {spec.fallback!r}, this replica has "
-                 f"{self.fallback.name if self.fallback is not None else None!r}" if spec.fallback else "")
-        raise TransferError(TransferFailure.UNAVAILABLE,
-                            f"the pages are on GPU {spec.device_uuid}, this pool on {local or pool.device}{offer}", rid)
-
-    async def _receive_mapped(self, spec: _IpcTicket, pool: KVPool) -> list[int]:
-        rid = spec.header.request_id
-        if spec.expires_at is not None and time.time() >= spec.expires_at:
-            self._counts["ipc_failures"] += 1
-            raise TransferError(TransferFailure.LOST, "the prefill lease has expired: its pages may be reused", rid)
-        pages = adopt_pages(pool, spec.header)
-        loop = asyncio.get_running_loop()
-        try:
-            copy = loop.run_in_executor(self._executor, self._copy_blocking, spec, pool, pages)
-        except RuntimeError:  # executor shut down: closing
-            pool.release(rid)
-            raise TransferError(TransferFailure.UNAVAILABLE, "the transport is closed (replica stopping)", rid) from None
-        try:
-            await asyncio.shield(copy)
-        except asyncio.CancelledError:
-            # The copy may still be writing into the reserved pages. Hand them back only once
-            # it is done, and before the caller sees the cancellation: its cleanup frees what
-            # the request holds, and a page freed mid-copy could be taken by another request.
-            while not copy.done():
-                try:
-                    await asyncio.wait({copy})
-                except asyncio.CancelledError:
-                    pass
-            if not copy.cancelled():
-                copy.exception()  # retrieved: the request is gone, its copy's outcome with it
-            pool.release(rid)
-            raise
-        except TransferError as exc:
-            pool.release(rid)
-            self._counts["ipc_failures"] += 1
-            if exc.request_id is None:
-                raise TransferError(exc.reason, exc.detail, rid) from None
-            raise
-        except Exception as exc:
-            pool.release(rid)
-            self._counts["ipc_failures"] += 1
-            self._check_device(pool.device)
-            raise TransferError(TransferFailure.LOST, f"copy failed: {type(exc).__name__}: {exc}", rid) from exc
-        # the copy read the sender's pages in place: they must have been the request's until now
-        late = spec.expires_at is not None and time.time() >= spec.expires_at
-        if late or _process_alive(spec.pid, spec.pidns) is False:
-            pool.release(rid)
-            self._counts["ipc_failures"] += 1
-            why = "the prefill lease expired" if late else f"the sender process {spec.pid} exited"
-            raise TransferError(TransferFailure.LOST, f"{why} during the copy: the pages read may be stale", rid)
-        self._counts["ipc_receives"] += 1
-        self._counts["ipc_bytes_received"] += spec.header.payload_bytes
-        return pages
-
-    def _copy_blocking(self, spec: _IpcTicket, pool: KVPool, pages: list[int]) -> None:
-        h = spec.header
-        if not pages:
-            return
-        page_bytes = h.page_size * h.num_kv_heads * h.head_dim * torch.empty((), dtype=h.torch_dtype).element_size()
-        word = copy_word(page_bytes, spec.k.tensor_offset, spec.v.tensor_offset)
-        mappings: list[_Mapping] = []
-        try:
-            for part in (spec.k, spec.v):
-                mappings.append(self._map(spec, part, pool.device))
-            sources = [_sender_words(m.base, part, spec, word) for m, part in zip(mappings, (spec.k, spec.v))]
-            with _copy_stream(pool.device) as synchronize:
-                src_index = torch.tensor(spec.pages, dtype=torch.long, device=pool.device)
-                dst_index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-                for src, dst in zip(sources, pool_page_words(pool, word)):
-                    copy_pages(src, dst, src_index, dst_index, self.copy_chunk_bytes)
-                synchronize()
-        finally:
-            with self._lock:
-                now = time.monotonic()
-                for m in mappings:
-                    m.users -= 1
-                    m.last_used = now
-
-    def _map(self, spec: _IpcTicket, part: _Storage, device: torch.device) -> _Mapping:
-        """The sender's storage ``part`` opened here (cached), marked in use."""
-        key = (spec.sender_id, part.handle, part.offset)
-        with self._lock:
-            mapping = self._mappings.get(key)
-            if mapping is not None:
-                mapping.users += 1
-                return mapping
-        base = self._open_storage(part, spec.pid, device)  # slow: outside the lock
-        if base.dtype != torch.uint8 or base.dim() != 1 or base.numel() != part.size:
-            raise TransferError(TransferFailure.UNAVAILABLE, f"opened storage: expected {part.size} bytes",
-                                spec.header.request_id)
-        with self._lock:
-            mapping = self._mappings.get(key)
-            if mapping is None:  # no other transfer opened it meanwhile
-                mapping = self._mappings[key] = _Mapping(base, spec.sender_id, spec.pid, spec.pidns)
-                self._counts["ipc_mappings_opened"] += 1
-            mapping.users += 1
-            return mapping
-
-    def _open_storage(self, part: _Storage, pid: int, device: torch.device) -> torch.Tensor:
-        """A uint8 tensor over the sender's whole storage ``part``, on ``device`` (the same
-        physical GPU under this process's index)."""
-        if pid == os.getpid():
-            base = _LOCAL_EXPORTS.get((part.handle, part.offset))
-            if base is None:
-                raise TransferError(TransferFailure.UNAVAILABLE, "no such storage was exported by this process")
-            return base
-        try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            # no IPC event: export waited for the prefill's writes before the ticket left
-            storage = torch.UntypedStorage._new_shared_cuda(
-                index, part.handle, part.size, part.offset, part.ref_counter, part.ref_counter_offset, b"", False
-            )
-        except Exception as exc:  # sender gone, handle of another machine, expandable segment without pidfd rights
-            raise TransferError(TransferFailure.UNAVAILABLE,
-                                f"cannot open the sender's CUDA IPC handle: {type(exc).__name__}: {exc}") from None
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (part.size,), (1,))
-
-    def _check_device(self, device: torch.device) -> None:
-        """After a failed copy: is this process's CUDA context still usable? A fault (reading
-        a mapping whose memory went away) is sticky; the replica must then be replaced."""
-        if device.type != "cuda":
-            return
-        try:
-            torch.cuda.synchronize(device)
-        except Exception as exc:
-            self.device_error = f"{type(exc).__name__}: {exc}"
-
-    async def _receive_via_fallback(self, spec: _IpcTicket, pool: KVPool) -> list[int]:
-        rid = spec.header.request_id
-        request = StagePages(request_id=rid, sender_id=spec.sender_id, transport=self.fallback.name)
-        try:
-            reply = await asyncio.wait_for(self.call_sender(dict(spec.sender), request), timeout=self.stage_timeout_s)
-            ticket = _staged_ticket(reply, self.fallback.name, rid)
-        except asyncio.TimeoutError:
-            self._counts["ipc_failures"] += 1
-            raise TransferError(TransferFailure.LOST, f"the sender did not stage the pages within "
-                                f"{self.stage_timeout_s:g}s", rid) from None
-        except TransferError:
-            self._counts["ipc_failures"] += 1
-            raise
-        except Exception as exc:  # the sender replica died, could not be reached, ...
-            self._counts["ipc_failures"] += 1
-            raise TransferError(TransferFailure.LOST, f"stage call: {type(exc).__name__}: {exc}", rid) from None
-        self._counts["ipc_fallbacks"] += 1
-        return await self.fallback.receive(ticket, pool)
-
-    def sweep(self) -> int:
-        """Close mappings no transfer uses that were idle for ``idle_close_s`` or whose sender
-        process is gone; returns how many. Cheap: call it often (the decode replica's health
-        check does)."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [key for key, m in self._mappings.items() if m.users == 0 and (
-                now - m.last_used > self.idle_close_s or _process_alive(m.pid, m.pidns) is False)]
-            dropped = [self._mappings.pop(key) for key in gone]
-            self._counts["ipc_mappings_closed"] += len(dropped)
-        if dropped:
-            # the last reference closes the IPC mapping after a stream sync: not on the event loop
-            try:
-                self._executor.submit(dropped.clear)
-            except RuntimeError:  # executor shut down (closing)
-                dropped.clear()
-        return len(gone)
-
-    # -- both ----------------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
-        keys = ("ipc_exports", "ipc_stages", "ipc_receives", "ipc_bytes_received", "ipc_failures", "ipc_fallbacks",
-                "ipc_mappings_opened", "ipc_mappings_closed")
         out = dict(self.fallback.counters()) if self.fallback is not None else {}
         with self._lock:
-            out.update({k: int(self._counts[k]) for k in keys})
-            out["ipc_exported"] = len(self._exported)  # leases not yet ended
-            out["ipc_mappings_open"] = len(self._mappings)
+            out.update({k: int(self._counts[k]) for k in _COUNTER_KEYS})
+            out["ipc_exported"], out["ipc_mappings_open"] = self._held()  # leases not yet ended; mappings
         return out
 
     def close(self) -> None:
@@ -767,10 +398,10 @@ class CudaIpcTransport(KVTransport):
             return
         self._closed = True
         with self._lock:
-            self._mappings.clear()
-            self._exported.clear()
-            self._staged.clear()
-            self._shared.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            self._forget()
+        self._shutdown()
         if self.fallback is not None:
             self.fallback.close()
+
+
+__all__ = ["IPC_NAME", "CudaIpcEnd", "copy_pages", "device_uuid", "parse_ticket"]

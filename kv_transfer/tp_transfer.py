@@ -21,7 +21,7 @@ All or nothing, over the whole group:
 
 :class:`TPChannelTransport` (sender side of channel transfers from a TP prefill group: every
 rank sends its own heads over its own channel; the receiver is
-``kv_transfer.channel.ChannelTransport.receive_heads``) and :class:`RankChannel` (a follower
+``kv_transfer.channel_recv.ChannelReceiver.receive_heads``) and :class:`RankChannel` (a follower
 rank's end of it).
 
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
@@ -56,7 +56,7 @@ from .transfer import (
     FRAME_MAGIC,
     MAX_HEADER_BYTES,
     KVFrameHeader,
-    KVTransport,
+    KVSender,
     TransferError,
     TransferFailure,
     adopt_pages,
@@ -410,7 +410,7 @@ def group_transport(kind: str, prefill_tp: int, decode_tp: int) -> str:
 
 
 async def receive_group(receives: Sequence[Awaitable[Any]], release: Callable[[], Any]) -> None:
-    """Driver of a decode group's channel receive (``ChannelTransport.receive_heads`` on every
+    """Driver of a decode group's channel receive (``ChannelReceiver.receive_heads`` on every
     rank at once, each pulling its own heads): waits for *every* rank's receive, then settles
     all or nothing. If any failed, ``release()`` (every rank lets the request's pages go; it
     may return an awaitable) runs once no rank can still take or write pages, and the
@@ -457,17 +457,17 @@ async def _release_after(gathered: Any, release: Callable[[], Any]) -> None:
         logging.getLogger(__name__).exception("releasing the pages of a cancelled group receive failed")
 
 
-class TPChannelTransport(KVTransport):
+class TPChannelTransport(KVSender):
     """The channel transport of a TP prefill group (sender side): every rank ships its own KV
     heads over its own channel to the receiving replica (one pairwise channel per (prefill
     rank, decode replica) pair), so pages go from each rank's device straight to the decode
     device, with no gather to the leader and no extra copy.
 
-    ``export`` (leader, after prefill) has every rank record its pages (``ChannelTransport.export``:
+    ``export`` (leader, after prefill) has every rank record its pages (``ChannelSender.export``:
     no copy; the follower ranks through ``followers``) and returns one ticket: the whole
     request's header, the leader's Serve identity (where the receiver's send requests go) and
     ``tp``: the group's head layout and each rank's header (its heads, its FP8 scales). The
-    receiver (``ChannelTransport.receive_heads``) computes which heads it needs from which rank
+    receiver (``ChannelReceiver.receive_heads``) computes which heads it needs from which rank
     (``transfer_routes``), reserves its pages once, and asks the ranks one after the other
     (``serve_send`` with ``rank`` and ``heads``: the leader relays to the rank). All or nothing:
     a failure on any rank fails the receive, which releases its pages; the lease (one per
@@ -555,11 +555,6 @@ class TPChannelTransport(KVTransport):
         except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
             return SendReply(False, TransferFailure.LOST.value, f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}")
 
-    async def receive(self, ticket: Any, pool: KVPool) -> list[int]:
-        """Receiving is the decode side's ``ChannelTransport`` (it reads the ``tp`` ticket)."""
-        raise TransferError(TransferFailure.UNAVAILABLE, "a TP prefill group sends, it does not receive",
-                            getattr(ticket, "request_id", None))
-
     def counters(self) -> dict[str, int]:
         return self.leader.counters()
 
@@ -568,7 +563,7 @@ class TPChannelTransport(KVTransport):
 
 
 class RankChannel:
-    """A follower rank's side of :class:`TPChannelTransport` over its own ``ChannelTransport``
+    """A follower rank's side of :class:`TPChannelTransport` over its own ``ChannelSender``
     and pool, in the rank's process (a TP rank actor's methods call it; tests use it in
     process)."""
 

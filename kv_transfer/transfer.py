@@ -19,20 +19,21 @@ pages and raises :class:`TransferError` with a :class:`TransferFailure` reason, 
 decide between retrying (checksum, truncation, a lost object, an unusable transport) and
 failing the request (shape mismatch, malformed data).
 
-Transports (each a :class:`KVSender` and a :class:`KVReceiver`, both in one
-:class:`KVTransport`; ``kv_transfer.choice.choose_transports`` picks a replica's from the
+Transports (each a :class:`KVSender` and a :class:`KVReceiver`: two classes, or both ends in
+one :class:`KVTransport`; ``kv_transfer.choice.choose_transports`` picks a replica's from the
 ``transport`` option and its placement, :func:`select_transport` from the pool's device alone):
 - :class:`LocalTransport`: the frame stays in process (tests, single-process tools).
 - :class:`ObjectStoreTransport`: ``ray.put`` of the frame (CPU bytes, so it works across
   nodes whatever the pools' devices); the receiver fetches it with ``ray.get``.
-- ``kv_transfer.channel.ChannelTransport`` ("nccl" between CUDA pools, "gloo" between CPU
-  pools): the header goes through Ray, the pages device to device over a 2-rank process
-  group of the pair, in chunks of whole layers, each checked by an on-device checksum
-  (``checksum_kind="wsum64"``; the values come with the sender's reply, the header says 0).
-- ``kv_transfer.ipc.CudaIpcTransport`` ("cuda_ipc", CUDA pools on one physical GPU): the
-  receiver maps the sender's pool through CUDA IPC and copies the pages device to device
-  (``checksum_kind="none"``); with a fallback transport (``auto``: the NCCL channel) it moves
-  pages between pools on different GPUs too.
+- ``kv_transfer.channel_send.ChannelSender`` / ``kv_transfer.channel_recv.ChannelReceiver``
+  ("nccl" between CUDA pools, "gloo" between CPU pools): the header goes through Ray, the
+  pages device to device over a 2-rank process group of the pair, in chunks of whole layers,
+  each checked by an on-device checksum (``checksum_kind="wsum64"``; the values come with the
+  sender's reply, the header says 0).
+- ``kv_transfer.ipc_send.CudaIpcSender`` / ``kv_transfer.ipc_recv.CudaIpcReceiver`` ("cuda_ipc",
+  CUDA pools on one physical GPU): the receiver maps the sender's pool through CUDA IPC and
+  copies the pages device to device (``checksum_kind="none"``); with a fallback (``auto``: the
+  NCCL channel's matching end) it moves pages between pools on different GPUs too.
 
 Ownership: the sender keeps its pages until the receiver acknowledges (the service closes
 the prefill replica's lease stream once the decode replica has adopted them), so a failed
@@ -608,7 +609,7 @@ def _ticket(name: str, pool: KVPool, request_id: str, frame: np.ndarray, handle:
 
 TRANSPORTS = (*TRANSPORT_OPTIONS, "local")  # "local": tests and single-process tools
 # What ``auto`` means for CUDA pools: CUDA IPC when the receiver's pool is on the sender's GPU,
-# the NCCL channel otherwise (kv_transfer.ipc.CudaIpcTransport with a ChannelTransport fallback).
+# the NCCL channel otherwise (each CUDA IPC end with the channel's matching end as fallback).
 IPC_OR_NCCL = "cuda_ipc+nccl"
 
 

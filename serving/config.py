@@ -263,7 +263,7 @@ class ChannelOptions(_Section):
 
 
 class IpcOptions(_Section):
-    """CUDA IPC between pools on one GPU (`kv_transfer.ipc.CudaIpcTransport`)."""
+    """CUDA IPC between pools on one GPU (`kv_transfer.ipc_send.CudaIpcSender`, `ipc_recv.CudaIpcReceiver`)."""
 
     section: typing.ClassVar[str] = "transfer.ipc"
 
@@ -272,7 +272,7 @@ class IpcOptions(_Section):
     idle_close_s: float = Field(60.0, gt=0.0, description="Receiver side: mappings unused this long are closed.")
     stage_timeout_s: float = Field(30.0, gt=0.0, description=(
         "Receiver side: how long the sender may take to stage pages over the fallback channel."))
-    max_workers: int = Field(4, ge=1, description="Threads of a replica's IPC transport.")
+    max_workers: int = Field(4, ge=1, description="Receiver side: threads that run the copies.")
 
 
 class ObjectStoreOptions(_Section):

@@ -103,7 +103,7 @@ class RankActor:
         self.group = _process_group(host, port, rank, size, is_master=False, device=device, timeout_s=RANK_TIMEOUT_S)
         self.runner = build_rank_runner(cfg, side, TensorParallel.from_group(self.group), num_pages)
         self._tp_channel: Any = None  # TP prefill: this rank's sending channel (RankChannel)
-        self._tp_receiver: tuple | None = None  # TP decode: (ChannelTransport, its event loop)
+        self._tp_receiver: tuple | None = None  # TP decode: (ChannelReceiver, its event loop)
         self._rx_lock = threading.Lock()
 
     def ready(self) -> int:
@@ -175,13 +175,13 @@ class RankActor:
 
     def _channel(self, setup: dict) -> Any:
         """This rank's sending channel (``RankChannel``), made at its first export."""
-        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.channel_send import ChannelSender
         from kv_transfer.config import ChannelConfig
         from kv_transfer.tp_transfer import RankChannel
 
         if self._tp_channel is None:
-            transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
-                                         config=ChannelConfig(**setup["config"]), max_workers=setup["max_workers"])
+            transport = ChannelSender(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                      config=ChannelConfig(**setup["config"]), max_workers=setup["max_workers"])
             self._tp_channel = RankChannel(transport, self.runner.pool)
         return self._tp_channel
 
@@ -190,16 +190,16 @@ class RankActor:
         own: the actor's methods are threaded and blocking)."""
         import asyncio
 
-        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.channel_recv import ChannelReceiver
         from kv_transfer.config import ChannelConfig
 
         with self._rx_lock:
             if self._tp_receiver is None:
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="kv-rank-receive", daemon=True).start()
-                transport = ChannelTransport(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
-                                             call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
-                                             max_workers=setup["max_workers"])
+                transport = ChannelReceiver(self.runner.pool.device, host=setup["host"], identity=setup["identity"],
+                                            call_sender=setup["make_caller"](), config=ChannelConfig(**setup["config"]),
+                                            max_workers=setup["max_workers"])
                 self._tp_receiver = (transport, loop)
         return self._tp_receiver
 
@@ -421,15 +421,15 @@ def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, 
     """The channel transport (``nccl`` on CUDA, ``gloo`` on CPU) of a TP prefill replica: every
     rank sends its own heads over its own channel (``kv_transfer.tp_transfer.TPChannelTransport``).
     ``identity``: the leader's Serve identity (where receivers send their requests)."""
-    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.channel_send import ChannelSender
     from kv_transfer.tp_transfer import TPChannelTransport
     leader = lock.leader
     layout = shard_of(leader.model).layout
     channel = config.transfer.channel
     cfg = channel.channel_config()
     rid = identity["replica_id"]
-    transport = ChannelTransport(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
-                                 config=cfg, max_workers=channel.max_workers)
+    transport = ChannelSender(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
+                              config=cfg, max_workers=channel.max_workers)
     followers = []
     for rank, actor in enumerate(actors, start=1):
         setup = {"host": host, "identity": TPChannelTransport.rank_identity(rid, rank),
@@ -441,7 +441,7 @@ def make_tp_channel_exporter(lock: Any, actors: list, config: ServiceConfig, *, 
 
 # -- channel transfers into a TP decode group -------------------------------------------------
 # Each decode rank pulls its own KV heads from the prefill ranks holding them
-# (``ChannelTransport.receive_heads(..., dst_rank=r)``) over its own channels: rank r is the
+# (``ChannelReceiver.receive_heads(..., dst_rank=r)``) over its own channels: rank r is the
 # receiver ``<replica>:tp<r>`` and hosts its own store, so every (prefill rank, decode rank)
 # pair has its own channel, store prefix and generations. The leader runs rank 0's receive on
 # the replica's event loop and each follower's through ``RankActor.channel_receive``; it waits
@@ -461,8 +461,8 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
     by reference: each follower makes its own, once)."""
     import asyncio
 
-    from kv_transfer.channel import ChannelTransport
-    from kv_transfer.transfer import KVTransport
+    from kv_transfer.channel_recv import ChannelReceiver
+    from kv_transfer.transfer import KVReceiver
     from kv_transfer.tp_transfer import TPChannelTransport, receive_group
     from model_executor.parallel import RankFailed
 
@@ -471,20 +471,16 @@ def make_tp_channel_receiver(lock: Any, actors: list, config: ServiceConfig, *, 
     channel = config.transfer.channel
     cfg = channel.channel_config()
     rid = identity["replica_id"]
-    transport = ChannelTransport(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
-                                 call_sender=make_caller(), config=cfg, max_workers=channel.max_workers)
+    transport = ChannelReceiver(leader.pool.device, host=host, identity=TPChannelTransport.rank_identity(rid, 0),
+                                call_sender=make_caller(), config=cfg, max_workers=channel.max_workers)
     setups = [{"host": host, "identity": TPChannelTransport.rank_identity(rid, rank), "make_caller": make_caller,
                "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
                "max_workers": channel.max_workers,
                "layout": (layout.num_q_heads, layout.num_kv_heads, layout.tp_size)}
               for rank in range(1, layout.tp_size)]
 
-    class TPChannelReceiver(KVTransport):
+    class TPChannelReceiver(KVReceiver):
         name = transport.name
-        fault_modes = ()
-
-        def export(self, pool, request_id, *, fault=None):
-            raise ValueError("pool: a decode replica receives KV pages, it does not export them")
 
         async def receive(self, ticket, pool):
             rid = getattr(ticket, "request_id", None)

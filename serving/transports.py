@@ -68,20 +68,17 @@ def make_prefill_transports(config: ServiceConfig, placement: Placement, *, iden
 
         return PrefillTransports(make_tp_channel_exporter(group.lock, group.actors, config, identity=identity,
                                                           host=host), object_store, choice)
-    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.channel_send import ChannelSender
 
     channel = transfer.channel
-    make_channel = lambda: ChannelTransport(placement.device, host=host, identity=identity,  # noqa: E731
-                                            config=channel.channel_config(), max_workers=channel.max_workers)
+    make_channel = lambda: ChannelSender(placement.device, host=host, identity=identity,  # noqa: E731
+                                         config=channel.channel_config(), max_workers=channel.max_workers)
     if choice.sender == "channel":
         return PrefillTransports(make_channel(), object_store, choice)
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.ipc_send import CudaIpcSender
 
-    ipc = transfer.ipc
     fallback = make_channel() if choice.sender == "cuda_ipc+channel" else None
-    sender = CudaIpcTransport(identity=identity, fallback=fallback, lease_timeout_s=transfer.lease_timeout_s,
-                              copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                              stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
+    sender = CudaIpcSender(identity=identity, fallback=fallback, lease_timeout_s=transfer.lease_timeout_s)
     return PrefillTransports(sender, object_store, choice)
 
 
@@ -113,20 +110,20 @@ def make_decode_receivers(config: ServiceConfig, placement: Placement, *, identi
     receivers = {"object_store": ObjectStoreTransport(fetch_timeout_s=fetch_s)}
     channels = None
     if "channel" in choice.receivers:
-        from kv_transfer.channel import ChannelTransport
+        from kv_transfer.channel_recv import ChannelReceiver
 
-        channels = ChannelTransport(placement.device, host=host, identity=identity, call_sender=prefill.send_pages,
-                                    config=transfer.channel.channel_config(), max_workers=transfer.channel.max_workers)
+        channels = ChannelReceiver(placement.device, host=host, identity=identity, call_sender=prefill.send_pages,
+                                   config=transfer.channel.channel_config(), max_workers=transfer.channel.max_workers)
         receivers[channels.name] = channels
     if "cuda_ipc" in choice.receivers:
-        from kv_transfer.ipc import CudaIpcTransport
+        from kv_transfer.ipc_recv import CudaIpcReceiver
 
         # the channel is also the IPC transport's way to pages on another GPU
         ipc = transfer.ipc
-        receivers["cuda_ipc"] = CudaIpcTransport(identity=identity, fallback=channels,
-                                                 call_sender=prefill.stage_pages if channels else None,
-                                                 copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
-                                                 stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
+        receivers["cuda_ipc"] = CudaIpcReceiver(identity=identity, fallback=channels,
+                                                call_sender=prefill.stage_pages if channels else None,
+                                                copy_chunk_bytes=ipc.copy_chunk_bytes, idle_close_s=ipc.idle_close_s,
+                                                stage_timeout_s=ipc.stage_timeout_s, max_workers=ipc.max_workers)
     return receivers
 
 

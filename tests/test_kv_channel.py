@@ -1,7 +1,7 @@
 """Pairwise KV channels (kv_transfer.channel) over gloo on CPU: the code path NCCL runs on GPUs.
 
-Sender and receiver are two ChannelTransports in this process (worker threads run each end
-of the process group) and, for a peer that really dies, a sender in a child process. The
+Sender and receiver are a ChannelSender and a ChannelReceiver in this process (worker threads
+run each end of the process group) and, for a peer that really dies, a sender in a child process. The
 receiver reaches the sender through ``call_sender``, which the service implements as a Serve
 call pinned to the prefill replica.
 """
@@ -18,8 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kv_transfer.channel as channel_module
-from kv_transfer.channel import ChannelTransport, _Fence
+import kv_transfer.channel_recv as recv_module
+from kv_transfer.channel_recv import ChannelReceiver, _Fence
+from kv_transfer.channel_send import ChannelSender
 from kv_transfer.config import ChannelConfig
 from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages
 from kv_transfer.process_group import Channel, ChannelBroken
@@ -34,7 +35,7 @@ class Pair:
     """A sender and a receiver transport; ``calls`` records what the receiver asked."""
 
     def __init__(self, config: ChannelConfig = FAST, call=None) -> None:
-        self.sender = ChannelTransport("cpu", identity={"replica_id": "P"}, config=config)
+        self.sender = ChannelSender("cpu", identity={"replica_id": "P"}, config=config)
         self.calls: list[dict] = []
         self.replies: list[dict] = []
 
@@ -46,7 +47,7 @@ class Pair:
             self.replies.append(reply)
             return reply
 
-        self.receiver = ChannelTransport("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=config)
+        self.receiver = ChannelReceiver("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=config)
 
     def close(self) -> None:
         self.sender.close()
@@ -262,7 +263,7 @@ def test_receive_given_up_mid_scatter_frees_its_pages_once_the_write_ends(monkey
 
     p = Pair(dataclasses.replace(FAST, chunk_bytes=1, ring_depth=2))
     inside, go = threading.Event(), threading.Event()
-    real = channel_module.scatter_pages
+    real = recv_module.scatter_pages
 
     def slow_scatter(pool, pages, payload, layers=None):
         if layers == (1, 2):
@@ -270,7 +271,7 @@ def test_receive_given_up_mid_scatter_frees_its_pages_once_the_write_ends(monkey
             assert go.wait(10)
         real(pool, pages, payload, layers)
 
-    monkeypatch.setattr(channel_module, "scatter_pages", slow_scatter)
+    monkeypatch.setattr(recv_module, "scatter_pages", slow_scatter)
     try:
         src, dst = make_pool(), make_pool()
         fill(src, "r", 17, seed=9)
@@ -488,15 +489,15 @@ def test_silent_peer_times_out_and_frees_pages():
 
 def test_a_stuck_channel_does_not_hold_up_other_senders():
     cfg = ChannelConfig(connect_timeout_s=2.0, transfer_timeout_s=1.0)
-    quick = ChannelTransport("cpu", identity={"replica_id": "Q"}, config=cfg)
-    silent = ChannelTransport("cpu", identity={"replica_id": "S"}, config=cfg)
+    quick = ChannelSender("cpu", identity={"replica_id": "Q"}, config=cfg)
+    silent = ChannelSender("cpu", identity={"replica_id": "S"}, config=cfg)
 
     async def call_sender(sender, request):
         if sender["replica_id"] == "S":  # never joins: the receiver's rendezvous waits it out
             await asyncio.sleep(3600)
         return await quick.serve_send(request)
 
-    receiver = ChannelTransport("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=cfg)
+    receiver = ChannelReceiver("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=cfg)
     src_q, src_s, dst = make_pool(), make_pool(), make_pool()
     fill(src_q, "q", 10)
     fill(src_s, "s", 10, seed=1)
@@ -539,7 +540,7 @@ def _dying_sender(conn) -> None:
     src = make_pool()
     fill(src, "r", 21, seed=5)
     fill(src, "s", 9, seed=6)
-    sender = ChannelTransport("cpu", identity={"replica_id": "child"}, config=FAST)
+    sender = ChannelSender("cpu", identity={"replica_id": "child"}, config=FAST)
     conn.send([sender.export(src, "r"), sender.export(src, "s")])
     conn.send(asyncio.run(sender.serve_send(conn.recv())))
     conn.recv()  # the receiver has posted its receive on the open channel...
@@ -559,7 +560,7 @@ def test_peer_process_dying_mid_transfer_is_lost_within_the_timeout():
             parent.send(request)
             return await asyncio.to_thread(parent.recv)  # EOFError once the child is gone
 
-        receiver = ChannelTransport("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=FAST)
+        receiver = ChannelReceiver("cpu", identity={"replica_id": "D"}, call_sender=call_sender, config=FAST)
         dst = make_pool()
         run(receiver.receive(ticket_r, dst))  # one good transfer between two processes
         want = make_pool()
@@ -612,7 +613,7 @@ def test_bad_tickets_are_refused_before_any_page_is_taken(pair):
         with pytest.raises(TransferError) as info:
             run(pair.receiver.receive(ticket, dst))
         assert info.value.reason is reason, ticket
-    lonely = ChannelTransport("cpu", config=FAST)  # no call_sender: cannot reach anyone
+    lonely = ChannelReceiver("cpu", config=FAST)  # no call_sender: cannot reach anyone
     with pytest.raises(TransferError, match="call_sender") as info:
         run(lonely.receive(good, dst))
     assert info.value.reason is TransferFailure.UNAVAILABLE
@@ -658,17 +659,18 @@ def test_serve_send_refuses_bad_stale_and_misrouted_requests(pair):
     assert reply.ok is False and reply.reason == "unavailable" and "stale" in reply.message
 
 
-def test_construction_errors():
+@pytest.mark.parametrize("end", [ChannelSender, ChannelReceiver])
+def test_construction_errors(end):
     with pytest.raises(ValueError, match="device"):
-        ChannelTransport("meta")
+        end("meta")
     with pytest.raises(ValueError, match="device"):
-        ChannelTransport("tpu:0")
+        end("tpu:0")
     with pytest.raises(ValueError, match="config"):
-        ChannelTransport("cpu", config={"connect_timeout_s": 1})
+        end("cpu", config={"connect_timeout_s": 1})
     with pytest.raises(ValueError, match="identity"):
-        ChannelTransport("cpu", identity={"replica_id": ""})
+        end("cpu", identity={"replica_id": ""})
     with pytest.raises(ValueError, match="host"):
-        ChannelTransport("cpu", host="")
+        end("cpu", host="")
     for field in ("connect_timeout_s", "transfer_timeout_s", "min_bytes_per_s", "idle_reopen_s"):
         for bad in (0, -1.0, True, "1"):
             with pytest.raises(ValueError, match=field):
@@ -689,6 +691,46 @@ def test_construction_errors():
     broken.mark_broken()
     with pytest.raises(ChannelBroken):
         broken.run(torch.zeros(4, dtype=torch.uint8), 1.0)
+
+
+def test_each_end_is_built_alone_and_plays_only_its_role():
+    """The pair is two classes: a decode replica builds a receiver with no sender anywhere, a
+    prefill replica a sender; neither has the other's methods, and both report the full set
+    of channel counters (a replica's stats keep one shape whichever end it holds)."""
+    from kv_transfer.transfer import KVReceiver, KVSender, KVTransport
+
+    receiver = ChannelReceiver("cpu", identity={"replica_id": "D"}, config=FAST)
+    sender = ChannelSender("cpu", identity={"replica_id": "P"}, config=FAST)
+    try:
+        assert isinstance(receiver, KVReceiver) and not isinstance(receiver, (KVSender, KVTransport))
+        assert isinstance(sender, KVSender) and not isinstance(sender, (KVReceiver, KVTransport))
+        for method in ("export", "discard", "serve_send", "serve_send_blocking"):
+            assert not hasattr(receiver, method), method
+        for method in ("receive", "receive_heads", "call_sender"):
+            assert not hasattr(sender, method), method
+        assert receiver.name == sender.name == "gloo" and sender.serves_sends and sender.reads_pages_after_export
+        assert not receiver.releases_after_receive
+        keys = {"channel_sends", "channel_receives", "channel_failures", "channels_opened", "channel_bytes_sent",
+                "channel_bytes_received", "channels_open", "channel_staged"}
+        assert receiver.counters() == sender.counters() == dict.fromkeys(keys, 0)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_closing_a_sender_forgets_its_exports():
+    sender = ChannelSender("cpu", identity={"replica_id": "P"}, config=FAST)
+    src = make_pool()
+    fill(src, "r", 7, seed=3)
+    sender.export(src, "r")
+    assert sender.counters()["channel_staged"] == 1
+    sender.close()
+    sender.close()  # idempotent
+    assert sender.counters()["channel_staged"] == 0
+    request = SendPages(request_id="r", sender_id="P", receiver_id="D", host="127.0.0.1", port=1,
+                        prefix="fpkv/P/D/1/", generation=1, backend="gloo", timeout_s=1.0, layers_per_chunk=1)
+    reply = run(sender.serve_send(request))
+    assert reply.ok is False and reply.reason == TransferFailure.LOST.value and "no exported pages" in reply.message
 
 
 def test_export_checks(pair):
@@ -724,9 +766,9 @@ def test_nccl_channel_between_two_gpus(dtype, chunking):
     src, dst = _cuda_pool(0, dtype), _cuda_pool(1, dtype)
     # the first op builds the communicator
     cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0, **chunking)
-    sender = ChannelTransport("cuda:0", identity={"replica_id": "P"}, config=cfg)
-    receiver = ChannelTransport("cuda:1", identity={"replica_id": "D"},
-                                call_sender=lambda s, r: sender.serve_send(r), config=cfg)
+    sender = ChannelSender("cuda:0", identity={"replica_id": "P"}, config=cfg)
+    receiver = ChannelReceiver("cuda:1", identity={"replica_id": "D"},
+                               call_sender=lambda s, r: sender.serve_send(r), config=cfg)
     try:
         assert sender.name == receiver.name == "nccl"
         dst.reserve("other", 40)

@@ -1,8 +1,8 @@
 """Same-GPU KV transfers over CUDA IPC (kv_transfer.ipc).
 
 CPU tests run everything but the two CUDA calls (``_share_cuda_`` / ``_new_shared_cuda``):
-``FakeIpc`` shares a storage by registering it under a random handle and opens it by looking
-it up, so the ticket format, its validation, the page copy, the mapping cache, page
+``FakeIpcSender`` shares a storage by registering it under a random handle and
+``FakeIpcReceiver`` opens it by looking it up, so the ticket format, its validation, the page copy, the mapping cache, page
 accounting on every failure and the routing to a fallback transport run as they do on a GPU.
 The GPU tests (``@pytest.mark.gpu``) run the real IPC path between two processes on one GPU.
 """
@@ -25,17 +25,17 @@ import torch
 
 from kv_cache import KVPool, KVPoolConfig
 from kv_cache.tensors import _plain_cuda_segments, copy_word
-from kv_transfer.channel import ChannelTransport
+from kv_transfer.channel_recv import ChannelReceiver
+from kv_transfer.channel_send import ChannelSender
 from kv_transfer.config import ChannelConfig
-from kv_transfer.ipc import (
-    CudaIpcTransport,
-    _process_alive,
-    copy_pages,
-    parse_ticket,
-)
+from kv_transfer.ipc import _process_alive, copy_pages, parse_ticket
+from kv_transfer.ipc_recv import CudaIpcReceiver
+from kv_transfer.ipc_send import CudaIpcSender
 from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,
+    KVReceiver,
+    KVSender,
     KVTransport,
     TransferError,
     TransferFailure,
@@ -50,14 +50,12 @@ FAST = ChannelConfig(connect_timeout_s=2.0, transfer_timeout_s=1.0, idle_reopen_
 _FAKE_HANDLES: dict[bytes, torch.Tensor] = {}
 
 
-class FakeIpc(CudaIpcTransport):
-    """CudaIpcTransport with the CUDA sharing calls replaced by a registry (see the module
-    docstring); ``gpu`` is the UUID its pools report; ``opened`` counts storages opened."""
+class FakeIpcSender(CudaIpcSender):
+    """CudaIpcSender with the CUDA sharing call replaced by a registry (see the module
+    docstring); ``gpu`` is the UUID its pools report."""
 
     def __init__(self, gpu: str = "GPU-A", **kw) -> None:
         super().__init__(uuid_of=lambda device: gpu, **kw)
-        self.opened = 0
-        self.on_open = None  # called with the storage part before it is returned
 
     def _share_storage(self, tensor):
         storage = tensor.untyped_storage()
@@ -67,6 +65,16 @@ class FakeIpc(CudaIpcTransport):
         part = {"handle": handle, "size": storage.nbytes(), "offset": 0, "ref_counter": b"/torch_fake",
                 "ref_counter_offset": 0, "tensor_offset": tensor.storage_offset() * tensor.element_size()}
         return part, base
+
+
+class FakeIpcReceiver(CudaIpcReceiver):
+    """CudaIpcReceiver that opens what a ``FakeIpcSender`` registered; ``gpu`` is the UUID its
+    pools report; ``opened`` counts storages opened."""
+
+    def __init__(self, gpu: str = "GPU-A", **kw) -> None:
+        super().__init__(uuid_of=lambda device: gpu, **kw)
+        self.opened = 0
+        self.on_open = None  # called with the storage part before it is returned
 
     def _open_storage(self, part, pid, device):
         self.opened += 1
@@ -142,8 +150,8 @@ def test_pages_arrive_bit_exact_from_a_fragmented_pool(dtype, page_size, chunk):
     fill(src, "b", page_size, seed=3)
     src.release("hole")  # the next request takes the hole's pages and fresh ones: not contiguous
     dst.reserve("other", 5 * page_size)  # the receiver's page ids differ from the sender's
-    sender = FakeIpc(identity={"replica_id": "P"})
-    receiver = FakeIpc(identity={"replica_id": "D"}, copy_chunk_bytes=chunk)
+    sender = FakeIpcSender(identity={"replica_id": "P"})
+    receiver = FakeIpcReceiver(identity={"replica_id": "D"}, copy_chunk_bytes=chunk)
     try:
         for i, n in enumerate((1, 4 * page_size + 3, 9 * page_size)):
             rid = f"r{i}"
@@ -174,7 +182,7 @@ def test_sender_pool_at_an_odd_offset_of_its_storage():
         setattr(src, name, big[1:].view(t.shape))
         setattr(src, name + "_raw", getattr(src, name))  # bf16: the storage is the logical tensor
     fill(src, "r", 21, seed=4)
-    sender, receiver = FakeIpc(), FakeIpc()
+    sender, receiver = FakeIpcSender(), FakeIpcReceiver()
     ticket = sender.export(src, "r")
     assert ticket.handle["k"]["tensor_offset"] == 2
     run(receiver.receive(ticket, dst))
@@ -184,8 +192,8 @@ def test_sender_pool_at_an_odd_offset_of_its_storage():
 def test_empty_request_takes_no_page_and_opens_nothing():
     src, dst = make_pool(), make_pool()
     src.reserve("e", 0)
-    receiver = FakeIpc()
-    assert run(receiver.receive(FakeIpc().export(src, "e"), dst)) == [] and dst.has("e")
+    receiver = FakeIpcReceiver()
+    assert run(receiver.receive(FakeIpcSender().export(src, "e"), dst)) == [] and dst.has("e")
     assert receiver.opened == 0
 
 
@@ -223,7 +231,7 @@ def test_copy_pages_in_chunks_matches_a_plain_loop():
 def _good_ticket():
     src = make_pool()
     fill(src, "r", 13, seed=9)
-    sender = FakeIpc(identity={"replica_id": "P", "app": "a", "deployment": "d"}, lease_timeout_s=60.0)
+    sender = FakeIpcSender(identity={"replica_id": "P", "app": "a", "deployment": "d"}, lease_timeout_s=60.0)
     return src, sender, sender.export(src, "r")
 
 
@@ -278,7 +286,7 @@ def test_bad_tickets_are_refused_before_any_page_is_taken():
         with_part("k", ref_counter_offset=1.0),
         with_part("k", tensor_offset=h["k"]["size"]),  # the pool would end past the storage
     ]
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
     for ticket in malformed:
         with pytest.raises(TransferError) as info:
             run(receiver.receive(ticket, dst))
@@ -296,14 +304,14 @@ def test_bad_tickets_are_refused_before_any_page_is_taken():
 def test_another_gpu_without_a_fallback_is_unavailable():
     src, sender, ticket = _good_ticket()
     dst = make_pool()
-    for receiver in (FakeIpc(gpu="GPU-B"), CudaIpcTransport()):  # another GPU; a CPU pool (no UUID)
+    for receiver in (FakeIpcReceiver(gpu="GPU-B"), CudaIpcReceiver()):  # another GPU; a CPU pool (no UUID)
         with pytest.raises(TransferError, match="GPU-A") as info:
             run(receiver.receive(ticket, dst))
         assert info.value.reason is TransferFailure.UNAVAILABLE and info.value.retryable
         assert receiver.counters()["ipc_failures"] == 1
     # a receiver with a fallback the sender does not offer cannot use it either
     fallback = FakeTransport()
-    receiver = FakeIpc(gpu="GPU-B", fallback=fallback, call_sender=lambda s, r: None)
+    receiver = FakeIpcReceiver(gpu="GPU-B", fallback=fallback, call_sender=lambda s, r: None)
     with pytest.raises(TransferError, match="offers") as info:
         run(receiver.receive(dataclasses.replace(ticket, handle={**ticket.handle, "fallback": "nccl"}), dst))
     assert info.value.reason is TransferFailure.UNAVAILABLE and fallback.received == []
@@ -314,9 +322,9 @@ def test_break_fault_names_no_gpu_and_offers_no_fallback():
     src = make_pool()
     fill(src, "r", 9)
     fallback = FakeTransport()
-    sender = FakeIpc(fallback=FakeTransport())
+    sender = FakeIpcSender(fallback=FakeTransport())
     ticket = sender.export(src, "r", fault="break")
-    receiver = FakeIpc(fallback=fallback, call_sender=lambda s, r: None)  # same GPU as the sender
+    receiver = FakeIpcReceiver(fallback=fallback, call_sender=lambda s, r: None)  # same GPU as the sender
     dst = make_pool()
     with pytest.raises(TransferError) as info:
         run(receiver.receive(ticket, dst))
@@ -328,7 +336,7 @@ def test_break_fault_names_no_gpu_and_offers_no_fallback():
 
 def test_pool_exhausted_and_shape_mismatch_open_nothing():
     _, _, ticket = _good_ticket()
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
     small = make_pool(num_pages=1)
     with pytest.raises(TransferError) as info:
         run(receiver.receive(ticket, small))
@@ -344,7 +352,7 @@ def test_pool_exhausted_and_shape_mismatch_open_nothing():
 def test_open_and_copy_failures_release_the_pages(monkeypatch):
     src, _, ticket = _good_ticket()
     dst = make_pool()
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
 
     def refuse(part):
         raise TransferError(TransferFailure.UNAVAILABLE, "cannot open the sender's CUDA IPC handle: gone")
@@ -359,7 +367,7 @@ def test_open_and_copy_failures_release_the_pages(monkeypatch):
     def broken_copy(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr("kv_transfer.ipc.copy_pages", broken_copy)
+    monkeypatch.setattr("kv_transfer.ipc_recv.copy_pages", broken_copy)
     with pytest.raises(TransferError, match="illegal memory access") as info:
         run(receiver.receive(ticket, dst))
     assert info.value.reason is TransferFailure.LOST and info.value.retryable
@@ -374,7 +382,7 @@ def test_opened_storage_of_the_wrong_size_is_refused():
     _, _, ticket = _good_ticket()
     dst = make_pool()
 
-    class Short(FakeIpc):
+    class Short(FakeIpcReceiver):
         def _open_storage(self, part, pid, device):
             return super()._open_storage(part, pid, device)[:-1]
 
@@ -388,10 +396,10 @@ def test_an_expired_lease_is_refused_before_and_after_the_copy():
     src = make_pool()
     fill(src, "r", 13, seed=9)
     dst = make_pool()
-    sender = FakeIpc(lease_timeout_s=0.3)
+    sender = FakeIpcSender(lease_timeout_s=0.3)
     ticket = sender.export(src, "r")
     assert 0.2 < ticket.handle["expires_at"] - time.time() <= 0.3
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
     receiver.on_open = lambda part: time.sleep(0.4)  # the lease ends while the copy runs
     with pytest.raises(TransferError, match="lease expired during the copy") as info:
         run(receiver.receive(ticket, dst))
@@ -400,7 +408,7 @@ def test_an_expired_lease_is_refused_before_and_after_the_copy():
     with pytest.raises(TransferError, match="lease has expired") as info:
         run(receiver.receive(ticket, dst))
     assert info.value.reason is TransferFailure.LOST and dst.free_pages == dst.num_pages
-    no_lease = FakeIpc().export(src, "r")  # lease_timeout_s None: no deadline in the ticket
+    no_lease = FakeIpcSender().export(src, "r")  # lease_timeout_s None: no deadline in the ticket
     assert no_lease.handle["expires_at"] is None
     run(receiver.receive(no_lease, dst))
 
@@ -408,7 +416,7 @@ def test_an_expired_lease_is_refused_before_and_after_the_copy():
 def test_a_sender_process_that_is_gone_fails_the_copy_and_its_mappings_close():
     src, _, ticket = _good_ticket()
     dst = make_pool()
-    receiver = FakeIpc(identity={"replica_id": "D"})
+    receiver = FakeIpcReceiver(identity={"replica_id": "D"})
     run(receiver.receive(ticket, dst))
     assert receiver.sweep() == 0 and receiver.counters()["ipc_mappings_open"] == 2  # alive, just used
     dst.release("r")
@@ -430,7 +438,7 @@ def test_a_sender_process_that_is_gone_fails_the_copy_and_its_mappings_close():
 def test_idle_mappings_close_and_reopen():
     src, _, ticket = _good_ticket()
     dst = make_pool()
-    receiver = FakeIpc(idle_close_s=0.05)
+    receiver = FakeIpcReceiver(idle_close_s=0.05)
     run(receiver.receive(ticket, dst))
     time.sleep(0.1)
     assert receiver.sweep() == 2 and receiver.counters()["ipc_mappings_open"] == 0
@@ -455,7 +463,7 @@ def test_process_alive():
 def test_cancelled_receive_frees_its_pages_only_after_the_copy():
     src, _, ticket = _good_ticket()
     dst = make_pool()
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
     started, release = threading.Event(), threading.Event()
 
     def slow_open(part):
@@ -482,9 +490,9 @@ def test_cancelled_receive_frees_its_pages_only_after_the_copy():
 
 def test_closed_transport_refuses():
     src, sender, ticket = _good_ticket()
-    receiver = FakeIpc()
+    receiver = FakeIpcReceiver()
     fallback = FakeTransport()
-    holder = FakeIpc(fallback=fallback)
+    holder = FakeIpcReceiver(fallback=fallback)
     run(receiver.receive(ticket, make_pool()))
     assert receiver.counters()["ipc_mappings_open"] == 2
     for t in (receiver, holder, sender):
@@ -504,17 +512,17 @@ def test_another_gpu_gets_the_pages_over_a_real_gloo_channel():
     src, dst = make_pool(), make_pool()
     dst.reserve("other", 10)
     fill(src, "r", 21, seed=12)
-    send_ch = ChannelTransport("cpu", identity={"replica_id": "P"}, config=FAST)
-    recv_ch = ChannelTransport("cpu", identity={"replica_id": "D"}, config=FAST,
-                               call_sender=lambda s, r: send_ch.serve_send(r))
-    sender = FakeIpc(gpu="GPU-A", identity={"replica_id": "P"}, fallback=send_ch)
+    send_ch = ChannelSender("cpu", identity={"replica_id": "P"}, config=FAST)
+    recv_ch = ChannelReceiver("cpu", identity={"replica_id": "D"}, config=FAST,
+                              call_sender=lambda s, r: send_ch.serve_send(r))
+    sender = FakeIpcSender(gpu="GPU-A", identity={"replica_id": "P"}, fallback=send_ch)
     stage_calls = []
 
     async def stage(who, request):
         stage_calls.append((who, request))
         return await asyncio.to_thread(sender.serve_stage, src, request)
 
-    receiver = FakeIpc(gpu="GPU-B", identity={"replica_id": "D"}, fallback=recv_ch, call_sender=stage)
+    receiver = FakeIpcReceiver(gpu="GPU-B", identity={"replica_id": "D"}, fallback=recv_ch, call_sender=stage)
     try:
         ticket = sender.export(src, "r")
         assert ticket.handle["fallback"] == "gloo" and send_ch.counters()["channel_staged"] == 0  # lazy
@@ -527,7 +535,7 @@ def test_another_gpu_gets_the_pages_over_a_real_gloo_channel():
         sender.discard(ticket)
         assert sender.counters()["ipc_exported"] == 0 and sender.counters()["channel_staged"] == 0
         # a receiver on the sender's GPU maps the pool and never asks for a staging
-        same = FakeIpc(gpu="GPU-A", fallback=FakeTransport(), call_sender=stage)
+        same = FakeIpcReceiver(gpu="GPU-A", fallback=FakeTransport(), call_sender=stage)
         fill(src, "s", 7, seed=13)
         run(same.receive(sender.export(src, "s"), dst))
         assert same_bytes(src, dst, "s") and len(stage_calls) == 1 and same.fallback.received == []
@@ -558,7 +566,7 @@ def test_bad_stage_replies_fail_without_taking_pages(reply, reason):
     async def call(who, request):
         return reply
 
-    receiver = FakeIpc(gpu="GPU-B", fallback=fallback, call_sender=call)
+    receiver = FakeIpcReceiver(gpu="GPU-B", fallback=fallback, call_sender=call)
     dst = make_pool()
     with pytest.raises(TransferError) as info:
         run(receiver.receive(ticket, dst))
@@ -579,7 +587,7 @@ def test_unreachable_or_slow_sender_fails_the_stage_as_lost():
 
     dst = make_pool()
     for call, words in ((gone, "ConnectionError"), (slow, "within")):
-        receiver = FakeIpc(gpu="GPU-B", fallback=FakeTransport(), call_sender=call, stage_timeout_s=0.1)
+        receiver = FakeIpcReceiver(gpu="GPU-B", fallback=FakeTransport(), call_sender=call, stage_timeout_s=0.1)
         t0 = time.monotonic()
         with pytest.raises(TransferError, match=words) as info:
             run(receiver.receive(ticket, dst))
@@ -591,7 +599,7 @@ def test_serve_stage_refuses_bad_misrouted_and_ended_requests():
     src = make_pool()
     fill(src, "r", 6)
     fallback = FakeTransport()
-    sender = FakeIpc(identity={"replica_id": "P"}, fallback=fallback)
+    sender = FakeIpcSender(identity={"replica_id": "P"}, fallback=fallback)
     ticket = sender.export(src, "r")
     good = StagePages(request_id="r", sender_id="P", transport="fake")
     cases = [
@@ -606,7 +614,7 @@ def test_serve_stage_refuses_bad_misrouted_and_ended_requests():
     for request, reason, words in cases:
         reply = sender.serve_stage(src, request)
         assert reply.ok is False and reply.reason == reason.value and words in reply.message, request
-    assert FakeIpc().serve_stage(src, good).reason == "unavailable"  # no fallback at all
+    assert FakeIpcSender().serve_stage(src, good).reason == "unavailable"  # no fallback at all
     for error, reason in ((TransferError(TransferFailure.SHAPE, "odd"), TransferFailure.LOST),
                           (TransferError(TransferFailure.UNAVAILABLE, "closed"), TransferFailure.UNAVAILABLE),
                           (RuntimeError("CUDA OOM"), TransferFailure.LOST)):
@@ -634,7 +642,7 @@ def test_discard_waits_for_a_staging_in_progress():
             return super().export(pool, request_id)
 
     fallback = Slow()
-    sender = FakeIpc(identity={"replica_id": "P"}, fallback=fallback)
+    sender = FakeIpcSender(identity={"replica_id": "P"}, fallback=fallback)
     ticket = sender.export(src, "r")
     replies: list = []
     stager = threading.Thread(target=lambda: replies.append(
@@ -652,42 +660,71 @@ def test_discard_waits_for_a_staging_in_progress():
 
 
 # ----------------------------------------------------------------------------- construction, export
+class OnlySends(KVSender):
+    name = "only-sends"
+
+    def export(self, pool, request_id, *, fault=None): ...
+
+
+class OnlyReceives(KVReceiver):
+    name = "only-receives"
+
+    async def receive(self, ticket, pool): ...
+
+
 def test_construction_errors():
-    cases = [
+    both = [
         (dict(identity={"replica_id": ""}), "identity"),
         (dict(identity={"replica_id": 3}), "identity"),
         (dict(fallback="nccl"), "fallback"),
-        (dict(fallback=CudaIpcTransport()), "fallback"),
-        (dict(call_sender=5), "call_sender"),
+        (dict(uuid_of="GPU-A"), "uuid_of"),
+    ]
+    sender = [
+        (dict(fallback=CudaIpcSender()), "fallback"),  # not another transport
+        (dict(fallback=OnlyReceives()), "fallback"),  # a sender stages over a sender
         (dict(lease_timeout_s=0), "lease_timeout_s"),
         (dict(lease_timeout_s=True), "lease_timeout_s"),
+        (dict(lease_timeout_s=math.inf), "lease_timeout_s"),
+    ]
+    receiver = [
+        (dict(fallback=CudaIpcReceiver()), "fallback"),
+        (dict(fallback=OnlySends()), "fallback"),  # a receiver receives over a receiver
+        (dict(call_sender=5), "call_sender"),
         (dict(idle_close_s=-1.0), "idle_close_s"),
         (dict(idle_close_s=math.inf), "idle_close_s"),
         (dict(stage_timeout_s="1"), "stage_timeout_s"),
         (dict(stage_timeout_s=None), "stage_timeout_s"),
         (dict(copy_chunk_bytes=0), "copy_chunk_bytes"),
         (dict(copy_chunk_bytes=1.0), "copy_chunk_bytes"),
-        (dict(uuid_of="GPU-A"), "uuid_of"),
         (dict(max_workers=0), "max_workers"),
     ]
-    for kwargs, arg in cases:
-        with pytest.raises(ValueError, match=arg):
-            CudaIpcTransport(**kwargs)
+    for end, cases in ((CudaIpcSender, both + sender), (CudaIpcReceiver, both + receiver)):
+        for kwargs, arg in cases:
+            with pytest.raises(ValueError, match=arg):
+                end(**kwargs)
+    # each end takes the matching end of another transport, and keeps to its role
+    ends = CudaIpcSender(fallback=OnlySends()), CudaIpcReceiver(fallback=OnlyReceives())
+    assert isinstance(ends[0], KVSender) and not isinstance(ends[0], (KVReceiver, KVTransport))
+    assert isinstance(ends[1], KVReceiver) and not isinstance(ends[1], (KVSender, KVTransport))
+    assert not hasattr(ends[0], "receive") and not hasattr(ends[1], "export") and not hasattr(ends[1], "serve_stage")
+    assert set(ends[0].counters()) == set(ends[1].counters())  # one shape of stats whichever end
+    for end in ends:
+        end.close()
 
 
 def test_export_checks():
     src = make_pool()
     fill(src, "r", 5)
-    sender = FakeIpc()
+    sender = FakeIpcSender()
     with pytest.raises(ValueError, match="fault"):
         sender.export(src, "r", fault="flip")
     with pytest.raises(KeyError):
         sender.export(src, "nobody")
     with pytest.raises(TransferError, match="CUDA") as info:  # the real sharing: CUDA pools only
-        CudaIpcTransport().export(src, "r")
+        CudaIpcSender().export(src, "r")
     assert info.value.reason is TransferFailure.UNAVAILABLE
 
-    class NoHandle(FakeIpc):
+    class NoHandle(FakeIpcSender):
         def __init__(self):
             super().__init__(gpu="")
 
@@ -704,7 +741,7 @@ def test_export_checks():
 def test_checksum_kind_none():
     src = make_pool()
     fill(src, "r", 5)
-    header = KVFrameHeader.decode(FakeIpc().export(src, "r").handle["header"])
+    header = KVFrameHeader.decode(FakeIpcSender().export(src, "r").handle["header"])
     assert KVFrameHeader.decode(header.encode()) == header
     with pytest.raises(TransferError, match="checksum") as info:
         KVFrameHeader.decode(dataclasses.replace(header, checksum=5).encode())
@@ -792,7 +829,7 @@ def _gpu_sender(conn, alloc_conf: str) -> None:
             if not any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot()):
                 raise AssertionError("expandable segments did not take effect: the test would prove nothing")
         pools = {}
-        sender = CudaIpcTransport(identity={"replica_id": "P"}, lease_timeout_s=120.0)
+        sender = CudaIpcSender(identity={"replica_id": "P"}, lease_timeout_s=120.0)
         out = []
         for dtype, page_size in GPU_CONFIGS:
             pool = pools[(dtype, page_size)] = _gpu_pool(dtype, page_size)
@@ -845,7 +882,7 @@ def gpu_tickets(request):
 @pytest.mark.gpu
 def test_gpu_ipc_between_two_processes_is_bit_exact(gpu_tickets):
     conn, tickets = gpu_tickets
-    receiver = CudaIpcTransport(identity={"replica_id": "D"})
+    receiver = CudaIpcReceiver(identity={"replica_id": "D"})
     pools = {}
     try:
         assert len(tickets) >= len(GPU_CONFIGS) * 2
@@ -891,7 +928,7 @@ def test_gpu_same_process_reads_its_own_export():
     src, dst = _gpu_pool(torch.bfloat16, 16), _gpu_pool(torch.bfloat16, 16)
     dst.reserve("other", 40)
     fill(src, "r", 100, seed=3)
-    sender, receiver = CudaIpcTransport(), CudaIpcTransport()
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver()
     try:
         ticket = sender.export(src, "r")
         assert ticket.handle["device_uuid"] == str(torch.cuda.get_device_properties(0).uuid)
@@ -910,15 +947,15 @@ def test_gpu_auto_falls_back_to_nccl_between_two_gpus():
     dst = KVPool(KVPoolConfig(num_layers=3, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16,
                               num_pages=48, device="cuda:1"))
     cfg = ChannelConfig(connect_timeout_s=60.0, transfer_timeout_s=30.0)
-    send_ch = ChannelTransport("cuda:0", identity={"replica_id": "P"}, config=cfg)
-    recv_ch = ChannelTransport("cuda:1", identity={"replica_id": "D"}, config=cfg,
-                               call_sender=lambda s, r: send_ch.serve_send(r))
-    sender = CudaIpcTransport(identity={"replica_id": "P"}, fallback=send_ch)
+    send_ch = ChannelSender("cuda:0", identity={"replica_id": "P"}, config=cfg)
+    recv_ch = ChannelReceiver("cuda:1", identity={"replica_id": "D"}, config=cfg,
+                              call_sender=lambda s, r: send_ch.serve_send(r))
+    sender = CudaIpcSender(identity={"replica_id": "P"}, fallback=send_ch)
 
     async def stage(who, request):
         return await asyncio.to_thread(sender.serve_stage, src, request)
 
-    receiver = CudaIpcTransport(identity={"replica_id": "D"}, fallback=recv_ch, call_sender=stage)
+    receiver = CudaIpcReceiver(identity={"replica_id": "D"}, fallback=recv_ch, call_sender=stage)
     try:
         fill(src, "r", 333, seed=5)
         run(receiver.receive(sender.export(src, "r"), dst))

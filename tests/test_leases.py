@@ -188,12 +188,12 @@ def test_no_lease_without_a_ticket_or_when_the_export_fails(prefill_server, monk
 
 
 def test_transports_that_copy_at_export_need_no_lease():
-    from kv_transfer.channel import ChannelTransport
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.channel_send import ChannelSender
+    from kv_transfer.ipc_send import CudaIpcSender
     from kv_transfer.transfer import LocalTransport, ObjectStoreTransport
 
     assert not ObjectStoreTransport.reads_pages_after_export and not LocalTransport.reads_pages_after_export
-    assert ChannelTransport.reads_pages_after_export and CudaIpcTransport.reads_pages_after_export
+    assert ChannelSender.reads_pages_after_export and CudaIpcSender.reads_pages_after_export
 
 
 def _wire(monkeypatch, pre):

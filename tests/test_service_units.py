@@ -572,8 +572,10 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     import decode_worker.deployment as dd
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.channel import ChannelTransport
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.channel_recv import ChannelReceiver
+    from kv_transfer.channel_send import ChannelSender
+    from kv_transfer.ipc_recv import CudaIpcReceiver
+    from kv_transfer.ipc_send import CudaIpcSender
     from kv_transfer.transfer import IPC_OR_NCCL
 
     opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "lease_timeout_s": 42.0,
@@ -585,11 +587,10 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
         pre, dec = pd.PrefillServer(opts), dd.DecodeServer(opts)
         try:
             ipc = pre.transport
-            assert isinstance(ipc, CudaIpcTransport) and ipc.lease_timeout_s == 42.0
+            assert type(ipc) is CudaIpcSender and ipc.lease_timeout_s == 42.0
             receiver = dec.receivers["cuda_ipc"]
-            assert isinstance(receiver, CudaIpcTransport)
-            for t in (ipc, receiver):  # the transfer.ipc knobs reach both ends
-                assert (t.copy_chunk_bytes, t.idle_close_s, t.stage_timeout_s) == (8192, 9.0, 11.0)
+            assert type(receiver) is CudaIpcReceiver  # the transfer.ipc knobs are the receiver's
+            assert (receiver.copy_chunk_bytes, receiver.idle_close_s, receiver.stage_timeout_s) == (8192, 9.0, 11.0)
             assert pre.object_store.fetch_timeout_s == 13.0 and dec.receivers["object_store"].fetch_timeout_s == 13.0
             stats = pre.record_routing_stats()
             assert stats["ipc_exports"] == 0 and stats["ipc_exported"] == 0
@@ -597,7 +598,9 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
             request = StagePages(request_id="r", sender_id=ipc.replica_id, transport="gloo")
             reply = asyncio.run(pre.stage_pages(request))
             if kind == IPC_OR_NCCL:
-                assert isinstance(ipc.fallback, ChannelTransport) and ipc.serves_sends
+                # each end's fallback is its end of the channel: a sender here, a receiver there
+                assert type(ipc.fallback) is ChannelSender and ipc.serves_sends
+                assert type(dec.receivers["gloo"]) is ChannelReceiver
                 for channel in (ipc.fallback, dec.receivers["gloo"]):  # the transfer.channel knobs
                     assert (channel.config.chunk_bytes, channel.config.ring_depth, channel.config.connect_timeout_s) \
                         == (4096, 2, 7.0)

@@ -1,5 +1,5 @@
 """Channel transfers from a TP prefill group (kv_transfer/tp_transfer.TPChannelTransport and
-ChannelTransport.receive_heads) over gloo, in process: every prefill rank sends its own heads
+ChannelReceiver.receive_heads) over gloo, in process: every prefill rank sends its own heads
 over its own channel; the decode pool (TP 1, or one rank of a TP decode group) ends up holding
 exactly the unsharded pool's pages, bit for bit; a failure on any rank fails the whole transfer
 and leaves no page reserved; tickets and send requests are checked strictly."""
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kv_cache.heads import HeadLayout
-from kv_transfer.channel import ChannelTransport
+from kv_transfer.channel_recv import ChannelReceiver
+from kv_transfer.channel_send import ChannelSender
 from kv_transfer.config import ChannelConfig
 from kv_transfer.pages import gather_heads, scatter_heads
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
@@ -39,7 +40,7 @@ class Group:
     """A TP prefill group of ``p`` ranks (their pools cut from ``full``) and ``d`` decode
     receivers (one transport per decode rank, named as a TP decode replica's ranks are:
     ``D:tp<r>``), wired in process. ``plain``: the sender is a TP=1 prefill replica's own
-    ``ChannelTransport`` (``p`` must be 1; its tickets carry no ``tp``). The prefill side keeps
+    ``ChannelSender`` (``p`` must be 1; its tickets carry no ``tp``). The prefill side keeps
     its lease as the replica does (``LeaseTable``: ``send_pages`` counts the sends; ending it
     discards the exports and frees every prefill rank's pages)."""
 
@@ -51,11 +52,11 @@ class Group:
         ident = lambda r: TPChannelTransport.rank_identity("P", r)  # noqa: E731
         who = {"replica_id": "P", "app": "a", "deployment": "Prefill"}
         if plain:
-            self.rank_transports = [ChannelTransport("cpu", identity=who, config=config)]
+            self.rank_transports = [ChannelSender("cpu", identity=who, config=config)]
             self.followers = []
             self.sender = self.rank_transports[0]
         else:
-            self.rank_transports = [ChannelTransport("cpu", identity=ident(r), config=config) for r in range(p)]
+            self.rank_transports = [ChannelSender("cpu", identity=ident(r), config=config) for r in range(p)]
             self.followers = [RankChannel(t, pool) for t, pool in zip(self.rank_transports[1:], self.src_pools[1:])]
             self.sender = TPChannelTransport(self.rank_transports[0], self.src, self.followers, identity=who,
                                              host="127.0.0.1")
@@ -79,8 +80,8 @@ class Group:
             self.leases.sent(request.request_id, reply.ok, send_pulls(request))
             return reply
 
-        self.receivers = [ChannelTransport("cpu", identity=TPChannelTransport.rank_identity("D", r),
-                                           call_sender=call_sender, config=config) for r in range(d)]
+        self.receivers = [ChannelReceiver("cpu", identity=TPChannelTransport.rank_identity("D", r),
+                                          call_sender=call_sender, config=config) for r in range(d)]
 
     def export(self, fault=None):
         ticket = self.sender.export(self.src_pools[0], RID, fault=fault)
@@ -300,7 +301,19 @@ def test_gather_scatter_heads_roundtrip_against_plain_indexing(dtype):
     with pytest.raises(ValueError, match="payload"):
         scatter_heads(other, pages, got[:-1], (1, 2), heads)
     with pytest.raises(ValueError, match="followers"):
-        TPChannelTransport(ChannelTransport("cpu"), HeadLayout(HQ, HKV, 2), [], identity={}, host="h")
+        TPChannelTransport(ChannelSender("cpu"), HeadLayout(HQ, HKV, 2), [], identity={}, host="h")
+
+
+def test_the_tp_group_sender_is_a_sender_only():
+    from kv_transfer.transfer import KVReceiver, KVSender
+
+    leader = ChannelSender("cpu", identity=TPChannelTransport.rank_identity("P", 0))
+    sender = TPChannelTransport(leader, HeadLayout(HQ, HKV, 1), [], identity={"replica_id": "P"}, host="h")
+    try:
+        assert isinstance(sender, KVSender) and not isinstance(sender, KVReceiver) and not hasattr(sender, "receive")
+        assert sender.name == "gloo" and sender.serves_sends and sender.counters() == leader.counters()
+    finally:
+        sender.close()
 
 
 def test_tp_prefill_transport_choice():
@@ -561,7 +574,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     the object store."""
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.ipc import CudaIpcTransport
+    from kv_transfer.ipc_send import CudaIpcSender
     from kv_transfer.transfer import IPC_OR_NCCL
 
     opts = {"model": "builtin:tiny", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,
@@ -571,9 +584,9 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
         monkeypatch.setattr(choice, "select_transport", lambda requested, device, kind=kind: kind)
         pre = pd.PrefillServer(opts)
         try:
-            assert not isinstance(pre.transport, CudaIpcTransport), kind
+            assert not isinstance(pre.transport, CudaIpcSender), kind
             if want == "channel":
-                assert isinstance(pre.transport, ChannelTransport) and pre.transport.name == "gloo", kind
+                assert isinstance(pre.transport, ChannelSender) and pre.transport.name == "gloo", kind
             else:
                 assert pre.transport is pre.object_store, kind
         finally:

@@ -93,7 +93,8 @@ def test_choose_needs_a_placement_and_placement_normalises_the_device():
 
 
 def test_the_factory_builds_what_the_choice_names_on_cpu():
-    from kv_transfer.channel import ChannelTransport
+    from kv_transfer.channel_recv import ChannelReceiver
+    from kv_transfer.channel_send import ChannelSender
     from kv_transfer.transfer import ObjectStoreTransport
     from serving.config import ServiceConfig
     from serving.transports import make_decode_receivers, make_prefill_transports, placement_of
@@ -104,7 +105,7 @@ def test_the_factory_builds_what_the_choice_names_on_cpu():
 
     client = Client()
     for transport, sender_type, names in (("object_store", ObjectStoreTransport, {"object_store"}),
-                                          ("gloo", ChannelTransport, {"object_store", "gloo"})):
+                                          ("gloo", ChannelSender, {"object_store", "gloo"})):
         cfg = ServiceConfig.from_dict({"transfer": {"transport": transport, "object_store": {"fetch_timeout_s": 7.0}}})
         pre = make_prefill_transports(cfg, placement_of(cfg, "prefill", "cpu"), identity={"replica_id": "P"},
                                       host="127.0.0.1")
@@ -116,6 +117,7 @@ def test_the_factory_builds_what_the_choice_names_on_cpu():
             assert set(rx) == names and rx["object_store"].fetch_timeout_s == 7.0
             assert pre.sender.serves_sends == (transport == "gloo") and not pre.sender.serves_stages
             if "gloo" in rx:
+                assert type(rx["gloo"]) is ChannelReceiver
                 assert rx["gloo"].call_sender == client.send_pages and not rx["gloo"].releases_after_receive
         finally:
             pre.sender.close()
