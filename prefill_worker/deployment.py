@@ -49,7 +49,7 @@ from prefill_worker.leases import Lease, LeaseTable
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
 from serving.metrics import Metrics
-from serving.errors import RequestError
+from serving.errors import PrefillOutOfMemory, RequestError
 from serving.messages import (
     PagesReleased,
     PrefillCall,
@@ -186,7 +186,10 @@ class PrefillLoop:
                     # starting still makes that step's schedule
                     item.started_at = max(t0, item.enqueued_at)
             for rid, exc in out.failed:
-                logger.error("prefill of %s failed: %r", rid, exc)
+                if isinstance(exc, PrefillOutOfMemory):  # the engine logged the batch's one line
+                    exc.retry_after_s = self.retry_after_s or 1
+                else:
+                    logger.error("prefill of %s failed: %r", rid, exc)
                 item = self._pending.get(rid)
                 if item is not None and not item.future.done():
                     item.future.set_exception(exc)
@@ -235,6 +238,7 @@ class PrefillServer:
                                     prefix_cache=self.config.prefill.prefix_caching,
                                     policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
                                     cost=self.cost_model.cost, tokenizer=self._tokenizer())
+        self.engine.oom_faults = self.config.fault_injection.prefill_out_of_memory
         self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,

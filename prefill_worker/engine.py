@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,8 +43,11 @@ import torch
 from kernels.config import Q_TILE
 from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide, prompt_logprobs
+from serving.errors import PrefillOutOfMemory
 
 from .scheduler import PrefillScheduler, PromptState
+
+logger = logging.getLogger("ray.serve")  # a name only (no Ray import): a replica's log shows it
 
 
 def prefix_reuse_granule(page_size: int, *, sparse: bool) -> int:
@@ -173,6 +178,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         self.clock = clock
         self._lock = threading.Lock()
         self.forward_batches = 0  # forward passes run (for tests and stats)
+        self.oom_faults = 0  # drills: the next this many forwards raise torch.OutOfMemoryError
 
     # -- admission ---------------------------------------------------------------------
     def _validate(self, requests: Sequence[PrefillRequest], name: str = "requests") -> None:
@@ -219,6 +225,9 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
 
     def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
         """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
+        if self.oom_faults > 0:  # fault_injection.prefill_out_of_memory
+            self.oom_faults -= 1
+            raise torch.OutOfMemoryError("fault injection: a prefill forward out of memory")
         alphas = [self._own_alpha(c.seq.payload) for c in chunks]
         if all(a is None for a in alphas):
             out = (self.runner.prefill(items), {}) if not any(keep) else self.runner.prefill_keeping(items, keep)
@@ -348,8 +357,13 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             for seq in failed:
                 if self.pool.has(seq.request_id):
                     self.pool.release(seq.request_id)
-                if not seq.aborted:
-                    out.failed.append((seq.request_id, exc))
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._out_of_memory(chunks, exc)
+                batch_tokens = sum(c.num_tokens for c in chunks)
+                out.failed.extend((seq.request_id, PrefillOutOfMemory(seq.prompt_len, batch_tokens))
+                                  for seq in failed if not seq.aborted)
+                return out
+            out.failed.extend((seq.request_id, exc) for seq in failed if not seq.aborted)
             if not isinstance(exc, Exception):
                 raise
             return out
@@ -374,6 +388,24 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                                                                if "prompt_logprobs" in seq.extra else None),
                                               first_tokens=tuple(first[rid]), first_logprobs=tuple(first_lp[rid])))
         return out
+
+    def _out_of_memory(self, chunks: list, exc: BaseException) -> None:
+        """After a forward ran out of device memory (its prompts' pages are back): let go of the
+        activations the failed forward's frames still hold and hand the allocator's cached
+        blocks back, so the next forward starts from an unfragmented heap; log one line."""
+        traceback.clear_frames(exc.__traceback__)
+        on_cuda = self.pool.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.empty_cache()
+        mem = ""
+        if on_cuda:
+            free, total = torch.cuda.mem_get_info(self.pool.device)
+            mem = f"; device memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free after empty_cache"
+        logger.error(
+            "prefill forward out of memory: %d prompts, %d tokens in the forward (prompt lengths %s); "
+            "pool %d of %d pages used after freeing theirs%s; failing them with 503 %s",
+            len(chunks), sum(c.num_tokens for c in chunks), [c.seq.prompt_len for c in chunks],
+            self.pool.used_pages, self.pool.num_pages, mem, PrefillOutOfMemory.CODE)
 
     def prefill(self, requests: Sequence[PrefillRequest]) -> list[PrefillResult]:
         """Prefill every request now, all or nothing: their pages are reserved together

@@ -61,3 +61,27 @@ def _type_for(status: int) -> str:
     if status >= 500:
         return "server_error"
     return "invalid_request_error"
+
+
+class PrefillOutOfMemory(RequestError):
+    """A prefill forward ran out of accelerator memory: a capacity failure, not a server bug, so
+    503 with Retry-After (gRPC UNAVAILABLE). The failed batch's pages are already back in the
+    pool and the replica serves on; the message says what to change so it stops happening."""
+
+    CODE = "prefill_out_of_memory"
+
+    def __init__(self, prompt_tokens: int, batch_tokens: int, *, retry_after_s: int = 1) -> None:
+        self.prompt_tokens = int(prompt_tokens)
+        self.batch_tokens = int(batch_tokens)
+        super().__init__(
+            f"prefill ran out of GPU memory on a {self.prompt_tokens}-token prompt (its forward held "
+            f"{self.batch_tokens} prompt tokens); retry later, or lower prefill.max_batch_tokens or "
+            "kv.prefill_pages / kv.decode_pages, use model.weight_dtype fp8_*, or give prefill its own GPU",
+            status=503, code=self.CODE, retry_after_s=retry_after_s)
+
+    def __reduce__(self):
+        return (_rebuild_out_of_memory, (self.prompt_tokens, self.batch_tokens, self.retry_after_s))
+
+
+def _rebuild_out_of_memory(prompt_tokens, batch_tokens, retry_after_s):
+    return PrefillOutOfMemory(prompt_tokens, batch_tokens, retry_after_s=retry_after_s)

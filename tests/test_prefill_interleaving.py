@@ -158,6 +158,51 @@ def test_a_failed_forward_fails_its_prompts_only(tiny, monkeypatch):
     assert [f.request_id for f in e.step().finished] == ["c"]
 
 
+def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
+    from serving.errors import PrefillOutOfMemory
+
+    e = _engine(tiny, max_batch_tokens=64, chunk_size=64)
+    prompts = {"a": _prompt(100, 21), "b": _prompt(28, 22), "w": _prompt(90, 23)}
+    e.add_request(PrefillRequest("a", prompts["a"], GREEDY))
+    e.step()  # a's first chunk: a holds its pages from here on
+    for rid in ("b", "w"):  # b joins a's second forward (36 + 28 tokens); w waits for room
+        e.add_request(PrefillRequest(rid, prompts[rid], GREEDY))
+    assert e.pool.used_pages > 0
+    e.oom_faults = 1
+    with caplog.at_level("ERROR", logger="ray.serve"):
+        out = e.step()
+    assert [rid for rid, _ in out.failed] == ["a", "b"] and out.finished == []
+    for rid, exc in out.failed:
+        assert isinstance(exc, PrefillOutOfMemory) and exc.status == 503 and exc.code == "prefill_out_of_memory"
+        assert exc.prompt_tokens == len(prompts[rid]) and exc.batch_tokens == 36 + 28
+        assert f"{len(prompts[rid])}-token prompt" in exc.message and "prefill.max_batch_tokens" in exc.message
+        assert e.state(rid) is None and not e.pool.has(rid)
+    assert e.pool.used_pages == 0 and e.pool.free_pages == e.pool.num_pages
+    lines = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
+    assert len(lines) == 1 and "64 tokens" in lines[0] and "0 of 64 pages" in lines[0]
+    # the waiting prompt and a new one are served as if nothing happened
+    e.add_request(PrefillRequest("c", prompts["b"], GREEDY))
+    done = {}
+    while e.has_unfinished():
+        done.update({r.request_id: r for r in e.step().finished})
+    assert sorted(done) == ["c", "w"] and e.oom_faults == 0
+    assert done["c"].first_token == _alone(tiny, "c", prompts["b"], [(0, 28)])[0]
+    for rid in done:
+        e.release(rid)
+    assert e.pool.used_pages == 0
+
+
+def test_prefill_out_of_memory_survives_pickling_as_ray_ships_it():
+    import pickle
+
+    from serving.errors import PrefillOutOfMemory, RequestError
+
+    got = pickle.loads(pickle.dumps(PrefillOutOfMemory(131072, 131072, retry_after_s=3)))
+    assert isinstance(got, PrefillOutOfMemory) and isinstance(got, RequestError)
+    assert (got.status, got.code, got.retry_after_s, got.prompt_tokens) == (503, "prefill_out_of_memory", 3, 131072)
+    assert "131072-token prompt" in got.message and got.to_dict()["error"]["type"] == "server_error"
+
+
 def test_the_service_and_the_scheduler_name_the_same_policies():
     assert tuple(PREFILL_SCHEDULES) == tuple(PREFILL_POLICIES)
 
@@ -222,6 +267,25 @@ def test_loop_cancel_releases_pages_and_overload_is_429(tiny):
         with pytest.raises(RequestError) as err:
             await loop.submit(PrefillRequest("d", [1] * (64 * PAGE + 1), GREEDY))
         assert err.value.status == 400 and err.value.param == "prompt"
+
+    asyncio.run(main())
+    assert e.pool.used_pages == 0 and not e.has_unfinished()
+
+
+def test_loop_answers_an_out_of_memory_forward_503_and_serves_on(tiny):
+    from serving.errors import PrefillOutOfMemory
+
+    e = _engine(tiny, max_batch_tokens=64, chunk_size=64)
+    loop = _loop(e, retry_after_s=7)
+    e.oom_faults = 1
+
+    async def main():
+        with pytest.raises(PrefillOutOfMemory) as err:
+            await loop.submit(PrefillRequest("a", _prompt(40, 31), GREEDY))
+        assert err.value.status == 503 and err.value.retry_after_s == 7 and e.pool.used_pages == 0
+        res, _, _ = await loop.submit(PrefillRequest("b", _prompt(40, 32), GREEDY))
+        assert res.kv_len == 40
+        e.release("b")
 
     asyncio.run(main())
     assert e.pool.used_pages == 0 and not e.has_unfinished()
