@@ -867,8 +867,9 @@ UNAUTHORIZED = RequestError("missing or invalid bearer token: send 'Authorizatio
 
 
 def as_request_error(exc: BaseException) -> RequestError:
-    """An exception as the error the client sees (HTTP status / gRPC code): overload and a
-    missing deployment keep their meaning; anything else is logged and is a 500."""
+    """An exception as the error the client sees (HTTP status / gRPC code): overload, a
+    missing deployment and running out of GPU memory keep their meaning (429 / 503); anything
+    else is logged and is a 500."""
     if isinstance(exc, RequestError):
         return exc
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -877,6 +878,14 @@ def as_request_error(exc: BaseException) -> RequestError:
         return RequestError("service overloaded; retry later", status=429, code="overloaded", retry_after_s=1)
     if isinstance(exc, DeploymentUnavailableError):
         return RequestError("a worker deployment is unavailable", status=503, code="unavailable", retry_after_s=1)
+    import torch
+
+    # a prefill forward's OOM arrives as PrefillOutOfMemory; one elsewhere (an export's or a
+    # decode step's buffers) is still a capacity failure, not a bug (Ray's wrapper is an instance)
+    if isinstance(exc, torch.OutOfMemoryError):
+        logger.error("a worker ran out of GPU memory: %s", exc)
+        return RequestError("a worker ran out of GPU memory; retry later", status=503, code="out_of_memory",
+                            retry_after_s=1)
     logger.exception("request failed")
     return RequestError(f"internal error: {type(exc).__name__}", status=500, code="internal_error")
 
