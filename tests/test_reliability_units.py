@@ -33,6 +33,7 @@ from kv_transfer.transfer import (  # noqa: E402
 )
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
+from serving.errors import PrefillOutOfMemory  # noqa: E402
 from router.protocol import RequestError, RequestParser  # noqa: E402
 from router.security import BearerAuth, _decode_proc_addr  # noqa: E402
 from router.state import RequestLifecycle, RequestPhase  # noqa: E402
@@ -768,3 +769,72 @@ def test_closing_a_stream_ends_its_driver_at_once(req):
 
     released = asyncio.run(first_then_leave())
     assert [lease.request_id for lease in released] == [pipe._prefill.prefill.calls[0].request_id]
+
+
+# ----------------------------------------------------------------------------- out of memory
+def _ray_wrapped(cause):
+    """``cause`` as a Ray handle call raises it: a RayTaskError that is also an instance of it."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError("PrefillServer.prefill", "Traceback ...", cause).as_instanceof_cause()
+
+
+def test_a_prefill_out_of_memory_is_a_503_at_once_never_retried():
+    """The retry policy: an OOM of a prefill forward fails the request on its first attempt
+    (another replica of the same size would fail the same prompt); the client retries after
+    Retry-After. Only a replica's death or a retryable transfer failure is prefilled again."""
+    def prefill(payload, n):
+        return _Stream([], _ray_wrapped(PrefillOutOfMemory(len(payload.prompt_token_ids), 4096, retry_after_s=2)))
+
+    pipe = _pipeline(prefill, _decode)
+    assert pipe.config.transfer.retries == 2
+    out, error = _run(pipe, REQ)
+    assert out == [] and (error.status, error.code, error.retry_after_s) == (503, "prefill_out_of_memory", 2)
+    assert "3-token prompt" in error.message
+    assert len(pipe._prefill.prefill.calls) == 1 and pipe._decode.generate.calls == []
+
+
+def _grpc_code_of(err):
+    from router.grpc_ingress import GrpcIngress
+
+    class Context:
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+        def set_trailing_metadata(self, metadata):
+            self.trailing = metadata
+
+    ctx = Context()
+    GrpcIngress._grpc_fail(ctx, err)
+    return ctx
+
+
+@pytest.mark.parametrize("make, code", [
+    (lambda: _ray_wrapped(PrefillOutOfMemory(131072, 131072, retry_after_s=5)), "prefill_out_of_memory"),
+    (lambda: _ray_wrapped(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.50 GiB")), "out_of_memory"),
+    (lambda: torch.OutOfMemoryError("CUDA out of memory"), "out_of_memory"),
+])
+def test_out_of_memory_reaches_clients_as_http_503_and_grpc_unavailable(make, code):
+    import grpc
+
+    from router.app import error_response
+    from router.protocol import as_request_error
+
+    err = as_request_error(make())
+    resp = error_response(err)
+    body = json.loads(resp.body)
+    assert resp.status_code == 503 and body["error"]["code"] == code and body["error"]["type"] == "server_error"
+    assert int(resp.headers["Retry-After"]) >= 1
+    ctx = _grpc_code_of(err)
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE and ctx.details == body["error"]["message"]
+    assert ctx.trailing == [("retry-after", resp.headers["Retry-After"])]
+
+
+def test_other_worker_errors_stay_500():
+    from router.app import error_response
+    from router.protocol import as_request_error
+
+    assert error_response(as_request_error(_ray_wrapped(RuntimeError("device lost")))).status_code == 500
