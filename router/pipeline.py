@@ -22,7 +22,9 @@ Retries: a retryable transfer failure (checksum, truncation, lost object, failed
 room on the decode replica) or a prefill or decode replica dying before the pages were adopted
 re-runs the prefill, up to ``transfer.retries`` times; after a failed channel transfer the
 retries of that request ship their pages through the object store. Tokens already sent to the client are kept: the
-decode side continues from the first token that was emitted.
+decode side continues from the first token that was emitted. A refusal from a replica (a
+``RequestError``: overload, bad input, a prefill forward out of GPU memory, 503
+``prefill_out_of_memory``) is never retried: it goes to the client as it is, on the first attempt.
 
 Resume: a decode replica dying mid-stream (Ray Serve retries nothing in flight) is answered by
 prefilling prompt + generated[:-1] on a healthy pair and decoding on from generated[-1], up to
@@ -376,7 +378,8 @@ class DisaggregatedPipeline:
     def _retry_or_raise(self, role: str, attempt: _Attempt, exc: Exception, r: int, request_id: str) -> None:
         """An attempt whose ``role`` replica failed before the pages reached decode: closed, and
         prefilled again (the caller continues) while ``transfer.retries`` allows; else raised
-        (a replica failure as 503 ``<role>_unavailable``)."""
+        (a replica failure as 503 ``<role>_unavailable``). Anything but a replica's death is
+        raised at once: an OOM would fail the same prompt on a replica of the same size."""
         self._close(attempt)
         if _is_replica_failure(exc) and r < self.config.transfer.retries:
             logger.warning("%s replica failed before the pages reached decode for %s (%s); prefilling again",
