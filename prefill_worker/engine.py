@@ -12,6 +12,9 @@ prompt's pages (all or nothing), then step until all are done.
 Request life: WAITING (queued, no pages) -> PREFILLING (pages reserved; zero or more chunks
 done) -> DONE (first token sampled), or FAILED (its forward raised; pages released), or
 ABORTED (:meth:`abort_request`; pages released at once, or after the forward it is in).
+A forward out of device memory (``torch.OutOfMemoryError``) runs its prompts again one at a
+time; if that fails too they fail as :class:`~serving.errors.PrefillOutOfMemory` (503), the
+CUDA cache emptied and one line logged.
 
 Prefix cache (``prefix_cache=True``): a prompt whose leading full pages match a prompt prefilled
 before (``KVPool.prefix_digests``: same tokens from the first one) takes those pages from the
@@ -223,6 +226,22 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         a = request.sparse_alpha
         return None if a is None or float(a) == float(self.runner.sparse_config.alpha) else float(a)
 
+    def _forward_or_split(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
+        """:meth:`_forward`; a forward of several prompts that runs out of device memory runs again
+        one prompt at a time (its activations grow with its tokens), all or nothing: a prompt that
+        still does not fit alone fails the whole forward, as any failed forward does. Rewriting a
+        prompt's K/V slots is harmless: each forward writes only its own chunks' positions."""
+        try:
+            return self._forward(chunks, items, keep)
+        except torch.OutOfMemoryError as exc:
+            if len(chunks) == 1:
+                raise
+            self._free_device_memory(exc)
+        logger.warning("prefill forward of %d prompts (%d tokens) out of memory; running them one at a time",
+                       len(chunks), sum(c.num_tokens for c in chunks))
+        parts = [self._forward([c], [item], [k]) for c, item, k in zip(chunks, items, keep)]
+        return torch.cat([logits for logits, _ in parts]), {i: kept[0] for i, (_, kept) in enumerate(parts) if 0 in kept}
+
     def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
         """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
         if self.oom_faults > 0:  # fault_injection.prefill_out_of_memory
@@ -332,7 +351,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
                                  c.start) for c in chunks]
             keep = [c.seq.payload.params.prompt_logprobs is not None and not c.seq.aborted for c in chunks]
-            logits, kept = self._forward(chunks, items, keep)
+            logits, kept = self._forward_or_split(chunks, items, keep)
             for i, chunk_logits in kept.items():
                 c = chunks[i]
                 prompt = c.seq.payload.prompt_token_ids
@@ -389,16 +408,19 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
                                               first_tokens=tuple(first[rid]), first_logprobs=tuple(first_lp[rid])))
         return out
 
-    def _out_of_memory(self, chunks: list, exc: BaseException) -> None:
-        """After a forward ran out of device memory (its prompts' pages are back): let go of the
-        activations the failed forward's frames still hold and hand the allocator's cached
-        blocks back, so the next forward starts from an unfragmented heap; log one line."""
+    def _free_device_memory(self, exc: BaseException) -> None:
+        """Let go of the activations a failed forward's frames still hold and hand the
+        allocator's cached blocks back, so the next forward starts from an unfragmented heap."""
         traceback.clear_frames(exc.__traceback__)
-        on_cuda = self.pool.device.type == "cuda"
-        if on_cuda:
+        if self.pool.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _out_of_memory(self, chunks: list, exc: BaseException) -> None:
+        """After a forward ran out of device memory (its prompts' pages are back): free what it
+        held (:meth:`_free_device_memory`); log one line."""
+        self._free_device_memory(exc)
         mem = ""
-        if on_cuda:
+        if self.pool.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.pool.device)
             mem = f"; device memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free after empty_cache"
         logger.error(

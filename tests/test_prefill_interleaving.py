@@ -158,17 +158,49 @@ def test_a_failed_forward_fails_its_prompts_only(tiny, monkeypatch):
     assert [f.request_id for f in e.step().finished] == ["c"]
 
 
-def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
-    from serving.errors import PrefillOutOfMemory
-
+def _oom_batch(tiny):
+    """An engine whose next forward holds a's second chunk (36 tokens) and b (28 tokens), while w
+    waits for room (the 64-token budget is taken)."""
     e = _engine(tiny, max_batch_tokens=64, chunk_size=64)
     prompts = {"a": _prompt(100, 21), "b": _prompt(28, 22), "w": _prompt(90, 23)}
     e.add_request(PrefillRequest("a", prompts["a"], GREEDY))
     e.step()  # a's first chunk: a holds its pages from here on
-    for rid in ("b", "w"):  # b joins a's second forward (36 + 28 tokens); w waits for room
+    for rid in ("b", "w"):
         e.add_request(PrefillRequest(rid, prompts[rid], GREEDY))
+    return e, prompts
+
+
+def _drain(e):
+    done = {}
+    while e.has_unfinished():
+        done.update({r.request_id: r for r in e.step().finished})
+    return done
+
+
+def test_an_out_of_memory_forward_of_several_prompts_runs_them_one_at_a_time(tiny, caplog):
+    e, prompts = _oom_batch(tiny)
+    e.oom_faults = 1  # the batched forward only
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        out = e.step()
+    assert out.failed == [] and sorted(r.request_id for r in out.finished) == ["a", "b"] and e.oom_faults == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefill forward of 2 prompts (64 tokens) out of memory; running them one at a time"]
+    got = {r.request_id: r for r in out.finished}
+    assert got["a"].first_token == _alone(tiny, "a", prompts["a"], [(0, 64), (64, 36)])[0]
+    assert got["b"].first_token == _alone(tiny, "b", prompts["b"], [(0, 28)])[0]
+    done = _drain(e)
+    assert sorted(done) == ["w"]
+    for rid in ("a", "b", "w"):
+        e.release(rid)
+    assert e.pool.used_pages == 0
+
+
+def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
+    from serving.errors import PrefillOutOfMemory
+
+    e, prompts = _oom_batch(tiny)
     assert e.pool.used_pages > 0
-    e.oom_faults = 1
+    e.oom_faults = 2  # the batched forward, then a alone: the forward fails all or nothing
     with caplog.at_level("ERROR", logger="ray.serve"):
         out = e.step()
     assert [rid for rid, _ in out.failed] == ["a", "b"] and out.finished == []
@@ -178,13 +210,11 @@ def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
         assert f"{len(prompts[rid])}-token prompt" in exc.message and "prefill.max_batch_tokens" in exc.message
         assert e.state(rid) is None and not e.pool.has(rid)
     assert e.pool.used_pages == 0 and e.pool.free_pages == e.pool.num_pages
-    lines = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
-    assert len(lines) == 1 and "64 tokens" in lines[0] and "0 of 64 pages" in lines[0]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "2 prompts, 64 tokens" in lines[0] and "0 of 64 pages" in lines[0]
     # the waiting prompt and a new one are served as if nothing happened
     e.add_request(PrefillRequest("c", prompts["b"], GREEDY))
-    done = {}
-    while e.has_unfinished():
-        done.update({r.request_id: r for r in e.step().finished})
+    done = _drain(e)
     assert sorted(done) == ["c", "w"] and e.oom_faults == 0
     assert done["c"].first_token == _alone(tiny, "c", prompts["b"], [(0, 28)])[0]
     for rid in done:
