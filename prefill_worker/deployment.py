@@ -238,7 +238,7 @@ class PrefillServer:
                                     prefix_cache=self.config.prefill.prefix_caching,
                                     policy=self.config.prefill.schedule, max_wait_s=self.config.prefill.max_wait_s,
                                     cost=self.cost_model.cost, tokenizer=self._tokenizer())
-        self.engine.oom_faults = self.config.fault_injection.prefill_out_of_memory
+        self.engine.oom_above_tokens = self.config.fault_injection.prefill_out_of_memory_tokens
         self.loop = PrefillLoop(
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,

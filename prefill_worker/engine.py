@@ -181,7 +181,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         self.clock = clock
         self._lock = threading.Lock()
         self.forward_batches = 0  # forward passes run (for tests and stats)
-        self.oom_faults = 0  # drills: the next this many forwards raise torch.OutOfMemoryError
+        self.oom_above_tokens = 0  # drills: a forward over this many tokens raises torch.OutOfMemoryError
 
     # -- admission ---------------------------------------------------------------------
     def _validate(self, requests: Sequence[PrefillRequest], name: str = "requests") -> None:
@@ -244,9 +244,9 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
 
     def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
         """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
-        if self.oom_faults > 0:  # fault_injection.prefill_out_of_memory
-            self.oom_faults -= 1
-            raise torch.OutOfMemoryError("fault injection: a prefill forward out of memory")
+        tokens = sum(len(item.token_ids) for item in items)
+        if 0 < self.oom_above_tokens < tokens:  # fault_injection.prefill_out_of_memory_tokens
+            raise torch.OutOfMemoryError(f"fault injection: a prefill forward of {tokens} tokens out of memory")
         alphas = [self._own_alpha(c.seq.payload) for c in chunks]
         if all(a is None for a in alphas):
             out = (self.runner.prefill(items), {}) if not any(keep) else self.runner.prefill_keeping(items, keep)

@@ -370,9 +370,10 @@ class FaultInjection(_Section):
         "TP decode replicas: damage (as `fault_injection.mode` says: flip or truncate) the last rank's part of "
         "the first this many frames they split by KV head, after the whole frame was verified (drills of the "
         "all-or-nothing receive: every rank lets the request go, the ingress prefills again)."))
-    prefill_out_of_memory: int = Field(0, ge=0, description=(
-        "Fail the first this many prefill forwards of each prefill replica as if the device ran out of "
-        "memory (`torch.OutOfMemoryError`): their prompts answer 503 `prefill_out_of_memory`."))
+    prefill_out_of_memory_tokens: int = Field(0, ge=0, description=(
+        "A prefill forward over more than this many prompt tokens raises `torch.OutOfMemoryError`, as a "
+        "device too small for it would (0: off): several prompts run again one at a time, a prompt "
+        "that alone exceeds it answers 503 `prefill_out_of_memory`."))
     prefill_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description=(
         "Hold every prefill call this long before it queues (a window to kill a replica mid-request)."))
     decode_step_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description="Hold every decode step this long.")

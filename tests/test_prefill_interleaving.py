@@ -179,15 +179,16 @@ def _drain(e):
 
 def test_an_out_of_memory_forward_of_several_prompts_runs_them_one_at_a_time(tiny, caplog):
     e, prompts = _oom_batch(tiny)
-    e.oom_faults = 1  # the batched forward only
+    e.oom_above_tokens = 40  # the batched forward (64 tokens) does not fit, a (36) and b (28) alone do
     with caplog.at_level("WARNING", logger="ray.serve"):
         out = e.step()
-    assert out.failed == [] and sorted(r.request_id for r in out.finished) == ["a", "b"] and e.oom_faults == 0
+    assert out.failed == [] and sorted(r.request_id for r in out.finished) == ["a", "b"] 
     assert [r.getMessage() for r in caplog.records] == [
         "prefill forward of 2 prompts (64 tokens) out of memory; running them one at a time"]
     got = {r.request_id: r for r in out.finished}
     assert got["a"].first_token == _alone(tiny, "a", prompts["a"], [(0, 64), (64, 36)])[0]
     assert got["b"].first_token == _alone(tiny, "b", prompts["b"], [(0, 28)])[0]
+    e.oom_above_tokens = 0
     done = _drain(e)
     assert sorted(done) == ["w"]
     for rid in ("a", "b", "w"):
@@ -200,7 +201,7 @@ def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
 
     e, prompts = _oom_batch(tiny)
     assert e.pool.used_pages > 0
-    e.oom_faults = 2  # the batched forward, then a alone: the forward fails all or nothing
+    e.oom_above_tokens = 30  # a's 36 tokens do not fit alone either: the forward fails all or nothing
     with caplog.at_level("ERROR", logger="ray.serve"):
         out = e.step()
     assert [rid for rid, _ in out.failed] == ["a", "b"] and out.finished == []
@@ -212,10 +213,11 @@ def test_an_out_of_memory_forward_frees_its_pages_and_fails_typed(tiny, caplog):
     assert e.pool.used_pages == 0 and e.pool.free_pages == e.pool.num_pages
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "2 prompts, 64 tokens" in lines[0] and "0 of 64 pages" in lines[0]
-    # the waiting prompt and a new one are served as if nothing happened
+    # the waiting prompt and a new one are served once memory allows
+    e.oom_above_tokens = 0
     e.add_request(PrefillRequest("c", prompts["b"], GREEDY))
     done = _drain(e)
-    assert sorted(done) == ["c", "w"] and e.oom_faults == 0
+    assert sorted(done) == ["c", "w"]
     assert done["c"].first_token == _alone(tiny, "c", prompts["b"], [(0, 28)])[0]
     for rid in done:
         e.release(rid)
@@ -307,13 +309,13 @@ def test_loop_answers_an_out_of_memory_forward_503_and_serves_on(tiny):
 
     e = _engine(tiny, max_batch_tokens=64, chunk_size=64)
     loop = _loop(e, retry_after_s=7)
-    e.oom_faults = 1
+    e.oom_above_tokens = 40
 
     async def main():
         with pytest.raises(PrefillOutOfMemory) as err:
-            await loop.submit(PrefillRequest("a", _prompt(40, 31), GREEDY))
+            await loop.submit(PrefillRequest("a", _prompt(41, 31), GREEDY))
         assert err.value.status == 503 and err.value.retry_after_s == 7 and e.pool.used_pages == 0
-        res, _, _ = await loop.submit(PrefillRequest("b", _prompt(40, 32), GREEDY))
+        res, _, _ = await loop.submit(PrefillRequest("b", _prompt(40, 32), GREEDY))  # fits: served on
         assert res.kv_len == 40
         e.release("b")
 

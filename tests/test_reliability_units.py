@@ -92,7 +92,7 @@ def test_config_hides_the_token_and_keeps_it_from_workers():
         ServiceConfig.from_dict({"auth_token": "hunter2-a", "ingress": {"auth_token": "hunter2-b"}})
     assert "ingress.auth_token: given twice" in str(info.value) and "hunter2" not in str(info.value)
     for path, value in (("ingress.max_request_bytes", 10), ("ingress.decode_resumes", -1), ("decode.adopt_wait_s", -1.0),
-                        ("fault_injection.prefill_delay_ms", -1.0), ("fault_injection.prefill_out_of_memory", -1)):
+                        ("fault_injection.prefill_delay_ms", -1.0), ("fault_injection.prefill_out_of_memory_tokens", -1)):
         with pytest.raises(ValueError, match=rf"^{path}: Input should be greater than or equal to"):
             ServiceConfig.from_dict({path: value})
 
