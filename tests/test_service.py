@@ -36,8 +36,11 @@ CONFIGS = {
     "dense": ServiceConfig.from_dict({**COMMON, "alpha": 0.0}),
     "sparse": ServiceConfig.from_dict({**COMMON, "alpha": 0.1, "dense_below": 0, "block_size": 64,
                                        "sink_tokens": 64, "window_tokens": 128}),
+    # a forward over 2500 tokens raises torch.OutOfMemoryError: the other tests' forwards stay under
+    # it, or (several prompts) run again one at a time under it
     "corrupt": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2, "max_queued_prefill_tokens": 2000,
-                                        "fault_injection": {"corrupt_transfers": 4, "mode": "flip"}}),
+                                        "fault_injection": {"corrupt_transfers": 4, "mode": "flip",
+                                                            "prefill_out_of_memory_tokens": 2500}}),
 }
 REPLICAS = {"dense": (1, 1), "sparse": (2, 1), "corrupt": (1, 1)}
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
@@ -312,6 +315,31 @@ def test_prefill_queue_bound_gives_429_with_retry_after(service):
     rejected = next(r for r in results if r.status_code == 429)
     assert rejected.headers["retry-after"] == "1"
     assert rejected.json()["error"]["type"] == "rate_limit_error"
+    wait_pools_idle("corrupt")
+
+
+def test_prefill_out_of_memory_is_503_with_retry_after_and_frees_its_pages(service):
+    """A prefill forward out of GPU memory (the fault hook stands for a GPU too small for a
+    2600-token prompt) answers 503 + Retry-After over HTTP and UNAVAILABLE over gRPC, on the first
+    attempt; the pages go back and the replica serves the next prompt (max_tokens 1: no transfer,
+    so no corrupt frame of this app is used up)."""
+    client = service["http"]
+    long_prompt = prompt_of(2600, seed=60)
+    r = complete(client, "corrupt", {"prompt": long_prompt, "max_tokens": 2})
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == "prefill_out_of_memory" and err["type"] == "server_error"
+    assert "2600-token prompt" in err["message"] and "prefill.max_batch_tokens" in err["message"]
+    stub = grpc_stub(service["channel"])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(grpc_request(prompt_token_ids=long_prompt, max_tokens=2), metadata=(("application", "corrupt"),),
+                      timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "2600-token prompt" in info.value.details()
+    assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
+    wait_pools_idle("corrupt")
+    r = complete(client, "corrupt", {"prompt": prompt_of(100, seed=61), "max_tokens": 1})
+    assert r.status_code == 200, r.text
     wait_pools_idle("corrupt")
 
 
