@@ -63,17 +63,21 @@ class ScenarioConfig:
     wait_for_nodes: bool = True  # ... and the worker node types at their min_workers
     scaled_hold_s: float = 6.0  # load kept on after an ``until_scaled`` scale-up: requests reach the new replicas
     seed: int = 0
+    # set in both roles' autoscaling_config over serve_config.local.yaml's (e.g. shorter delays)
+    autoscaling: dict = field(default_factory=dict)
 
 
 FULL = ScenarioConfig(phases=(Phase("prefill-heavy", 100, 12, 1500, 1), Phase("decode-heavy", 100, 32, 24, 160),
                               Phase("idle", 45, 0, 0, 0)), idle_extra_s=150.0)
 # CI-sized: each load phase ends once its role scaled up (how long a new node and replica take
 # decides, not a fixed length; the cap only bounds a failing run), idle once both roles are back
-# at their minimum
+# at their minimum. Shorter timers than the local config's, the same scale-ups and drains: metrics
+# averaged over 4 s rather than 12 (replicas push them every second, scripts/local_cluster.py) and
+# a scale-down after 5 s of less demand rather than 15 (the idle phase: 10 s rather than 24).
 SHORT = ScenarioConfig(phases=(Phase("prefill-heavy", 90, 10, 1200, 1, until_scaled="prefill"),
                                Phase("decode-heavy", 90, 24, 16, 96, until_scaled="decode"),
                                Phase("idle", 0, 0, 0, 0)), max_requests=600, idle_extra_s=120.0,
-                      wait_for_nodes=False)
+                      wait_for_nodes=False, autoscaling={"look_back_period_s": 4.0, "downscale_delay_s": 5.0})
 
 
 @dataclass
@@ -242,12 +246,21 @@ def plot(result: Result, path: Path) -> None:
     plt.close(fig)
 
 
+def serve_config(cfg: ScenarioConfig, ports: dict) -> dict:
+    """serve_config.local.yaml on ``ports`` (http, grpc), ``cfg.autoscaling`` set in both roles."""
+    serve_cfg = yaml.safe_load((ROOT / "serve_config.local.yaml").read_text())
+    serve_cfg["http_options"]["port"], serve_cfg["grpc_options"]["port"] = ports["http"], ports["grpc"]
+    for dep in serve_cfg["applications"][0]["deployments"]:
+        if dep["name"] in ROLES.values():
+            dep["autoscaling_config"].update(cfg.autoscaling)
+    return serve_cfg
+
+
 def run(cfg: ScenarioConfig, *, out: Path | None, temp_dir: str | None = None, ports: dict | None = None) -> Result:
     lc = _load_local_cluster()
     ports = ports or {k: free_port() for k in ("gcs", "dashboard", "metrics", "http", "grpc")}
     temp_dir = temp_dir or f"/tmp/fp_as{os.getpid()}"
-    serve_cfg = yaml.safe_load((ROOT / "serve_config.local.yaml").read_text())
-    serve_cfg["http_options"]["port"], serve_cfg["grpc_options"]["port"] = ports["http"], ports["grpc"]
+    serve_cfg = serve_config(cfg, ports)
     deps = {d["name"]: d for d in serve_cfg["applications"][0]["deployments"]}
     result = Result(config={"phases": [asdict(p) for p in cfg.phases], "max_requests": cfg.max_requests,
                             "seed": cfg.seed, "autoscaling": {r: deps[n]["autoscaling_config"] for r, n in ROLES.items()}},
@@ -270,7 +283,7 @@ def run(cfg: ScenarioConfig, *, out: Path | None, temp_dir: str | None = None, p
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)
         else:
             raise RuntimeError("the service did not become ready")
         asyncio.run(run_phases(base, info["dashboard"], cfg, result))

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -368,14 +369,39 @@ def kernel_attributes(dtype: str, head_dim: int, variant: str = DEFAULT_KERNEL) 
 # ---------------------------------------------------------------------------------------------
 
 
+def nvcc_host_includes(nvcc: str) -> list[str]:
+    """The include flags nvcc passes its host compiler (the toolkit's headers, and CCCL's
+    ``cuda/std`` on CUDA 13), as ``nvcc --dryrun`` prints them; [] where it prints none."""
+    proc = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True)
+    flags: list[str] = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        for var in ("INCLUDES", "SYSTEM_INCLUDES"):
+            if line.startswith(f"#$ {var}="):
+                flags += shlex.split(line.split("=", 1)[1])
+    return flags
+
+
+def layout_check_command(nvcc: str, include: Path, exe: Path) -> list[str]:
+    """The compile command of csrc/layout_check.cu. It holds host code only, so it goes straight
+    to the host C++ compiler (``g++``) with the include flags nvcc would give it: nvcc adds a
+    device pass (cudafe++ and cicc over every CuTe header) that compiles nothing here and took
+    about half of the check's minute on 2 cores. Neither pass defines ``__CUDA_ARCH__``, so the
+    host code, and the check's output, are the same. nvcc itself where there is no ``g++`` or
+    its dry run names no includes."""
+    source = [f"-I{include}", f"-I{SRC_DIR}", str(SRC_DIR / "layout_check.cu"), "-o", str(exe)]
+    cxx = shutil.which("g++") or shutil.which("c++")
+    toolkit = nvcc_host_includes(nvcc) if cxx else []
+    if not toolkit:
+        return [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *source]
+    return [cxx, "-std=c++17", "-x", "c++", *toolkit, *source]
+
+
 def run_layout_check(work_dir: str | Path) -> subprocess.CompletedProcess:
     nvcc, include = find_nvcc(), find_cutlass_include()
     if nvcc is None or include is None:
         raise RuntimeError(f"cannot build the layout check: {unavailable_reason()}")
     exe = Path(work_dir) / "layout_check"
-    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{include}", f"-I{SRC_DIR}",
-           str(SRC_DIR / "layout_check.cu"), "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    subprocess.run(layout_check_command(nvcc, include, exe), check=True, capture_output=True, text=True)
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
 
 

@@ -22,16 +22,24 @@ and adds its own clients (tests/test_openai_api.py). A test that needs Ray witho
 for ``serve_cluster``. What a module changes in the cluster beyond its applications (named
 actors, placement groups, environment variables) it undoes itself.
 
-Modules that use the cluster run as one block, at the place of the first of them (their own
-order kept), and the cluster stops after the block: the tests outside it, some of which start
-clusters of their own in subprocesses (tests/test_ports.py, the fake multi-node cluster of
-tests/test_cluster_yaml.py and tests/test_autoscaling.py), never run next to it.
+Modules run longest first, by their recorded seconds (tests/module_order.py). Modules that use
+the cluster run as one block, at the place of the first of them (their own order kept), and the
+cluster stops after the block: the tests outside it, some of which start clusters of their own
+in subprocesses (tests/test_ports.py, the fake multi-node cluster of tests/test_cluster_yaml.py
+and tests/test_autoscaling.py), never run next to it.
 """
 
 import pytest
 import torch
 
 from kernels.triton_interpreter import apply_if_interpreting
+from module_order import (  # noqa: F401 - hooks
+    load_table,
+    longest_modules_first,
+    pytest_addoption,
+    pytest_runtest_logreport,
+    pytest_unconfigure,
+)
 from ray_starts import (  # noqa: F401 - hooks
     pytest_collection_finish,
     pytest_sessionfinish,
@@ -68,6 +76,7 @@ def _group_cluster_modules(items: list) -> list:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the block's last item is one that runs
 def pytest_collection_modifyitems(config, items):
+    longest_modules_first(items, load_table())  # tests/module_order.py: xdist hands modules out in this order
     block = _group_cluster_modules(items)
     config.stash[_LAST_CLUSTER_ITEM] = block[-1].nodeid if block else None
     if torch.cuda.is_available():

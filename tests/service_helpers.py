@@ -14,6 +14,7 @@ import ray
 
 from serving.config import ServiceConfig
 from router.launcher import replica_stats  # noqa: F401 - re-exported for the tests
+from tests.worker_setup import HOOK as WORKER_SETUP_HOOK
 
 
 def free_port() -> int:
@@ -58,8 +59,12 @@ def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator
         if ray.is_initialized():
             raise RuntimeError("local_serve: a Ray is already running in this process (the session's "
                                "serve_cluster?): deploy into it instead")
-        # no dashboard: nothing here reads it, and it is one more process to start on 2 cores
-        ray.init(**{**ray_init_kwargs("127.0.0.1"), "include_dashboard": False}, num_cpus=num_cpus,
+        # no dashboard: nothing here reads it, and it is one more process to start on 2 cores.
+        # The worker setup hook: the product's, plus hiding the packages only the test extras
+        # install (tests/worker_setup.py), so a replica starts with the serving environment's imports
+        init = ray_init_kwargs("127.0.0.1")
+        runtime_env = {**init["runtime_env"], "worker_process_setup_hook": WORKER_SETUP_HOOK}
+        ray.init(**{**init, "include_dashboard": False, "runtime_env": runtime_env}, num_cpus=num_cpus,
                  logging_level="WARNING", log_to_driver=False)
         try:
             http_port = free_port()

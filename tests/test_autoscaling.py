@@ -158,6 +158,26 @@ def test_short_scenario_scales_each_role_and_loses_nothing():
     assert all(last[r] == result.min_replicas[r] for r in ROLES), result.samples[-5:]
 
 
+def test_short_scenario_shortens_only_the_roles_timers():
+    """--short deploys serve_config.local.yaml with its own look-back and scale-down delay in
+    both roles (the same policies, bounds and upscale delay); the full run deploys the file as is."""
+    import yaml
+
+    from benchmarks.autoscale_scenario import FULL, ROLES, ROOT, SHORT, serve_config
+
+    ports = {"http": random.Random(7).randint(20000, 30000), "grpc": 9001}
+    file = {d["name"]: d for d in yaml.safe_load((ROOT / "serve_config.local.yaml").read_text())["applications"][0]["deployments"]}
+    short = {d["name"]: d for d in serve_config(SHORT, ports)["applications"][0]["deployments"]}
+    assert serve_config(FULL, ports)["applications"][0]["deployments"] == list(file.values())
+    assert serve_config(SHORT, ports)["http_options"]["port"] == ports["http"]
+    for name, dep in short.items():
+        want = {**file[name]["autoscaling_config"]}
+        if name in ROLES.values():
+            want.update(look_back_period_s=4.0, downscale_delay_s=5.0)
+            assert want["look_back_period_s"] < file[name]["autoscaling_config"]["look_back_period_s"]
+        assert dep == {**file[name], "autoscaling_config": want}
+
+
 def test_a_load_phase_ends_only_after_its_role_scaled_up():
     """``until_scaled``: the phase's stop is set once a sample of this phase (not an earlier
     one) shows the role above its minimum, and never while it stays there."""

@@ -191,6 +191,30 @@ def test_layout_check(tmp_path):
     assert "layout checks passed" in proc.stdout
 
 
+def test_layout_check_compiles_on_the_host_compiler(monkeypatch, tmp_path):
+    """Host code only: the host C++ compiler with the include flags of nvcc's dry run; nvcc
+    itself without a host compiler or when the dry run names no includes."""
+    top = tmp_path / "cuda 13"  # a space: the flags are shell-quoted in the dry run
+    nvcc, exe, include = tmp_path / "nvcc", tmp_path / "lc", tmp_path / "cutlass"
+    nvcc.write_text("#!/bin/sh\n"
+                    f"echo '#$ TOP={top}/bin/..' >&2\n"
+                    f"echo '#$ INCLUDES=\"-I{top}/include\"  ' >&2\n"
+                    f"echo '#$ SYSTEM_INCLUDES=\"-isystem\" \"{top}/include/cccl\"  ' >&2\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(cb.shutil, "which", lambda name: f"/opt/{name}" if name == "g++" else None)
+    assert cb.nvcc_host_includes(str(nvcc)) == [f"-I{top}/include", "-isystem", f"{top}/include/cccl"]
+    cmd = cb.layout_check_command(str(nvcc), include, exe)
+    assert cmd[0] == "/opt/g++" and str(nvcc) not in cmd
+    assert cmd[cmd.index("-isystem") + 1] == f"{top}/include/cccl" and f"-I{top}/include" in cmd
+    assert f"-I{include}" in cmd and cmd[cmd.index("-o") + 1] == str(exe)
+    nvcc.write_text("#!/bin/sh\necho '#$ TOP=/x' >&2\n")
+    assert cb.layout_check_command(str(nvcc), include, exe)[0] == str(nvcc)
+    nvcc.write_text("#!/bin/sh\nexit 1\n")  # never asked: no host compiler
+    monkeypatch.setattr(cb.shutil, "which", lambda name: None)
+    cmd = cb.layout_check_command(str(nvcc), include, exe)
+    assert cmd[0] == str(nvcc) and "--expt-relaxed-constexpr" in cmd and cmd[cmd.index("-o") + 1] == str(exe)
+
+
 # ------------------------------------------------------------------------------------------
 # C ABI errors (checked before any CUDA call, so they run without a GPU)
 # ------------------------------------------------------------------------------------------
