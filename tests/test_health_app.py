@@ -205,3 +205,14 @@ def test_health_route_follows_the_application_route():
     other = LocalServeOptions(app_name="mine")
     assert (route_prefix(other), health_app_name(other)) == ("/mine", "mine-health")
     assert health_app.HEALTH_ROUTE == "/health"
+
+
+def test_startup_health_timeout_option_is_validated():
+    from serving.config import ServiceConfig
+
+    value = round(random.Random(1).uniform(0.1, 2.0), 2)
+    cfg = ServiceConfig.from_dict({"ingress": {"startup_health_timeout_s": value}})
+    assert cfg.ingress.startup_health_timeout_s == value
+    for bad in (0, -1.0, 11.0):
+        with pytest.raises(ValueError, match="startup_health_timeout_s"):
+            ServiceConfig.from_dict({"ingress": {"startup_health_timeout_s": bad}})
