@@ -42,6 +42,9 @@ def test_summary_rows_and_table(bench, capsys):
     assert (starting["answers"], starting["first_s"], starting["last_s"]) == (3, 5.0, 7.0)
     assert (starting["p50_latency_s"], starting["max_latency_s"]) == (0.6, 0.7)
     assert rows[2]["max_latency_s"] == max(held)
+    assert (rows[2]["first_latency_s"], rows[2]["max_latency_after_first_s"]) == (held[0], held[1])
+    assert (starting["first_latency_s"], starting["max_latency_after_first_s"]) == (0.6, 0.7)
+    assert rows[0]["max_latency_after_first_s"] is None  # one answer: nothing after it
     text = bench.table(rows)
     assert text.splitlines()[0].split()[:2] == ["phase", "answers"] and len(text.splitlines()) == 2 + len(rows)
     assert "starting" in text and "0.700" in text
