@@ -171,20 +171,28 @@ class OpenAIIngress(GrpcIngress):
     async def health_live(self) -> dict:
         return {"status": "alive"}
 
+    async def health_answer(self, probe: str = "ready") -> tuple[int, dict, dict]:
+        """(status, JSON body, headers) of ``/health/ready`` (``probe`` "ready") or ``/health``
+        ("health"); the routes below and the start-up health application (router/health_app.py,
+        through a handle) both answer with it."""
+        if probe not in ("ready", "health"):
+            raise ValueError(f"probe: expected 'ready' or 'health', got {probe!r}")
+        state = await self.readiness.check()
+        if state.ready:
+            return 200, state.to_dict() if probe == "ready" else {"status": "ok"}, {}
+        body = state.to_dict() if probe == "ready" else {"status": "unavailable", "reason": state.reason}
+        return 503, body, {"Retry-After": str(self.config.ingress.retry_after_s or 1)}
+
     @api.get("/health/ready")
     async def health_ready(self):
-        state = await self.readiness.check()
-        return JSONResponse(state.to_dict(), status_code=200 if state.ready else 503,
-                            headers=None if state.ready else {"Retry-After": str(self.config.ingress.retry_after_s or 1)})
+        status, body, headers = await self.health_answer("ready")
+        return JSONResponse(body, status_code=status, headers=headers or None)
 
     @api.get("/health")
     async def health(self):
         """Readiness under the name load balancers poll by default (503 while a role is down)."""
-        state = await self.readiness.check()
-        if state.ready:
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "reason": state.reason}, status_code=503,
-                            headers={"Retry-After": str(self.config.ingress.retry_after_s or 1)})
+        status, body, headers = await self.health_answer("health")
+        return JSONResponse(body, status_code=status, headers=headers or None)
 
     @api.get("/v1/models")
     async def models(self, request: Request):

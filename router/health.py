@@ -13,9 +13,10 @@ answer in time, or at all, makes the service not ready (the ingress could not ro
 replacement either), and the question stays asked, so a later probe gets its answer without
 asking again.
 
-While the service starts, a probe can still wait longer than that: until the ingress replica
-runs, Ray Serve's HTTP proxy holds every request to the application (it has a route, not yet a
-replica to send it to), and no code of ours runs.
+While the service starts, the ingress replica is not there to answer: until it runs, Ray Serve's
+HTTP proxy holds every request to the application (it has a route, not yet a replica to send it
+to). ``python -m router serve`` answers the HTTP health paths meanwhile with a small application
+of its own (router/health_app.py).
 """
 
 from __future__ import annotations

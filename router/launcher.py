@@ -174,6 +174,29 @@ def start_serve(options: LocalServeOptions) -> None:
     )
 
 
+def route_prefix(options: LocalServeOptions) -> str:
+    return "/" if options.app_name == APP_NAME else f"/{options.app_name}"
+
+
+def health_app_name(options: LocalServeOptions) -> str:
+    from .health_app import HEALTH_APP_SUFFIX
+
+    return options.app_name + HEALTH_APP_SUFFIX
+
+
+def deploy_startup_health(config: ServiceConfig, options: LocalServeOptions) -> None:
+    """The start-up health application (router/health_app.py) at ``<route>/health``, waited
+    for until its replica runs: from then on the health paths answer (503 "starting") while
+    the main application's replicas start, instead of being held by Serve's proxy."""
+    from ray import serve
+
+    from .health_app import HEALTH_ROUTE, health_application
+
+    app = health_application(options.app_name, timeout_s=config.ingress.startup_health_timeout_s,
+                             retry_after_s=config.ingress.retry_after_s)
+    serve.run(app, name=health_app_name(options), route_prefix=route_prefix(options).rstrip("/") + HEALTH_ROUTE)
+
+
 def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict | None = None,
            decode: dict | None = None, ingress: dict | None = None, blocking: bool = False):
     from ray import serve
@@ -184,8 +207,7 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
     prefill_opts = {**({} if config.prefill.max_replicas else {"num_replicas": options.prefill_replicas}), **(prefill or {})}
     decode_opts = {**({} if config.decode.max_replicas else {"num_replicas": options.decode_replicas}), **(decode or {})}
     app = build_application(config, prefill=prefill_opts, decode=decode_opts, ingress=ingress)
-    return serve.run(app, name=options.app_name, route_prefix=f"/{options.app_name}" if options.app_name != APP_NAME else "/",
-                     blocking=blocking)
+    return serve.run(app, name=options.app_name, route_prefix=route_prefix(options), blocking=blocking)
 
 
 def replica_stats(app: str, deployment: str, timeout_s: float = 10.0) -> list[dict]:
@@ -230,7 +252,14 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions,
     serve_logger = logging.getLogger("ray.serve")
     serve_logger.addFilter(notice)
     try:
-        deploy(config, options)
+        # health first: until the main ingress replica runs, the proxy holds requests to its route
+        deploy_startup_health(config, options)
+        try:
+            deploy(config, options)
+        finally:
+            # the ingress answers the health paths itself from now on; and with one application
+            # left, gRPC clients need no `application` metadata
+            serve.delete(health_app_name(options))
     finally:
         serve_logger.removeFilter(notice)
     metrics = metrics_url()

@@ -326,6 +326,9 @@ class IngressOptions(_Section):
     health_refresh_s: float = Field(1.0, ge=0.0, le=60.0, description=(
         "How long the readiness answer (`/health`, `/health/ready`, gRPC `grpc.health.v1.Health`) is "
         "reused before Serve's controller is asked again which replicas run."))
+    startup_health_timeout_s: float = Field(0.5, gt=0.0, le=10.0, description=(
+        "`python -m router serve`: how long the start-up health application waits for the ingress's "
+        "readiness answer before `/health` and `/health/ready` answer 503 \"starting\" (router/health_app.py)."))
     auth_token: str | None = Field(None, repr=False, description=(
         "Bearer token clients must send (`Authorization: Bearer ...`); prefer `ingress.auth_token_env`. "
         "Neither set: no auth. The token never reaches the workers or logs."))

@@ -252,3 +252,70 @@ def test_killing_the_only_prefill_replica_makes_the_service_unready_until_replac
     r = client.post("/v1/completions", json={"model": "builtin:tiny", "prompt": prompt_of(20, seed=5),
                                              "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+def test_startup_health_app_answers_while_the_main_ingress_is_held(service, serve_cluster, tmp_path):
+    """router/health_app.py in Serve: 503 "starting" while the main application is not deployed
+    and while its ingress constructor is held, the ingress's own answer once it runs (a held
+    stand-in here; the real ingress through APP and STARTING), liveness throughout."""
+    import os
+
+    from ray import serve
+
+    from router.health_app import health_application
+
+    base = f"http://127.0.0.1:{serve_cluster.http_port}"
+    gate = tmp_path / "release"
+    held = "healthheld"
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Held:  # an ingress whose constructor waits for the test, as one importing torch waits for it
+        def __init__(self, gate: str) -> None:
+            while not os.path.exists(gate):
+                time.sleep(0.05)
+
+        async def health_answer(self, probe: str):
+            return 200, {"status": "released", "probe": probe}, {}
+
+    startup = {held: f"/{held}/health", APP: f"/{APP}-startup", STARTING: f"/{STARTING}-startup"}
+    try:
+        serve.run_many([serve.RunTarget(health_application(app, timeout_s=0.5), name=f"{app}-health", route_prefix=route)
+                        for app, route in startup.items()])
+        # a short client timeout: a request the proxy holds fails here
+        with httpx.Client(base_url=base, timeout=5.0) as http:
+            def starting(path: str) -> dict:
+                r = http.get(path)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["status"] == "starting", r.text
+                return r.json()
+
+            assert "does not exist" in starting(f"/{held}/health/ready")["reason"]  # not deployed yet
+            serve.run_many([serve.RunTarget(Held.bind(str(gate)), name=held, route_prefix=f"/{held}")],
+                           wait_for_applications_running=False)
+            for _ in range(3):
+                starting(f"/{held}/health/ready")
+                starting(f"/{held}/health")
+                assert http.get(f"/{held}/health/live").json() == {"status": "alive"}
+            # the real ingress's answers pass through unchanged
+            r = http.get(f"/{APP}-startup/ready")
+            assert r.status_code == 200 and r.json() == {"status": "ready", "replicas": {"prefill": 1, "decode": 1}}
+            assert http.get(f"/{APP}-startup").json() == {"status": "ok"}
+            r = http.get(f"/{STARTING}-startup/ready")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["replicas"] == {"prefill": 0, "decode": 0} and "no running" in r.json()["reason"]
+            gate.touch()
+            deadline, codes = time.monotonic() + 180.0, []
+            while time.monotonic() < deadline:
+                r = http.get(f"/{held}/health/ready")
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    break
+                assert r.json()["status"] == "starting", r.text
+                time.sleep(0.2)
+            assert r.status_code == 200 and r.json() == {"status": "released", "probe": "ready"}, codes
+            assert http.get(f"/{held}/health").json() == {"status": "released", "probe": "health"}
+    finally:
+        gate.touch()
+        for app in startup:
+            serve.delete(f"{app}-health")
+        serve.delete(held)

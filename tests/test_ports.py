@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,25 @@ def wait_for(proc: subprocess.Popen, log: Path, marker: str, timeout_s: float = 
     return text
 
 
+def poll_readiness(url: str, answers: list, stop: threading.Event) -> None:
+    """(status, body's "status") of ``url`` until ``stop``, each change once; a request not
+    answered within 5 s (held by Serve's proxy) as ("timeout", None)."""
+    while not stop.is_set():
+        try:
+            r = httpx.get(url, timeout=5.0)
+            try:
+                answer = (r.status_code, r.json().get("status"))
+            except ValueError:  # the proxy's own plain-text 404 before any route exists
+                answer = (r.status_code, None)
+        except httpx.TimeoutException:
+            answer = ("timeout", None)
+        except httpx.TransportError:  # the proxy not listening yet
+            answer = ("refused", None)
+        if not answers or answers[-1] != answer:
+            answers.append(answer)
+        time.sleep(0.1)
+
+
 def test_local_run_listens_on_loopback_only_and_prints_its_urls(tmp_path):
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     token_file = tmp_path / "ray_token"  # not ~/.ray/auth_token: the test leaves the home alone
@@ -115,8 +135,20 @@ def test_local_run_listens_on_loopback_only_and_prints_its_urls(tmp_path):
                                  "--metrics-port", str(metrics_port), "--prefill-kv-pages", "64",
                                  "--decode-kv-pages", "64"],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    answers, started = [], threading.Event()
+    poller = threading.Thread(target=poll_readiness, args=(f"http://127.0.0.1:{http_port}/health/ready", answers, started),
+                              daemon=True)
+    poller.start()
     try:
         text = wait_for(proc, log_path, "try:")
+        started.set()
+        poller.join(timeout=30)
+        # from the start-up health application's first answer on, /health/ready answers (503
+        # "starting", then the ingress's own answer); before it, the proxy had no such route or
+        # held the request while that small application's replica started
+        first = next((i for i, a in enumerate(answers) if a == (503, "starting")), None)
+        assert first is not None, answers
+        assert all(a in ((503, "starting"), (503, "unavailable"), (200, "ready")) for a in answers[first:]), answers
         metrics = re.search(r"metrics:\s+(http://\S+)", text)
         dashboard = re.search(r"dashboard:\s+(http://\S+)", text)
         assert metrics and dashboard, text
@@ -152,6 +184,7 @@ def test_local_run_listens_on_loopback_only_and_prints_its_urls(tmp_path):
         status = subprocess.run([str(bin_dir / "serve"), "status", "-a", dashboard.group(1)],
                                 capture_output=True, text=True, env=env, timeout=120)
         assert status.returncode == 0 and "flashprefill" in status.stdout, status.stdout + status.stderr
+        assert "flashprefill-health" not in status.stdout  # the start-up health application is gone
         assert "PrefillServer" in status.stdout and "DecodeServer" in status.stdout
         actors = subprocess.run([str(bin_dir / "ray"), "list", "actors", "--address", dashboard.group(1)],
                                 capture_output=True, text=True, env=env, timeout=120)
