@@ -90,6 +90,8 @@ def test_serve_forever_prints_the_loopback_urls_and_stops_without_serve_shutdown
         # the notice Serve logs while deploying is filtered; other Serve lines are not
         assert any(isinstance(f, launcher._DropReattachNotice) for f in logging.getLogger("ray.serve").filters)
     monkeypatch.setattr(launcher, "deploy", deploy)
+    # the start-up health app (router/health_app.py) goes first; its own behaviour: tests/test_health_app.py
+    monkeypatch.setattr(launcher, "deploy_startup_health", lambda config, options: calls.append("health"))
     monkeypatch.setattr(launcher, "metrics_url", lambda: f"http://127.0.0.1:{port}/metrics")
     monkeypatch.setattr(serve, "delete", lambda name: calls.append(("delete", name)))
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
@@ -98,7 +100,8 @@ def test_serve_forever_prints_the_loopback_urls_and_stops_without_serve_shutdown
     rc = launcher.serve_forever(config, launcher.LocalServeOptions(metrics_port=port), wait=lambda: calls.append("wait"))
     out = capsys.readouterr().out
     assert rc == 0
-    assert calls == ["ray", "serve", "deploy", "wait", ("delete", launcher.APP_NAME), "ray.shutdown"]
+    assert calls == ["ray", "serve", "health", "deploy", ("delete", launcher.APP_NAME + "-health"), "wait",
+                     ("delete", launcher.APP_NAME), "ray.shutdown"]
     assert f"metrics:       http://127.0.0.1:{port}/metrics" in out
     assert "export RAY_AUTH_MODE=token" in out and "~/.ray/auth_token" in out
     assert not any(isinstance(f, launcher._DropReattachNotice) for f in logging.getLogger("ray.serve").filters)
