@@ -38,8 +38,9 @@ case $cmd in
         *\;*) select="--parallel $(printf %q "$configs")" ;;
         *) select="--configs $configs" ;;
       esac
+      n=$(( ${n:-0} + 1 ))
       plan+="${PYTHON:-python3} benchmarks/bench_service.py $common --out $dir/service_h200.json --merge"
-      plan+=" $select --rates $rates; "
+      plan+=" $select --rates $rates; echo \"[plan] item $n ($(printf %q "$item")) exit \$?\"; "
     done
     echo "plan: $plan" > "$dir/log"
     PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 setsid nohup bash -c "$plan echo PLAN-DONE" >> "$dir/log" 2>&1 < /dev/null &
@@ -48,7 +49,7 @@ case $cmd in
   poll)
     limit=${3:-540}; t0=$(date +%s)
     while ! grep -q PLAN-DONE "$dir/log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
-    grep -E '^(\[g[0-9]+\] )?(\[[a-z0-9_]+\] (rate|deployed|prefill attention)|wrote)|^\[g[0-9]+\] (ok|error|killed)|Traceback|Error' "$dir/log" | tail -n 40
+    grep -E '^(\[g[0-9]+\] )?(\[[a-z0-9_]+\] (rate|deployed|prefill attention|error|skipped)|wrote)|^\[g[0-9]+\] (ok|error|killed)|^\[plan\] item|Traceback|Error' "$dir/log" | tail -n 40
     grep -q PLAN-DONE "$dir/log" && echo "PLAN-DONE" || echo "still running after ${limit}s"
     # with the --parallel groups' partial results (written after every cell; the merged file
     # gets a group's cells only when the group ends), so a machine lost mid-run loses no cell;

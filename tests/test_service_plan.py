@@ -57,10 +57,15 @@ def test_plan_runs_detached_and_merges_cells(tmp_path):
             os.killpg(session, signal.SIGTERM)  # nothing left when it finished; a stuck plan must not outlive us
         except ProcessLookupError:
             pass
+    log = (plan / "log").read_text()
+    # each item's exit status is logged and shown by poll, in the plan's order
+    assert re.findall(r"^\[plan\] item (\d) \((\S+)\) exit (\d+)$", log, re.M) == [
+        ("1", "sparse_bf16:4", "0"), ("2", "sparse_bf16:16", "0")], log[-6000:]
+    assert "[plan] item 2 (sparse_bf16:16) exit 0" in polled.stdout
     result = json.loads((plan / "service_h200.json").read_text())
     (conf,) = result["configurations"]
     # two runs of one configuration, one rate each: the second merged its cell beside the first's
-    assert conf["name"] == "sparse_bf16" and [c["rate"] for c in conf["cells"]] == [4.0, 16.0]
+    assert conf["name"] == "sparse_bf16" and [c["rate"] for c in conf["cells"]] == [4.0, 16.0], log[-6000:]
     assert all(c["summary"]["completed"] == c["summary"]["sent"] == 2 and c["commit"] == "feed123"
                for c in conf["cells"])
     assert "[sparse_bf16] rate 16/s" in polled.stdout
@@ -98,7 +103,8 @@ def test_poll_reports_group_lines(tmp_path):
     plan.mkdir()
     (plan / "log").write_text("plan: x\n[g0] [sparse_fp8] rate 1/s: 100 sent\n[g1] noise\n"
                               "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent\n[g1] error: exit status 1\n"
-                              "[g0] ok\nPLAN-DONE\n")
+                              "[g0] ok\n[dense] error: RuntimeError: boom\nnoise\n[plan] item 1 (x:1) exit 1\n"
+                              "PLAN-DONE\n")
     (plan / "service_h200_parallel").mkdir()
     (plan / "service_h200_parallel" / "group1.json").write_text("{}")
     (plan / "service_h200_ttft_throughput.png").write_bytes(b"png")
@@ -108,4 +114,5 @@ def test_poll_reports_group_lines(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["group1.json", "log"]
     lines = polled.stdout.splitlines()
     assert lines == ["[g0] [sparse_fp8] rate 1/s: 100 sent", "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent",
-                     "[g1] error: exit status 1", "[g0] ok", "PLAN-DONE"]
+                     "[g1] error: exit status 1", "[g0] ok", "[dense] error: RuntimeError: boom",
+                     "[plan] item 1 (x:1) exit 1", "PLAN-DONE"]
