@@ -6,7 +6,7 @@
 #   bash scripts/service_plan.sh poll DIR [SECONDS]   # wait up to SECONDS (default 540) or until done
 #
 # Each "config:rates" item is one `bench_service.py --configs config --rates rates --merge` run
-# into DIR/service_h200.json, in order; an item whose configurations are ';'-separated groups
+# into DIR/service_h200.json, in order (the log gets "[plan] item K exit STATUS" after each); an item whose configurations are ';'-separated groups
 # ("sparse_fp8;sparse_bf16_chunk8k:1,16,4") is one `--parallel` run instead, group k on GPU k,
 # and an item led by '@' ("@sparse_bf16_chunk16k:4,16") a one-group `--parallel` run: with
 # CUDA_VISIBLE_DEVICES=1 in the plan's environment it runs on GPU 1 with a Ray of its own, so two
@@ -40,7 +40,7 @@ case $cmd in
       esac
       n=$(( ${n:-0} + 1 ))
       plan+="${PYTHON:-python3} benchmarks/bench_service.py $common --out $dir/service_h200.json --merge"
-      plan+=" $select --rates $rates; echo \"[plan] item $n ($(printf %q "$item")) exit \$?\"; "
+      plan+=" $select --rates $rates; echo \"[plan] item $n exit \$?\"; "
     done
     echo "plan: $plan" > "$dir/log"
     PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 setsid nohup bash -c "$plan echo PLAN-DONE" >> "$dir/log" 2>&1 < /dev/null &

@@ -39,14 +39,17 @@ def test_usage_errors(args, match, tmp_path):
     assert not (tmp_path / "DIR" / "log").exists()
 
 
-def test_plan_runs_detached_and_merges_cells(tmp_path):
+def test_plan_runs_detached_and_polls(tmp_path):
+    """One real item (two rates: two cells of one deployment) end to end: detached, logged with
+    its exit status, polled, copied to $OUT. That every item merges into one file is the items'
+    argv (test_group_item_becomes_one_parallel_run) and bench_service's --merge (its tests)."""
     pytest.importorskip("ray.serve")
     out = tmp_path / "out"
     out.mkdir()
     env = {"SERVICE_OPTS": "--cpu-smoke", "CELL_OPTS": "--requests 2 --cell-seconds 2 --drain-seconds 60",
            "GIT_COMMIT": "feed123", "TRITON_INTERPRET": "1", "OUT": str(out), "PYTHON": sys.executable}
     plan = tmp_path / "plan"
-    started = _run("start", str(plan), "sparse_bf16:4", "sparse_bf16:16", env=env)
+    started = _run("start", str(plan), "sparse_bf16:4,16", env=env)
     assert started.returncode == 0, started.stderr
     session = int(re.search(r"session (\d+)", started.stdout).group(1))
     try:
@@ -59,12 +62,11 @@ def test_plan_runs_detached_and_merges_cells(tmp_path):
             pass
     log = (plan / "log").read_text()
     # each item's exit status is logged and shown by poll, in the plan's order
-    assert re.findall(r"^\[plan\] item (\d) \((\S+)\) exit (\d+)$", log, re.M) == [
-        ("1", "sparse_bf16:4", "0"), ("2", "sparse_bf16:16", "0")], log[-6000:]
-    assert "[plan] item 2 (sparse_bf16:16) exit 0" in polled.stdout
+    assert re.findall(r"^\[plan\] item \d+ exit \d+$", log, re.M) == ["[plan] item 1 exit 0"], log[-6000:]
+    assert "[plan] item 1 exit 0" in polled.stdout
     result = json.loads((plan / "service_h200.json").read_text())
     (conf,) = result["configurations"]
-    # two runs of one configuration, one rate each: the second merged its cell beside the first's
+    # one configuration, a cell a rate in the order given
     assert conf["name"] == "sparse_bf16" and [c["rate"] for c in conf["cells"]] == [4.0, 16.0], log[-6000:]
     assert all(c["summary"]["completed"] == c["summary"]["sent"] == 2 and c["commit"] == "feed123"
                for c in conf["cells"])
@@ -103,7 +105,7 @@ def test_poll_reports_group_lines(tmp_path):
     plan.mkdir()
     (plan / "log").write_text("plan: x\n[g0] [sparse_fp8] rate 1/s: 100 sent\n[g1] noise\n"
                               "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent\n[g1] error: exit status 1\n"
-                              "[g0] ok\n[dense] error: RuntimeError: boom\nnoise\n[plan] item 1 (x:1) exit 1\n"
+                              "[g0] ok\n[dense] error: RuntimeError: boom\nnoise\n[plan] item 1 exit 1\n"
                               "PLAN-DONE\n")
     (plan / "service_h200_parallel").mkdir()
     (plan / "service_h200_parallel" / "group1.json").write_text("{}")
@@ -115,4 +117,4 @@ def test_poll_reports_group_lines(tmp_path):
     lines = polled.stdout.splitlines()
     assert lines == ["[g0] [sparse_fp8] rate 1/s: 100 sent", "[g1] [sparse_bf16_chunk8k] rate 16/s: 100 sent",
                      "[g1] error: exit status 1", "[g0] ok", "[dense] error: RuntimeError: boom",
-                     "[plan] item 1 (x:1) exit 1", "PLAN-DONE"]
+                     "[plan] item 1 exit 1", "PLAN-DONE"]
