@@ -33,6 +33,7 @@ BIN = Path(sys.executable).parent
 MODEL = "builtin:smollm2-135m"
 APP = "lmeval"
 TINY_ITEMS = 16  # evals/tasks/lastword/fp_lastword_tiny.yaml
+TOKEN_MODE_ITEMS = 6  # the token-id mode's run: its first documents, each against the string mode's
 CONFIG = {"model": MODEL, "device": "cpu", "prefill_kv_pages": 96, "decode_kv_pages": 96, "batch_wait_ms": 1.0}
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
@@ -64,12 +65,14 @@ def _run(cmd: list[str], timeout: float = 900) -> str:
     return proc.stdout
 
 
-def lm_eval(base: str, tokenizer_dir: Path, out: Path, tasks: str, *, tokenized: bool) -> dict:
-    """One lm-eval run; ``{"results": ..., "samples": {task: [sample, ...]}}`` from its output files."""
+def lm_eval(base: str, tokenizer_dir: Path, out: Path, tasks: str, *, tokenized: bool, limit: int | None = None) -> dict:
+    """One lm-eval run (the first ``limit`` documents a task, None: all); ``{"results": ...,
+    "samples": {task: [sample, ...]}}`` from its output files."""
     args = (f"model={MODEL},base_url={base}/v1/completions,tokenizer={tokenizer_dir},tokenizer_backend=huggingface,"
             f"tokenized_requests={tokenized},num_concurrent=2,max_retries=1,timeout=600")
     _run([str(BIN / "lm_eval"), "--model", "local-completions", "--model_args", args, "--include_path", "evals/tasks",
-          "--tasks", tasks, "--output_path", str(out), "--log_samples", "--seed", "0"])
+          "--tasks", tasks, "--output_path", str(out), "--log_samples", "--seed", "0",
+          *(["--limit", str(limit)] if limit else [])])
     results = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
     assert len(results) == 1, list(out.rglob("*"))
     samples = {}
@@ -101,9 +104,9 @@ def test_lm_eval_loglikelihood_and_generate_until(string_mode):
 def test_token_mode_gives_the_string_mode_loglikelihoods(service, tokenizer_dir, tmp_path, string_mode):
     """lm-eval's token-id mode (``tokenized_requests=True``) and string mode score the same
     tokens, so the same loglikelihoods: the tokenizer the client loads is the service's."""
-    tokens = lm_eval(service, tokenizer_dir, tmp_path, "fp_lastword_tiny", tokenized=True)
+    tokens = lm_eval(service, tokenizer_dir, tmp_path, "fp_lastword_tiny", tokenized=True, limit=TOKEN_MODE_ITEMS)
     by_doc = {s["doc_id"]: s["filtered_resps"][0] for s in string_mode["samples"]["fp_lastword_tiny"]}
-    assert len(tokens["samples"]["fp_lastword_tiny"]) == TINY_ITEMS
+    assert sorted(s["doc_id"] for s in tokens["samples"]["fp_lastword_tiny"]) == list(range(TOKEN_MODE_ITEMS))
     for s in tokens["samples"]["fp_lastword_tiny"]:
         (logprob, greedy), (want, want_greedy) = s["filtered_resps"][0], by_doc[s["doc_id"]]
         assert float(logprob) == pytest.approx(float(want), abs=1e-3) and greedy == want_greedy, s["doc_id"]
