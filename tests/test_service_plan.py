@@ -1,5 +1,6 @@
 """scripts/service_plan.sh: a detached bench_service plan merged into one file, and its poll
-(usage errors; one tiny CPU cell end to end with a real local Ray)."""
+(usage errors; a plan of two items run by a stand-in for bench_service whose arguments must parse with
+bench_service's own parser; bench_service's real runs are tests/test_bench_service.py's)."""
 
 from __future__ import annotations
 
@@ -39,39 +40,64 @@ def test_usage_errors(args, match, tmp_path):
     assert not (tmp_path / "DIR" / "log").exists()
 
 
+FAKE_BENCH = """
+import json, os, pathlib, sys, time
+argv = sys.argv[1:]
+with open(os.environ["ARGV_LOG"], "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+flag = pathlib.Path(os.environ["GO_FLAG"])
+while not flag.exists():  # held until the test lets it go: the plan must be running detached
+    time.sleep(0.05)
+name, rate = argv[argv.index("--configs") + 1], argv[argv.index("--rates") + 1]
+print(f"[{name}] rate {rate}/s: sent 2 of 2, completed 2", flush=True)
+out = pathlib.Path(argv[argv.index("--out") + 1])
+cells = json.loads(out.read_text())["cells"] if out.exists() else []
+out.write_text(json.dumps({"cells": cells + [name]}))
+sys.exit(3 if name == "dense" else 0)
+"""
+
+
 def test_plan_runs_detached_and_polls(tmp_path):
-    """One real item (two rates: two cells of one deployment) end to end: detached, logged with
-    its exit status, polled, copied to $OUT. That every item merges into one file is the items'
-    argv (test_group_item_becomes_one_parallel_run) and bench_service's --merge (its tests)."""
-    pytest.importorskip("ray.serve")
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {"SERVICE_OPTS": "--cpu-smoke", "CELL_OPTS": "--requests 2 --cell-seconds 2 --drain-seconds 60",
-           "GIT_COMMIT": "feed123", "TRITON_INTERPRET": "1", "OUT": str(out), "PYTHON": sys.executable}
-    plan = tmp_path / "plan"
-    started = _run("start", str(plan), "sparse_bf16:4,16", env=env)
+    """The plan outlives ``start`` (a session of its own), runs its items in order, logs each
+    one's exit status (a failed item does not stop the next), and ``poll`` shows the cells and
+    the exits and copies the results to $OUT. The interpreter is a stand-in that holds until
+    the test lets it go; the arguments it got must parse with bench_service's own parser.
+    bench_service's real runs are tests/test_bench_service.py's."""
+    from benchmarks import bench_service as bench
+
+    script = tmp_path / "fake_bench.py"
+    script.write_text(FAKE_BENCH)
+    fake = tmp_path / "fake_python.sh"
+    fake.write_text(f"#!/usr/bin/env bash\nshift\nexec {sys.executable} {script} \"$@\"\n")  # drop the script path
+    fake.chmod(0o755)
+    go, argv_log, out, plan = tmp_path / "go", tmp_path / "argv.jsonl", tmp_path / "out", tmp_path / "plan"
+    env = {"PYTHON": str(fake), "GO_FLAG": str(go), "ARGV_LOG": str(argv_log), "OUT": str(out),
+           "SERVICE_OPTS": "--cpu-smoke", "CELL_OPTS": "--requests 2 --cell-seconds 2 --drain-seconds 60"}
+    started = _run("start", str(plan), "dense:16", "sparse_bf16:4,8", env=env)
     assert started.returncode == 0, started.stderr
     session = int(re.search(r"session (\d+)", started.stdout).group(1))
     try:
-        polled = _run("poll", str(plan), "240", env=env, timeout=300)
-        assert "PLAN-DONE" in polled.stdout, polled.stdout + (plan / "log").read_text()[-3000:]
+        os.kill(session, 0)  # start has returned; the plan still runs, held by the stand-in
+        assert "PLAN-DONE" not in (plan / "log").read_text()
+        go.touch()
+        polled = _run("poll", str(plan), "60", env=env, timeout=90)
     finally:
         try:
             os.killpg(session, signal.SIGTERM)  # nothing left when it finished; a stuck plan must not outlive us
         except ProcessLookupError:
             pass
     log = (plan / "log").read_text()
-    # each item's exit status is logged and shown by poll, in the plan's order
-    assert re.findall(r"^\[plan\] item \d+ exit \d+$", log, re.M) == ["[plan] item 1 exit 0"], log[-6000:]
-    assert "[plan] item 1 exit 0" in polled.stdout
-    result = json.loads((plan / "service_h200.json").read_text())
-    (conf,) = result["configurations"]
-    # one configuration, a cell a rate in the order given
-    assert conf["name"] == "sparse_bf16" and [c["rate"] for c in conf["cells"]] == [4.0, 16.0], log[-6000:]
-    assert all(c["summary"]["completed"] == c["summary"]["sent"] == 2 and c["commit"] == "feed123"
-               for c in conf["cells"])
-    assert "[sparse_bf16] rate 16/s" in polled.stdout
-    assert (out / "service_h200.json").exists() and (out / "log").exists()  # copied for the device tool
+    assert polled.stdout.splitlines() == ["[dense] rate 16/s: sent 2 of 2, completed 2", "[plan] item 1 exit 3",
+                                          "[sparse_bf16] rate 4,8/s: sent 2 of 2, completed 2", "[plan] item 2 exit 0",
+                                          "PLAN-DONE"], log
+    # both items wrote the one results file, in order
+    assert json.loads((plan / "service_h200.json").read_text()) == {"cells": ["dense", "sparse_bf16"]}
+    assert sorted(p.name for p in out.iterdir()) == ["log", "service_h200.json"]  # copied for the device tool
+    for argv, (name, rates) in zip((json.loads(line) for line in argv_log.read_text().splitlines()),
+                                   [("dense", (16.0,)), ("sparse_bf16", (4.0, 8.0))], strict=True):
+        cfg, args = bench.parse_args(argv)
+        assert cfg.run_configs == (name,) and tuple(cfg.rates) == rates and cfg.smoke and args.merge
+        assert cfg.requests == 2 and args.out == str(plan / "service_h200.json")
 
 
 def test_group_item_becomes_one_parallel_run(tmp_path):
