@@ -196,6 +196,25 @@ def compile_index(dtype: str, *, seqlen: int = 1024, page_size: int = 64, score_
     return out
 
 
+def launched_resources(jit_fn) -> list[dict]:
+    """Registers, spills and shared memory of every variant of ``jit_fn`` this process has
+    launched on a GPU (what the driver loaded, for comparison with the CPU compile), with the
+    programs per SM they allow. Empty under the interpreter or before a launch."""
+    out = []
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        for kernel in cache[0].values():
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            regs = getattr(kernel, "n_regs", None)
+            if regs is None:  # compiled, never loaded
+                continue
+            md = kernel.metadata
+            out.append({"kernel": jit_fn.fn.__name__, "regs": int(regs), "spills": int(kernel.n_spills),
+                        "shared_bytes": int(md.shared), "num_warps": int(md.num_warps),
+                        "fit_per_sm": programs_per_sm_fit(int(regs), int(md.num_warps), int(md.shared))})
+    return out
+
+
 def table(rows: list[KernelResources]) -> str:
     head = f"{'kernel':<22} {'dtype':<9} {'regs':>5} {'stack':>6} {'smem B':>7} {'warps':>5} {'fit/SM':>6} {'launch/SM':>9}"
     lines = [head, "-" * len(head)]
