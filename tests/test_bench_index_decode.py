@@ -92,3 +92,13 @@ def test_index_parts_times_each_part_once():
     # select and total ran with capacity = nnz (no read-back), total_sync sized the CSR itself
     assert calls[1][0].kv_tiles.numel() == calls[2][0].kv_tiles.numel() == calls[3].kv_tiles.numel() == parts["nnz"]
     assert torch.equal(calls[2][0].seg_offsets, calls[3].seg_offsets)
+
+
+def test_index_sweep_cpu_smoke(tmp_path):
+    """``--sweep`` times every launch variant (the maxnreg cap is a no-op under the interpreter)."""
+    out = tmp_path / "index.json"
+    bench_index.main(["--cpu-smoke", "--sweep", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["sweep"]) == len(bench_index.SWEEP)
+    assert {s["launch"]["score_maxnreg"] for s in row["sweep"]} >= {None, 168}
+    assert all(s["select_ms"] > 0 for s in row["sweep"])
