@@ -167,12 +167,34 @@ def _check(q, k_pages, v_pages, plan) -> str:
 SWEEP = (
     IndexLaunch(),
     IndexLaunch(programs_per_sm=2),
+    # 168 registers let three 4-warp programs share an SM (benchmarks/index_resources.py: the bf16
+    # score kernel compiles to 166 with no stack under this cap, 181 without it since 17b5ff8)
+    IndexLaunch(score_maxnreg=168),
     IndexLaunch(score_stages=3, programs_per_sm=2),
     IndexLaunch(score_maxnreg=128, programs_per_sm=4),
     IndexLaunch(block_n=128, score_warps=8, score_maxnreg=128, programs_per_sm=2),
     IndexLaunch(block_n=128, score_warps=8, score_stages=3, programs_per_sm=1),
     IndexLaunch(block_n=64, score_warps=8, programs_per_sm=2),
 )
+
+
+def index_parts(q, k_pages, v_pages, plan, time_ms, *, descales=None) -> dict:
+    """The index stage whole and by parts, in ms by ``time_ms(fn)``: ``means``, ``select``
+    (score + threshold + compaction, ``capacity`` given: no host sync), ``total`` (both, no
+    sync) and ``total_sync`` (``capacity=None``: one read of nnz, what ``build_index_planned``
+    and so bench_peer's ``index_ms`` run), plus ``nnz``. One function, so that bench_index and
+    ``bench_peer.py --index-parts`` time the same calls."""
+    _, required = build_index_with_status(q, k_pages, v_pages, plan, descales=descales)
+    nnz = int(required)
+    means, kbar_q = block_means(k_pages, v_pages, plan, q.dtype, descales=descales)
+    return {
+        "nnz": nnz,
+        "means_ms": time_ms(lambda: block_means(k_pages, v_pages, plan, q.dtype, descales=descales)),
+        "select_ms": time_ms(lambda: select_and_compact(q, plan, means, kbar_q, capacity=nnz, descales=descales)),
+        "total_ms": time_ms(lambda: build_index_with_status(q, k_pages, v_pages, plan, capacity=nnz,
+                                                            descales=descales)),
+        "total_sync_ms": time_ms(lambda: build_index(q, k_pages, v_pages, plan, descales=descales)),
+    }
 
 
 def run_one(cfg: IndexBenchConfig, seqlen: int, sweep: bool) -> IndexResult:
@@ -195,12 +217,8 @@ def run_one(cfg: IndexBenchConfig, seqlen: int, sweep: bool) -> IndexResult:
     capacity = nnz  # a serving step would use a bound; this times the same kernels, no sync
     del index
 
-    means, kbar_q = block_means(k_pages, v_pages, plan, q.dtype)
-    t_means = _time_ms(lambda: block_means(k_pages, v_pages, plan, q.dtype), cfg)
-    t_select = _time_ms(lambda: select_and_compact(q, plan, means, kbar_q, capacity=capacity), cfg)
-    t_total = _time_ms(
-        lambda: build_index_with_status(q, k_pages, v_pages, plan, capacity=capacity), cfg)
-    t_sync = _time_ms(lambda: build_index(q, k_pages, v_pages, plan), cfg)
+    parts = index_parts(q, k_pages, v_pages, plan, lambda fn: _time_ms(fn, cfg))
+    t_means, t_select, t_total, t_sync = (parts[k] for k in ("means_ms", "select_ms", "total_ms", "total_sync_ms"))
 
     pairs = _index_gemm_work(plan)
     kv_bytes = 2 * seqlen * cfg.num_kv_heads * cfg.head_dim * q.element_size()
@@ -211,12 +229,22 @@ def run_one(cfg: IndexBenchConfig, seqlen: int, sweep: bool) -> IndexResult:
         peak_extra_mib=peak, out_mib=out_bytes / MIB, nnz=nnz, density=density, inputs=kind,
     )
     if sweep:
+        means, kbar_q = block_means(k_pages, v_pages, plan, q.dtype)
         for launch in SWEEP:
             ms = _time_ms(lambda: select_and_compact(q, plan, means, kbar_q, capacity=capacity,
                                                      launch=launch), cfg)
             result.sweep.append({"launch": asdict(launch), "select_ms": ms})
             print(f"  sweep L={seqlen}: {ms:7.3f} ms  {launch}", flush=True)
     return result
+
+
+def _loaded_resources() -> list[dict]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import index_resources
+    from kernels import triton_index
+
+    return [r for fn in (triton_index._block_means_kernel, triton_index._score_select_kernel,
+                         triton_index._compact_kernel) for r in index_resources.launched_resources(fn)]
 
 
 def _table(rows: list[IndexResult]) -> str:
@@ -271,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         "commit": git_commit(),
         "config": asdict(cfg),
         "launch": asdict(IndexLaunch()),
+        # what the driver loaded: whether the launch's programs_per_sm all fit an SM (#38)
+        "kernels_loaded": _loaded_resources(),
         "rows": [asdict(r) for r in rows],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,12 @@ the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
   side reads FP8 V token-major as the service's pool stores it (``kv_cache/tensors.py``), which
   is what the CUTLASS e4m3 path takes (``page_size % 16 == 0``; page 1 runs on Triton); the
   ``backend`` column says which ran.
+- ``--index-parts``: on the first ``ours`` row of each (case, page size, dtype) our index stage
+  is also timed by parts with bench_index's own calls (``bench_index.index_parts``: ``means``,
+  ``select`` and the whole stage without the host sync, beside ``index_ms``, which has it), the
+  caching allocator's counters are read around ``index_ms`` (cudaMalloc calls, retries), and the
+  registers of the index kernels as the driver loaded them are recorded with the programs per SM
+  they allow (``index_resources.launched_resources``).
 - Per row: median ms of the attention stage with the row's correction (``attention_ms``), without
   it where a correction ran (``attention_nocorr_ms``: its cost), and for an operator on its own
   index ``index_ms`` and ``total_ms`` (same correction as the row); the error against exact fp32 attention on ``--rows`` sampled query positions
@@ -91,6 +97,10 @@ class Cfg:
     target_density: float | None = None  # None: the paper's density for each length
     device: str = "cuda"
     peer_path: str = str(ROOT / ".peer/build")
+    # our index also timed by parts (bench_index.index_parts), with the allocator's counters
+    # around index_ms and the registers of the loaded index kernels (#38: why bench_peer's index
+    # differs from bench_index's)
+    index_parts: bool = False
     # the 8B model's attention shape; the dry run shrinks the heads so the CPU reference finishes
     num_qo_heads: int = HQ
     num_kv_heads: int = HKV
@@ -459,6 +469,7 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
         agree = convert.overlap(ours_idx, theirs, plan)
     mine = convert.ours_to_peer(ours_idx, plan, q.dtype, **kvd) if peer_live else None
 
+    parts_done = False
     for spec in row_plan(page_size, max(case.seqlens), group):
         if spec.attention_of == "peer" and not peer_live:
             continue  # one "skipped" row above says why
@@ -492,7 +503,12 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
             if corr:  # what the correction costs this side
                 row["attention_nocorr_ms"] = bench_ms(lambda: attend(False), device, cfg.budget_ms)
             if spec.index_of == spec.attention_of:
+                alloc0 = allocator_counters(device)
                 row["index_ms"] = bench_ms(build, device, cfg.budget_ms)
+                if cfg.index_parts and spec.attention_of == "ours" and not parts_done:
+                    parts_done = True
+                    row.update(index_alloc_delta(alloc0, allocator_counters(device)))
+                    row.update(our_index_parts(q, kp, vp_ours, plan, ds, cfg, device))
                 row["total_ms"] = bench_ms(total, device, cfg.budget_ms)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -518,6 +534,45 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+ALLOC_COUNTERS = ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counters(device) -> dict:
+    """The caching allocator's cumulative counters (``{}`` off CUDA): a cudaMalloc inside a
+    timed loop would show as a ``num_device_alloc`` step, memory pressure as retries."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats[k]) for k in ALLOC_COUNTERS if k in stats}
+
+
+def index_alloc_delta(before: dict, after: dict) -> dict:
+    """``index_<counter>``: how much each counter grew while ``index_ms`` was timed."""
+    return {f"index_{k}": after[k] - before[k] for k in ALLOC_COUNTERS if k in before and k in after}
+
+
+def our_index_parts(q, kp, vp, plan, ds, cfg, device) -> dict:
+    """bench_index's parts of our index stage on this row's inputs (``index_means_ms``,
+    ``index_select_ms``, ``index_nosync_ms``, ``index_sync_ms``) and the loaded index kernels'
+    registers; ``index_parts_skipped`` where the Triton index cannot run (CPU without
+    ``TRITON_INTERPRET=1``)."""
+    from kernels.backend import triton_available
+
+    if not triton_available(device):
+        return {"index_parts_skipped": "the Triton index needs CUDA or TRITON_INTERPRET=1"}
+    import bench_index
+    import index_resources
+    from kernels import triton_index
+
+    parts = bench_index.index_parts(q, kp, vp, plan, lambda fn: bench_ms(fn, device, cfg.budget_ms), descales=ds)
+    out = {"index_means_ms": parts["means_ms"], "index_select_ms": parts["select_ms"],
+           "index_nosync_ms": parts["total_ms"], "index_sync_ms": parts["total_sync_ms"],
+           "index_nnz": parts["nnz"], "index_kernels": []}
+    for fn in (triton_index._block_means_kernel, triton_index._score_select_kernel, triton_index._compact_kernel):
+        out["index_kernels"].extend(index_resources.launched_resources(fn))
+    return out
 
 
 def sdpa_row(base, case, ids, ref, cfg, device) -> dict:
@@ -579,6 +634,8 @@ def fa4_rows(base, case, plan, index, ids, ref, cfg, device, fa4) -> list[dict]:
 # table, arguments, main
 # ---------------------------------------------------------------------------------------------
 
+PARTS_COLUMNS = [("means", "index_means_ms", "{:.2f}"), ("select", "index_select_ms", "{:.2f}"),
+                 ("nosync", "index_nosync_ms", "{:.2f}")]
 COLUMNS = [
     ("case", "case", "{}"), ("page", "page_size", "{}"), ("dtype", "dtype", "{}"),
     ("kernel", "kernel", "{}"), ("index", "index_of", "{}"), ("corr", "correction", "{}"),
@@ -592,6 +649,11 @@ COLUMNS = [
 
 
 def table(rows: list[dict]) -> str:
+    """One line a row; the index parts' columns after ``idx_ms`` only when a row has them."""
+    columns = COLUMNS
+    if any("index_means_ms" in r for r in rows):
+        at = [c[1] for c in COLUMNS].index("index_ms") + 1
+        columns = COLUMNS[:at] + PARTS_COLUMNS + COLUMNS[at:]
     body = []
     for r in rows:
         r = dict(r)
@@ -599,11 +661,11 @@ def table(rows: list[dict]) -> str:
         if isinstance(r["note"], str):
             r["note"] = r["note"][:60]
         cells = []
-        for _, key, fmt in COLUMNS:
+        for _, key, fmt in columns:
             val = r.get(key)
             cells.append("-" if val is None else (val if isinstance(val, str) else fmt.format(val)))
         body.append(cells)
-    head = [c[0] for c in COLUMNS]
+    head = [c[0] for c in columns]
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
@@ -631,6 +693,9 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     ap.add_argument("--rows", type=int, default=None, help="sampled query rows per sequence")
     ap.add_argument("--skip-fa4", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--index-parts", action="store_true",
+                    help="time our index by parts (means, select, no-sync total) on the first 'ours' row of "
+                         "each case/page/dtype, with allocator counters and the index kernels' registers")
     ap.add_argument("--peer-path", default=None, help="folder holding flashprefill/ (default .peer/build)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test (tiny sizes, 4/1 heads): the row plan, our reference path, the "
@@ -661,6 +726,8 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
         rep["fa4"] = False
     if args.skip_sdpa:
         rep["sdpa"] = False
+    if args.index_parts:
+        rep["index_parts"] = True
     cfg = dataclasses.replace(cfg, **rep)
     if not cfg.page_sizes or any(p < 1 for p in cfg.page_sizes):
         ap.error(f"--page-sizes: expected page sizes >= 1, got {args.page_sizes!r}")

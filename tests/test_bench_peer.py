@@ -199,3 +199,45 @@ def test_dry_run_writes_json(tmp_path):
     assert by[(16, "bfloat16", "ours@peer", "ours")]["agree"] == 1.0
     assert data["env"]["gpu"] == "cpu" and data["env"]["commit"]
     assert res["rows"] == data["rows"]
+
+
+def test_index_parts_dry_run(tmp_path, monkeypatch):
+    """``--index-parts``: bench_index's parts of our index on the first ``ours`` row of each
+    (page size, dtype) only, the Triton index under the interpreter, its nnz that of the
+    reference index, and the parts' columns in the table."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "peer.json"
+    res = bench_peer.main(["--dry-run", "--lengths", "", "--varlen", "256,320", "--page1", "", "--page-sizes", "64",
+                           "--rows", "8", "--index-parts", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["index_parts"] is True
+    rows = [r for r in data["rows"] if "index_means_ms" in r]
+    assert [(r["page_size"], r["dtype"], r["kernel"], r["correction"]) for r in rows] == [
+        (64, "bfloat16", "ours", "none"), (64, "fp8_e4m3", "ours", "none")]
+    case = bench_peer.make_case("t", (256, 320), bench_peer.Cfg(device="cpu", target_density=0.3, num_qo_heads=4,
+                                                                num_kv_heads=1), torch.device("cpu"))
+    kp, vp, table, cu, lens = bench_peer.paged(case, 64)
+    plan = plan_prefill(case.q, kp, vp, table, cu, lens, SparseConfig())
+    assert rows[0]["index_nnz"] == reference.build_index(case.q, kp, vp, plan).nnz
+    for r in rows:
+        assert all(r[k] > 0 for k in ("index_means_ms", "index_select_ms", "index_nosync_ms", "index_sync_ms"))
+        assert r["index_kernels"] == [] and "index_num_device_alloc" not in r  # CUDA figures only
+    text = bench_peer.table(res["rows"])
+    assert "means" in text.splitlines()[0] and "select" in text.splitlines()[0]
+    assert "means" not in bench_peer.table([{"case": "L1", "kernel": "ours"}]).splitlines()[0]
+
+
+def test_index_parts_need_triton(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = bench_peer.Cfg(device="cpu")
+    got = bench_peer.our_index_parts(None, None, None, None, None, cfg, torch.device("cpu"))
+    assert got == {"index_parts_skipped": "the Triton index needs CUDA or TRITON_INTERPRET=1"}
+
+
+def test_index_alloc_delta():
+    before = {"num_device_alloc": 3, "num_alloc_retries": 0, "num_sync_all_streams": 7}
+    after = {"num_device_alloc": 5, "num_alloc_retries": 1, "num_sync_all_streams": 7}
+    assert bench_peer.index_alloc_delta(before, after) == {
+        "index_num_device_alloc": 2, "index_num_alloc_retries": 1, "index_num_sync_all_streams": 0}
+    assert bench_peer.index_alloc_delta({}, {}) == {}  # off CUDA
+    assert bench_peer.allocator_counters(torch.device("cpu")) == {}
