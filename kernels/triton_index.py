@@ -85,16 +85,18 @@ class IndexLaunch:
 
     means_tokens: int = 32  # tokens per step of the means kernel
     means_warps: int = 4
-    # Score kernel, read in an sm_90 build on a CPU box (bf16, d = 128): BLOCK_N = 64 blocks
-    # x 128 rows with one warpgroup is a single wgmma m64n128 chain per chunk, 164 registers
-    # and 64 KiB smem with a 2-stage cp.async ring: three programs fit an SM (regs and smem),
-    # so one program's exp2/reductions overlap another's wgmma and loads.
+    # Score kernel, read in an sm_90 build on a CPU box (bf16, d = 128; benchmarks/index_resources.py):
+    # BLOCK_N = 64 blocks x 128 rows with one warpgroup is a single wgmma m64n128 chain per chunk,
+    # 64 KiB smem with a 2-stage cp.async ring, and at most 168 registers: three programs fit an
+    # SM (regs and smem), so one program's exp2/reductions overlap another's wgmma and loads.
+    # Uncapped, the non-finite score filter takes it to 181 registers: two fit, and the third
+    # program of each SM runs as a second wave (issue #38). Capped: 166, no stack.
     # Alternative in the benchmark sweep: BLOCK_N = 128, 8 warps, maxnreg 128 (125 regs, no
     # spill, 97 KiB smem, two per SM).
     block_n: int = 64  # logical blocks per score tl.dot (its M; N is the 128 query rows)
     score_warps: int = 4
     score_stages: int = 2  # cp.async ring of block-mean chunks
-    score_maxnreg: int | None = None  # applied to 16-bit inputs with d <= 128 only
+    score_maxnreg: int | None = 168  # applied to 16-bit inputs with d <= 128 only
     programs_per_sm: int = 3  # persistent score programs (each owns one scratch row)
     select_words: int = 4  # bitmask words per thresholding step (128 blocks)
     compact_blocks: int = 128  # logical blocks per compaction step
