@@ -90,13 +90,14 @@ class IndexLaunch:
     # 64 KiB smem with a 2-stage cp.async ring, and at most 168 registers: three programs fit an
     # SM (regs and smem), so one program's exp2/reductions overlap another's wgmma and loads.
     # Uncapped, the non-finite score filter takes it to 181 registers: two fit, and the third
-    # program of each SM runs as a second wave (issue #38). Capped: 166, no stack.
+    # program of each SM runs as a second wave (issue #38). Capped: 166, no stack (e4m3: 240
+    # uncapped, 168 capped, no stack).
     # Alternative in the benchmark sweep: BLOCK_N = 128, 8 warps, maxnreg 128 (125 regs, no
     # spill, 97 KiB smem, two per SM).
     block_n: int = 64  # logical blocks per score tl.dot (its M; N is the 128 query rows)
     score_warps: int = 4
     score_stages: int = 2  # cp.async ring of block-mean chunks
-    score_maxnreg: int | None = 168  # applied to 16-bit inputs with d <= 128 only
+    score_maxnreg: int | None = 168  # applied to 16- and 8-bit inputs with d <= 128 only
     programs_per_sm: int = 3  # persistent score programs (each owns one scratch row)
     select_words: int = 4  # bitmask words per thresholding step (128 blocks)
     compact_blocks: int = 128  # logical blocks per compaction step
@@ -507,8 +508,9 @@ def select_and_compact(
         FP8=fp8,
         num_warps=launch.score_warps,
         num_stages=launch.score_stages,
-        # the cap is only spill-free for 16-bit operands up to d = 128 (fp32 spills ~4 KiB)
-        **_maxnreg(launch.score_maxnreg if q.element_size() == 2 and d <= 128 else None),
+        # the cap is spill-free for 16- and 8-bit operands up to d = 128 (e4m3: 240 registers
+        # uncapped, 168 with no stack under it); fp32 spills ~4 KiB
+        **_maxnreg(launch.score_maxnreg if q.element_size() <= 2 and d <= 128 else None),
     )
     torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
     required = offsets[-1:].clone()

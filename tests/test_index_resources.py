@@ -1,5 +1,5 @@
 """benchmarks/index_resources.py: the sm_90 occupancy arithmetic (hand-computed cases), its
-argument checks, and a CPU run that compiles the bf16 index kernels for sm_90 (in a process of its
+argument checks, and a CPU run that compiles the bf16 and e4m3 index kernels for sm_90 (in a process of its
 own: the interpreter's patches of triton.language break real compiles)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_compile_index_rejects(monkeypatch, tmp_path):
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("res") / "res.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "index_resources.py"), "--dtypes", "bfloat16",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "index_resources.py"), "--dtypes", "bfloat16,fp8_e4m3",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc.stdout
@@ -70,7 +70,8 @@ def compiled(tmp_path_factory):
 
 def test_cpu_compile_writes_json(compiled):
     data, stdout = compiled
-    rows = {r["kernel"]: r for r in data["rows"]}
+    assert sorted({r["dtype"] for r in data["rows"]}) == ["bfloat16", "fp8_e4m3"]
+    rows = {r["kernel"]: r for r in data["rows"] if r["dtype"] == "bfloat16"}
     assert set(rows) == {"_block_means_kernel", "_score_select_kernel", "_compact_kernel"}
     for r in rows.values():
         assert r["dtype"] == "bfloat16" and 0 < r["regs"] <= 255 and r["num_warps"] == 4
@@ -82,7 +83,10 @@ def test_cpu_compile_writes_json(compiled):
 
 def test_score_programs_all_resident(compiled):
     """The persistent launch starts IndexLaunch.programs_per_sm score programs an SM: all must fit
-    (issue #38: uncapped, the bf16 score kernel needs 181 registers since 17b5ff8, two fit)."""
+    (issue #38: uncapped, the score kernel needs 181 registers in bf16 and 240 in e4m3 since
+    17b5ff8, two fit)."""
     data, _ = compiled
-    (score,) = [r for r in data["rows"] if r["kernel"] == "_score_select_kernel"]
-    assert score["fit_per_sm"] >= score["launch_per_sm"]
+    scores = {r["dtype"]: r for r in data["rows"] if r["kernel"] == "_score_select_kernel"}
+    assert sorted(scores) == ["bfloat16", "fp8_e4m3"]
+    for score in scores.values():
+        assert score["fit_per_sm"] >= score["launch_per_sm"] == IndexLaunch().programs_per_sm, score
