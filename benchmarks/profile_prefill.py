@@ -21,6 +21,11 @@ kernels under ``TRITON_INTERPRET=1``) an op's time is its range's host time less
 in it, and ``unannotated`` the rest of the wall time. Either way the rows sum to the wall time of
 the profiled run and the shares to 1.
 
+What ran inside each range (``detail`` in the JSON, every op; ``--detail index,attention,...``
+prints those ops' tables): on CUDA each device activity's name (kernel, memcpy, memset) with its
+summed time and count, on CPU the range's direct host calls; the longest 12 per op. It answers
+what an op's row holds besides its own kernel (docs/notes/attention_range_128k.md).
+
 ``correction`` is the host-launched preparation of the mean-correction operands (requantized or
 hi/lo-split block means, the selected-block bitmap); the correction's own math runs inside the
 attention kernel and is counted there.
@@ -35,7 +40,8 @@ columns against the same H200 ceilings (the numbers mean nothing there; the colu
 
 Usage (H200, ``PYTHONPATH=$PWD``):
 ``python3 benchmarks/profile_prefill.py --length 131072 --weight-dtype bf16,fp8_channel,fp8_block``
-(~3 minutes: one model build per weight dtype); ``--trace DIR`` also writes each run's Chrome
+(~3 minutes: one model build per weight dtype); ``--detail OPS`` prints what ran inside those ops'
+ranges; ``--trace DIR`` also writes each run's Chrome
 trace. ``--device cpu`` smoke-tests the script. Prints a table per weight dtype; writes
 ``benchmarks/results/profile_prefill_h200.json`` (CPU: a temp file).
 """
@@ -69,6 +75,7 @@ PEAKS = {"bf16_flops": 680e12, "fp8_flops": 1272e12, "hbm_bytes_per_s": 4.26e12,
 OUTER = "profile::ttft"
 UNANNOTATED = "unannotated"
 HOST_GAPS = "host gaps"
+DETAIL_NAME_CHARS = 120  # CUTLASS/Triton kernel names run to hundreds of characters
 ROW_ORDER = OPS + (UNANNOTATED, HOST_GAPS)
 
 
@@ -122,6 +129,7 @@ def attribute(events, outer: str = OUTER) -> dict:
     t0, t1 = root.time_range.start, root.time_range.end
     wall = t1 - t0
     ops: dict[str, float] = {}
+    detail: dict[str, dict[str, list]] = {}  # op -> what ran in it -> [us, count]
     methods: dict[str, int] = {}  # device activities per way they were attributed (diagnostics)
     device = [e for e in events if _is_device(e) and not e.is_user_annotation
               and not e.name.startswith((PREFIX, "profile::"))]
@@ -152,6 +160,7 @@ def attribute(events, outer: str = OUTER) -> dict:
                 how = "device annotation" if op is not None else UNANNOTATED
             key = op if op is not None else UNANNOTATED
             ops[key] = ops.get(key, 0.0) + (b - a)
+            _add_detail(detail, key, e.name, b - a)
             methods[how] = methods.get(how, 0) + 1
         busy = _union_us(spans)
         # overlapping activities (another stream) count once in busy: scale them into it
@@ -159,7 +168,7 @@ def attribute(events, outer: str = OUTER) -> dict:
         if total > busy > 0:
             ops = {k: v * busy / total for k, v in ops.items()}
         ops[HOST_GAPS] = max(0.0, wall - busy)
-        return {"wall_us": wall, "device": True, "ops": ops, "attributed_by": methods}
+        return {"wall_us": wall, "device": True, "ops": ops, "attributed_by": methods, "detail": detail}
     ranges = [e for e in events if e.name.startswith(PREFIX) and not _is_device(e)
               and e.time_range.start >= t0 and e.time_range.end <= t1]
 
@@ -175,8 +184,28 @@ def attribute(events, outer: str = OUTER) -> dict:
         name = e.name[len(PREFIX):]
         ops[name] = ops.get(name, 0.0) + own
         covered += own
+        for c in e.cpu_children:  # the host calls the range made itself (nested ranges: their own rows)
+            if not c.name.startswith(PREFIX):
+                _add_detail(detail, name, c.name, c.time_range.end - c.time_range.start)
     ops[UNANNOTATED] = max(0.0, wall - covered)
-    return {"wall_us": wall, "device": False, "ops": ops}
+    return {"wall_us": wall, "device": False, "ops": ops, "detail": detail}
+
+
+def _add_detail(detail: dict, op: str, name: str, us: float) -> None:
+    row = detail.setdefault(op, {}).setdefault(name[:DETAIL_NAME_CHARS], [0.0, 0])
+    row[0] += us
+    row[1] += 1
+
+
+def detail_rows(attr: dict, top: int = 12) -> dict[str, list[dict]]:
+    """Per op, what ran inside its range, longest first: device activities (kernel, memcpy,
+    memset names) on CUDA, the range's direct host calls on CPU; ``us`` summed over the prefill
+    (unscaled for overlap), ``calls`` how many."""
+    out = {}
+    for op, names in attr.get("detail", {}).items():
+        ranked = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+        out[op] = [{"name": n, "us": us, "calls": calls} for n, (us, calls) in ranked]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +286,18 @@ def rows_of(attr: dict, costs: dict) -> list[dict]:
                        x_roofline=ms / roof if roof > 0 else None)
         rows.append(row)
     return rows
+
+
+def detail_table(run: dict, ops: tuple[str, ...], layers: int | None = None) -> str:
+    """What ran inside each of ``ops``' ranges (``--detail``), with ms per layer when ``layers``."""
+    lines = [f"\n{run['weight_dtype']}: inside the ranges of {', '.join(ops)} "
+             f"({'device activities' if run['device'] else 'host calls'})",
+             "| op | what | ms | calls | ms / layer |", "|---|---|---:|---:|---:|"]
+    for op in ops:
+        for r in run.get("detail", {}).get(op, []):
+            per = "-" if not layers else f"{r['us'] / 1e3 / layers:.3f}"
+            lines.append(f"| {op} | {r['name']} | {r['us'] / 1e3:.3f} | {r['calls']} | {per} |")
+    return "\n".join(lines)
 
 
 def table(weight_dtype: str, run: dict) -> str:
@@ -370,10 +411,11 @@ def profile_one(cfg: ProfileConfig, tcfg, device: torch.device, weight_dtype: st
     costs = op_costs(model.config, cfg.length, weight_dtype, act_bytes, kv_bytes,
                      selected_tiles=None if tiles is None else tiles[0], fp8_counts=runner.fp8_counts,
                      block_size=tcfg.block_size)
-    run = {"weight_dtype": weight_dtype, "length": cfg.length, "ttft_ms": ms, "profiled_ms": profiled_ms,
+    run = {"weight_dtype": weight_dtype, "length": cfg.length, "layers": int(model.config.num_hidden_layers),
+           "ttft_ms": ms, "profiled_ms": profiled_ms,
            "wall_us": attr["wall_us"], "device": attr["device"], "first_token": first[0],
            "first_token_profiled": first_p[0], "index_tiles": tiles, "fp8_counts": runner.fp8_counts,
-           "fused_counts": runner.fused_counts, "rows": rows_of(attr, costs)}
+           "fused_counts": runner.fused_counts, "rows": rows_of(attr, costs), "detail": detail_rows(attr)}
     del side, runner, model
     bt._cleanup(device)
     return run
@@ -393,6 +435,9 @@ def parse_args(argv=None) -> tuple[ProfileConfig, argparse.Namespace]:
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3"), default="model")
     ap.add_argument("--device", type=str, default="cuda", help="'cpu': the smoke test (tiny model, 128 tokens)")
     ap.add_argument("--trace", type=str, default=None, help="folder for each run's Chrome trace")
+    ap.add_argument("--detail", type=str, default="",
+                    help="comma-separated ops (e.g. index,attention,correction): also print what ran inside "
+                         "their ranges (the JSON holds it for every op)")
     ap.add_argument("--out", type=str, default=None,
                     help=f"JSON path (default {RESULTS.relative_to(ROOT)}; on CPU a temp file)")
     args = ap.parse_args(argv)
@@ -402,6 +447,9 @@ def parse_args(argv=None) -> tuple[ProfileConfig, argparse.Namespace]:
             ap.error(f"--weight-dtype: expected names from {list(bt.WEIGHT_DTYPES)}, got {w!r}")
     if not names:
         ap.error("--weight-dtype: expected at least one weight dtype")
+    for op in (o for o in args.detail.split(",") if o):
+        if op not in ROW_ORDER:
+            ap.error(f"--detail: expected op names from {list(ROW_ORDER)}, got {op!r}")
     cpu = torch.device(args.device).type == "cpu"
     length = args.length if args.length is not None else (128 if cpu else 131072)
     if length < 1:
@@ -444,6 +492,9 @@ def main(argv=None) -> dict:
         result["runs"].append(run)
         out_path.write_text(json.dumps(result, indent=1))  # keep what we have if killed
         print(table(weight_dtype, run), flush=True)
+        detail = tuple(o for o in args.detail.split(",") if o)
+        if detail:
+            print(detail_table(run, detail, run["layers"]), flush=True)
     out_path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out_path}")
     return result

@@ -95,16 +95,18 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> b
     return True
 
 
-def _aligned_block_columns(cu_blocks: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _aligned_block_columns(cu_blocks: torch.Tensor, num_blocks: int,
+                           block_seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_blocks_v [B + 1], column [num_blocks])``: sequence ``b``'s blocks re-based to start at
     a multiple of 64 (``cu_blocks_v[b] = sum_{c<b} round_up(n_c, 64)``) and each block's column
-    there. Device ops only (no host synchronisation)."""
+    there. Device ops only (no host synchronisation). ``block_seq``: each block's sequence
+    (``PrefillPlan.block_seq``) when the caller has it."""
     counts = cu_blocks[1:] - cu_blocks[:-1]
     padded = (counts + 63) // 64 * 64
     cu_v = torch.zeros_like(cu_blocks)
     cu_v[1:] = torch.cumsum(padded, 0)
     blocks = torch.arange(num_blocks, device=cu_blocks.device, dtype=cu_blocks.dtype)
-    seq = torch.searchsorted(cu_blocks[1:].contiguous(), blocks, right=True)
+    seq = torch.searchsorted(cu_blocks[1:].contiguous(), blocks, right=True) if block_seq is None else block_seq
     return cu_v, (cu_v[seq] + blocks - cu_blocks[seq]).long()
 
 
@@ -180,9 +182,11 @@ def sparse_attention(
             # kernel). V means block-major ([Hkv, d, columns], the V^T tiles' K-major layout), each
             # sequence's starting at a multiple of 64 columns (a TMA box must start 16-byte aligned),
             # zeros between: columns cu_blocks_v[b] + j, cu_blocks_v = cumsum(round_up(n_b, 64))
-            kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks).contiguous()
-            vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks)
-            cu_blocks_v, column = _aligned_block_columns(plan.cu_blocks, vq.shape[0])
+            seq = plan.block_seq  # these three depend on the plan alone: built once per forward
+            kbar = fp8.requantize_means(index.means.kbar, descales.k, plan.cu_blocks, block_seq=seq).contiguous()
+            vq = fp8.requantize_means(index.means.vbar, descales.v, plan.cu_blocks, block_seq=seq)
+            cu_blocks_v, column = plan.derived(
+                "cutlass_block_columns", lambda: _aligned_block_columns(plan.cu_blocks, vq.shape[0], seq))
             width = -(-vq.shape[0] // 64) * 64 + 64 * plan.batch_size  # >= cu_blocks_v[-1], no sync
             vt = torch.zeros((vq.shape[1], d, width), dtype=vq.dtype, device=q.device)
             vt[:, :, column] = vq.permute(1, 2, 0)

@@ -237,20 +237,25 @@ def dequantize_sequence(x8: torch.Tensor, descale_row: torch.Tensor) -> torch.Te
     return x8.float() * descale_row[None, :, None]
 
 
-def block_descales(descale: torch.Tensor, cu_blocks: torch.Tensor, total_blocks: int) -> torch.Tensor:
+def block_descales(descale: torch.Tensor, cu_blocks: torch.Tensor, total_blocks: int,
+                   *, block_seq: torch.Tensor | None = None) -> torch.Tensor:
     """``[total_blocks, Hkv]``: the ``[B, Hkv]`` descale of each block row's sequence
-    (``cu_blocks`` the plan's device offsets; no host synchronisation)."""
-    blocks = torch.arange(total_blocks, dtype=cu_blocks.dtype, device=cu_blocks.device)
-    seq = torch.searchsorted(cu_blocks[1:].contiguous(), blocks, right=True)
-    return descale[seq]
+    (``cu_blocks`` the plan's device offsets; no host synchronisation). ``block_seq``: that
+    sequence per block when the caller has it (``PrefillPlan.block_seq``, built once per plan),
+    else derived from ``cu_blocks`` here."""
+    if block_seq is None:
+        blocks = torch.arange(total_blocks, dtype=cu_blocks.dtype, device=cu_blocks.device)
+        block_seq = torch.searchsorted(cu_blocks[1:].contiguous(), blocks, right=True)
+    return descale[block_seq]
 
 
 def requantize_means(
-    means: torch.Tensor, descale: torch.Tensor, cu_blocks: torch.Tensor
+    means: torch.Tensor, descale: torch.Tensor, cu_blocks: torch.Tensor, *, block_seq: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp32 block means ``[total_blocks, Hkv, d]`` -> e4m3 ``round(mean / c[b, h])`` with the
-    descale of each block's sequence: the operands the FP8 kernels score and correct with."""
-    return quantize(means, block_descales(descale, cu_blocks, means.shape[0])[:, :, None])
+    descale of each block's sequence: the operands the FP8 kernels score and correct with.
+    ``block_seq`` as in :func:`block_descales`."""
+    return quantize(means, block_descales(descale, cu_blocks, means.shape[0], block_seq=block_seq)[:, :, None])
 
 
 def _describe(x: object) -> str:

@@ -13,7 +13,10 @@ Layout conventions shared by the reference and the kernels:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -90,6 +93,31 @@ class PrefillPlan:
 
     def prefix(self, b: int) -> int:
         return self.seqlens_kv[b] - self.seqlens_q[b]
+
+    @functools.cached_property
+    def _derived(self) -> dict:
+        # not a field: equality, hashing and dataclasses.replace ignore it (a replaced plan
+        # starts empty), and the frozen instance's __dict__ still takes it
+        return {}
+
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` on the first call with ``key``, that same value afterwards: device tensors
+        that depend on the plan alone, which every layer of a forward would otherwise rebuild
+        (the model shares one plan across its layers)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    @property
+    def block_seq(self) -> torch.Tensor:
+        """int64 ``[total_blocks]`` on the device: the sequence of each logical key block (row
+        ``cu_blocks[b] + J`` -> ``b``). Built on first use, once per plan."""
+
+        def build() -> torch.Tensor:
+            blocks = torch.arange(self.total_blocks, dtype=self.cu_blocks.dtype, device=self.device)
+            return torch.searchsorted(self.cu_blocks[1:].contiguous(), blocks, right=True)
+
+        return self.derived("block_seq", build)
 
     def tile_rows(self, b: int, tile: int) -> tuple[int, int, int, int]:
         """(first packed row, row count, pmin, pmax) of query tile ``tile`` of sequence ``b``."""

@@ -110,8 +110,8 @@ def block_energies(
     if descales is None:
         kbar_scored = means.kbar.to(q.dtype).double()
     else:
-        c = fp8.block_descales(descales.k, plan.cu_blocks, plan.total_blocks)[:, :, None]
-        kbar_scored = fp8.requantize_means(means.kbar, descales.k, plan.cu_blocks).double() * c
+        c = fp8.block_descales(descales.k, plan.cu_blocks, plan.total_blocks, block_seq=plan.block_seq)[:, :, None]
+        kbar_scored = fp8.requantize_means(means.kbar, descales.k, plan.cu_blocks, block_seq=plan.block_seq).double() * c
         q = _float_queries(q, plan, descales)
     energies: list[torch.Tensor] = [torch.empty(0, dtype=torch.float64)] * plan.num_segments
     for h in range(plan.num_kv_heads):

@@ -514,8 +514,10 @@ def sparse_attention(
         if correction and is_fp8:
             # e4m3 operands re-quantized with each block's (sequence, KV head) descale; V means
             # stored block-major ([Hkv, d, blocks]) so the PV operand is K-major like V's tiles
-            kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks)
-            vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks).permute(1, 2, 0).contiguous().permute(2, 0, 1)
+            seq = plan.block_seq  # shared by every layer of the forward
+            kbar = fp8.requantize_means(kbar, descales.k, plan.cu_blocks, block_seq=seq)
+            vbar = fp8.requantize_means(vbar, descales.v, plan.cu_blocks,
+                                        block_seq=seq).permute(1, 2, 0).contiguous().permute(2, 0, 1)
         elif correction and q.dtype != torch.float32:
             # the fp32 means as hi + lo operands of q's dtype, split once per call (not per tile)
             kbar = split_means(kbar, q.dtype)[0]

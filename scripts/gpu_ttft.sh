@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #39 on the lent GPU machine: the FP8 GPU tests, the per-op profile of one 128K prefill
 # and the TTFT rows, with our CUTLASS library carried prebuilt (see scripts/gpu_bench_peer.sh):
-#   run(carry=[".carry/c"]): bash scripts/gpu_ttft.sh [tests] [profile] [ttft]
+#   run(carry=[".carry/c"]): bash scripts/gpu_ttft.sh [tests] [profile] [profile32k] [attnrange] [ttft]
 # Results (JSON, logs) land in $OUT; commit them under benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,13 @@ for step in "${steps[@]}"; do
                --out "$OUT/profile_prefill_h200.json" 2>&1 | tee "$OUT/profile_prefill_h200.log" ;;
     profile32k) python3 benchmarks/profile_prefill.py --length 32768 --weight-dtype bf16,fp8_channel,fp8_block \
                --out "$OUT/profile_prefill_32k_h200.json" 2>&1 | tee "$OUT/profile_prefill_32k_h200.log" ;;
+    # docs/notes/attention_range_128k.md: what runs inside the index / attention / correction
+    # ranges (kernel by kernel), bf16 weights and an FP8 KV pool beside the model-dtype pool
+    attnrange) for kv in model fp8_e4m3; do
+                 python3 benchmarks/profile_prefill.py --length 131072 --weight-dtype bf16 --kv-dtype $kv \
+                   --detail index,attention,correction,q_quant,unannotated --out "$OUT/profile_attnrange_kv_$kv.json" 2>&1 \
+                   | tee "$OUT/profile_attnrange_kv_$kv.log"
+               done ;;
     ttft) python3 benchmarks/bench_ttft.py --lengths 32768,131072 --batch 1 --models structured --skip-decode \
             --skip-sdpa --weight-dtype bf16,fp8_channel,fp8_block --out "$OUT/ttft_fp8w2_h200.json" 2>&1 | tee "$OUT/ttft_fp8w2_h200.log" ;;
     *) echo "unknown step $step"; exit 2 ;;

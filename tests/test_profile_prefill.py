@@ -33,7 +33,8 @@ MODEL_OPS = {"embed", "norm", "qkv_gemm", "rope", "kv_write", "index", "attentio
 @needs_triton
 def test_cpu_smoke_run(prof, tmp_path):
     out = tmp_path / "p.json"
-    result = prof.main(["--device", "cpu", "--weight-dtype", "fp8_block,bf16", "--out", str(out)])
+    result = prof.main(["--device", "cpu", "--weight-dtype", "fp8_block,bf16", "--out", str(out),
+                        "--detail", "index,attention"])
     saved = json.loads(out.read_text())
     assert saved["runs"] == json.loads(json.dumps(result["runs"]))
     assert [r["weight_dtype"] for r in saved["runs"]] == ["fp8_block", "bf16"]
@@ -47,6 +48,15 @@ def test_cpu_smoke_run(prof, tmp_path):
         assert all("roofline_ms" in r for r in run["rows"] if r["op"] in MODEL_OPS)
         assert run["first_token"] == run["first_token_profiled"]
         assert run["index_tiles"] is not None  # 128 tokens >= dense_below: the sparse path ran
+        assert run["layers"] == 2
+        # what each range called itself (CPU: its direct host calls), longest first, within the
+        # range's own time (nested ranges have their own rows)
+        own_ms = {r["op"]: r["ms"] for r in run["rows"]}
+        assert run["detail"]["index"] and run["detail"]["attention"]
+        for op, rows in run["detail"].items():
+            us = [d["us"] for d in rows]
+            assert us == sorted(us, reverse=True) and all(d["calls"] >= 1 for d in rows)
+            assert sum(us) <= own_ms[op] * 1e3 * (1 + 1e-9), op
     fp8, bf16 = saved["runs"]
     # FP8: o_proj's input is quantized by its own pass, down_proj's in the SiLU-mul kernel
     assert "act_quant" in [r["op"] for r in fp8["rows"]] and fp8["fp8_counts"]["silu_quant"] == 2
@@ -77,6 +87,12 @@ def test_device_attribution_innermost_range_and_gaps(prof):
     got = prof.attribute(events)
     assert got["device"] and got["wall_us"] == 100.0
     assert got["ops"] == {"act_quant": 4.0, "qkv_gemm": 22.0, "unannotated": 5.0, "host gaps": 69.0}
+    assert got["detail"] == {"act_quant": {"quant_kernel": [4.0, 1]}, "unannotated": {"copy_kernel": [5.0, 1]},
+                             "qkv_gemm": {"sm90_gemm": [20.0, 1], "late_kernel": [2.0, 1]}}
+    rows = prof.detail_rows(got)
+    assert rows["qkv_gemm"] == [{"name": "sm90_gemm", "us": 20.0, "calls": 1}, {"name": "late_kernel", "us": 2.0, "calls": 1}]
+    text = prof.detail_table({"weight_dtype": "bf16", "device": True, "detail": rows}, ("qkv_gemm",), layers=2)
+    assert "| qkv_gemm | sm90_gemm | 0.020 | 1 | 0.010 |" in text and "late_kernel" in text and "quant" not in text
 
 
 def test_device_attribution_through_the_runtime_launch(prof):
@@ -109,6 +125,7 @@ def test_host_attribution_subtracts_nested_ranges(prof):
     got = prof.attribute(events)
     assert not got["device"]
     assert got["ops"] == {"down_gemm": 40.0, "act_quant": 10.0, "unannotated": 50.0}
+    assert got["detail"] == {"down_gemm": {"aten::mm": [28.0, 1]}}  # the range's own host calls
 
 
 def test_attribution_needs_one_outer_range(prof):
@@ -146,8 +163,12 @@ def test_every_op_range_names_a_known_op(prof):
     assert used and used <= set(OPS), used - set(OPS)
 
 
-def test_bad_arguments(prof):
+def test_bad_arguments(prof, capsys):
     with pytest.raises(SystemExit):
         prof.parse_args(["--weight-dtype", "fp4"])
     with pytest.raises(SystemExit):
         prof.parse_args(["--length", "0"])
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--detail", "attention,flash"])
+    assert "--detail: expected op names" in capsys.readouterr().err
+    assert prof.parse_args(["--detail", "index,attention"])[1].detail == "index,attention"
