@@ -62,8 +62,9 @@ def test_compile_index_rejects(monkeypatch, tmp_path):
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("res") / "res.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "index_resources.py"), "--dtypes", "bfloat16,fp8_e4m3",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "index_resources.py"),
+                           "--dtypes", "bfloat16,fp8_e4m3", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc.stdout
 

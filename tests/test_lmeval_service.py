@@ -65,7 +65,8 @@ def _run(cmd: list[str], timeout: float = 900) -> str:
     return proc.stdout
 
 
-def lm_eval(base: str, tokenizer_dir: Path, out: Path, tasks: str, *, tokenized: bool, limit: int | None = None) -> dict:
+def lm_eval(base: str, tokenizer_dir: Path, out: Path, tasks: str, *, tokenized: bool,
+            limit: int | None = None) -> dict:
     """One lm-eval run (the first ``limit`` documents a task, None: all); ``{"results": ...,
     "samples": {task: [sample, ...]}}`` from its output files."""
     args = (f"model={MODEL},base_url={base}/v1/completions,tokenizer={tokenizer_dir},tokenizer_backend=huggingface,"
