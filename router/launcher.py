@@ -207,7 +207,19 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
     prefill_opts = {**({} if config.prefill.max_replicas else {"num_replicas": options.prefill_replicas}), **(prefill or {})}
     decode_opts = {**({} if config.decode.max_replicas else {"num_replicas": options.decode_replicas}), **(decode or {})}
     app = build_application(config, prefill=prefill_opts, decode=decode_opts, ingress=ingress)
-    return serve.run(app, name=options.app_name, route_prefix=route_prefix(options), blocking=blocking)
+    # Fixed replica counts: Serve's external scaling API sets one role's count at a time
+    # (POST <dashboard>/api/v1/applications/<app>/deployments/PrefillServer/scale), starting or
+    # stopping only that role's replicas; a redeploy would restart every replica. Serve refuses it
+    # next to autoscaling.
+    return serve.run(app, name=options.app_name, route_prefix=route_prefix(options), blocking=blocking,
+                     external_scaler_enabled=not autoscales(config, prefill_opts, decode_opts, ingress or {}))
+
+
+def autoscales(config: ServiceConfig, *deployment_options: dict) -> bool:
+    """Whether Serve autoscales any deployment: a role with ``max_replicas`` in its config section
+    (serving/autoscaling.py), or options with an ``autoscaling_config`` or ``num_replicas="auto"``."""
+    return bool(config.prefill.max_replicas or config.decode.max_replicas) or any(
+        o.get("autoscaling_config") is not None or o.get("num_replicas") == "auto" for o in deployment_options)
 
 
 def replica_stats(app: str, deployment: str, timeout_s: float = 10.0) -> list[dict]:

@@ -83,17 +83,23 @@ def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator
 
 @contextlib.contextmanager
 def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator[None]:
-    """Deploys ``apps`` (name -> ``router.app.build_application`` keyword arguments) into the
-    running Serve, each under its own route prefix ``/<name>`` (and gRPC ``application``
+    """Deploys ``apps`` (name -> ``router.app.build_application`` keyword arguments, plus an
+    optional ``external_scaler_enabled``: Serve's external scaling API, see :func:`scale`) into
+    the running Serve, each under its own route prefix ``/<name>`` (and gRPC ``application``
     metadata ``<name>``); deletes them on exit, so the next module finds Serve empty."""
     from ray import serve
     from ray.serve.api import RunTarget
 
     from router.app import build_application
 
+    targets = []
+    for name, spec in apps.items():
+        spec = dict(spec)
+        external = bool(spec.pop("external_scaler_enabled", False))
+        targets.append(RunTarget(build_application(**spec), name=name, route_prefix=f"/{name}",
+                                 external_scaler_enabled=external))
     try:
-        serve.run_many([RunTarget(build_application(**spec), name=name, route_prefix=f"/{name}")
-                        for name, spec in apps.items()])
+        serve.run_many(targets)
         yield
     finally:
         # Serve's blocking delete gives up after 60 s, and a replica's graceful shutdown alone
@@ -108,10 +114,14 @@ def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator
             time.sleep(0.5)
 
 
-def replica_actors(app: str, deployment: str) -> list:
+def replica_ids(app: str, deployment: str) -> list[str]:
+    """The (sorted) actor names of a deployment's replicas: a replica restarted gets a new one."""
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    return [ray.get_actor(n, namespace="serve") for n in names]
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def replica_actors(app: str, deployment: str) -> list:
+    return [ray.get_actor(n, namespace="serve") for n in replica_ids(app, deployment)]
 
 
 def pools_idle(app: str) -> tuple[bool, list[dict], list[dict]]:
@@ -156,3 +166,34 @@ def oracle_tokens(config: ServiceConfig, prompt_ids: list[int], max_tokens: int)
 def prompt_of(n: int, seed: int) -> list[int]:
     """A deterministic token-id prompt of length ``n`` (bytes, starting with BOS)."""
     return [256] + [(seed * 31 + i * 17 + (i * i) % 13) % 256 for i in range(n - 1)]
+
+
+def scale(app: str, deployment: str, num_replicas: int) -> None:
+    """Sets one deployment's replica count through Serve's external scaling API (Ray 2.60: the
+    controller's ``update_deployment_replicas``, behind the dashboard's
+    ``POST /api/v1/applications/{app}/deployments/{deployment}/scale``; the test cluster runs no
+    dashboard). Only that deployment's replicas start or stop, where a ``serve.run`` of the
+    changed application would restart all of its replicas. The application must have been
+    deployed with ``external_scaler_enabled`` (see :func:`deployed`)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID(name=deployment, app_name=app), num_replicas),
+            timeout=60)
+
+
+def wait_replicas_running(app: str, deployment: str, num_replicas: int, timeout_s: float = 90.0) -> None:
+    """Waits until Serve reports exactly ``num_replicas`` RUNNING replicas of the deployment and
+    none starting or stopping (a replica's actor exists before its constructor has run: asking
+    it for routing stats then fails); TimeoutError with the last states."""
+    from ray import serve
+
+    deadline, states = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        status = serve.status().applications[app].deployments[deployment]
+        states = {str(getattr(k, "value", k)): v for k, v in status.replica_states.items() if v}
+        if states == {"RUNNING": num_replicas}:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{app}/{deployment}: expected {num_replicas} RUNNING replicas, last states {states}")

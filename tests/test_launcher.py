@@ -118,3 +118,22 @@ def test_ray_auth_is_left_off_when_ray_was_imported_first(monkeypatch, env):
     env[launcher.AUTH_MODE_ENV] = "token"  # an explicit mode still wins
     launcher.start_local_ray(launcher.LocalServeOptions())
     assert seen["env"][launcher.AUTH_MODE_ENV] == "token"
+
+
+@pytest.mark.parametrize("config, prefill, want", [
+    ({}, None, True),  # fixed counts: Serve's external scaling API sets one role's replicas
+    ({"prefill": {"max_replicas": 3}}, None, False),  # the prefill role autoscales
+    ({"decode": {"max_replicas": 2}}, None, False),
+    ({}, {"num_replicas": "auto"}, False),
+    ({}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}, False),
+])
+def test_deploy_enables_external_scaling_only_without_autoscaling(monkeypatch, config, prefill, want):
+    """Serve refuses external scaling next to an autoscaling deployment; with fixed counts the
+    launcher turns it on, so `.../deployments/PrefillServer/scale` changes prefill alone."""
+    seen: dict = {}
+    monkeypatch.setattr(serve, "run", lambda app, **kw: seen.update(kw))
+    import router.app
+
+    monkeypatch.setattr(router.app, "build_application", lambda *a, **k: object())  # deploy imports it
+    launcher.deploy(ServiceConfig.from_dict(config), launcher.LocalServeOptions(), prefill=prefill)
+    assert seen["external_scaler_enabled"] is want and seen["name"] == launcher.LocalServeOptions().app_name

@@ -25,8 +25,11 @@ from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import (  # noqa: E402
     oracle_tokens,
     prompt_of,
+    replica_ids,
     replica_stats,
+    scale,
     wait_pools_idle,
+    wait_replicas_running,
 )
 
 MODEL = "builtin:tiny"
@@ -46,13 +49,14 @@ REPLICAS = {"dense": (1, 1), "sparse": (2, 1), "corrupt": (1, 1)}
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}
 
 
-def _spec(name: str, prefill_replicas: int | None = None) -> dict:
+def _spec(name: str) -> dict:
     p, d = REPLICAS[name]
-    return {"config": CONFIGS[name], "prefill": {**SMALL, "num_replicas": prefill_replicas or p},
+    return {"config": CONFIGS[name], "prefill": {**SMALL, "num_replicas": p},
             "decode": {**SMALL, "num_replicas": d}, "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}
 
 
 SERVE_APPS = {name: _spec(name) for name in CONFIGS}  # deployed by tests/conftest.py's service fixture
+SERVE_APPS["sparse"]["external_scaler_enabled"] = True  # the scaling test sets its prefill replicas
 
 
 def complete(client, app: str, body: dict, path: str = "/v1/completions"):
@@ -390,10 +394,9 @@ def test_client_disconnect_frees_decode_pages(service):
 
 
 def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
-    from ray import serve
-
-    from router.app import build_application
-
+    """Prefill replicas join (1 -> 3) and leave (3 -> 1) under streaming and plain load, through
+    Serve's external scaling API: only prefill replicas start and stop, the decode replica and the
+    ingress keep running, and no request is lost or answered wrong."""
     client = service["http"]
     prompts = [prompt_of(n, seed=n) for n in (30, 90, 200)]
     want = {tuple(p): oracle_tokens(CONFIGS["sparse"], p, 4) for p in prompts}
@@ -422,12 +425,11 @@ def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
     for w in workers:
         w.start()
     try:
+        others = {d: replica_ids("sparse", d) for d in ("DecodeServer", "OpenAIIngress")}
         time.sleep(1.0)
         for n in (3, 1):
-            serve.run(build_application(**_spec("sparse", prefill_replicas=n)), name="sparse", route_prefix="/sparse")
-            deadline = time.monotonic() + 90
-            while len(replica_stats("sparse", "PrefillServer")) != n and time.monotonic() < deadline:
-                time.sleep(0.5)
+            scale("sparse", "PrefillServer", n)
+            wait_replicas_running("sparse", "PrefillServer", n, timeout_s=90)
             assert len(replica_stats("sparse", "PrefillServer")) == n
             time.sleep(1.0)
     finally:
@@ -436,6 +438,7 @@ def test_scaling_prefill_up_and_down_under_load_loses_nothing(service):
             w.join()
     failures = [o for o in outcomes if not o[0]]
     assert len(outcomes) >= 10 and not failures, failures[:3]
+    assert {d: replica_ids("sparse", d) for d in others} == others  # untouched by prefill's scaling
     wait_pools_idle("sparse")
 
 
