@@ -279,7 +279,11 @@ def test_startup_health_app_answers_while_the_main_ingress_is_held(service, serv
 
     startup = {held: f"/{held}/health", APP: f"/{APP}-startup", STARTING: f"/{STARTING}-startup"}
     try:
-        serve.run_many([serve.RunTarget(health_application(app, timeout_s=0.5), name=f"{app}-health", route_prefix=route)
+        # the held stand-in's health app gives up after 0.5 s (the proxy must not hold the probe);
+        # the real ingresses' get 4 s (under the client's 5 s), so a loaded machine still passes
+        # their answers through instead of "starting"
+        serve.run_many([serve.RunTarget(health_application(app, timeout_s=0.5 if app == held else 4.0),
+                                        name=f"{app}-health", route_prefix=route)
                         for app, route in startup.items()])
         # a short client timeout: a request the proxy holds fails here
         with httpx.Client(base_url=base, timeout=5.0) as http:
