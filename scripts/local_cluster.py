@@ -107,7 +107,25 @@ def cluster_processes(temp_dir: str) -> list:
     return list(found.values())
 
 
-def down(temp_dir: str = DEFAULT_TEMP_DIR, timeout_s: float = 20.0) -> int:
+def _running(procs: list) -> list:
+    """Those of ``procs`` still running: a zombie has exited (its parent, also stopping, may
+    never reap it), so it is not waited for."""
+    import psutil
+
+    alive = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def down(temp_dir: str = DEFAULT_TEMP_DIR, grace_s: float = 5.0) -> int:
+    """SIGTERM to every process of the cluster, SIGKILL to those still running ``grace_s``
+    later (as ``ray stop`` does after its grace period). Ray's GCS server and the autoscaler's
+    monitor outlive a SIGTERM by minutes, which a longer grace would only wait out."""
     import psutil
 
     procs = cluster_processes(temp_dir)
@@ -116,7 +134,11 @@ def down(temp_dir: str = DEFAULT_TEMP_DIR, timeout_s: float = 20.0) -> int:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    deadline = time.monotonic() + grace_s
+    alive = _running(procs)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = _running(alive)
     for proc in alive:
         try:
             proc.kill()

@@ -140,6 +140,48 @@ def test_local_serve_config_places_roles_like_the_cluster_one():
 
 
 @pytest.mark.slow
+def _local_cluster_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("local_cluster", ROOT / "scripts" / "local_cluster.py")
+    lc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lc)
+    return lc
+
+
+def test_down_kills_what_outlives_sigterm_and_only_this_clusters_processes(tmp_path):
+    """``local_cluster.py down``: a process of this cluster (its command line names the temp
+    dir) that ignores SIGTERM, as Ray's GCS server does, is killed after the grace period, not
+    waited for; one that obeys SIGTERM ends; a process of another temp dir is left running."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("psutil")
+    lc = _local_cluster_module()
+    tag = random.Random(os.getpid()).randrange(10**9)
+    mine, other = f"/tmp/fp_down{tag}", f"/tmp/fp_keep{tag}"
+    stubborn = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(120)")
+    obeys = "import sys, time; print('ready', flush=True); time.sleep(120)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, temp], stdout=subprocess.PIPE, text=True)
+             for code, temp in ((stubborn, mine), (obeys, mine), (obeys, other))]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 3  # the handler is set
+        t0 = time.monotonic()
+        assert lc.down(mine, grace_s=0.5) == 2
+        waited = time.monotonic() - t0
+        # down reaps what it killed (psutil waits on its own children): poll() then reads no signal
+        assert [p.wait(timeout=10) is not None for p in procs[:2]] == [True, True]
+        assert procs[2].poll() is None  # another cluster's process
+        assert waited < 60  # not the stubborn process's 120 s
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_serve_deploy_on_the_local_cluster_answers_a_request(tmp_path):
     """The README path: the fake multi-node cluster up, ``serve deploy`` of the local serve
     config, a completion over HTTP, ``serve status`` showing each role on its own node type,
@@ -153,11 +195,7 @@ def test_serve_deploy_on_the_local_cluster_answers_a_request(tmp_path):
     from tests.service_helpers import free_port
 
     gen = _gen()  # noqa: F841 - the up() below checks the files are fresh
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("local_cluster", ROOT / "scripts" / "local_cluster.py")
-    lc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lc)
+    lc = _local_cluster_module()
     temp_dir = f"/tmp/fp_t{os.getpid()}"
     gcs, dash, metrics, http_port, grpc_port = (free_port() for _ in range(5))
     cfg = load("serve_config.local.yaml")
