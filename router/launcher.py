@@ -137,9 +137,42 @@ def start_local_ray(options: LocalServeOptions) -> str | None:
     # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
     # each) plus the ingress (0.5) must fit even on a 2-core machine.
     kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)
-    context = ray.init(**kwargs)
+    context = _init_ray_once_more_if_slow(ray, kwargs)
     url = getattr(context, "dashboard_url", None)
     return f"http://{url}" if url and "://" not in url else url
+
+
+# Ray's own error when the raylet has not registered with the GCS within Ray's fixed 30 s
+# (ray/_private/node.py): a loaded machine, seen on 2 cores with two local clusters starting
+RAY_NODE_START_TIMEOUT = "timed out during startup"
+
+
+def _init_ray_once_more_if_slow(ray, kwargs: dict) -> Any:
+    """``ray.init(**kwargs)``; when it fails on Ray's fixed node start-up timeout, the
+    processes that attempt started are stopped and Ray is started once more. Any other error,
+    or a second timeout, is raised."""
+    import psutil  # a dependency of Ray's own process management
+
+    me = psutil.Process()
+    # direct children only: Ray's node processes are the driver's children (their own workers
+    # end with the raylet), and nothing else this process runs is touched
+    before = {child.pid for child in me.children()}
+    try:
+        return ray.init(**kwargs)
+    except Exception as exc:
+        if RAY_NODE_START_TIMEOUT not in str(exc):
+            raise
+        started = [child for child in me.children() if child.pid not in before]
+        logging.getLogger(__name__).warning(
+            "Ray's node did not start within Ray's fixed 30 s (a loaded machine?): stopping the %d "
+            "processes it started and starting Ray once more", len(started))
+        for child in started:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(started, timeout=10)
+    return ray.init(**kwargs)
 
 
 def metrics_url() -> str | None:

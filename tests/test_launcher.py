@@ -6,6 +6,8 @@ without Serve's graceful_shutdown call (whose retry Ray logs as a failure)."""
 import logging
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -67,6 +69,57 @@ def test_an_explicit_ray_auth_mode_wins(monkeypatch, env):
     env[launcher.AUTH_MODE_ENV] = "disabled"
     launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=True))
     assert seen["env"][launcher.AUTH_MODE_ENV] == "disabled"
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_ray_start_that_timed_out_is_cleaned_up_and_tried_once_more(monkeypatch, env):
+    """Ray's fixed 30 s node start-up timeout (a loaded machine): the processes the failed
+    attempt started are stopped, other children are left alone, and the same ray.init runs once
+    more; a second timeout is raised."""
+    calls, spawned = [], []
+    outcomes = ["timeout", "ok"]
+
+    def init(**kw):
+        calls.append(kw)
+        if outcomes.pop(0) == "timeout":
+            spawned.append(_sleeper())  # a GCS / raylet the attempt left behind
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        return None
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    bystander = _sleeper()
+    try:
+        launcher.start_local_ray(launcher.LocalServeOptions(num_cpus=3, ray_auth=False))
+        assert len(calls) == 2 and calls[0] == calls[1] and calls[0]["num_cpus"] == 3
+        assert spawned[0].wait(timeout=10) is not None  # stopped (reaped by the launcher: no signal to read)
+        assert bystander.poll() is None
+        calls.clear()
+        outcomes[:] = ["timeout", "timeout"]
+        with pytest.raises(Exception, match="timed out during startup"):
+            launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False))
+        assert len(calls) == 2
+    finally:
+        for proc in [bystander, *spawned]:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_ray_start_that_failed_otherwise_is_not_retried(monkeypatch, env):
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        raise ValueError("num_cpus: bad")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ValueError, match="num_cpus"):
+        launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False))
+    assert len(calls) == 1
 
 
 def test_reattach_notice_is_dropped_and_nothing_else():
