@@ -380,7 +380,7 @@ class DecodeServer:
             except TransferError as exc:
                 self.transfer_failures += 1
                 self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
-                logger.warning("KV transfer for %s over %s failed: %s", rid, transport, exc.reason.value)
+                logger.warning("KV transfer for %s over %s failed: %s (%s)", rid, transport, exc.reason.value, exc)
                 # a channel that failed (not a full pool) is avoided for this request's retry
                 fallback = "object_store" if transport != "object_store" and exc.reason is not TransferFailure.POOL_EXHAUSTED else None
                 yield TransferFailed(reason=exc.reason.value, retryable=exc.retryable, message=str(exc),
