@@ -333,14 +333,16 @@ class DecodeServer:
         self._room_changed()
 
     def _release_sender(self, ticket: Any) -> None:
-        """Tell the prefill replica holding ``ticket``'s pages under a lease that this replica
-        is done with them (its IPC copy finished or failed, or it gave up before fetching).
-        Fire and forget, off the request's path: a lost message only leaves the lease to its
-        deadline."""
-        handle = getattr(ticket, "handle", None)
-        sender = handle.get("sender") if isinstance(handle, dict) else None
-        if getattr(ticket, "transport", None) == "object_store" or not isinstance(sender, dict):
-            return  # a frame: nothing held
+        """Tell the prefill replica holding something for ``ticket`` under a lease (its pages,
+        or an object-store frame's reference) that this replica is done with it (its IPC copy
+        or fetch finished or failed, or it gave up before fetching). Fire and forget, off the
+        request's path: a lost message only leaves the lease to its deadline."""
+        sender = getattr(ticket, "sender", None)
+        if sender is None:  # a ticket from before ``TransferTicket.sender``: IPC named it in its handle
+            handle = getattr(ticket, "handle", None)
+            sender = handle.get("sender") if isinstance(handle, dict) else None
+        if not isinstance(sender, dict):
+            return  # nothing held
         task = self.prefill.release(sender, ticket.request_id)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -368,7 +370,7 @@ class DecodeServer:
         submitted = False
         finished = False
         transport = getattr(ticket, "transport", None)
-        sent = False  # a channel send of the pages ran: it ended the sender's lease itself
+        released = False  # the sender's lease has ended: released here, or by the channel send itself
         try:
             try:
                 receiver = self.receivers.get(transport)
@@ -376,7 +378,9 @@ class DecodeServer:
                     raise TransferError(TransferFailure.UNAVAILABLE,
                                         f"this replica receives {sorted(self.receivers)}, not {transport!r}", rid)
                 await receiver.receive(ticket, self.pool)
-                sent = not receiver.releases_after_receive
+                if receiver.releases_after_receive:  # the copy or fetch is done: what the sender holds goes now
+                    self._release_sender(ticket)
+                released = True
             except TransferError as exc:
                 self.transfer_failures += 1
                 self.metrics.inc("kv_transfers_total", transport=str(transport), outcome=exc.reason.value)
@@ -429,7 +433,7 @@ class DecodeServer:
                                  choice=k)
             finished = True
         finally:
-            if not sent:
+            if not released:
                 self._release_sender(ticket)
             if submitted and not finished:
                 for cid in (ids if submitted else ()):  # client gone or stop string: the engine frees the pages

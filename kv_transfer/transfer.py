@@ -448,6 +448,10 @@ class TransferTicket:
     from resolving the ref when the ticket is passed as an argument), the msgpack header plus
     the sender's address (channels), or the header plus the sender's GPU, pages and CUDA IPC
     handles of its pool (cuda_ipc).
+
+    ``sender``: the replica that holds something for this ticket until the receiver is done
+    (its pages under a lease, or the frame's reference), as its Serve app, deployment and
+    replica id: where ``release_pages`` goes. None: nothing is held.
     """
 
     request_id: str
@@ -456,6 +460,7 @@ class TransferTicket:
     num_pages: int
     nbytes: int
     handle: Any = field(repr=False, default=None)
+    sender: Any = field(repr=False, default=None)
 
 
 class KVSender(abc.ABC):
@@ -471,6 +476,10 @@ class KVSender(abc.ABC):
     # channel send, a CUDA IPC copy): the sender keeps them under a lease until then. False
     # when ``export`` copied them (a frame): the sender may free them at once.
     reads_pages_after_export: bool = False
+    # True when the sender must keep the exported frame alive until the receiver has fetched it
+    # (the object store: see ObjectStoreTransport): the replica holds the ticket under a lease
+    # then, but frees the pages at once.
+    keeps_frame_until_released: bool = False
     # True when ``serve_send`` can send pages over a channel (the replica's lease then counts
     # the sends): the channels, and CUDA IPC with a channel fallback.
     serves_sends: bool = False
@@ -506,9 +515,10 @@ class KVReceiver(abc.ABC):
     a pool (``TransferError`` on failure, nothing left allocated)."""
 
     name: str = "abstract"
-    # True when the sender still holds the pages under a lease after a receive (a CUDA IPC
-    # copy): the receiver's replica then calls ``release_pages`` on it. False when the
-    # transfer itself ended the lease (a channel send) or there was none (a frame).
+    # True when the sender still holds something for the ticket after a receive (the pages
+    # after a CUDA IPC copy, the frame's reference after an object-store fetch): the receiver's
+    # replica then calls ``release_pages`` on it at once. False when the transfer itself ended
+    # the lease (a channel send) or there was none (a local frame).
     releases_after_receive: bool = False
 
     @abc.abstractmethod
@@ -559,10 +569,19 @@ class LocalTransport(KVTransport):
 class ObjectStoreTransport(KVTransport):
     """Frames through Ray's object store: works across nodes and for CPU or GPU pools (the
     frame is CPU bytes). The sender's process owns the object; when it dies the receiver's
-    fetch fails with ``TransferFailure.LOST`` (retryable elsewhere)."""
+    fetch fails with ``TransferFailure.LOST`` (retryable elsewhere).
+
+    The sender keeps its own reference to the frame until the receiver has fetched it
+    (``keeps_frame_until_released``: the prefill replica holds the ticket under a lease, the
+    decode replica releases it right after the fetch). Ray's reference counting alone does not
+    keep it: Serve returns every reply as an item of a streaming generator, and a reference
+    nested in such an item can lose its count before the borrowers down the line fetch it
+    (ray-project/ray#58080; ``scripts/ray_nested_ref_repro.py``, docs/notes/object_store_frame_lost.md)."""
 
     name = "object_store"
     fault_modes = ("flip", "truncate")
+    keeps_frame_until_released = True
+    releases_after_receive = True
 
     def __init__(self, fetch_timeout_s: float = 60.0) -> None:
         self.fetch_timeout_s = fetch_timeout_s

@@ -34,6 +34,7 @@ its leases only when it stops (``graceful_shutdown_timeout_s`` covers a lease's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -244,8 +245,9 @@ class PrefillServer:
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
         )
+        self.identity = replica_identity()  # how tickets name this replica (release_pages)
         transports = make_prefill_transports(
-            self.config, placement_of(self.config, "prefill", self.pool.device), identity=replica_identity(),
+            self.config, placement_of(self.config, "prefill", self.pool.device), identity=self.identity,
             host=node_ip(), group=TPGroup(self.runtime.runner, self._tp_actors) if self._tp_actors else None)
         self.transport, self.object_store = transports.sender, transports.object_store
         self.replica_id = replica_id()
@@ -288,8 +290,12 @@ class PrefillServer:
                 if not call.skip_transfer:
                     ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
                 export_s = time.monotonic() - t_export
-                if ticket is not None and exporter.reads_pages_after_export:
-                    self.leases.grant(rid, ticket, exporter)
+                if ticket is not None and (exporter.reads_pages_after_export or exporter.keeps_frame_until_released):
+                    ticket = dataclasses.replace(ticket, sender=self.identity)  # where release_pages goes
+                    if rid in self.leases and not self.leases.holds_pages(rid):
+                        # a new attempt of the request (its transfer failed) while the old frame is still held
+                        self.leases.end(rid, "released")
+                    self.leases.grant(rid, ticket, exporter, holds_pages=exporter.reads_pages_after_export)
                     self.leases.start()
                     leased = True
                 return Prefilled(request_id=rid, first_token=int(result.first_token), kv_len=int(result.kv_len),
@@ -300,9 +306,11 @@ class PrefillServer:
                                  first_logprobs=tuple(result.first_logprobs),
                                  block_density=result.block_density)
             finally:
-                if not leased:  # a frame (or nothing) was shipped, or the export failed / was cancelled
+                if not leased:  # nothing was shipped or held, or the export failed / was cancelled
                     if ticket is not None and exporter.reads_pages_after_export:
                         exporter.discard(ticket)
+                    self._free(rid)
+                elif not exporter.reads_pages_after_export:  # a frame: its lease holds the copy, not the pages
                     self._free(rid)
         finally:
             self.active -= 1
@@ -315,7 +323,8 @@ class PrefillServer:
 
     def _end_lease(self, lease: Lease, reason: str) -> None:
         lease.exporter.discard(lease.ticket)  # a channel's export record; a send under way then fails
-        self._free(lease.request_id)
+        if lease.holds_pages:  # a frame's lease drops its reference only (with the ticket)
+            self._free(lease.request_id)
 
     async def release_pages(self, request: ReleasePages, routing: dict | None = None) -> PagesReleased:
         """End a lease: the decode replica is done with the pages (its IPC copy finished or

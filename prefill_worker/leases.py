@@ -16,8 +16,12 @@ ends, and the pages are freed, at the first of
 - ``expired``: the deadline passed (a decode replica or ingress that died), found by the sweep.
 
 No call is held open for a lease, so leases take no ``max_ongoing_requests`` slot and do not
-feed the autoscaler's ongoing-request count. Transports that copy the pages at export (the
-object store) need no lease: their pages are freed when ``prefill`` returns.
+feed the autoscaler's ongoing-request count.
+
+The object store copies the pages into a frame at export: its pages are freed when ``prefill``
+returns, but the replica keeps its reference to the frame under a lease that holds no pages
+(``Lease.holds_pages`` False), ended the same ways (the decode replica releases it right after
+its fetch). See ``kv_transfer.transfer.ObjectStoreTransport`` for why.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Lease:
     granted_at: float
     deadline: float
     sends: int = 0  # channel sends of the pages that succeeded so far
+    holds_pages: bool = True  # False: only the ticket (a frame's reference), the pages are freed
 
 
 class LeaseTable:
@@ -68,13 +73,17 @@ class LeaseTable:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._leases
 
-    def grant(self, request_id: str, ticket: Any, exporter: Any) -> Lease:
+    def grant(self, request_id: str, ticket: Any, exporter: Any, *, holds_pages: bool = True) -> Lease:
         if request_id in self._leases:
             raise ValueError(f"request_id: {request_id!r} already holds a lease")
         now = self._clock()
-        lease = Lease(request_id, ticket, exporter, now, now + self.timeout_s)
+        lease = Lease(request_id, ticket, exporter, now, now + self.timeout_s, holds_pages=bool(holds_pages))
         self._leases[request_id] = lease
         return lease
+
+    def holds_pages(self, request_id: str) -> bool:
+        """Whether ``request_id``'s lease holds its pages (KeyError: it holds no lease)."""
+        return self._leases[request_id].holds_pages
 
     def end(self, request_id: str, reason: str) -> bool:
         """End ``request_id``'s lease, if it holds one; False if it holds none (already ended)."""

@@ -1,7 +1,8 @@
 """Prefill page leases: state with a deadline, swept by a timer, ended by the transfer.
 
 Units of ``prefill_worker/leases.py``, then a prefill and a decode replica in this process
-(no Ray: their Serve calls to each other are made directly) over a gloo channel.
+(no Ray: their Serve calls to each other are made directly) over a gloo channel, and over the
+object store (Ray's store replaced by a dict: the frame's lease protocol, not Ray's).
 """
 
 from __future__ import annotations
@@ -187,13 +188,149 @@ def test_no_lease_without_a_ticket_or_when_the_export_fails(prefill_server, monk
     assert len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages and pre.active == 0
 
 
-def test_transports_that_copy_at_export_need_no_lease():
+def test_what_each_transport_holds_after_export():
+    """Pages under a lease for the transports that read them later; the object store copies
+    them into a frame but keeps the frame's reference until the receiver's release; a local
+    frame holds nothing."""
     from kv_transfer.channel_send import ChannelSender
+    from kv_transfer.ipc_recv import CudaIpcReceiver
     from kv_transfer.ipc_send import CudaIpcSender
     from kv_transfer.transfer import LocalTransport, ObjectStoreTransport
 
     assert not ObjectStoreTransport.reads_pages_after_export and not LocalTransport.reads_pages_after_export
     assert ChannelSender.reads_pages_after_export and CudaIpcSender.reads_pages_after_export
+    assert ObjectStoreTransport.keeps_frame_until_released and ObjectStoreTransport.releases_after_receive
+    assert not LocalTransport.keeps_frame_until_released and not LocalTransport.releases_after_receive
+    assert CudaIpcReceiver.releases_after_receive
+
+
+class _FakeObjectStore:
+    """Ray's object store for ObjectStoreTransport in this process: ``put`` keeps the frame
+    under a key, ``fetch`` reads it back (what the decode replica's fetch does with an
+    ObjectRef); what a test checks is the replicas' lease protocol, not Ray's."""
+
+    def __init__(self, monkeypatch):
+        import ray
+
+        from kv_transfer.transfer import ObjectStoreTransport
+
+        self.frames: dict[int, object] = {}
+        monkeypatch.setattr(ray, "put", self.put)
+
+        async def fetch(transport, ticket):
+            return self.frames[ticket.handle[0]]
+
+        monkeypatch.setattr(ObjectStoreTransport, "fetch", fetch)
+
+    def put(self, frame):
+        key = len(self.frames)
+        self.frames[key] = frame
+        return key
+
+
+OBJECT_STORE = {**OPTS, "transport": "object_store"}
+
+
+@pytest.fixture
+def object_store_prefill(monkeypatch):
+    from prefill_worker.deployment import PrefillServer
+
+    _FakeObjectStore(monkeypatch)
+    server = PrefillServer(OBJECT_STORE)
+    yield server
+    server.close()
+
+
+def test_an_object_store_export_frees_the_pages_and_holds_the_frame_under_a_lease(object_store_prefill):
+    pre = object_store_prefill
+
+    async def go():  # one event loop: the replica's batching loop lives on it
+        event = await pre.prefill(_call("r", _prompt(21)))
+        assert event.ticket.transport == "object_store" and event.ticket.sender == pre.identity
+        assert not pre.pool.has("r") and pre.pool.free_pages == pre.pool.num_pages  # the frame is a copy
+        assert "r" in pre.leases and pre.leases.holds_pages("r") is False
+        assert pre.record_routing_stats()["leased"] == 1
+        assert pre.leases._leases["r"].ticket.handle == event.ticket.handle  # the owner's reference to the frame
+        # a new attempt of the request (its transfer failed) while the old frame is still held:
+        # the old lease ends, the new one holds the new frame
+        again = await pre.prefill(_call("r", _prompt(21)))
+        assert pre.leases.ended["released"] == 1 and len(pre.leases) == 1
+        assert pre.leases._leases["r"].ticket.handle == again.ticket.handle != event.ticket.handle
+        assert await pre.release_pages(ReleasePages("r")) == PagesReleased(True)
+        assert len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages
+
+    asyncio.run(go())
+
+
+def test_ending_a_frame_lease_never_frees_pages_the_request_holds_now(object_store_prefill):
+    """A frame's lease ends (a late release, the deadline) while a new attempt of the same
+    request is being prefilled into pages of this pool: those pages stay."""
+    pre = object_store_prefill
+    asyncio.run(pre.prefill(_call("r", _prompt(22))))
+    pre.pool.reserve("r", 40)  # as a new attempt's prefill would
+    pre.leases._clock = lambda: float("inf")
+    assert pre.leases.sweep() == ["r"]
+    assert pre.pool.has("r") and pre.leases.ended["expired"] == 1
+    pre.pool.release("r")
+
+
+def test_decode_releases_the_frame_right_after_its_fetch_not_after_the_stream(object_store_prefill, monkeypatch):
+    from decode_worker.deployment import DecodeServer
+
+    pre = object_store_prefill
+    dec = DecodeServer(OBJECT_STORE)
+    calls = _wire(monkeypatch, pre)
+    try:
+        event = asyncio.run(pre.prefill(_call("r", _prompt(23))))
+        call = DecodeCall(request_id="r", ticket=event.ticket, kv_len=event.kv_len, first_token=event.first_token,
+                          params=SamplingParams(temperature=0.0, max_new_tokens=6))
+
+        async def go():
+            stream = dec.generate(call)
+            first = await stream.__anext__()
+            await asyncio.gather(*dec._background)
+            at_adoption = (list(calls), dict(pre.leases.ended), len(pre.leases))
+            rest = [e async for e in stream]
+            await asyncio.gather(*dec._background)
+            return first, at_adoption, rest
+
+        first, at_adoption, rest = asyncio.run(go())
+        assert isinstance(first, Adopted)
+        # while the request has tokens to go, the frame's lease has already ended
+        assert at_adoption == ([("release_pages", pre.identity["replica_id"], "r")],
+                               {"sent": 0, "released": 1, "expired": 0, "stopped": 0}, 0)
+        assert all(isinstance(e, Tokens) for e in rest) and rest[-1].finished
+        assert len(calls) == 1  # released once
+        assert dec.pool.free_pages == dec.pool.num_pages
+    finally:
+        for r in dec.receivers.values():
+            r.close()
+
+
+def test_a_failed_fetch_releases_the_frame(object_store_prefill, monkeypatch):
+    from decode_worker.deployment import DecodeServer
+    from kv_transfer.transfer import ObjectStoreTransport, TransferError, TransferFailure
+
+    pre = object_store_prefill
+    dec = DecodeServer(OBJECT_STORE)
+    calls = _wire(monkeypatch, pre)
+
+    async def lost(transport, ticket):
+        raise TransferError(TransferFailure.LOST, "ObjectLostError: gone", ticket.request_id)
+
+    monkeypatch.setattr(ObjectStoreTransport, "fetch", lost)
+    try:
+        event = asyncio.run(pre.prefill(_call("r", _prompt(24))))
+        events = _drive(dec, DecodeCall(request_id="r", ticket=event.ticket, kv_len=event.kv_len,
+                                        first_token=event.first_token,
+                                        params=SamplingParams(temperature=0.0, max_new_tokens=4)))
+        assert len(events) == 1 and isinstance(events[0], TransferFailed) and events[0].reason == "lost"
+        assert events[0].retryable and "ObjectLostError" in events[0].message
+        assert calls == [("release_pages", pre.identity["replica_id"], "r")] and len(pre.leases) == 0
+        assert dec.pool.free_pages == dec.pool.num_pages
+    finally:
+        for r in dec.receivers.values():
+            r.close()
 
 
 def _wire(monkeypatch, pre):
