@@ -14,6 +14,7 @@ to its deadline (``transfer.lease_timeout_s``), so nothing waits on it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,8 +78,13 @@ class PrefillClient:
 
     def release(self, sender: Mapping, request_id: str) -> asyncio.Task:
         """:meth:`release_pages`, fire and forget (needs a running event loop): a failure is
-        logged, the lease's deadline ends it anyway. Returns the task (held here until done)."""
-        task = asyncio.get_running_loop().create_task(self._release(sender, request_id))
+        logged, the lease's deadline ends it anyway. Returns the task (held here until done).
+
+        The task runs in a context of its own, not the caller's: Serve counts a handle call
+        made in a request's context as that request's child and cancels it with the request,
+        and a release is made exactly when a request ends or is being cancelled (the ingress
+        closed a decode stream after a failed transfer, a client went away)."""
+        task = asyncio.get_running_loop().create_task(self._release(sender, request_id), context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task

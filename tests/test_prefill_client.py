@@ -87,6 +87,34 @@ def test_release_is_fire_and_forget_and_bounded_by_the_timeout():
     assert PrefillClient().timeout_s == RELEASE_TIMEOUT_S
 
 
+def test_release_runs_outside_the_callers_request_context():
+    """Serve makes a handle call in a request's context that request's child, cancelled with
+    it: a release (made as a request ends or is cancelled) must not see the caller's context,
+    Serve's request context included."""
+    import contextvars
+
+    serve_context = pytest.importorskip("ray.serve.context")
+    mine = contextvars.ContextVar("mine", default=None)
+    seen = []
+
+    def answer(request):
+        seen.append((mine.get(), serve_context._serve_request_context.get()))
+        return PagesReleased(True)
+
+    client, log, _ = _client({"release_pages": answer})
+    caller = serve_context._RequestContext(route="/x", request_id="parent-" + str(random.Random(2).random()))
+
+    async def go():
+        mine.set("caller")
+        serve_context._serve_request_context.set(caller)
+        await client.release(_sender(random.Random(3)), "r")
+        return mine.get(), serve_context._serve_request_context.get()
+
+    assert asyncio.run(go()) == ("caller", caller)  # the caller's own context is untouched
+    (got_mine, got_serve), = seen
+    assert got_mine is None and got_serve is None  # Serve's default: no parent request
+
+
 def test_the_ingress_releaser_addresses_the_handle_deployment():
     rng = random.Random(2)
     client, log, made = _client({"release_pages": lambda r: PagesReleased(True)})
