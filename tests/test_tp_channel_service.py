@@ -60,8 +60,10 @@ def test_tp2_prefill_channels_from_every_rank_fault_retried_pools_clean(service)
     (dec,) = replica_stats("tpch", "DecodeServer")
     assert pre["tp_ranks"] == 2 and pre["kv_heads"] == 1
     assert pre["leased"] == 0 and pre["leases_ended"]["expired"] == 0 and pre["leases_ended"]["stopped"] == 0
-    # 4 leases, one per channel export (the broken one included); the retry's frame needs none
-    assert pre["leases_ended"]["sent"] + pre["leases_ended"]["released"] == 4, pre["leases_ended"]
+    # 5 leases: one per channel export (the broken one included), and the retry's object-store
+    # frame's (its reference, no pages), which the decode replica released after its fetch
+    assert pre["leases_ended"]["sent"] + pre["leases_ended"]["released"] == 5, pre["leases_ended"]
+    assert pre["leases_ended"]["released"] >= 1, pre["leases_ended"]
     assert dec["transfers"] == {"object_store": 1, "gloo": 3}, dec["transfers"]
     assert dec["transfer_failures"] == 1
     # the leader's own rank sent in every channel transfer (rank 1 broke in the first, after it)

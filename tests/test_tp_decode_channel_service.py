@@ -84,11 +84,13 @@ def test_tp2_decode_pulls_over_channels_equal_to_the_oracle_fault_retried_every_
     assert dec["transfers"] == ({"gloo": len(CASES) - 1, "object_store": 1} if faults else {"gloo": len(CASES)}), \
         dec["transfers"]
     assert dec["transfer_failures"] == faults
-    # every channel export (one per request: the retry's frame needs no lease) had a lease; each
-    # ended with its announced sends (the flipped chunk's send succeeded too: the decode rank's
-    # checksum caught it); none waited for its deadline
+    # every channel export (one per request) had a lease; each ended with its announced sends
+    # (the flipped chunk's send succeeded too: the decode rank's checksum caught it); the retry's
+    # object-store frame had one too (its reference), released after the fetch; none waited for
+    # its deadline
     assert pre["leased"] == 0 and pre["leases_ended"]["expired"] == 0, pre["leases_ended"]
     assert pre["leases_ended"]["sent"] == len(CASES), pre["leases_ended"]
+    assert pre["leases_ended"]["released"] == faults, pre["leases_ended"]
     assert pre["channel_staged"] == 0
     # rank 0 of the prefill replica sent once per decode rank holding its heads: TP 2 -> 2 pairs
     # rank 0 with decode rank 0 only; TP 1 -> 2 sends to both decode ranks
