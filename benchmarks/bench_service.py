@@ -1371,8 +1371,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from router.launcher import LocalServeOptions, start_local_ray, start_serve
 
+    # a CPU smoke run reads nothing from Ray's dashboard: without it two groups' clusters start
+    # on 2 loaded cores within Ray's fixed 30 s (seen timing out with it)
     local = LocalServeOptions(http_port=cfg.http_port, grpc_port=cfg.grpc_port,
-                              num_cpus=max(8, os.cpu_count() or 1))
+                              num_cpus=max(8, os.cpu_count() or 1), include_dashboard=not cfg.smoke)
     start_local_ray(local)
     env = environment(argv)
     env["ray_cluster"] = ray_cluster()

@@ -36,6 +36,10 @@ class LocalServeOptions:
     dashboard_port: int | None = None  # None: Ray's 8265, or the next free port
     metrics_port: int | None = None  # None: a free port (`router serve` passes 8080); printed at start
     ray_auth: bool = True  # Ray's token authentication (RAY_AUTH_MODE=token) unless RAY_AUTH_MODE says otherwise
+    # Ray's dashboard (``serve status``, ``ray list``, the scaling REST API): off only for tools
+    # that need none of it, as the CPU smoke benchmarks (its head and its nine module processes
+    # are most of a local Ray's start-up on 2 cores)
+    include_dashboard: bool = True
 
 
 # Ray reads this once, when ``ray`` is first imported (ray._private.ray_constants), to decide
@@ -134,6 +138,8 @@ def start_local_ray(options: LocalServeOptions) -> str | None:
     kwargs: dict[str, Any] = {**ray_init_kwargs(options.host, dashboard_port=options.dashboard_port,
                                                 metrics_port=metrics_port),
                               "configure_logging": True, "logging_level": "WARNING"}
+    if not options.include_dashboard:
+        kwargs["include_dashboard"] = False
     # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
     # each) plus the ingress (0.5) must fit even on a 2-core machine.
     kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)

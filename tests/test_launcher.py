@@ -63,6 +63,15 @@ def test_explicit_num_cpus_metrics_port_and_auth_are_kept(monkeypatch, env):
     assert seen["env"][launcher.AUTH_MODE_ENV] == "disabled"
 
 
+def test_the_dashboard_is_on_unless_a_tool_turns_it_off(monkeypatch, env):
+    seen = {}
+    fake_init(monkeypatch, seen)
+    launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False))
+    assert seen["include_dashboard"] is True and seen["dashboard_host"] == "127.0.0.1"
+    launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False, include_dashboard=False))
+    assert seen["include_dashboard"] is False
+
+
 def test_an_explicit_ray_auth_mode_wins(monkeypatch, env):
     seen = {}
     fake_init(monkeypatch, seen)
