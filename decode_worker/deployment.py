@@ -337,10 +337,7 @@ class DecodeServer:
         or an object-store frame's reference) that this replica is done with it (its IPC copy
         or fetch finished or failed, or it gave up before fetching). Fire and forget, off the
         request's path: a lost message only leaves the lease to its deadline."""
-        sender = getattr(ticket, "sender", None)
-        if sender is None:  # a ticket from before ``TransferTicket.sender``: IPC named it in its handle
-            handle = getattr(ticket, "handle", None)
-            sender = handle.get("sender") if isinstance(handle, dict) else None
+        sender = getattr(ticket, "sender", None)  # set by the prefill replica for every leased ticket
         if not isinstance(sender, dict):
             return  # nothing held
         task = self.prefill.release(sender, ticket.request_id)
