@@ -153,32 +153,36 @@ def start_local_ray(options: LocalServeOptions) -> str | None:
 RAY_NODE_START_TIMEOUT = "timed out during startup"
 
 
+RAY_START_ATTEMPTS = 3  # on a 2-core machine under load one retry was seen not to be enough
+
+
 def _init_ray_once_more_if_slow(ray, kwargs: dict) -> Any:
     """``ray.init(**kwargs)``; when it fails on Ray's fixed node start-up timeout, the
-    processes that attempt started are stopped and Ray is started once more. Any other error,
-    or a second timeout, is raised."""
+    processes that attempt started are stopped and Ray is started again, up to
+    ``RAY_START_ATTEMPTS`` attempts in all. Any other error, or the last timeout, is raised."""
     import psutil  # a dependency of Ray's own process management
 
     me = psutil.Process()
-    # direct children only: Ray's node processes are the driver's children (their own workers
-    # end with the raylet), and nothing else this process runs is touched
-    before = {child.pid for child in me.children()}
-    try:
-        return ray.init(**kwargs)
-    except Exception as exc:
-        if RAY_NODE_START_TIMEOUT not in str(exc):
-            raise
-        started = [child for child in me.children() if child.pid not in before]
-        logging.getLogger(__name__).warning(
-            "Ray's node did not start within Ray's fixed 30 s (a loaded machine?): stopping the %d "
-            "processes it started and starting Ray once more", len(started))
-        for child in started:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(started, timeout=10)
-    return ray.init(**kwargs)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        # direct children only: Ray's node processes are the driver's children (their own workers
+        # end with the raylet), and nothing else this process runs is touched
+        before = {child.pid for child in me.children()}
+        try:
+            return ray.init(**kwargs)
+        except Exception as exc:
+            if RAY_NODE_START_TIMEOUT not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            started = [child for child in me.children() if child.pid not in before]
+            logging.getLogger(__name__).warning(
+                "Ray's node did not start within Ray's fixed 30 s (a loaded machine?): stopping the %d "
+                "processes it started and starting Ray once more", len(started))
+            for child in started:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(started, timeout=10)
+    raise AssertionError("unreachable")
 
 
 def metrics_url() -> str | None:

@@ -86,8 +86,8 @@ def _sleeper() -> subprocess.Popen:
 
 def test_a_ray_start_that_timed_out_is_cleaned_up_and_tried_once_more(monkeypatch, env):
     """Ray's fixed 30 s node start-up timeout (a loaded machine): the processes the failed
-    attempt started are stopped, other children are left alone, and the same ray.init runs once
-    more; a second timeout is raised."""
+    attempt started are stopped, other children are left alone, and the same ray.init runs
+    again, up to RAY_START_ATTEMPTS in all; the last timeout is raised."""
     calls, spawned = [], []
     outcomes = ["timeout", "ok"]
 
@@ -107,10 +107,14 @@ def test_a_ray_start_that_timed_out_is_cleaned_up_and_tried_once_more(monkeypatc
         assert spawned[0].wait(timeout=10) is not None  # stopped (reaped by the launcher: no signal to read)
         assert bystander.poll() is None
         calls.clear()
-        outcomes[:] = ["timeout", "timeout"]
+        outcomes[:] = ["timeout", "timeout", "ok"]
+        launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False))
+        assert len(calls) == 3 and launcher.RAY_START_ATTEMPTS == 3
+        calls.clear()
+        outcomes[:] = ["timeout"] * launcher.RAY_START_ATTEMPTS
         with pytest.raises(Exception, match="timed out during startup"):
             launcher.start_local_ray(launcher.LocalServeOptions(ray_auth=False))
-        assert len(calls) == 2
+        assert len(calls) == launcher.RAY_START_ATTEMPTS
     finally:
         for proc in [bystander, *spawned]:
             proc.kill()
