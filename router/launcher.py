@@ -143,7 +143,7 @@ def start_local_ray(options: LocalServeOptions) -> str | None:
     # Ray's CPU counts are scheduling tokens: one prefill and one decode replica (1 CPU
     # each) plus the ingress (0.5) must fit even on a 2-core machine.
     kwargs["num_cpus"] = options.num_cpus if options.num_cpus is not None else max(4, os.cpu_count() or 1)
-    context = _init_ray_once_more_if_slow(ray, kwargs)
+    context = _init_ray_retrying_slow_starts(ray, kwargs)
     url = getattr(context, "dashboard_url", None)
     return f"http://{url}" if url and "://" not in url else url
 
@@ -156,7 +156,7 @@ RAY_NODE_START_TIMEOUT = "timed out during startup"
 RAY_START_ATTEMPTS = 3  # on a 2-core machine under load one retry was seen not to be enough
 
 
-def _init_ray_once_more_if_slow(ray, kwargs: dict) -> Any:
+def _init_ray_retrying_slow_starts(ray, kwargs: dict) -> Any:
     """``ray.init(**kwargs)``; when it fails on Ray's fixed node start-up timeout, the
     processes that attempt started are stopped and Ray is started again, up to
     ``RAY_START_ATTEMPTS`` attempts in all. Any other error, or the last timeout, is raised."""
