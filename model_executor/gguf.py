@@ -178,9 +178,9 @@ def one_reader_per_file() -> Iterator[None]:
     readers: dict[tuple[str, str], Any] = {}
 
     def shared(path: str | os.PathLike, mode: str = "r"):
-        key = (os.path.realpath(path), mode)
         if mode != "r":  # a writable map is not shared
             return original(path, mode)
+        key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = original(path, mode)
         return readers[key]
