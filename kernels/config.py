@@ -7,6 +7,7 @@ where we refined it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ._checks import check_int as _check_int
@@ -15,6 +16,8 @@ from ._checks import softmax_scale as _softmax_scale
 # Physical K/V tile (CSR granularity) and PackGQA query tile, fixed by the format.
 KV_TILE = 64
 Q_TILE = 128
+# SparseConfig.energy_rule: the paper's released index ("first_key") and ours before it
+ENERGY_RULES = ("first_key", "visible")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,20 @@ class SparseConfig:
     mean_correction: add the pruned fully-visible blocks' mean term (eq. 6).
     scale: softmax scale; ``None`` means ``1/sqrt(head_dim)``.
     num_splits: split-KV parts per query tile; 0 picks automatically, 1 disables.
+    last_dense_tiles: the last ``N`` packed query tiles of each *prompt* attend densely (every
+        causally visible block, no scoring, no correction): the rows that make the first
+        generated token and the end of the prompt. Counted over the whole prompt
+        (``prompt_lens`` of the plan), so a chunk that does not end its prompt has none and a
+        prefix-cache hit changes nothing (docs/SEMANTICS.md "Dense last tiles").
+    energy_rule: which rows score which block. ``"first_key"`` (the paper's released code): a
+        row scores block ``J`` only if it sees the block's first key, and a block that the
+        tile's last row does not see whole is not scored (it is kept through the window), so
+        the diagonal never sets the threshold's maximum. ``"visible"``: every row of the tile
+        scores every visible block (the semantics before the safeguards).
+    dense_layers: the first ``N`` layers of a model attend densely (a model-level option: the
+        operator ignores it; ``model_executor`` applies it per layer with :meth:`for_layer`).
+    layer_alpha: per-layer thresholds (a model-level option, as ``dense_layers``): layer ``i``
+        uses ``layer_alpha[i]``; layers past the tuple use ``alpha``. ``None``: ``alpha`` for all.
     """
 
     alpha: float = 0.1
@@ -39,6 +56,10 @@ class SparseConfig:
     mean_correction: bool = True
     scale: float | None = None
     num_splits: int = 0
+    last_dense_tiles: int = 0
+    energy_rule: str = "visible"
+    dense_layers: int = 0
+    layer_alpha: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
@@ -58,6 +79,20 @@ class SparseConfig:
             )
         _softmax_scale(self.scale, 1)
         _check_int("num_splits", self.num_splits, minimum=0)
+        _check_int("last_dense_tiles", self.last_dense_tiles, minimum=0)
+        if self.energy_rule not in ENERGY_RULES:
+            raise ValueError(f"energy_rule: expected one of {', '.join(map(repr, ENERGY_RULES))}, "
+                             f"got {self.energy_rule!r}")
+        _check_int("dense_layers", self.dense_layers, minimum=0)
+        if self.layer_alpha is not None:
+            if isinstance(self.layer_alpha, (str, bytes)) or not isinstance(self.layer_alpha, (tuple, list)):
+                raise ValueError(f"layer_alpha: expected None or a sequence of floats in [0, 1], "
+                                 f"got {self.layer_alpha!r}")
+            for i, a in enumerate(self.layer_alpha):
+                if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= float(a) <= 1.0:
+                    raise ValueError(f"layer_alpha[{i}]: expected a float in [0, 1], got {a!r}")
+            # a list would make the frozen config unhashable (plans are cached by config)
+            object.__setattr__(self, "layer_alpha", tuple(float(a) for a in self.layer_alpha))
 
     @property
     def tiles_per_block(self) -> int:
@@ -65,4 +100,21 @@ class SparseConfig:
 
     def softmax_scale(self, head_dim: int) -> float:
         return _softmax_scale(self.scale, head_dim)
+
+    def alpha_of_layer(self, layer: int) -> float:
+        """The threshold layer ``layer`` runs at: 0 (dense) below ``dense_layers``, else its
+        ``layer_alpha`` entry, else ``alpha``."""
+        if layer < self.dense_layers:
+            return 0.0
+        if self.layer_alpha is not None and layer < len(self.layer_alpha):
+            return self.layer_alpha[layer]
+        return float(self.alpha)
+
+    def for_layer(self, layer: int) -> "SparseConfig":
+        """The operator config of one model layer: ``alpha`` set to :meth:`alpha_of_layer`, the
+        model-level fields cleared (so layers with the same threshold share one plan)."""
+        alpha = self.alpha_of_layer(layer)
+        if alpha == self.alpha and not self.dense_layers and self.layer_alpha is None:
+            return self
+        return dataclasses.replace(self, alpha=alpha, dense_layers=0, layer_alpha=None)
 

@@ -45,8 +45,13 @@ def plan_prefill(
     cu_seqlens_q: torch.Tensor,
     seqlens_kv: torch.Tensor,
     config: SparseConfig | None = None,
+    prompt_lens: object = None,
 ) -> PrefillPlan:
-    """Validate inputs and metadata; returns the plan that ``run`` calls reuse."""
+    """Validate inputs and metadata; returns the plan that ``run`` calls reuse.
+
+    ``prompt_lens``: per sequence, the whole prompt's length when this batch is a chunk that
+    does not end it (``config.last_dense_tiles`` counts the prompt's last tiles); ``None``:
+    every sequence ends here."""
     config = SparseConfig() if config is None else config
     q, k_pages, v_pages = check_attention_inputs(q, k_pages, v_pages)
     plan = make_plan(
@@ -60,6 +65,7 @@ def plan_prefill(
         num_pages=k_pages.shape[0],
         config=config,
         device=q.device,
+        prompt_lens=prompt_lens,
     )
     if plan.total_q != q.shape[0]:
         raise ValueError(
@@ -178,7 +184,7 @@ def build_index(
 ) -> SparseIndex:
     """Index stage on the paged layout: block means and the CSR of selected K/V tiles.
     ``check_finite``: raise ValueError on NaN/Inf inputs (a host sync; see ``check_inputs_finite``)."""
-    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config, prompt_lens)
     if check_finite:
         check_inputs_finite(q, k_pages, v_pages, plan)
     descales = plan_descales(q, plan, q_descale, k_descale, v_descale)
@@ -199,6 +205,7 @@ def sparse_prefill(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     check_finite: bool = False,
+    prompt_lens: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashPrefill V2 on the paged varlen layout.
 
@@ -211,10 +218,12 @@ def sparse_prefill(
     ``check_finite``: raise ValueError naming the tensor if a value the batch reads is NaN or
     infinite (reads the inputs back: a host sync). Off, a NaN is contained as
     docs/SEMANTICS.md "Non-finite inputs" says.
+    ``prompt_lens``: per sequence, the whole prompt's length when this call prefills a chunk
+    that does not end it (``config.last_dense_tiles`` counts the prompt's last tiles).
     Returns ``out [Tq, Hq, d]`` (q's dtype; bfloat16 for FP8) and ``lse [Tq, Hq]`` (float32,
     natural log).
     """
-    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config)
+    plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config, prompt_lens)
     if check_finite:
         check_inputs_finite(q, k_pages, v_pages, plan)
     descales = plan_descales(q, plan, q_descale, k_descale, v_descale)

@@ -54,6 +54,9 @@ class PrefillPlan:
     cu_blocks: torch.Tensor  # [B+1]
     tile_seq: torch.Tensor  # [total_tiles] sequence of each query tile
     page_table: torch.Tensor  # [B, max_pages] int32
+    # per sequence, the whole prompt's length (>= seqlens_kv: a chunk that does not end its
+    # prompt); what config.last_dense_tiles counts from
+    prompt_lens: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -119,6 +122,26 @@ class PrefillPlan:
 
         return self.derived("block_seq", build)
 
+    @property
+    def dense_rows_from_host(self) -> tuple[int, ...]:
+        """Per sequence, the first packed row of this batch in its prompt's last
+        ``config.last_dense_tiles`` query tiles (``g * Lq``: none)."""
+        return self.derived("dense_rows_from_host", lambda: tuple(_dense_rows_from(
+            self.prompt_lens or self.seqlens_kv, self.seqlens_q, self.seqlens_kv, self.group_size,
+            self.config.last_dense_tiles)))
+
+    @property
+    def dense_rows_from(self) -> torch.Tensor:
+        """int32 ``[B]`` on the device: :attr:`dense_rows_from_host` (the index kernels' copy)."""
+        return self.derived("dense_rows_from", lambda: torch.tensor(
+            self.dense_rows_from_host, dtype=torch.int32, device=self.device))
+
+    def dense_tile(self, b: int, tile: int) -> bool:
+        """Whether query tile ``tile`` of sequence ``b`` is one of its prompt's last
+        ``config.last_dense_tiles`` tiles (it holds a row at or past ``dense_rows_from``)."""
+        r0, rows, _, _ = self.tile_rows(b, tile)
+        return r0 + rows - 1 >= self.dense_rows_from_host[b]
+
     def tile_rows(self, b: int, tile: int) -> tuple[int, int, int, int]:
         """(first packed row, row count, pmin, pmax) of query tile ``tile`` of sequence ``b``."""
         g = self.group_size
@@ -139,8 +162,13 @@ def make_plan(
     num_pages: int,
     config: SparseConfig,
     device: torch.device | str | None = None,
+    prompt_lens: object = None,
 ) -> PrefillPlan:
-    """Validate the batch metadata and derive the plan (one host sync for the lengths)."""
+    """Validate the batch metadata and derive the plan (one host sync for the lengths).
+
+    ``prompt_lens``: per sequence, the length of the whole prompt this batch's tokens belong to
+    (a host sequence of ints, each at least ``seqlens_kv[b]``); ``None``: each sequence's new
+    tokens end its prompt (``seqlens_kv``). Only ``config.last_dense_tiles`` reads it."""
     if not isinstance(config, SparseConfig):
         raise ValueError(f"config: expected a SparseConfig, got {type(config).__name__}")
     cu = check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=_INT_DTYPES)
@@ -185,6 +213,7 @@ def make_plan(
             b, c = (int(x) for x in bad.nonzero()[0].tolist())
             raise page_entry_error(pt, b, c, num_pages)
     g = num_qo_heads // num_kv_heads
+    plens = _check_prompt_lens(prompt_lens, skv_h)
     qtiles = [_cdiv(g * n, Q_TILE) for n in seqlens_q]
     blocks = [_cdiv(n, config.block_size) for n in skv_h]
 
@@ -215,4 +244,45 @@ def make_plan(
         cu_blocks=torch.tensor(cumsum(blocks), **i32),
         tile_seq=torch.tensor(tile_seq, **i32),
         page_table=pt.to(torch.int32).contiguous(),
+        prompt_lens=plens,
     )
+
+
+def _check_prompt_lens(prompt_lens: object, seqlens_kv: list[int]) -> tuple[int, ...]:
+    """``prompt_lens`` validated (``()`` for None: every sequence ends its prompt)."""
+    if prompt_lens is None:
+        return ()
+    if isinstance(prompt_lens, torch.Tensor):
+        prompt_lens = prompt_lens.tolist()
+    if isinstance(prompt_lens, (str, bytes)) or not hasattr(prompt_lens, "__len__"):
+        raise ValueError(f"prompt_lens: expected None or one int per sequence, got {prompt_lens!r}")
+    lens = list(prompt_lens)
+    if len(lens) != len(seqlens_kv):
+        raise ValueError(f"prompt_lens: expected {len(seqlens_kv)} entries (one per sequence), got {len(lens)}")
+    for i, (n, lkv) in enumerate(zip(lens, seqlens_kv)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < lkv:
+            raise ValueError(
+                f"prompt_lens: expected prompt_lens[{i}] an int >= seqlens_kv[{i}] = {lkv} "
+                f"(the prompt includes this batch's tokens), got {n!r}"
+            )
+    return tuple(lens)
+
+
+def _dense_rows_from(
+    prompt_lens: tuple[int, ...], seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], g: int,
+    last_dense_tiles: int,
+) -> list[int]:
+    """Per sequence, the first packed row of this batch that belongs to its prompt's last
+    ``last_dense_tiles`` query tiles. The prompt's tiles are counted from its first token
+    (cached prefix included): the last ones start at row ``Q_TILE * (ceil(g * L / Q_TILE) - N)``
+    of the whole prompt, which is row ``- g * P`` of this batch's ``g * Lq`` rows. Clamped to
+    ``[0, g * Lq]`` (``g * Lq``: no dense row)."""
+    out = []
+    for n, lq, lkv in zip(prompt_lens, seqlens_q, seqlens_kv):
+        rows = g * lq
+        if last_dense_tiles == 0:
+            out.append(rows)
+            continue
+        first = Q_TILE * max(_cdiv(g * n, Q_TILE) - last_dense_tiles, 0) - g * (lkv - lq)
+        out.append(min(max(first, 0), rows))
+    return out

@@ -104,9 +104,13 @@ def block_energies(
     """Per segment, the energies ``E_J`` of the tile's visible blocks (float64, ``[nvis]``,
     shifted by the tile's largest finite score). Scores are float64 products of the scoring
     operands (exact for 16-bit ones), so equal operands give equal energies; a non-finite
-    score counts as ``-inf`` (adds nothing)."""
+    score counts as ``-inf`` (adds nothing). With ``energy_rule="first_key"`` a row adds to
+    block ``J`` only if it sees key ``J * Bs``, and blocks that the tile's last row does not
+    see whole get 0."""
     cfg = plan.config
     scale = cfg.softmax_scale(q.shape[-1])
+    first_key = cfg.energy_rule == "first_key"
+    bs = cfg.block_size
     if descales is None:
         kbar_scored = means.kbar.to(q.dtype).double()
     else:
@@ -122,9 +126,16 @@ def block_energies(
             blk0 = plan.cu_blocks_host[b]
             kb = kbar_scored[blk0 : blk0 + plan.blocks[b], h]
             for tile in range(plan.qtiles[b]):
-                r0, rows, _, _, nvis, _ = _tile_geometry(plan, b, tile)
+                r0, rows, _, hi, nvis, _ = _tile_geometry(plan, b, tile)
                 s = scale * (qp[r0 : r0 + rows] @ kb[:nvis].T)  # [rows, nvis]
                 s = s.masked_fill(~torch.isfinite(s), float("-inf"))
+                if first_key:
+                    # row i scores block J only if it sees the block's first key; a block the
+                    # tile's last row does not see whole is not scored (energy 0)
+                    pos = torch.arange(r0, r0 + rows, device=s.device) // plan.group_size + plan.prefix(b)
+                    j = torch.arange(nvis, device=s.device)
+                    scored = (pos[:, None] >= j[None, :] * bs) & ((j[None, :] + 1) * bs - 1 <= hi)
+                    s = s.masked_fill(~scored, float("-inf"))
                 top = s.max() if s.numel() else s.new_tensor(0.0)
                 shift = top if bool(torch.isfinite(top)) else s.new_tensor(0.0)
                 # each block's energy is reduced by the same code over a contiguous row
@@ -153,7 +164,7 @@ def select_blocks(energy: torch.Tensor, plan: PrefillPlan, b: int, tile: int) ->
     bs = cfg.block_size
     _, _, lo, _, nvis, nfull = _tile_geometry(plan, b, tile)
     j = torch.arange(nvis, device=energy.device)
-    if cfg.alpha == 0:
+    if cfg.alpha == 0 or plan.dense_tile(b, tile):  # dense: every visible block
         passes = j < nfull
     else:
         passes = (energy >= cfg.alpha * energy.max()) & (energy > 0) & (j < nfull)

@@ -17,7 +17,10 @@ Computes exactly ``kernels.reference.build_index`` (see docs/SEMANTICS.md):
    program's scratch row and keeps a running ``max_J LE_J``. After a barrier it re-reads the
    row, thresholds ``LE_J - max LE >= log2(alpha)`` (i.e. ``E_J >= alpha * max E``), forces
    sink/window/diagonal blocks, and writes a bitmask of the selected logical blocks and the
-   number of selected 64-token tiles of the segment.
+   number of selected 64-token tiles of the segment. ``energy_rule="first_key"`` masks each
+   row's scores of blocks whose first key it does not see and scores only the blocks the
+   tile's last row sees whole; a dense tile (one of its prompt's last ``last_dense_tiles``,
+   ``plan.dense_rows_from``) scores nothing and keeps every visible block.
 3. ``seg_offsets = cumsum(counts)`` on the device, then ``_compact_kernel`` expands each
    segment's bitmask into ascending 64-token tile ids, dropping tiles with ``64 n >= Lkv`` or
    ``64 n > pmax + P`` (SEMANTICS "choices we fixed" 3).
@@ -248,7 +251,7 @@ def _block_means_kernel(
 @triton.jit
 def _score_select_kernel(
     q_ptr, kbar_q_ptr, qd_ptr, kd_ptr,
-    tile_seq_ptr, cu_q_ptr, seqlens_kv_ptr, cu_qtiles_ptr, cu_blocks_ptr,
+    tile_seq_ptr, cu_q_ptr, seqlens_kv_ptr, cu_qtiles_ptr, cu_blocks_ptr, dense_rows_ptr,
     scratch_ptr, bits_ptr, counts_ptr,
     stride_qt, stride_qh, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h,
     num_segments, total_tiles, num_kv_heads, num_programs,
@@ -263,6 +266,7 @@ def _score_select_kernel(
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,
     KEEP_ALL: tl.constexpr,
+    FIRST_KEY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8: tl.constexpr,
@@ -288,6 +292,14 @@ def _score_select_kernel(
             t, tile_seq_ptr, cu_q_ptr, seqlens_kv_ptr, cu_qtiles_ptr, G, TILE_M, BLOCK_SIZE, TILE
         )
         blk0 = tl.load(cu_blocks_ptr + b)
+        # one of the prompt's last dense tiles: every fully visible block passes, nothing is
+        # scored (same launch, no second kernel)
+        dense = r0 + nrows - 1 >= tl.load(dense_rows_ptr + b)
+        if FIRST_KEY:  # blocks the tile's last row sees whole; others are not scored
+            nscore = tl.minimum((hi + 1) // BLOCK_SIZE, nvis)
+        else:
+            nscore = nvis
+        nscore = tl.where(dense, 0, nscore)
         if FP8:  # s = c_q c_k (q8 . kbar8): one factor per (sequence, KV head)
             qk = qk_scale_log2 * tl.load(qd_ptr + b * stride_qd_b + h * stride_qd_h) \
                 * tl.load(kd_ptr + b * stride_kd_b + h * stride_kd_h)
@@ -316,9 +328,11 @@ def _score_select_kernel(
         else:
             q_t = tl.trans(qt)
         le_max_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        for j0 in range(0, nvis, BLOCK_N):
+        if FIRST_KEY:
+            pos = (r0 + rows) // G + (lo - r0 // G)  # each row's position, prefix included
+        for j0 in range(0, nscore, BLOCK_N):
             J = j0 + cols
-            col_ok = J < nvis
+            col_ok = J < nscore
             kb = tl.load(
                 kb_base + J[:, None].to(tl.int64) * kb_stride + dims[None, :],
                 mask=_row_mask(col_ok, dims, HEAD_DIM, BLOCK_D), other=0.0,
@@ -331,6 +345,8 @@ def _score_select_kernel(
             # or k): such a row adds nothing, so it cannot change another row's selection.
             # Padded blocks (J >= nvis) read zero means, stay finite and are dropped below.
             s = tl.where(row_ok[None, :] & (tl.abs(s) < float("inf")), s, float("-inf"))
+            if FIRST_KEY:  # a row scores block J only if it sees the block's first key
+                s = tl.where(pos[None, :] >= J[:, None] * BLOCK_SIZE, s, float("-inf"))
             c = tl.max(s, axis=1)
             c = tl.where(c == float("-inf"), 0.0, c)  # no finite score: energy 0, le -inf
             # one FFMA per score: (s - c) * scale * log2(e)
@@ -351,9 +367,9 @@ def _score_select_kernel(
             if KEEP_ALL:
                 passes = J < nfull
             else:
-                le = tl.load(scratch + J, mask=vis, other=float("-inf"))
+                le = tl.load(scratch + J, mask=J < nscore, other=float("-inf"))
                 # E_J >= alpha max E (ties kept: equal operands give equal le), E_J > 0
-                passes = (le >= threshold) & (le > float("-inf")) & (J < nfull)
+                passes = ((le >= threshold) & (le > float("-inf")) | dense) & (J < nfull)
             sink = J * BLOCK_SIZE < sink_tokens
             block_last = tl.minimum((J + 1) * BLOCK_SIZE, lkv) - 1
             # includes the diagonal blocks and at least the block holding key pmin + P
@@ -487,7 +503,7 @@ def select_and_compact(
     _score_select_kernel[(nprog,)](
         q, kbar_q, qd, kd,
         plan.tile_seq, plan.cu_seqlens_q, plan.seqlens_kv_t, plan.cu_qtiles, plan.cu_blocks,
-        scratch, bits, counts,
+        plan.dense_rows_from, scratch, bits, counts,
         q.stride(0), q.stride(1), *dstr,
         nseg, plan.total_tiles, plan.num_kv_heads, nprog,
         plan.max_blocks, words,
@@ -503,6 +519,7 @@ def select_and_compact(
         BLOCK_N=launch.block_n,
         WORDS=launch.select_words,
         KEEP_ALL=keep_all,
+        FIRST_KEY=cfg.energy_rule == "first_key",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(),
         FP8=fp8,

@@ -126,6 +126,9 @@ class ForwardBatch:
     backend: str = "auto"
     state: ForwardState = field(default_factory=ForwardState)
     calibrate_kv: float | None = None  # FP8 pools: set each layer's scales (this margin) first
+    # per sequence, the whole prompt's length where this forward prefills a chunk that does not
+    # end it (sparse_config.last_dense_tiles counts the prompt's last tiles); None: all end here
+    prompt_lens: tuple[int, ...] | None = None
 
 
 def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -148,15 +151,18 @@ def _prefill(
                 q, q_descale = fp8_gemm.quantize_with_amax(q, query_amax, backend=quant_backend)
             else:
                 q, q_descale = fp8.quantize_per_tensor(q, backend=quant_backend)
-    config = batch.sparse_config
+    # the layer's own threshold: 0 in the first sparse.dense_layers, else its layer_alpha
+    config = batch.sparse_config.for_layer(layer)
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
-    if batch.dense:
+    dense = batch.dense or config.alpha == 0
+    if dense:
         config = dataclasses.replace(config, alpha=0.0)
 
     def build() -> tuple[PrefillPlan, SparseConfig]:
         plan = ops.plan_prefill(
-            q, k_pages, v_pages, batch.page_table, batch.cu_seqlens_q, batch.seqlens_kv, config
+            q, k_pages, v_pages, batch.page_table, batch.cu_seqlens_q, batch.seqlens_kv, config,
+            batch.prompt_lens,
         )
         return plan, config
 
@@ -167,7 +173,7 @@ def _prefill(
     if q_descale is not None:  # the pool's scales were validated when set: no sync here
         descales = ops.plan_descales(q, plan, q_descale, pool.k_scale[layer], pool.v_scale[layer],
                                      check_values=False)
-    if batch.dense and backend == "reference":
+    if dense and backend == "reference":
         with op_range("attention"):
             out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
         return out

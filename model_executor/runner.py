@@ -40,11 +40,15 @@ logger = logging.getLogger(__name__)
 class PrefillItem:
     """``token_ids``: the new tokens of this forward (a whole prompt or one chunk of it);
     ``cached_len``: tokens of this request already in the pool (earlier chunks or a cached
-    prefix); the new tokens attend to them."""
+    prefix); the new tokens attend to them. ``prompt_len``: the whole prompt's length when
+    these tokens do not end it (chunked prefill); None: they do."""
 
     request_id: str
     token_ids: Sequence[int]
     cached_len: int = 0
+    # the whole prompt's length when these tokens are a chunk that does not end it (the sparse
+    # config's last_dense_tiles are the prompt's last tiles); None: they end the prompt
+    prompt_len: int | None = None
 
 
 class ModelRunner:
@@ -240,6 +244,7 @@ class ModelRunner:
         logits_to_keep: torch.Tensor | int,
         calibrate_kv: float | None = None,
         sparse_config: SparseConfig | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> torch.Tensor:
         dev = self.device
         sparse = self.sparse_config if sparse_config is None else sparse_config
@@ -256,9 +261,13 @@ class ModelRunner:
             mode=mode,
             sparse_config=sparse,
             max_seqlen_kv=max(seqlens_kv),
-            dense=max(seqlens_kv) < self.dense_below or (sparse_config is not None and sparse.alpha == 0),
+            dense=max(seqlens_kv) < self.dense_below or (sparse_config is not None and sparse.alpha == 0
+                                                             and not sparse.layer_alpha),
             backend=self.backend,
             calibrate_kv=calibrate_kv,
+            # only a chunk that does not end its prompt needs it: the plan's default otherwise
+            prompt_lens=(tuple(prompt_lens) if prompt_lens is not None
+                         and any(n != kv for n, kv in zip(prompt_lens, seqlens_kv)) else None),
         )
         logits = self.run_model(batch, input_ids.to(dev), position_ids.to(dev), logits_to_keep)
         for rid, n in zip(request_ids, seqlens_kv):
@@ -319,11 +328,17 @@ class ModelRunner:
         rids = [it.request_id for it in items]
         if len(set(rids)) != len(rids):
             raise ValueError(f"items: expected distinct request ids in one batch, got {rids}")
-        starts, lengths, ids, pos = [], [], [], []
+        starts, lengths, ids, pos, prompt_lens = [], [], [], [], []
         for it in items:
             n = len(it.token_ids)
             if n == 0:
                 raise ValueError(f"token_ids: expected at least one new token for {it.request_id!r}")
+            end = it.cached_len + n
+            if it.prompt_len is not None and (isinstance(it.prompt_len, bool) or not isinstance(it.prompt_len, int)
+                                              or it.prompt_len < end):
+                raise ValueError(f"prompt_len: expected None or an int >= cached_len + len(token_ids) = {end} "
+                                 f"for {it.request_id!r}, got {it.prompt_len!r}")
+            prompt_lens.append(end if it.prompt_len is None else it.prompt_len)
             tokens = self._check_tokens("token_ids", it.token_ids)
             self._check_room(it.request_id, it.cached_len, n)
             starts.append(it.cached_len)
@@ -334,7 +349,7 @@ class ModelRunner:
         if keep_all is None or not any(keep_all):
             logits = self._forward(
                 rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
-                logits_to_keep=last.to(self.device), sparse_config=sparse_config,
+                logits_to_keep=last.to(self.device), sparse_config=sparse_config, prompt_lens=prompt_lens,
             )
             return logits, {}
         rows, where, spans = [], [], {}  # rows of the LM head; each item's last row; kept spans
@@ -348,6 +363,7 @@ class ModelRunner:
         logits = self._forward(
             rids, torch.cat(ids), torch.cat(pos), starts, lengths, ForwardMode.PREFILL,
             logits_to_keep=torch.tensor(rows, dtype=torch.int64, device=self.device), sparse_config=sparse_config,
+            prompt_lens=prompt_lens,
         )
         return logits[where], {i: logits[a : a + n] for i, (a, n) in spans.items()}
 

@@ -349,7 +349,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             return out
         try:
             items = [PrefillItem(c.request_id, c.seq.payload.prompt_token_ids[c.start : c.start + c.num_tokens],
-                                 c.start) for c in chunks]
+                                 c.start, len(c.seq.payload.prompt_token_ids)) for c in chunks]
             keep = [c.seq.payload.params.prompt_logprobs is not None and not c.seq.aborted for c in chunks]
             logits, kept = self._forward_or_split(chunks, items, keep)
             for i, chunk_logits in kept.items():
