@@ -18,6 +18,8 @@ KV_TILE = 64
 Q_TILE = 128
 # SparseConfig.energy_rule: the paper's released index ("first_key") and ours before it
 ENERGY_RULES = ("first_key", "visible")
+# the options one request may set for its own prefill (``SparseConfig.with_request``)
+REQUEST_OPTIONS = ("alpha", "last_dense_tiles", "energy_rule", "dense_layers")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,24 @@ class SparseConfig:
 
     def softmax_scale(self, head_dim: int) -> float:
         return _softmax_scale(self.scale, head_dim)
+
+    def with_request(self, options: "dict | tuple | None", name: str = "sparse_attention") -> "SparseConfig":
+        """This config with one request's own options (a mapping or ``(key, value)`` pairs of
+        :data:`REQUEST_OPTIONS`); a request's ``alpha`` applies to every layer (it clears
+        ``layer_alpha``). ValueError naming ``name.<option>``."""
+        if not options:
+            return self
+        items = dict(options)
+        unknown = sorted(set(items) - set(REQUEST_OPTIONS))
+        if unknown:
+            raise ValueError(f"{name}: unknown options {unknown}; a request may set {', '.join(REQUEST_OPTIONS)}")
+        changes = dict(items)
+        if "alpha" in changes:
+            changes["layer_alpha"] = None
+        try:
+            return dataclasses.replace(self, **changes)
+        except ValueError as exc:
+            raise ValueError(f"{name}.{exc}") from None
 
     def alpha_of_layer(self, layer: int) -> float:
         """The threshold layer ``layer`` runs at: 0 (dense) below ``dense_layers``, else its

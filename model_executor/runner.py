@@ -86,6 +86,11 @@ class ModelRunner:
             raise ValueError(
                 f"sparse_config: expected a SparseConfig, got {type(self.sparse_config).__name__}"
             )
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        own = self.sparse_config.layer_alpha
+        if isinstance(layers, int) and own is not None and len(own) > layers:
+            raise ValueError(f"sparse_config.layer_alpha: expected at most one entry per layer ({layers}), "
+                             f"got {len(own)} (a profile calibrated for another model?)")
         self.model = model
         self.pool = pool
         self.dense_below = dense_below

@@ -277,7 +277,8 @@ class PrefillServer:
                 await asyncio.sleep(self.config.fault_injection.prefill_delay_ms / 1000.0)
             result, queue_s, prefill_s = await self.loop.submit(PrefillRequest(rid, call.prompt_token_ids, call.params,
                                                                                sparse_alpha=call.sparse_alpha,
-                                                                               choices=tuple(call.choices)))
+                                                                               choices=tuple(call.choices),
+                                                                               sparse_options=tuple(call.sparse_options)))
             # a retry after a failed channel transfer asks for the object store
             exporter = self.object_store if call.transport == "object_store" else self.transport
             ticket, leased = None, False

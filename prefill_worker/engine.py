@@ -31,7 +31,6 @@ without the cache: ``dense_below`` is decided per batch, and FP8 quantizes q per
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
@@ -70,8 +69,10 @@ class PrefillState(enum.Enum):
 @dataclass(frozen=True)
 class PrefillRequest:
     """``sparse_alpha``: this prompt's FlashPrefill V2 threshold instead of the runner's (0:
-    dense); None: the runner's. A prompt run at another alpha than the runner's neither reuses
-    nor fills the prefix cache (its K/V differ from the cached pages').
+    dense); None: the runner's. ``sparse_options``: its other own sparse options, ``(name,
+    value)`` pairs of ``last_dense_tiles``, ``energy_rule``, ``dense_layers``
+    (``SparseConfig.with_request``). A prompt run with other options than the runner's neither
+    reuses nor fills the prefix cache (its K/V differ from the cached pages').
     ``choices``: the sampling params of each choice of a group (``n`` / ``best_of``): one first
     token per choice, each drawn with its own params from the same last-position logits
     (``params`` still decides prompt logprobs); empty: one first token, with ``params``."""
@@ -81,6 +82,7 @@ class PrefillRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     sparse_alpha: float | None = None
     choices: tuple[SamplingParams, ...] = ()
+    sparse_options: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,10 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
             a = r.sparse_alpha
             if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
                 raise ValueError(f"{at}.sparse_alpha: expected None or a float in [0, 1], got {a!r}")
+            if r.sparse_options:
+                if "alpha" in dict(r.sparse_options):
+                    raise ValueError(f"{at}.sparse_options: alpha goes in sparse_alpha")
+                self.runner.sparse_config.with_request(r.sparse_options, f"{at}.sparse_options")
             with self._lock:
                 scheduled = self.scheduler.get(r.request_id) is not None
             if r.request_id in seen or scheduled or self.pool.has(r.request_id):
@@ -209,7 +215,7 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         """Reserve a prompt's pages (raises PoolExhausted, reserving nothing); returns the
         tokens the prefix cache gave and the prompt's full-page digests."""
         rid, n = request.request_id, len(request.prompt_token_ids)
-        if not self.prefix_cache or self._own_alpha(request) is not None:
+        if not self.prefix_cache or self._own_config(request) is not None:
             self.runner.ensure_capacity(rid, n)
             return 0, []
         digests = self.pool.prefix_digests(request.prompt_token_ids)
@@ -221,10 +227,14 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         cached = self.pool.reserve_with_prefix(rid, digests[: reusable // self.pool.page_size], n)
         return cached, digests
 
-    def _own_alpha(self, request: PrefillRequest) -> float | None:
-        """The request's alpha where it differs from the runner's, else None."""
-        a = request.sparse_alpha
-        return None if a is None or float(a) == float(self.runner.sparse_config.alpha) else float(a)
+    def _own_config(self, request: PrefillRequest):
+        """The request's sparse config where it differs from the runner's, else None."""
+        base = self.runner.sparse_config
+        options = dict(request.sparse_options)
+        if request.sparse_alpha is not None:
+            options["alpha"] = float(request.sparse_alpha)
+        own = base.with_request(options)
+        return None if own == base else own
 
     def _forward_or_split(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
         """:meth:`_forward`; a forward of several prompts that runs out of device memory runs again
@@ -243,20 +253,19 @@ for benchmarks. prefix_cache: reuse the pool's cached prefix pages and cache fin
         return torch.cat([logits for logits, _ in parts]), {i: kept[0] for i, (_, kept) in enumerate(parts) if 0 in kept}
 
     def _forward(self, chunks: list, items: list, keep: list[bool]) -> tuple[torch.Tensor, dict]:
-        """One forward, or one per sparse alpha when prompts of this batch asked for their own."""
+        """One forward, or one per sparse config when prompts of this batch asked for their own."""
         tokens = sum(len(item.token_ids) for item in items)
         if 0 < self.oom_above_tokens < tokens:  # fault_injection.prefill_out_of_memory_tokens
             raise torch.OutOfMemoryError(f"fault injection: a prefill forward of {tokens} tokens out of memory")
-        alphas = [self._own_alpha(c.seq.payload) for c in chunks]
-        if all(a is None for a in alphas):
+        configs = [self._own_config(c.seq.payload) for c in chunks]
+        if all(a is None for a in configs):
             out = (self.runner.prefill(items), {}) if not any(keep) else self.runner.prefill_keeping(items, keep)
             self._count_tiles(chunks)
             return out
         logits: torch.Tensor | None = None
         kept: dict = {}
-        for alpha in dict.fromkeys(alphas):
-            idx = [i for i, a in enumerate(alphas) if a == alpha]
-            config = None if alpha is None else dataclasses.replace(self.runner.sparse_config, alpha=alpha)
+        for config in dict.fromkeys(configs):
+            idx = [i for i, a in enumerate(configs) if a == config]
             part, part_kept = self.runner.prefill_keeping([items[i] for i in idx], [keep[i] for i in idx], config)
             self._count_tiles([chunks[i] for i in idx])
             if logits is None:

@@ -67,8 +67,9 @@ def _usage(pb: Any, msg: Any, u: dict) -> None:
                                 prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=cached)))
     sparse = u.get("sparse_attention")
     if sparse:
-        msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(alpha=sparse["alpha"], dense=sparse["dense"],
-                                                                    density=sparse.get("density")))
+        msg.usage.sparse_attention.CopyFrom(pb.SparseAttentionUsage(
+            alpha=sparse["alpha"], dense=sparse["dense"], density=sparse.get("density"),
+            **{k: sparse[k] for k in ("last_dense_tiles", "energy_rule", "dense_layers") if k in sparse}))
 
 
 def _timing(pb: Any, msg: Any, timing: dict | None, routing: dict | None) -> None:
@@ -282,11 +283,14 @@ class GrpcIngress:
             body["echo"] = True
         if message.HasField("sparse_attention"):
             sa = message.sparse_attention
-            if sa.dense and sa.HasField("alpha"):
-                raise RequestError("sparse_attention: give dense or alpha, not both", param="sparse_attention",
+            own = {name: getattr(sa, name) for name in ("last_dense_tiles", "energy_rule", "dense_layers")
+                   if sa.HasField(name)}
+            if sa.HasField("alpha"):
+                own["alpha"] = round(sa.alpha, 6)
+            if sa.dense and own:
+                raise RequestError("sparse_attention: give dense or options, not both", param="sparse_attention",
                                    status=400, code="invalid_value")
-            body["sparse_attention"] = False if sa.dense else (
-                {"alpha": round(sa.alpha, 6)} if sa.HasField("alpha") else True)
+            body["sparse_attention"] = False if sa.dense else (own or True)
         if message.HasField("min_p"):
             body["min_p"] = round(message.min_p, 6)
         if message.HasField("add_special_tokens"):

@@ -115,7 +115,12 @@ class StreamOptions(BaseModel):
 
 
 class SparseAlpha(_Model):
-    alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None
+    """A request's own prefill sparsity (``kernels.config.REQUEST_OPTIONS``): any of them."""
+
+    alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    last_dense_tiles: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    energy_rule: Literal["first_key", "visible"] | None = None
+    dense_layers: Annotated[int, Field(ge=0, le=4096)] | None = None
 
 
 class TextPart(BaseModel):
@@ -258,10 +263,12 @@ class _Request(BaseModel):
                                              "'token_id:<id>'")
     return_token_ids: Flag = Field(None, description="extension: the choices' token ids and the prompt's")
     request_id: Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_printable)] | None = None
-    sparse_attention: _by_type('expected false, true or {"alpha": float in [0, 1]}', bool=bool,
+    sparse_attention: _by_type('expected false, true or {"alpha": float in [0, 1], "last_dense_tiles": int, '
+                               '"energy_rule": "first_key" | "visible", "dense_layers": int}', bool=bool,
                                object=SparseAlpha) | None = Field(
         None, description="extension: this request's prefill sparsity (false: dense; alpha: FlashPrefill V2's "
-                          "threshold)")
+                          "threshold; last_dense_tiles, energy_rule, dense_layers: the safeguards, "
+                          "docs/SEMANTICS.md)")
     # checked by model_executor.grammar, which compiles it (shared with gRPC)
     response_format: SkipValidation[ResponseFormat] | None = None
     user: str | None = Field(None, description="recorded nowhere")

@@ -579,11 +579,16 @@ class DisaggregatedPipeline:
                              choices: tuple = ()) -> Prefilled:
         payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
                               skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha,
-                              choices=choices)
+                              choices=choices, sparse_options=req.sparse_options)
         alpha = self.config.sparse.alpha if req.sparse_alpha is None else req.sparse_alpha
-        own_alpha = alpha != self.config.sparse.alpha  # such a prompt uses no cached prefix
+        service = self.config.sparse_config
+        own = dict(req.sparse_options)
+        if req.sparse_alpha is not None:
+            own["alpha"] = float(req.sparse_alpha)
+        own_alpha = service.with_request(own) != service  # such a prompt uses no cached prefix
         # how this prefill runs (usage.sparse_attention): dense below sparse.dense_below or at alpha 0
-        attempt.timing["sparse_attention"] = {"alpha": alpha, "dense": alpha == 0 or len(context) < self.config.sparse.dense_below}
+        attempt.timing["sparse_attention"] = {"alpha": alpha, "dense": alpha == 0 or len(context) < self.config.sparse.dense_below,
+                                              **{k: v for k, v in req.sparse_options}}
         # prefix affinity: where this prompt's prefix went before, it may be cached
         prefix = (prefix_hint(context, self.page_size, self.cost_model, granule=self._reuse_granule)
                   if self.config.prefill.prefix_caching and not own_alpha else None)

@@ -181,6 +181,8 @@ class GenerationRequest:
     echo_skip: int = 0
     batch_skip: tuple[int, ...] = ()
     sparse_alpha: float | None = None  # per-request sparsity: the prefill's alpha (0: dense); None: the service's
+    # the request's other sparse options: (name, value) pairs (last_dense_tiles, energy_rule, dense_layers)
+    sparse_options: tuple[tuple[str, object], ...] = ()
     guided: dict | None = None  # structured output (response_format or forced tool calls): model_executor.grammar's spec
     tool_format: str | None = None  # chat with tools: the reply is parsed for calls in this format (tools.FORMATS)
     parallel_tool_calls: bool = True  # False: at most one call is returned
@@ -486,6 +488,9 @@ class RequestParser:
             batch_skip=tuple(skips) if echo and len(prompts) > 1 else (),
             # false: dense; true / null: the service's setting; {"alpha": a}: FlashPrefill V2's threshold
             sparse_alpha=None if sparse is None or sparse is True else 0.0 if sparse is False else sparse.alpha,
+            sparse_options=() if sparse is None or isinstance(sparse, bool) else tuple(
+                (k, getattr(sparse, k)) for k in ("last_dense_tiles", "energy_rule", "dense_layers")
+                if getattr(sparse, k) is not None),
             guided=tool_guided or self._guided(req.response_format),
             tool_format=tool_format,
             parallel_tool_calls=parallel,
@@ -648,7 +653,8 @@ class UsageAccount:
 
     def usage(self) -> dict:
         return usage(self.req.prompt_len, self.completion_tokens, self.cached_tokens(),
-                     self.sparse_attention() if self.req.sparse_alpha is not None else None)
+                     self.sparse_attention() if self.req.sparse_alpha is not None or self.req.sparse_options
+                     else None)
 
     def running(self) -> dict:
         """The tokens so far, without prompt details (vLLM's ``continuous_usage_stats``)."""

@@ -24,13 +24,13 @@ import difflib
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
-from kernels.config import KV_TILE, SparseConfig
+from kernels.config import ENERGY_RULES, KV_TILE, SparseConfig
 from kv_transfer.config import TRANSPORT_OPTIONS, ChannelConfig
 from model_executor.fp8_linear import WEIGHT_DTYPES
 
@@ -127,13 +127,33 @@ class SparseOptions(_Section):
     sink_tokens: int = Field(256, ge=0, description="Blocks starting before this key position are always kept.")
     window_tokens: int = Field(512, ge=0, description=(
         "Blocks overlapping the last this many keys before each query tile (and the diagonal) are always kept."))
+    last_dense_tiles: int = Field(2, ge=0, description=(
+        "The last this many packed query tiles (128 rows) of each prompt attend densely: the rows that make "
+        "the first generated token (the paper's released code: 2 by default). Chunked prefill keeps them: they "
+        "are the prompt's last tiles, not every chunk's."))
+    energy_rule: Literal[ENERGY_RULES] = Field("first_key", description=(
+        'Which rows score which block: "first_key" (the released index: a row scores a block only if it sees '
+        'its first key, the diagonal never sets the threshold) or "visible" (every row scores every visible block).'))
+    dense_layers: int = Field(0, ge=0, description="The first this many layers attend densely.")
+    mean_correction: bool = Field(True, description=(
+        "Add the pruned fully visible blocks' mean term (the paper's eq. 6)."))
+    layer_alpha: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = Field(None, description=(
+        "Per-layer thresholds (layer i uses entry i; layers past the list use `alpha`); null: `alpha` everywhere."))
+    profile: str | None = Field("auto", min_length=1, description=(
+        'A calibrated sparse profile (`python -m router calibrate`, `model_executor/sparse_profile.py`): "auto" '
+        "(the one shipped for `model.model`, if any: SmolLM2-135M has one), \"none\" (none), or a path to a "
+        "profile file. It sets the `sparse.*` options (and `dense_below`, `expected_density`) that are not given "
+        "explicitly."))
     dense_below: int = Field(1024, ge=0, description="Prompts shorter than this are prefilled dense.")
     expected_density: float = Field(0.3, ge=0.0, le=1.0, description=(
         "The routing cost model's expected fraction of causal pairs computed by sparse prefill above `dense_below`."))
 
     def operator_config(self) -> SparseConfig:
         return SparseConfig(alpha=self.alpha, block_size=self.block_size,
-                            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens)
+                            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens,
+                            last_dense_tiles=self.last_dense_tiles, energy_rule=self.energy_rule,
+                            dense_layers=self.dense_layers, mean_correction=self.mean_correction,
+                            layer_alpha=None if self.layer_alpha is None else tuple(self.layer_alpha))
 
 
 class PrefillOptions(_Section):
@@ -400,7 +420,7 @@ class ServiceConfig(_Section):
     fault_injection: FaultInjection = Field(default_factory=FaultInjection)
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**nest(data))
+        super().__init__(**with_sparse_profile(nest(data)))
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> "ServiceConfig":
@@ -439,6 +459,52 @@ class ServiceConfig(_Section):
     def replace(self, changes: Mapping[str, Any] | None = None, /, **more: Any) -> "ServiceConfig":
         """A copy with ``changes`` (dotted paths, sections or flat names) applied, validated again."""
         return type(self)(**merge(self.to_dict(), nest({**(changes or {}), **more})))
+
+
+# what a sparse profile may set: its operator options, and dense_below / expected_density
+_PROFILE_OPTIONS = ("alpha", "block_size", "sink_tokens", "window_tokens", "last_dense_tiles", "energy_rule",
+                    "dense_layers", "layer_alpha", "mean_correction")
+
+
+def with_sparse_profile(data: dict) -> dict:
+    """``data`` (nested sections) with the ``sparse.*`` options that it does not give taken from
+    the sparse profile that ``sparse.profile`` names for ``model.model``. Options given win; a
+    config built from :meth:`ServiceConfig.to_dict` gives them all, so this is idempotent."""
+    from model_executor.sparse_profile import resolve_profile
+
+    sparse = data.get("sparse")
+    if isinstance(sparse, SparseOptions):
+        given = {k: getattr(sparse, k) for k in sparse.model_fields_set}
+    elif isinstance(sparse, Mapping):
+        given = dict(sparse)
+    elif sparse is None:
+        given = {}
+    else:
+        return data  # not a section: the section's own validation names it
+    model = data.get("model")
+    if isinstance(model, ModelOptions):
+        name = model.model
+    elif isinstance(model, Mapping):
+        name = model.get("model", ModelOptions.model_fields["model"].default)
+    else:
+        name = ModelOptions.model_fields["model"].default
+    spec = given.get("profile", SparseOptions.model_fields["profile"].default)
+    if not isinstance(name, str) or not (spec is None or isinstance(spec, str)):
+        return data  # the sections' own checks name the bad value
+    try:
+        profile = resolve_profile(spec, name)
+    except ValueError as exc:
+        raise ConfigError(str(exc) if str(exc).startswith("sparse.profile") else f"sparse.profile: {exc}") from None
+    if profile is None:
+        return data
+    fill = {k: v for k, v in profile.sparse.items() if k in _PROFILE_OPTIONS}
+    if profile.dense_below is not None:
+        fill["dense_below"] = profile.dense_below
+    if profile.expected_density is not None:
+        fill["expected_density"] = float(profile.expected_density)
+    if "layer_alpha" in fill and fill["layer_alpha"] is not None:
+        fill["layer_alpha"] = list(fill["layer_alpha"])
+    return {**data, "sparse": {**fill, **given}}
 
 
 def check_tensor_parallel(config: "ServiceConfig") -> None:

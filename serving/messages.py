@@ -51,6 +51,9 @@ class PrefillCall:
     transport: str | None = None
     sparse_alpha: float | None = None  # this prompt's FlashPrefill V2 alpha (0: dense); None: the replica's
     choices: tuple[SamplingParams, ...] = ()  # a group: one first token per entry (``params``: prompt logprobs)
+    # this prompt's other own sparse options: (name, value) pairs of last_dense_tiles, energy_rule,
+    # dense_layers (kernels.config.SparseConfig.with_request); empty: the replica's
+    sparse_options: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

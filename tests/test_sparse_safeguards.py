@@ -279,3 +279,135 @@ def test_triton_index_matches_reference(seqlens_q, prefixes, prompt_lens, opts):
                 last = min(plan.seqlens_kv[b] - 1, pmax + plan.prefix(b))
                 seg = h * plan.total_tiles + plan.cu_qtiles_host[b] + tile
                 assert _segments(got)[seg] == list(range(last // KV_TILE + 1))
+
+
+# --------------------------------------------------------------------------- model and engine
+def _record_indices(monkeypatch):
+    """Every (plan, index) the model's attention builds, in call order."""
+    from model_executor import attention
+
+    seen = []
+    build = attention.ops.build_index_planned
+
+    def recording(q, k_pages, v_pages, plan, **kw):
+        index = build(q, k_pages, v_pages, plan, **kw)
+        seen.append((plan, index))
+        return index
+
+    monkeypatch.setattr(attention.ops, "build_index_planned", recording)
+    return seen
+
+
+def _check_dense_tiles(plan, index, prompt_len, n_tiles, absolute_start):
+    """Independent of the plan's own rule: a tile whose rows reach the prompt's last
+    ``n_tiles`` tiles (counted over the whole prompt) lists every visible 64-key tile, and
+    the count of such tiles is returned."""
+    g = plan.group_size
+    first_abs = Q_TILE * max(-(-g * prompt_len // Q_TILE) - n_tiles, 0)
+    segs = _segments(index)
+    dense = 0
+    for tile in range(plan.qtiles[0]):
+        r0, rows, _, pmax = plan.tile_rows(0, tile)
+        if r0 + rows - 1 + g * absolute_start < first_abs:
+            continue
+        dense += 1
+        last = min(plan.seqlens_kv[0] - 1, pmax + plan.prefix(0))
+        for h in range(plan.num_kv_heads):
+            assert segs[h * plan.total_tiles + tile] == list(range(last // KV_TILE + 1)), (tile, h)
+    return dense
+
+
+def test_chunked_prefill_keeps_the_prompts_last_tiles_dense(tiny, monkeypatch):
+    from model_executor import ModelRunner
+    from model_executor.loading import make_pool
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+
+    cfg = SparseConfig(alpha=0.9, block_size=64, sink_tokens=64, window_tokens=64, last_dense_tiles=2)
+    pool = make_pool(tiny, num_pages=40, page_size=16)
+    engine = PrefillEngine(ModelRunner(tiny.model, pool, cfg, dense_below=0), chunk_size=200)
+    seen = _record_indices(monkeypatch)
+    prompt = torch.randint(0, 256, (610,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine.prefill([PrefillRequest("p", prompt, SamplingParams(temperature=0.0, max_new_tokens=1))])
+    layers = tiny.num_layers
+    assert len(seen) == 4 * layers  # chunks of 200, 200, 200, 10 tokens
+    dense_per_chunk = []
+    for c in range(4):
+        plan, index = seen[c * layers]
+        start = plan.prefix(0)
+        assert start == 200 * c
+        dense_per_chunk.append(_check_dense_tiles(plan, index, 610, 2, start))
+        # the plan's own view agrees with the independent count
+        assert sum(plan.dense_tile(0, t) for t in range(plan.qtiles[0])) == dense_per_chunk[-1]
+    # g = 4: the last 2 tiles are the last 64 positions (546..609): chunk 2 holds 546..599
+    assert dense_per_chunk == [0, 0, 2, 1]
+
+
+def test_a_prefix_cache_hit_keeps_the_same_dense_rows(tiny, monkeypatch):
+    from model_executor import ModelRunner
+    from model_executor.loading import make_pool
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+
+    cfg = SparseConfig(alpha=0.9, block_size=64, sink_tokens=64, window_tokens=64, last_dense_tiles=3)
+    pool = make_pool(tiny, num_pages=120, page_size=16)
+    engine = PrefillEngine(ModelRunner(tiny.model, pool, cfg, dense_below=0), prefix_cache=True)
+    gen = torch.Generator().manual_seed(8)
+    doc = torch.randint(0, 256, (700,), generator=gen).tolist()
+    second = doc + torch.randint(0, 256, (45,), generator=gen).tolist()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    engine.prefill([PrefillRequest("a", doc + [1, 2, 3], greedy)])
+    seen = _record_indices(monkeypatch)
+    hit = engine.prefill([PrefillRequest("b", second, greedy)])[0]
+    assert hit.cached_tokens > 0
+    plan, index = seen[0]
+    assert plan.prefix(0) == hit.cached_tokens
+    assert _check_dense_tiles(plan, index, len(second), 3, hit.cached_tokens) == 3
+
+
+def test_a_requests_own_options_change_its_selection(tiny):
+    from model_executor import ModelRunner
+    from model_executor.loading import make_pool
+    from model_executor.sampling import SamplingParams
+    from prefill_worker.engine import PrefillEngine, PrefillRequest
+
+    cfg = SparseConfig(alpha=0.9, block_size=64, sink_tokens=64, window_tokens=64, last_dense_tiles=0)
+    engine = PrefillEngine(ModelRunner(tiny.model, make_pool(tiny, num_pages=120, page_size=16), cfg, dense_below=0))
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    plain, guarded, dense = engine.prefill([
+        PrefillRequest("plain", prompt, greedy),
+        PrefillRequest("guarded", prompt, greedy, sparse_options=(("last_dense_tiles", 8),)),
+        PrefillRequest("dense", prompt, greedy, sparse_options=(("dense_layers", 4),)),
+    ])
+    assert plain.block_density < guarded.block_density < 1.0
+    assert dense.block_density in (None, 1.0)  # every layer dense (the reference builds no index)
+    with pytest.raises(ValueError, match=r"sparse_options.energy_rule"):
+        engine.prefill([PrefillRequest("bad", prompt, greedy, sparse_options=(("energy_rule", "max"),))])
+    with pytest.raises(ValueError, match=r"sparse_options: alpha goes in sparse_alpha"):
+        engine.prefill([PrefillRequest("bad2", prompt, greedy, sparse_options=(("alpha", 0.5),))])
+
+
+def test_dense_layers_and_layer_alpha_in_the_runner(tiny, monkeypatch):
+    from model_executor import ModelRunner
+    from model_executor.loading import make_pool
+    from model_executor.runner import PrefillItem
+
+    cfg = SparseConfig(alpha=0.9, block_size=64, sink_tokens=64, window_tokens=64, dense_layers=1,
+                       layer_alpha=(0.5, 0.5, 0.0, 0.3))
+    runner = ModelRunner(tiny.model, make_pool(tiny, num_pages=60, page_size=16), cfg, dense_below=0,
+                         backend="reference")
+    seen = _record_indices(monkeypatch)
+    dense_calls = []
+    dense_attention = reference.dense_attention
+    monkeypatch.setattr(reference, "dense_attention", lambda *a, **kw: dense_calls.append(1) or dense_attention(*a, **kw))
+    ids = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(10)).tolist()
+    runner.prefill([PrefillItem("x", ids)])
+    # layer 0 dense (dense_layers), layer 2 dense (its alpha 0), layers 1 and 3 sparse at their own
+    assert [p.config.alpha for p, _ in seen] == [0.5, 0.3]
+    assert len(dense_calls) == 2
+    with pytest.raises(ValueError, match="sparse_config.layer_alpha"):
+        ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=16),
+                    SparseConfig(layer_alpha=(0.1,) * 5), dense_below=0)
+    with pytest.raises(ValueError, match="prompt_len"):
+        runner.prefill([PrefillItem("y", ids[:10], 0, 5)])
