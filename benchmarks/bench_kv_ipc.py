@@ -50,9 +50,9 @@ import torch  # noqa: E402
 
 from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from kv_cache.tensors import pool_page_words  # noqa: E402
-from kv_transfer.ipc import copy_pages  # noqa: E402
-from kv_transfer.ipc_recv import CudaIpcReceiver  # noqa: E402
-from kv_transfer.ipc_send import CudaIpcSender  # noqa: E402
+from kv_transfer.cuda_ipc.common import copy_pages  # noqa: E402
+from kv_transfer.cuda_ipc.recv import CudaIpcReceiver  # noqa: E402
+from kv_transfer.cuda_ipc.send import CudaIpcSender  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}

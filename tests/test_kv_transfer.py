@@ -197,7 +197,7 @@ def test_fp8_scales_must_match():
 
 def test_select_transport():
     assert select_transport("auto", device="cpu") == "object_store"
-    # CUDA: IPC between pools on one GPU, the NCCL channel between GPUs (kv_transfer.ipc)
+    # CUDA: IPC between pools on one GPU, the NCCL channel between GPUs (kv_transfer.cuda_ipc)
     assert select_transport("auto", device="cuda:1") == "cuda_ipc+nccl"
     assert select_transport("object_store", device="cuda") == "object_store"
     assert select_transport("nccl", device="cuda") == "nccl"

@@ -102,7 +102,7 @@ def test_tp2_decode_pulls_over_channels_equal_to_the_oracle_fault_retried_every_
     import ray
 
     (rank1,) = followers(f"fptp_decode_rank:{dec['replica_id']}:")
-    got = ray.get(rank1.receiver_counters.remote(), timeout=30)
+    got = ray.get(rank1.end_counters.remote(), timeout=30)
     assert (got["channel_receives"], got["channel_failures"]) == (len(CASES) - faults, faults), got
     if app == "c22":
         assert pre["tp_ranks"] == 2 and follower_pages(f"fptp_rank:{pre['replica_id']}:") == [0]

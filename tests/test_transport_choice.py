@@ -93,8 +93,8 @@ def test_choose_needs_a_placement_and_placement_normalises_the_device():
 
 
 def test_the_factory_builds_what_the_choice_names_on_cpu():
-    from kv_transfer.channel_recv import ChannelReceiver
-    from kv_transfer.channel_send import ChannelSender
+    from kv_transfer.channel.recv import ChannelReceiver
+    from kv_transfer.channel.send import ChannelSender
     from kv_transfer.transfer import ObjectStoreTransport
     from serving.config import ServiceConfig
     from serving.transports import make_decode_receivers, make_prefill_transports, placement_of
