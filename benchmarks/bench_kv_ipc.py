@@ -2,7 +2,7 @@
 
 A prefill and a decode replica that share a GPU (the default placement on a one-GPU machine)
 move a request's KV pages over CUDA IPC (``CudaIpcSender`` -> ``CudaIpcReceiver``): the decode
-side maps the prefill pool and copies the pages device to device (``kv_transfer/ipc.py``). This
+side maps the prefill pool and copies the pages device to device (``kv_transfer/cuda_ipc/``). This
 measures, for one request of a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128,
 bf16, 64-token pages: 128 KiB a token) at each length:
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = run_local(lengths, args.repeats) if args.cpu_smoke else run(lengths, args.repeats)
     geometry = SMOKE_GEOMETRY if args.cpu_smoke else GEOMETRY
-    out = {"benchmark": "KV transfer over CUDA IPC between two processes on one GPU (kv_transfer/ipc.py)",
+    out = {"benchmark": "KV transfer over CUDA IPC between two processes on one GPU (kv_transfer/cuda_ipc/)",
            "env": env, "geometry": {**geometry, "dtype": "bfloat16"}, "repeats": args.repeats,
            "timing": f"median of {args.repeats} runs after one warm-up run", **result, "wall_s": time.time() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)

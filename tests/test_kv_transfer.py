@@ -203,13 +203,18 @@ def test_select_transport():
     assert select_transport("nccl", device="cuda") == "nccl"
     assert select_transport("cuda_ipc", device=torch.device("cuda", 0)) == "cuda_ipc"
     assert select_transport("gloo", device="cpu") == "gloo"
-    with pytest.raises(ValueError, match="'nccl' needs a CUDA KV pool"):
+    # refused where the pool's device does not fit, naming what would
+    with pytest.raises(ValueError, match=r"^transfer\.transport: 'nccl' moves CUDA KV pools, this one is on cpu; "
+                                         r"use one of \('auto', 'object_store', 'gloo'\)"):
         select_transport("nccl", device="cpu")
-    with pytest.raises(ValueError, match="'cuda_ipc' needs a CUDA KV pool"):
+    with pytest.raises(ValueError, match="^transfer.transport: 'cuda_ipc' moves CUDA KV pools"):
         select_transport("cuda_ipc", device="cpu")
-    with pytest.raises(ValueError, match="'gloo' moves CPU KV pools"):
+    with pytest.raises(ValueError, match=r"^transfer\.transport: 'gloo' moves CPU KV pools, this one is on cuda; "
+                                         r"use one of \('auto', 'object_store', 'nccl', 'cuda_ipc'\)"):
         select_transport("gloo", device="cuda")
-    with pytest.raises(ValueError, match="transport"):
+    # an unknown name: the option and every registered transport
+    with pytest.raises(ValueError, match=r"^transfer\.transport: expected one of \('object_store', 'nccl', 'cuda_ipc', "
+                                         r"'gloo', 'local'\) \(or 'auto'\), got 'rdma'"):
         select_transport("rdma", device="cpu")
 
 
