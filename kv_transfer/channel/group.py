@@ -159,6 +159,9 @@ class RankChannel:
     def discard(self, request_id: str) -> None:
         self.transport.discard(TransferTicket(request_id, self.transport.name, 0, 0, 0))
 
+    def counters(self) -> dict[str, int]:
+        return self.transport.counters()
+
 
 
 async def receive_group(receives: Sequence[Awaitable[Any]], release: Callable[[], Any]) -> None:
