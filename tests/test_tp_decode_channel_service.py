@@ -1,5 +1,5 @@
 """The service with TP=2 decode replicas receiving over gloo channels, each decode rank pulling
-its own KV heads (``serving/tp_group.py`` ``make_tp_channel_receiver``): from a TP=2 prefill
+its own KV heads (``kv_transfer.channel.group.TPChannelReceiver``): from a TP=2 prefill
 (app "c22", each decode rank pulls from the prefill rank holding its head) and from a TP=1
 prefill (app "c12", both decode ranks pull from the one prefill replica), both apps in one Serve
 start. Greedy answers equal the single-process oracle; the transfers are channel transfers
