@@ -2,7 +2,7 @@
 
 A prefill and a decode replica that share a GPU (the default placement on a one-GPU machine)
 move a request's KV pages over CUDA IPC (``CudaIpcSender`` -> ``CudaIpcReceiver``): the decode
-side maps the prefill pool and copies the pages device to device (``kv_transfer/ipc.py``). This
+side maps the prefill pool and copies the pages device to device (``kv_transfer/cuda_ipc/``). This
 measures, for one request of a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128,
 bf16, 64-token pages: 128 KiB a token) at each length:
 
@@ -50,9 +50,9 @@ import torch  # noqa: E402
 
 from kv_cache import KVPool, KVPoolConfig  # noqa: E402
 from kv_cache.tensors import pool_page_words  # noqa: E402
-from kv_transfer.ipc import copy_pages  # noqa: E402
-from kv_transfer.ipc_recv import CudaIpcReceiver  # noqa: E402
-from kv_transfer.ipc_send import CudaIpcSender  # noqa: E402
+from kv_transfer.cuda_ipc.common import copy_pages  # noqa: E402
+from kv_transfer.cuda_ipc.recv import CudaIpcReceiver  # noqa: E402
+from kv_transfer.cuda_ipc.send import CudaIpcSender  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64}
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = run_local(lengths, args.repeats) if args.cpu_smoke else run(lengths, args.repeats)
     geometry = SMOKE_GEOMETRY if args.cpu_smoke else GEOMETRY
-    out = {"benchmark": "KV transfer over CUDA IPC between two processes on one GPU (kv_transfer/ipc.py)",
+    out = {"benchmark": "KV transfer over CUDA IPC between two processes on one GPU (kv_transfer/cuda_ipc/)",
            "env": env, "geometry": {**geometry, "dtype": "bfloat16"}, "repeats": args.repeats,
            "timing": f"median of {args.repeats} runs after one warm-up run", **result, "wall_s": time.time() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)

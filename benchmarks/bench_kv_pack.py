@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from evals.report import git_commit  # noqa: E402
 
 from kv_cache import KVPool, KVPoolConfig  # noqa: E402
-from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages  # noqa: E402
+from kv_transfer.channel.pages import gather_pages, payload_checksum, scatter_pages  # noqa: E402
 
 GEOMETRY = dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64)
 

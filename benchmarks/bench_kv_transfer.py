@@ -132,9 +132,9 @@ def _endpoint_class():
 
         def __init__(self, cfg: dict, num_pages: int, name: str, all_gpus_visible: bool) -> None:
             from kv_cache import KVPool, KVPoolConfig
-            from kv_transfer.channel_recv import ChannelReceiver
-            from kv_transfer.channel_send import ChannelSender
-            from kv_transfer.config import ChannelConfig
+            from kv_transfer.channel.recv import ChannelReceiver
+            from kv_transfer.channel.send import ChannelSender
+            from kv_transfer.channel.config import ChannelConfig
             from kv_transfer.transfer import ObjectStoreTransport
 
             self.cfg = BenchConfig(**cfg)
@@ -207,7 +207,7 @@ def _endpoint_class():
             """The chunking of ``rid``'s transfer and one (first, largest) chunk's gather + checksum
             and checksum + scatter, each alone on this device (median ms). The scatter writes the
             gathered bytes back into the same pages: the pool is unchanged."""
-            from kv_transfer.pages import chunk_layers, gather_pages, payload_checksum, scatter_pages
+            from kv_transfer.channel.pages import chunk_layers, gather_pages, payload_checksum, scatter_pages
 
             pool, pages = self.pool, self.pool.pages(rid)
             layer_bytes = 2 * len(pages) * pool.page_size * pool.num_kv_heads * pool.head_dim * pool.k.element_size()
@@ -233,7 +233,7 @@ def _endpoint_class():
                     "ring_depth": self.channels.config.ring_depth, "chunk_gather_ms": gather, "chunk_scatter_ms": scatter}
 
         def page_checksum(self, rid: str) -> int:
-            from kv_transfer.pages import gather_pages, payload_checksum
+            from kv_transfer.channel.pages import gather_pages, payload_checksum
 
             return payload_checksum(gather_pages(self.pool, self.pool.pages(rid)))
 
@@ -250,7 +250,7 @@ def _endpoint_class():
             return host, int(self._raw["store"].port)
 
         def raw_run(self, rank: int, nbytes: int, warmup: int, iters: int, store_addr: tuple) -> list[float]:
-            from kv_transfer.process_group import Channel
+            from kv_transfer.channel.process_group import Channel
 
             ch = self._raw.get("channel")
             if ch is None:

@@ -11,7 +11,7 @@ an object-store frame is split by KV head over the ranks; all or nothing either 
    channel: then it reserves the pages and asks the prefill replica holding them to send
    them, see ``kv_transfer.channel``; or CUDA IPC: it copies them out of the prefill
    replica's pool on the same GPU, or has them come over the channel from another GPU, see
-   ``kv_transfer.ipc``), verifies them (checksum or device, shape) and adopts them into this
+   ``kv_transfer.cuda_ipc``), verifies them (checksum or device, shape) and adopts them into this
    replica's pool; on failure yields one ``transfer_error`` event (nothing stays allocated;
    after a channel or IPC failure it says ``fallback: "object_store"``) and ends;
 2. yields ``adopted``. The prefill replica's lease on its copy has ended by then: with the

@@ -21,7 +21,7 @@ is still one contiguous block per layer; transfers copy ``k_raw``/``v_raw`` page
 both ends of a transfer hold the same layout (it follows from the dtype).
 
 CUDA tensors are allocated outside torch's expandable segments (see ``_plain_cuda_segments``) so
-that a decode replica on the same GPU can map them through CUDA IPC (``kv_transfer.ipc``).
+that a decode replica on the same GPU can map them through CUDA IPC (``kv_transfer.cuda_ipc``).
 
 ``write`` and ``copy_pages`` touch only the data of pages the caller owns and take no lock.
 """
@@ -153,7 +153,7 @@ def _plain_cuda_segments(device: torch.device):
     """Allocate outside torch's expandable segments, where the process turned them on through
     ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``.
 
-    Why: a same-GPU decode replica maps this pool through CUDA IPC (``kv_transfer.ipc``). A
+    Why: a same-GPU decode replica maps this pool through CUDA IPC (``kv_transfer.cuda_ipc``). A
     plain segment is shared with ``cudaIpcGetMemHandle``; an expandable one through a POSIX fd
     that the importer pulls with ``pidfd_getfd``, which needs ptrace rights over the exporter
     that sibling Ray workers usually lack (Yama ``ptrace_scope=1``, container seccomp). The

@@ -3,7 +3,7 @@
 Each prefill rank holds the pages of its own KV heads (``kv_cache.heads``); each decode rank
 needs exactly its own heads. :func:`kv_transfer.routes.transfer_routes` says which prefill rank
 sends which heads to which decode rank; every (source, destination) pair moves one ordinary
-frame (``kv_transfer.transfer``: magic, msgpack header, CRC-32 over the payload) whose pages are
+frame (``kv_transfer.frame``: magic, msgpack header, CRC-32 over the payload) whose pages are
 restricted to the pair's heads, in the destination's order (the header's ``num_kv_heads`` is the
 frame's head count, its FP8 scales those heads' scales). So the framing, the checks and the
 object-store and local transports are the existing ones, frame by frame.
@@ -19,27 +19,22 @@ All or nothing, over the whole group:
   on any rank after a failure; the prefill ranks keep their pages until the lease ends, so the
   retry ships the same pages again.
 
-:class:`TPChannelTransport` (sender side of channel transfers from a TP prefill group: every
-rank sends its own heads over its own channel; the receiver is
-``kv_transfer.channel_recv.ChannelReceiver.receive_heads``) and :class:`RankChannel` (a follower
-rank's end of it).
-
 :func:`merge_frames` assembles the frames a prefill group ships to one decode rank into the
 ordinary TP=1 frame (byte for byte what ``pack_pages`` gives for the unsharded pool), so a TP
 prefill replica can feed a TP=1 decode replica over the existing single-frame transports.
 :func:`split_frame` is its converse on the receive side of a TP decode replica: one ordinary
 frame, verified whole, cut into each decode rank's frame of exactly its KV heads
 (:func:`adopt_rank_frame` adopts one, :func:`settle` is the driver's all-or-nothing tally).
+The object store's group ends (``kv_transfer.object_store.group``) use them; the channels move
+heads between groups their own way (``kv_transfer.channel.group``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import inspect
 import warnings
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,22 +43,10 @@ import torch
 from kv_cache.heads import HeadLayout
 from kv_cache.pool import KVPool
 
+from .errors import TransferError, TransferFailure
+from .frame import FRAME_MAGIC, MAX_HEADER_BYTES, _PREFIX, read_frame
+from .header import adopt_pages, describe_pages, _DTYPE_NAMES, KVFrameHeader
 from .routes import HeadRoute, transfer_routes
-from .transfer import (
-    IPC_OR_NCCL,
-    _DTYPE_NAMES,
-    _PREFIX,
-    FRAME_MAGIC,
-    MAX_HEADER_BYTES,
-    KVFrameHeader,
-    KVSender,
-    TransferError,
-    TransferFailure,
-    adopt_pages,
-    describe_pages,
-    read_frame,
-)
-from .wire import SendPages, SendReply
 
 
 def _head_dim_of(pool: KVPool, part: int) -> int:
@@ -379,207 +362,3 @@ def settle(outcomes: Sequence[TransferError | None], release: Any) -> None:
         return
     release()
     raise failed
-
-
-def tp_transport_choice(kind: str) -> str:
-    """How KV moves when either side is a TP group, for ``select_transport``'s ``kind``:
-    ``"channel"`` (pairwise channels per (prefill rank, decode rank) pair: ``gloo``, ``nccl``,
-    and ``auto`` on CUDA, whose CUDA IPC part does not apply to groups spread over GPUs) or
-    ``"object_store"`` (one merged frame, split by head on a TP decode replica: the object
-    store, and ``cuda_ipc`` alone, which has no channel to fall back on)."""
-    if kind in ("gloo", "nccl", IPC_OR_NCCL):
-        return "channel"
-    if kind in ("object_store", "cuda_ipc", "local"):
-        return "object_store"
-    raise ValueError(f"kind: expected a select_transport() result, got {kind!r}")
-
-
-def group_transport(kind: str, prefill_tp: int, decode_tp: int) -> str:
-    """The transport a deployment uses for ``select_transport``'s ``kind`` given both sides'
-    TP sizes: ``kind`` itself when neither side is a group; else ``"object_store"`` or the
-    channel (``"nccl"`` for ``auto`` on CUDA, else ``kind``) as :func:`tp_transport_choice` says.
-    CUDA IPC never joins a group (docs/ARCHITECTURE.md "Tensor parallelism")."""
-    for name, size in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name}: expected a TP size >= 1, got {size!r}")
-    if prefill_tp == 1 and decode_tp == 1:
-        return kind
-    if tp_transport_choice(kind) == "object_store":
-        return "object_store"
-    return "nccl" if kind == IPC_OR_NCCL else kind
-
-
-async def receive_group(receives: Sequence[Awaitable[Any]], release: Callable[[], Any]) -> None:
-    """Driver of a decode group's channel receive (``ChannelReceiver.receive_heads`` on every
-    rank at once, each pulling its own heads): waits for *every* rank's receive, then settles
-    all or nothing. If any failed, ``release()`` (every rank lets the request's pages go; it
-    may return an awaitable) runs once no rank can still take or write pages, and the
-    lowest-numbered rank's ``TransferError`` is raised (retryable as its reason is); any other
-    exception (a dead rank, a bug) is raised after the release the same way, the
-    TransferErrors of other ranks aside. A rank's awaitable may also *return* its
-    ``TransferError`` (a follower whose outcome comes back as a value). Cancelled (the
-    request went away mid-transfer): the ranks' receives go on to their end in the background
-    (each is bounded by its channel's deadlines), then ``release()`` runs, so no rank keeps
-    the pages."""
-    gathered = asyncio.gather(*receives, return_exceptions=True)
-    try:
-        outcomes = await asyncio.shield(gathered)
-    except asyncio.CancelledError:
-        task = asyncio.ensure_future(_release_after(gathered, release))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
-        raise
-    errors = [o if isinstance(o, BaseException) else None for o in outcomes]  # raised or returned
-    failed = next((e for e in errors if e is not None and not isinstance(e, TransferError)), None)
-    failed = failed or next((e for e in errors if e is not None), None)
-    if failed is None:
-        return
-    await _release(release)
-    raise failed
-
-
-_BACKGROUND: set = set()  # receive_group's releases after a cancelled receive
-
-
-async def _release(release: Callable[[], Any]) -> None:
-    out = release()
-    if inspect.isawaitable(out):
-        await out
-
-
-async def _release_after(gathered: Any, release: Callable[[], Any]) -> None:
-    await asyncio.wait({gathered})
-    try:
-        await _release(release)
-    except Exception:  # noqa: BLE001 - nobody is left to tell; a dead rank ends its replica anyway
-        import logging
-
-        logging.getLogger(__name__).exception("releasing the pages of a cancelled group receive failed")
-
-
-class TPChannelTransport(KVSender):
-    """The channel transport of a TP prefill group (sender side): every rank ships its own KV
-    heads over its own channel to the receiving replica (one pairwise channel per (prefill
-    rank, decode replica) pair), so pages go from each rank's device straight to the decode
-    device, with no gather to the leader and no extra copy.
-
-    ``export`` (leader, after prefill) has every rank record its pages (``ChannelSender.export``:
-    no copy; the follower ranks through ``followers``) and returns one ticket: the whole
-    request's header, the leader's Serve identity (where the receiver's send requests go) and
-    ``tp``: the group's head layout and each rank's header (its heads, its FP8 scales). The
-    receiver (``ChannelReceiver.receive_heads``) computes which heads it needs from which rank
-    (``transfer_routes``), reserves its pages once, and asks the ranks one after the other
-    (``serve_send`` with ``rank`` and ``heads``: the leader relays to the rank). All or nothing:
-    a failure on any rank fails the receive, which releases its pages; the lease (one per
-    request, on the leader: prefill_worker/leases.py) ends once every route's send has
-    succeeded (the receiver's ``pulls``; a rank may send to several decode ranks, so a rank
-    keeps its export across sends), at the first failed send, or on release / expiry, and
-    ending it discards the export on every rank *before* the pages are freed (``discard``
-    waits for the followers).
-
-    ``followers``: one object per rank ``1..N-1`` with ``export(request_id, fault) -> header
-    bytes`` (blocking), ``async send(request) -> reply`` and ``discard(request_id)`` (blocking).
-    ``fault`` (drills, tests) is injected on the last rank only: one rank failing must fail the
-    whole transfer."""
-
-    fault_modes = ("flip", "break")
-    reads_pages_after_export = True
-    serves_sends = True
-
-    def __init__(self, leader: Any, layout: HeadLayout, followers: Sequence[Any], *, identity: dict,
-                 host: str) -> None:
-        if len(followers) != layout.tp_size - 1:
-            raise ValueError(f"followers: expected {layout.tp_size - 1} (ranks 1..{layout.tp_size - 1}), got "
-                             f"{len(followers)}")
-        self.leader = leader
-        self.layout = layout
-        self.followers = list(followers)
-        self.identity = dict(identity)
-        self.host = host
-        self.name = leader.name
-
-    @staticmethod
-    def rank_identity(replica_id: str, rank: int) -> dict:
-        """The channel identity of rank ``rank`` of the replica ``replica_id``."""
-        return {"replica_id": f"{replica_id}:tp{rank}"}
-
-    def export(self, pool: KVPool, request_id: str, *, fault: str | None = None) -> Any:
-        from .transfer import TransferTicket
-
-        if fault is not None and fault not in self.fault_modes:
-            raise ValueError(f"fault: channels inject one of {self.fault_modes}, got {fault!r}")
-        last = self.layout.tp_size - 1
-        ticket0 = self.leader.export(pool, request_id, fault=fault if last == 0 else None)
-        headers = [ticket0.handle["header"]]
-        try:
-            for rank, follower in enumerate(self.followers, start=1):
-                headers.append(follower.export(request_id, fault if rank == last else None))
-        except BaseException:
-            self._discard_ranks(request_id, len(headers))
-            raise
-        first = KVFrameHeader.decode(headers[0])
-        per_head = first.payload_bytes // first.num_kv_heads
-        whole = dataclasses.replace(first, num_kv_heads=self.layout.num_kv_heads,
-                                    payload_bytes=per_head * self.layout.num_kv_heads, k_scale=None, v_scale=None)
-        handle = {"header": whole.encode(), "sender": {**self.identity, "host": self.host},
-                  "tp": {"num_q_heads": self.layout.num_q_heads, "num_kv_heads": self.layout.num_kv_heads,
-                         "tp_size": self.layout.tp_size, "ranks": headers}}
-        return TransferTicket(request_id, self.name, whole.num_tokens, whole.num_pages, whole.payload_bytes, handle)
-
-    def _discard_ranks(self, request_id: str, count: int) -> None:
-        from .transfer import TransferTicket
-
-        self.leader.discard(TransferTicket(request_id, self.name, 0, 0, 0))
-        for follower in self.followers[:max(count - 1, 0)]:
-            try:
-                follower.discard(request_id)
-            except Exception:  # noqa: BLE001 - a dead rank ends the replica anyway
-                pass
-
-    def discard(self, ticket: Any) -> None:
-        """The lease ended: every rank forgets the export (a send under way fails) before the
-        caller frees the pages."""
-        self._discard_ranks(ticket.request_id, self.layout.tp_size)
-
-    async def serve_send(self, request: SendPages) -> SendReply:
-        """A receiver's send request for one rank (``request.rank``): the leader sends its
-        own heads, a follower's request is relayed to it."""
-        rank = request.rank if isinstance(request, SendPages) else None
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.layout.tp_size:
-            return SendReply(False, TransferFailure.UNAVAILABLE.value,
-                             f"rank: expected a rank of this TP group in [0, {self.layout.tp_size}), got {rank!r}")
-        if rank == 0:
-            return await self.leader.serve_send(request)
-        try:
-            return await self.followers[rank - 1].send(request)
-        except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
-            return SendReply(False, TransferFailure.LOST.value, f"TP rank {rank}: {type(exc).__name__}: {str(exc)[:300]}")
-
-    def counters(self) -> dict[str, int]:
-        return self.leader.counters()
-
-    def close(self) -> None:
-        self.leader.close()
-
-
-class RankChannel:
-    """A follower rank's side of :class:`TPChannelTransport` over its own ``ChannelSender``
-    and pool, in the rank's process (a TP rank actor's methods call it; tests use it in
-    process)."""
-
-    def __init__(self, transport: Any, pool: KVPool) -> None:
-        self.transport, self.pool = transport, pool
-
-    def export(self, request_id: str, fault: str | None = None) -> bytes:
-        return self.transport.export(self.pool, request_id, fault=fault).handle["header"]
-
-    def send_blocking(self, request: SendPages) -> SendReply:
-        return self.transport.serve_send_blocking(request)
-
-    async def send(self, request: SendPages) -> SendReply:
-        return await self.transport.serve_send(request)
-
-    def discard(self, request_id: str) -> None:
-        from .transfer import TransferTicket
-
-        self.transport.discard(TransferTicket(request_id, self.transport.name, 0, 0, 0))

@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from .pages import _U64
-from .transfer import MAX_REQUEST_ID_LEN, TransferFailure
+from .errors import TransferFailure
+from .header import MAX_REQUEST_ID_LEN, _U64
 
 _PREFIX_ROOT = "fpkv/"
 _MAX_NAME_LEN = 256
@@ -35,7 +35,7 @@ class SendPages:
     pages over this channel, in chunks of ``layers_per_chunk`` whole layers.
 
     A TP prefill group's request also names the rank holding the pages and which of the rank's
-    local KV heads the receiver needs (``kv_transfer.tp_transfer.TPChannelTransport``); a
+    local KV heads the receiver needs (``kv_transfer.channel.group.TPChannelTransport``); a
     per-head pull (``receive_heads``) adds ``pulls``: how many sends the receiving replica makes
     for the request in all (one per (prefill rank, decode rank) route), so the sender's lease
     ends only after the last of them (prefill_worker/leases.py ``LeaseTable.sent``)."""

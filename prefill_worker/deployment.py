@@ -20,11 +20,11 @@ token sampled) exports the pages through the KV transport and returns one :class
 With ``cuda_ipc`` (``auto`` on CUDA) a decode replica on another GPU first calls
 ``stage_pages`` (pinned to this replica) to have the pages exported over the NCCL channel, then
 ``send_pages``. A TP replica (``prefill.tensor_parallel_size > 1``) ships over channels from every rank
-(``kv_transfer.tp_transfer.TPChannelTransport``: ``send_pages`` names the rank, the leader
+(``kv_transfer.channel.group.TPChannelTransport``: ``send_pages`` names the rank, the leader
 relays to it) or the object store (one merged frame). Into a TP decode group every decode rank
 pulls its own heads; the lease ends once every send the receiver announced (``pulls``) has
 succeeded, or at the first failure (``LeaseTable.sent``). CUDA IPC never joins a TP group
-(``kv_transfer.tp_transfer.group_transport``). Which transport the replica holds is decided
+(``kv_transfer.choice.group_transport``). Which transport the replica holds is decided
 once, at start (``serving.transports``: the placement and ``transfer.transport``); the side
 calls go to it whatever it is (``KVSender.serves_sends`` / ``serves_stages``).
 Leases take no ``max_ongoing_requests`` slot; a replica being scaled down ends

@@ -31,10 +31,13 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticUndefined
 
 from kernels.config import ENERGY_RULES, KV_TILE, SparseConfig
-from kv_transfer.config import TRANSPORT_OPTIONS, ChannelConfig
+from kv_transfer.channel.config import ChannelConfig
+from kv_transfer.cuda_ipc.config import IpcConfig
+from kv_transfer.object_store.config import ObjectStoreConfig
+from kv_transfer.registry import transport_names
 from model_executor.fp8_linear import WEIGHT_DTYPES
 
-TRANSPORTS = TRANSPORT_OPTIONS
+TRANSPORTS = ("auto", *transport_names(options_only=True))  # kv_transfer.registry's, and the auto policy
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)
@@ -42,7 +45,8 @@ DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
 SECRET_OPTIONS = frozenset({"ingress.auth_token"})  # never shown: not in errors, not in worker_dict
 
-_CHANNEL = ChannelConfig()  # the channel section's defaults are ChannelConfig's own
+# the transports' sections take their defaults from the transports' own configs
+_CHANNEL, _IPC, _OBJECT_STORE = ChannelConfig(), IpcConfig(), ObjectStoreConfig()
 
 
 class ConfigError(ValueError):
@@ -259,7 +263,7 @@ class DecodeOptions(_Section):
 
 
 class ChannelOptions(_Section):
-    """Pairwise channels (nccl, gloo): `kv_transfer.config.ChannelConfig`, plus the thread pool."""
+    """Pairwise channels (nccl, gloo): `kv_transfer.channel.config.ChannelConfig`, plus the thread pool."""
 
     section: typing.ClassVar[str] = "transfer.channel"
 
@@ -283,24 +287,25 @@ class ChannelOptions(_Section):
 
 
 class IpcOptions(_Section):
-    """CUDA IPC between pools on one GPU (`kv_transfer.ipc_send.CudaIpcSender`, `ipc_recv.CudaIpcReceiver`)."""
+    """CUDA IPC between pools on one GPU (`kv_transfer.cuda_ipc.send.CudaIpcSender`, `recv.CudaIpcReceiver`)."""
 
     section: typing.ClassVar[str] = "transfer.ipc"
 
-    copy_chunk_bytes: int = Field(256 << 20, ge=1, description=(
+    copy_chunk_bytes: int = Field(_IPC.copy_chunk_bytes, ge=1, description=(
         "Receiver side: the most temporary device memory one copy step takes."))
-    idle_close_s: float = Field(60.0, gt=0.0, description="Receiver side: mappings unused this long are closed.")
-    stage_timeout_s: float = Field(30.0, gt=0.0, description=(
+    idle_close_s: float = Field(_IPC.idle_close_s, gt=0.0, description="Receiver side: mappings unused this long are closed.")
+    stage_timeout_s: float = Field(_IPC.stage_timeout_s, gt=0.0, description=(
         "Receiver side: how long the sender may take to stage pages over the fallback channel."))
-    max_workers: int = Field(4, ge=1, description="Receiver side: threads that run the copies.")
+    max_workers: int = Field(_IPC.max_workers, ge=1, description="Receiver side: threads that run the copies.")
 
 
 class ObjectStoreOptions(_Section):
-    """Frames through Ray's object store (`kv_transfer.transfer.ObjectStoreTransport`)."""
+    """Frames through Ray's object store (`kv_transfer.object_store.transport.ObjectStoreTransport`)."""
 
     section: typing.ClassVar[str] = "transfer.object_store"
 
-    fetch_timeout_s: float = Field(60.0, gt=0.0, description="Receiver side: how long fetching a frame may take.")
+    fetch_timeout_s: float = Field(_OBJECT_STORE.fetch_timeout_s, gt=0.0, description=(
+        "Receiver side: how long fetching a frame may take."))
 
 
 class TransferOptions(_Section):

@@ -18,12 +18,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kv_transfer.channel_recv as recv_module
-from kv_transfer.channel_recv import ChannelReceiver, _Fence
-from kv_transfer.channel_send import ChannelSender
-from kv_transfer.config import ChannelConfig
-from kv_transfer.pages import gather_pages, payload_checksum, scatter_pages
-from kv_transfer.process_group import Channel, ChannelBroken
+import kv_transfer.channel.recv as recv_module
+from kv_transfer.channel.recv import ChannelReceiver, _Fence
+from kv_transfer.channel.send import ChannelSender
+from kv_transfer.channel.config import ChannelConfig
+from kv_transfer.channel.pages import gather_pages, payload_checksum, scatter_pages
+from kv_transfer.channel.process_group import Channel, ChannelBroken
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
 from kv_transfer.wire import SendPages
 from tests.test_kv_transfer import fill, make_pool, tokens_of

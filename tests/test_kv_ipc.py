@@ -1,4 +1,4 @@
-"""Same-GPU KV transfers over CUDA IPC (kv_transfer.ipc).
+"""Same-GPU KV transfers over CUDA IPC (kv_transfer.cuda_ipc).
 
 CPU tests run everything but the two CUDA calls (``_share_cuda_`` / ``_new_shared_cuda``):
 ``FakeIpcSender`` shares a storage by registering it under a random handle and
@@ -25,12 +25,12 @@ import torch
 
 from kv_cache import KVPool, KVPoolConfig
 from kv_cache.tensors import _plain_cuda_segments, copy_word
-from kv_transfer.channel_recv import ChannelReceiver
-from kv_transfer.channel_send import ChannelSender
-from kv_transfer.config import ChannelConfig
-from kv_transfer.ipc import _process_alive, copy_pages, parse_ticket
-from kv_transfer.ipc_recv import CudaIpcReceiver
-from kv_transfer.ipc_send import CudaIpcSender
+from kv_transfer.channel.recv import ChannelReceiver
+from kv_transfer.channel.send import ChannelSender
+from kv_transfer.channel.config import ChannelConfig
+from kv_transfer.cuda_ipc.common import _process_alive, copy_pages, parse_ticket
+from kv_transfer.cuda_ipc.recv import CudaIpcReceiver
+from kv_transfer.cuda_ipc.send import CudaIpcSender
 from kv_transfer.transfer import (
     FRAME_MAGIC,
     KVFrameHeader,
@@ -367,7 +367,7 @@ def test_open_and_copy_failures_release_the_pages(monkeypatch):
     def broken_copy(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr("kv_transfer.ipc_recv.copy_pages", broken_copy)
+    monkeypatch.setattr("kv_transfer.cuda_ipc.recv.copy_pages", broken_copy)
     with pytest.raises(TransferError, match="illegal memory access") as info:
         run(receiver.receive(ticket, dst))
     assert info.value.reason is TransferFailure.LOST and info.value.retryable

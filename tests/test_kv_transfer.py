@@ -197,19 +197,24 @@ def test_fp8_scales_must_match():
 
 def test_select_transport():
     assert select_transport("auto", device="cpu") == "object_store"
-    # CUDA: IPC between pools on one GPU, the NCCL channel between GPUs (kv_transfer.ipc)
+    # CUDA: IPC between pools on one GPU, the NCCL channel between GPUs (kv_transfer.cuda_ipc)
     assert select_transport("auto", device="cuda:1") == "cuda_ipc+nccl"
     assert select_transport("object_store", device="cuda") == "object_store"
     assert select_transport("nccl", device="cuda") == "nccl"
     assert select_transport("cuda_ipc", device=torch.device("cuda", 0)) == "cuda_ipc"
     assert select_transport("gloo", device="cpu") == "gloo"
-    with pytest.raises(ValueError, match="'nccl' needs a CUDA KV pool"):
+    # refused where the pool's device does not fit, naming what would
+    with pytest.raises(ValueError, match=r"^transfer\.transport: 'nccl' moves CUDA KV pools, this one is on cpu; "
+                                         r"use one of \('auto', 'object_store', 'gloo'\)"):
         select_transport("nccl", device="cpu")
-    with pytest.raises(ValueError, match="'cuda_ipc' needs a CUDA KV pool"):
+    with pytest.raises(ValueError, match="^transfer.transport: 'cuda_ipc' moves CUDA KV pools"):
         select_transport("cuda_ipc", device="cpu")
-    with pytest.raises(ValueError, match="'gloo' moves CPU KV pools"):
+    with pytest.raises(ValueError, match=r"^transfer\.transport: 'gloo' moves CPU KV pools, this one is on cuda; "
+                                         r"use one of \('auto', 'object_store', 'nccl', 'cuda_ipc'\)"):
         select_transport("gloo", device="cuda")
-    with pytest.raises(ValueError, match="transport"):
+    # an unknown name: the option and every registered transport
+    with pytest.raises(ValueError, match=r"^transfer\.transport: expected one of \('object_store', 'nccl', 'cuda_ipc', "
+                                         r"'gloo', 'local'\) \(or 'auto'\), got 'rdma'"):
         select_transport("rdma", device="cpu")
 
 

@@ -192,9 +192,9 @@ def test_what_each_transport_holds_after_export():
     """Pages under a lease for the transports that read them later; the object store copies
     them into a frame but keeps the frame's reference until the receiver's release; a local
     frame holds nothing."""
-    from kv_transfer.channel_send import ChannelSender
-    from kv_transfer.ipc_recv import CudaIpcReceiver
-    from kv_transfer.ipc_send import CudaIpcSender
+    from kv_transfer.channel.send import ChannelSender
+    from kv_transfer.cuda_ipc.recv import CudaIpcReceiver
+    from kv_transfer.cuda_ipc.send import CudaIpcSender
     from kv_transfer.transfer import LocalTransport, ObjectStoreTransport
 
     assert not ObjectStoreTransport.reads_pages_after_export and not LocalTransport.reads_pages_after_export

@@ -364,7 +364,7 @@ def test_channel_section_mirrors_channel_config():
     transport's thread count) and builds an equal ChannelConfig."""
     import dataclasses
 
-    from kv_transfer.config import ChannelConfig
+    from kv_transfer.channel.config import ChannelConfig
     from serving.config import ChannelOptions
 
     names = [f.name for f in dataclasses.fields(ChannelConfig)]
@@ -572,10 +572,10 @@ def test_cuda_ipc_wiring_of_the_worker_deployments(monkeypatch):
     import decode_worker.deployment as dd
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.channel_recv import ChannelReceiver
-    from kv_transfer.channel_send import ChannelSender
-    from kv_transfer.ipc_recv import CudaIpcReceiver
-    from kv_transfer.ipc_send import CudaIpcSender
+    from kv_transfer.channel.recv import ChannelReceiver
+    from kv_transfer.channel.send import ChannelSender
+    from kv_transfer.cuda_ipc.recv import CudaIpcReceiver
+    from kv_transfer.cuda_ipc.send import CudaIpcSender
     from kv_transfer.transfer import IPC_OR_NCCL
 
     opts = {"alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16, "lease_timeout_s": 42.0,

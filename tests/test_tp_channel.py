@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from kv_cache.heads import HeadLayout
-from kv_transfer.channel_recv import ChannelReceiver
-from kv_transfer.channel_send import ChannelSender
-from kv_transfer.config import ChannelConfig
-from kv_transfer.pages import gather_heads, scatter_heads
+from kv_transfer.channel.recv import ChannelReceiver
+from kv_transfer.channel.send import ChannelSender
+from kv_transfer.channel.config import ChannelConfig
+from kv_transfer.channel.pages import gather_heads, scatter_heads
 from kv_transfer.transfer import KVFrameHeader, TransferError, TransferFailure, TransferTicket
 from kv_transfer.wire import SendPages, SendReply, send_pulls
-from kv_transfer.tp_transfer import RankChannel, TPChannelTransport, group_transport, receive_group
+from kv_transfer.channel.group import RankChannel, TPChannelTransport, receive_group
+from kv_transfer.choice import group_transport
 from prefill_worker.leases import LeaseTable
 from tests.test_tp_transfer import HKV, HQ, PAGE, RID, assert_rank_holds_its_heads, full_pool, rank_pool
 
@@ -318,7 +319,7 @@ def test_the_tp_group_sender_is_a_sender_only():
 
 def test_tp_prefill_transport_choice():
     from kv_transfer.transfer import select_transport
-    from kv_transfer.tp_transfer import tp_transport_choice
+    from kv_transfer.choice import tp_transport_choice
 
     # CPU: gloo is the channel; auto means the object store
     assert tp_transport_choice(select_transport("gloo", device="cpu")) == "channel"
@@ -574,7 +575,7 @@ def test_a_tp1_prefill_replica_feeding_tp_decode_groups_exports_over_channels_ne
     the object store."""
     import kv_transfer.choice as choice
     import prefill_worker.deployment as pd
-    from kv_transfer.ipc_send import CudaIpcSender
+    from kv_transfer.cuda_ipc.send import CudaIpcSender
     from kv_transfer.transfer import IPC_OR_NCCL
 
     opts = {"model": "builtin:tiny", "alpha": 0.0, "torch_threads": 1, "prefill_kv_pages": 16, "decode_kv_pages": 16,

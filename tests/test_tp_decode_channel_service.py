@@ -1,5 +1,5 @@
 """The service with TP=2 decode replicas receiving over gloo channels, each decode rank pulling
-its own KV heads (``serving/tp_group.py`` ``make_tp_channel_receiver``): from a TP=2 prefill
+its own KV heads (``kv_transfer.channel.group.TPChannelReceiver``): from a TP=2 prefill
 (app "c22", each decode rank pulls from the prefill rank holding its head) and from a TP=1
 prefill (app "c12", both decode ranks pull from the one prefill replica), both apps in one Serve
 start. Greedy answers equal the single-process oracle; the transfers are channel transfers
@@ -102,7 +102,7 @@ def test_tp2_decode_pulls_over_channels_equal_to_the_oracle_fault_retried_every_
     import ray
 
     (rank1,) = followers(f"fptp_decode_rank:{dec['replica_id']}:")
-    got = ray.get(rank1.receiver_counters.remote(), timeout=30)
+    got = ray.get(rank1.end_counters.remote(), timeout=30)
     assert (got["channel_receives"], got["channel_failures"]) == (len(CASES) - faults, faults), got
     if app == "c22":
         assert pre["tp_ranks"] == 2 and follower_pages(f"fptp_rank:{pre['replica_id']}:") == [0]

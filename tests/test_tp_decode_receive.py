@@ -124,3 +124,73 @@ def test_settle_releases_only_on_a_failure_and_raises_the_lowest_rank_s_reason()
     with pytest.raises(TransferError) as err:
         settle([None, first, second], lambda: released.append(1))
     assert err.value is first and released == [1]
+
+
+class InProcessGroup:
+    """A ``kv_transfer.group.RankGroup`` whose followers are pools in this process: their ends
+    are built from the registry as a rank actor's ``call_end`` builds them."""
+
+    timeout_s = 10.0
+
+    def __init__(self, pools, layout: HeadLayout) -> None:
+        self.pools, self.pool, self.layout = pools, pools[0], layout
+        self.ends, self.failures, self.released = {}, [], []
+
+    @property
+    def size(self) -> int:
+        return self.layout.tp_size
+
+    def submit(self, rank, end, method, *args):
+        import concurrent.futures
+
+        from kv_transfer.registry import get_transport
+        from kv_transfer.spec import RankContext
+
+        key = (rank, end.transport, end.role)
+        if key not in self.ends:
+            context = RankContext(self.pools[rank], self.layout, rank, end.setup)
+            self.ends[key] = get_transport(end.transport).rank_end(end.role, context)
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(getattr(self.ends[key], method)(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed back as the call's outcome
+            future.set_exception(exc)
+        return future
+
+    def results(self, handles, timeout_s):
+        return [h.result(timeout_s) for h in handles]
+
+    def wait(self, handles, timeout_s):
+        pass
+
+    def release(self, request_id):
+        self.released.append(request_id)
+        for pool in self.pools:
+            if pool.has(request_id):
+                pool.release(request_id)
+
+    def report_failure(self, exc):
+        self.failures.append(exc)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_the_object_store_group_receiver_adopts_on_every_rank_through_the_rank_group(d):
+    """kv_transfer.object_store.group: the leader's receiver and the followers' ``FrameRankEnd``
+    (built from the registry), all or nothing; a damaged last split (the drill) releases all."""
+    from kv_transfer.registry import get_transport
+    from kv_transfer.spec import BuildContext
+
+    full = full_pool(torch.float32, seed=60 + d)
+    dst = HeadLayout(HQ, HKV, d)
+    pools = [rank_pool(full, dst.kv_heads(r), with_request=False) for r in range(d)]
+    group = InProcessGroup(pools, dst)
+    receiver = get_transport("object_store").build_receiver(
+        BuildContext("cpu", group=group, fault_mode="flip", rank_faults=1, options={"object_store": {}}))
+    with pytest.raises(TransferError) as info:  # the first transfer: the drill damages rank d-1's split
+        receiver.adopt(RID, pack_pages(full, RID))
+    assert info.value.reason is TransferFailure.CHECKSUM and group.released == [RID] and no_pages(pools)
+    pages = receiver.adopt(RID, pack_pages(full, RID))  # the retry
+    assert pages == pools[0].pages(RID) and group.failures == []
+    for r, pool in enumerate(pools):
+        assert_rank_holds_its_heads(full, pool, dst.kv_heads(r))
+    assert {key[1:] for key in group.ends} == {("object_store", "receive")}

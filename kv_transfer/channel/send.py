@@ -15,12 +15,14 @@ import torch
 
 from kv_cache.pool import KVPool
 
-from .channel import ChannelEnd
+from ..errors import TransferError, TransferFailure
+from ..header import describe_pages, KVFrameHeader, _U64
+from ..interfaces import KVSender, TransferTicket
+from ..wire import _reply, SendPages, SendReply
 from .config import ChannelConfig
-from .pages import _U64, _device_guard, _page_index, _wsum64, chunk_layers, gather_heads, gather_pages
-from .process_group import SENDER, Channel, ChannelBroken, _Op
-from .transfer import KVFrameHeader, KVSender, TransferError, TransferFailure, TransferTicket, describe_pages
-from .wire import SendPages, SendReply, _reply
+from .end import ChannelEnd
+from .pages import chunk_layers, _device_guard, gather_heads, gather_pages, _page_index, _wsum64
+from .process_group import Channel, ChannelBroken, _Op, SENDER
 
 logger = logging.getLogger(__name__)
 

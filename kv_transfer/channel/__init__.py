@@ -11,18 +11,18 @@ build ``ProcessGroupNCCL`` (CUDA pools) or ``ProcessGroupGloo`` (CPU pools) on t
 The backend follows the pools' device, so the CPU tests run exactly the code that moves
 GPU pages with NCCL.
 
-The transport is a pair: ``kv_transfer.channel_send.ChannelSender`` (``export``,
-``serve_send``: the prefill side) and ``kv_transfer.channel_recv.ChannelReceiver``
-(``receive``, ``receive_heads``: the decode side); this module holds what both ends share
-(:class:`ChannelEnd`: checked settings, worker threads, side streams, counters, closing). Its
-parts: ``kv_transfer.pages`` (a chunk's bytes: gather, scatter, checksum, side streams),
-``kv_transfer.process_group`` (one end of a channel: ``Channel``), ``kv_transfer.wire`` (the
-send request and its reply), ``kv_transfer.config`` (``ChannelConfig``).
+The transport is a pair: ``send.ChannelSender`` (``export``, ``serve_send``: the prefill
+side) and ``recv.ChannelReceiver`` (``receive``, ``receive_heads``: the decode side); ``end``
+holds what both ends share (``ChannelEnd``: checked settings, worker threads, side streams,
+counters, closing). Its parts: ``pages`` (a chunk's bytes: gather, scatter, checksum, side
+streams), ``process_group`` (one end of a channel: ``Channel``), ``kv_transfer.wire`` (the send
+request and its reply), ``config`` (``ChannelConfig``); ``group``: channels between TP groups;
+``spec``: what the registry knows of it (``nccl`` on CUDA pools, ``gloo`` on CPU pools).
 
 One transfer (the header travels through Ray, the pages over the channel):
 1. ``export`` (sender, after prefill) copies nothing. The pages stay in the prefill pool under
    the lease the prefill replica holds until the decode side has adopted them; the export
-   records them, the msgpack :class:`~kv_transfer.transfer.KVFrameHeader`
+   records them, the msgpack :class:`~kv_transfer.header.KVFrameHeader`
    (``checksum_kind="wsum64"``, ``checksum`` 0: the checksums come with the send, step 4) and,
    for CUDA pools, an event on the stream the pages were written on, which the send waits for
    on the device. The ticket carries the header and the sender's address.
@@ -42,7 +42,7 @@ One transfer (the header travels through Ray, the pages over the channel):
    events and stream waits on the NCCL work, with no host sync per chunk, and memory is
    bounded by the rings, not by the request. Between CPU pools (gloo) the same code runs: the
    streams are no-ops and the waits block the worker thread.
-4. Each end checksums every chunk where it lives (:func:`kv_transfer.pages.payload_checksum`'s formula) into a
+4. Each end checksums every chunk where it lives (:func:`kv_transfer.channel.pages.payload_checksum`'s formula) into a
    device tensor read once at the end. The sender returns its list in the ``serve_send``
    reply; the receiver compares it with its own after the last chunk.
 
@@ -78,116 +78,15 @@ only) in processes that open NCCL channels, unless the environment already sets 
 Ownership is unchanged (docs/ARCHITECTURE.md): the sender's pages stay allocated until the
 decode side has adopted them and the lease stream is closed.
 
-TP groups (``kv_transfer.tp_transfer.TPChannelTransport``, docs/ARCHITECTURE.md "Tensor
+TP groups (``kv_transfer.channel.group.TPChannelTransport``, docs/ARCHITECTURE.md "Tensor
 parallelism"): a TP prefill replica's ticket adds ``tp`` (its head layout and every rank's
 header); each rank has its own channel (sender id ``<replica>:tp<rank>``). The receiver
 (``receive_heads``; ``receive`` for a TP=1 replica) reserves its pages once and pulls from each
 rank holding some of its heads, the send request naming ``rank``, that rank's local ``heads``
 and ``pulls`` (how many sends the receiving replica makes in all, so that the sender's lease
 outlives every one of them); chunks then hold only those heads
-(:func:`kv_transfer.pages.gather_heads` / :func:`~kv_transfer.pages.scatter_heads`). A TP decode
+(:func:`kv_transfer.channel.pages.gather_heads` / :func:`~kv_transfer.channel.pages.scatter_heads`). A TP decode
 group runs ``receive_heads`` on every rank at once, each rank a receiver of its own
 (``<replica>:tp<rank>``, its own store): one channel per (prefill rank, decode rank) pair
-(``serving/tp_group.py`` ``make_tp_channel_receiver``).
+(``kv_transfer.channel.group``).
 """
-
-from __future__ import annotations
-
-import abc
-import collections
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
-
-from .config import ChannelConfig
-from .pages import _Lane
-from .process_group import CHANNEL_BACKENDS, Channel
-from .wire import _MAX_NAME_LEN
-
-# Both ends report every key, so a replica's stats keep one shape whichever end it holds.
-_COUNTER_KEYS = ("channel_sends", "channel_receives", "channel_failures", "channels_opened",
-                 "channel_bytes_sent", "channel_bytes_received")
-
-
-class ChannelEnd(abc.ABC):
-    """What a sender and a receiver of channel transfers share (see the module docstring).
-
-    device: the KV pool's device; it picks the backend (CUDA: NCCL, CPU: gloo) and the
-        transport's ``name`` (what tickets say).
-    host: this replica's node address: the receiver's store listens there, gloo binds to it.
-    identity: how tickets name this replica as a sender (``replica_id`` plus whatever
-        ``call_sender`` needs to reach it again, e.g. Serve's app and deployment names).
-    """
-
-    def __init__(self, device: str | torch.device, *, host: str = "127.0.0.1", identity: dict | None = None,
-                 config: ChannelConfig | None = None, max_workers: int = 8) -> None:
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device: expected a torch device, got {device!r}") from exc
-        if dev.type not in CHANNEL_BACKENDS:
-            raise ValueError(f"device: channels move CUDA (NCCL) or CPU (gloo) pools, got {device!r}")
-        config = ChannelConfig() if config is None else config
-        if not isinstance(config, ChannelConfig):
-            raise ValueError(f"config: expected a ChannelConfig, got {type(config).__name__}")
-        identity = {"replica_id": "local", **(identity or {})}
-        for key, value in identity.items():
-            if not isinstance(key, str) or not isinstance(value, str) or not value or len(value) > _MAX_NAME_LEN:
-                raise ValueError(f"identity: expected short non-empty str values, got {key!r}: {value!r}")
-        if not isinstance(host, str) or not host:
-            raise ValueError(f"host: expected this node's address, got {host!r}")
-        self.device = dev
-        self.backend = CHANNEL_BACKENDS[dev.type]
-        self.name = self.backend
-        self.host = host
-        self.identity = identity
-        self.config = config
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"kv-{self.backend}")
-        self._lock = threading.Lock()  # the end's shared tables and _lanes (event loop and worker threads)
-        # Side streams per (role, peer), kept across transfers: the caching allocator hands a
-        # block freed on a stream back only to that stream, so one ring's memory serves every
-        # transfer with that peer instead of piling up on fresh streams.
-        self._lanes: dict[tuple[str, str], list[_Lane]] = {}
-        self._counts: collections.Counter = collections.Counter()
-        self._closed = False
-
-    @property
-    def replica_id(self) -> str:
-        return self.identity["replica_id"]
-
-    def _lanes_for(self, role: str, peer: str, device: torch.device, count: int) -> list[_Lane]:
-        with self._lock:
-            lanes = self._lanes.get((role, peer))
-            if lanes is None:
-                lanes = self._lanes[(role, peer)] = [_Lane(device) for _ in range(count)]
-        return lanes
-
-    @abc.abstractmethod
-    def _tally(self) -> tuple[int, int]:
-        """(channels open at this end, exports held)."""
-
-    @abc.abstractmethod
-    def _detach(self) -> list[Channel]:
-        """Closing: forget this end's channels (and exports); returns the channels to abort."""
-
-    def counters(self) -> dict[str, int]:
-        open_channels, exported = self._tally()
-        out = {k: int(self._counts[k]) for k in _COUNTER_KEYS}
-        out["channels_open"] = open_channels
-        out["channel_staged"] = exported  # exports not yet sent or discarded (pages only: no copies)
-        return out
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        channels = self._detach()
-        for ch in channels:
-            ch.mark_broken()
-        for ch in channels:
-            ch.abort()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-__all__ = ["ChannelEnd"]

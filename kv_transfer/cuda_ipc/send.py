@@ -1,7 +1,7 @@
 """The sending end of CUDA IPC transfers (a prefill replica): ``CudaIpcSender`` shares its
 pool's storages and hands out tickets to the request's pages, and stages them over its
 fallback channel for a receiver on another GPU. How a transfer goes, the lease and the clock:
-``kv_transfer.ipc``'s docstring.
+``kv_transfer.cuda_ipc``'s docstring.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import torch
 
 from kv_cache.pool import KVPool
 
-from .ipc import _BROKEN_UUID, _LOCAL_EXPORTS, _REPLY_REASONS, CudaIpcEnd, _pid_namespace, _reply, _short_str
-from .transfer import KVSender, TransferError, TransferFailure, TransferTicket, describe_pages
-from .wire import StagePages, StageReply
+from ..errors import TransferError, TransferFailure
+from ..header import describe_pages
+from ..interfaces import KVSender, TransferTicket
+from ..wire import StagePages, StageReply
+from .common import _BROKEN_UUID, CudaIpcEnd, _LOCAL_EXPORTS, _pid_namespace, _reply, _REPLY_REASONS, _short_str
 
 
 @dataclasses.dataclass
@@ -34,7 +36,7 @@ class _SharedPool:
 
 
 class CudaIpcSender(CudaIpcEnd, KVSender):
-    """The sender of CUDA IPC transfers. Settings as :class:`~kv_transfer.ipc.CudaIpcEnd` (its
+    """The sender of CUDA IPC transfers. Settings as :class:`~kv_transfer.cuda_ipc.common.CudaIpcEnd` (its
     ``fallback`` a ``KVSender``: ``serve_stage`` exports over it, ``serve_send`` sends over it),
     and
 

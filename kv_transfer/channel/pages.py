@@ -19,6 +19,8 @@ import torch
 from kv_cache.pool import KVPool
 from kv_cache.tensors import pool_page_words
 
+from ..header import _U64
+
 
 def chunk_layers(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
     """The layer ranges ``[l0, l1)`` of a transfer's chunks, in order; the last may be shorter."""
@@ -27,7 +29,6 @@ def chunk_layers(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]
 
 _CHECKSUM_COLUMNS = 1024  # words per row of the 2-D view
 _MIX = (1, 0x100000001B3, 0x9E3779B1, 0x85EBCA77)  # distinct odd weights for the four parts
-_U64 = (1 << 64) - 1
 
 
 def payload_checksum(payload: torch.Tensor) -> int:

@@ -21,22 +21,15 @@ import torch
 from kv_cache.heads import HeadLayout
 from kv_cache.pool import KVPool
 
-from .channel import ChannelEnd
+from ..errors import TransferError, TransferFailure
+from ..header import adopt_pages, check_geometry, _DTYPE_NAMES, KVFrameHeader, _U64
+from ..interfaces import KVReceiver, TransferTicket
+from ..routes import transfer_routes
+from ..wire import _MAX_NAME_LEN, _PREFIX_ROOT, _reply_failure, _sender_checksums, SendPages
 from .config import ChannelConfig
-from .pages import _U64, _clear_pages, _device_guard, _page_index, _wsum64, chunk_layers, scatter_heads, scatter_pages
-from .process_group import RECEIVER, Channel, ChannelBroken, _Op
-from .routes import transfer_routes
-from .transfer import (
-    _DTYPE_NAMES,
-    KVFrameHeader,
-    KVReceiver,
-    TransferError,
-    TransferFailure,
-    TransferTicket,
-    adopt_pages,
-    check_geometry,
-)
-from .wire import _MAX_NAME_LEN, _PREFIX_ROOT, SendPages, _reply_failure, _sender_checksums
+from .end import ChannelEnd
+from .pages import chunk_layers, _clear_pages, _device_guard, _page_index, scatter_heads, scatter_pages, _wsum64
+from .process_group import Channel, ChannelBroken, _Op, RECEIVER
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The receiving end of CUDA IPC transfers (a decode replica): ``CudaIpcReceiver`` maps the
 sender's pool storages and copies a request's pages into its own pool, or asks the sender
 to stage them over the fallback channel when the pools are on different GPUs. How a
-transfer goes, a sender that goes away: ``kv_transfer.ipc``'s docstring.
+transfer goes, a sender that goes away: ``kv_transfer.cuda_ipc``'s docstring.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ import torch
 from kv_cache.pool import KVPool
 from kv_cache.tensors import copy_word, pool_page_words
 
-from .ipc import (
+from ..errors import TransferError, TransferFailure
+from ..header import adopt_pages, check_geometry
+from ..interfaces import KVReceiver, TransferTicket
+from ..wire import StagePages
+from .common import (
     _LOCAL_EXPORTS,
     CudaIpcEnd,
     StageCall,
@@ -32,8 +36,6 @@ from .ipc import (
     copy_pages,
     parse_ticket,
 )
-from .transfer import KVReceiver, TransferError, TransferFailure, TransferTicket, adopt_pages, check_geometry
-from .wire import StagePages
 
 
 @dataclasses.dataclass
@@ -49,7 +51,7 @@ class _Mapping:
 
 
 class CudaIpcReceiver(CudaIpcEnd, KVReceiver):
-    """The receiver of CUDA IPC transfers. Settings as :class:`~kv_transfer.ipc.CudaIpcEnd` (its
+    """The receiver of CUDA IPC transfers. Settings as :class:`~kv_transfer.cuda_ipc.common.CudaIpcEnd` (its
     ``fallback`` a ``KVReceiver``, for the pages a sender stages on another GPU), and
 
     call_sender: ``async (sender, request) -> reply``: deliver a stage request to the sender

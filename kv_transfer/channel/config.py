@@ -1,17 +1,12 @@
-"""``ChannelConfig``: the time bounds and chunking of pairwise KV channels (``kv_transfer.channel``).
+"""``ChannelConfig``: the time bounds and chunking of pairwise KV channels (``transfer.channel``).
 
-Apart from the channel so that the service's options (``serving.config``) build it without
-importing the transport: only the standard library here.
+Apart from the channel's ends so that the service's options (``serving.config``) build it
+without importing the transport: only the standard library here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-# The ``transfer.transport`` option's values (``kv_transfer.transfer.select_transport`` reads
-# them; ``kv_transfer.choice`` turns one into a replica's transports). Here so the service's
-# options take them without importing the transports.
-TRANSPORT_OPTIONS = ("auto", "object_store", "nccl", "cuda_ipc", "gloo")
 
 _MAX_RING_DEPTH = 8
 
