@@ -181,9 +181,11 @@ def build_index(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     check_finite: bool = False,
+    prompt_lens: object = None,
 ) -> SparseIndex:
     """Index stage on the paged layout: block means and the CSR of selected K/V tiles.
-    ``check_finite``: raise ValueError on NaN/Inf inputs (a host sync; see ``check_inputs_finite``)."""
+    ``check_finite``: raise ValueError on NaN/Inf inputs (a host sync; see ``check_inputs_finite``).
+    ``prompt_lens``: as :func:`sparse_prefill`'s."""
     plan = plan_prefill(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv, config, prompt_lens)
     if check_finite:
         check_inputs_finite(q, k_pages, v_pages, plan)

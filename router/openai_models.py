@@ -122,6 +122,12 @@ class SparseAlpha(_Model):
     energy_rule: Literal["first_key", "visible"] | None = None
     dense_layers: Annotated[int, Field(ge=0, le=4096)] | None = None
 
+    @model_validator(mode="after")
+    def _some_option(self) -> "SparseAlpha":
+        if not self.model_fields_set:
+            raise ValueError("expected at least one of alpha, last_dense_tiles, energy_rule, dense_layers")
+        return self
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")

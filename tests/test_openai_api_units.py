@@ -145,8 +145,19 @@ def test_sparse_attention_field(value, alpha):
             for c in row] == [alpha, alpha]
 
 
+def test_sparse_attention_safeguard_options():
+    req = parse({"prompt": "x", "sparse_attention": {"last_dense_tiles": 8, "energy_rule": "visible"}})
+    assert req.sparse_alpha is None
+    assert req.sparse_options == (("last_dense_tiles", 8), ("energy_rule", "visible"))
+    both = parse({"prompt": ["a", "b"], "sparse_attention": {"alpha": 0.2, "dense_layers": 3}})
+    assert [(c.sparse_alpha, c.sparse_options) for row in both.choices() for c in row] == \
+        [(0.2, (("dense_layers", 3),))] * 2
+    assert parse({"prompt": "x", "sparse_attention": False}).sparse_options == ()
+
+
 @pytest.mark.parametrize("value", [{"alpha": 1.5}, {"alpha": "x"}, {"beta": 0.1}, {}, 0.1, "dense", [0.1],
-                                   {"alpha": 0.1, "x": 1}])
+                                   {"alpha": 0.1, "x": 1}, {"last_dense_tiles": -1}, {"last_dense_tiles": 1.5},
+                                   {"energy_rule": "max"}, {"dense_layers": True}])
 def test_sparse_attention_rejects(value):
     with pytest.raises(RequestError) as info:
         parse({"prompt": "x", "sparse_attention": value})
