@@ -375,8 +375,8 @@ def local_config():
     service's default model is another), dense (alpha 0) as the oracle, CPU-sized pools."""
     from serving.config import ServiceConfig
 
-    return ServiceConfig(model={"model": LoadSpec.model}, sparse={"alpha": 0.0}, runtime={"torch_threads": 1},
-                         kv={"prefill_pages": 256, "decode_pages": 512}, ingress={"max_model_len": 2048})
+    return ServiceConfig(model={"model": LoadSpec.model, "max_model_len": 2048}, sparse={"alpha": 0.0}, runtime={"torch_threads": 1},
+                         kv={"prefill_pages": 256, "decode_pages": 512})
 
 
 def _start_local(args: argparse.Namespace) -> tuple[str, str]:

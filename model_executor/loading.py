@@ -57,6 +57,7 @@ BUILTIN_STRUCTURED = (BUILTIN_STRUCTURED_8B, BUILTIN_STRUCTURED_TINY, BUILTIN_ST
 BUILTIN_MODELS = (BUILTIN_SMOLLM2, BUILTIN_TINY, *BUILTIN_STRUCTURED)
 DEFAULT_MODEL = BUILTIN_SMOLLM2
 _BUILTIN_PREFIX = "builtin:"
+TINY_MAX_POSITIONS = 32768  # the built-in tiny model's context (tiny_config's max_position_embeddings)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -102,7 +103,7 @@ def tiny_config(num_layers: int = 4) -> Any:
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=32768,
+        max_position_embeddings=TINY_MAX_POSITIONS,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         # 0.1 rather than transformers' 0.02: at 0.02 a random model repeats one token forever,
@@ -271,7 +272,24 @@ def export_tokenizer(source: str | Path, out: str | Path) -> Path:
     for name in _TOKENIZER_EXPORT_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
+    _no_bpe_cleanup(out)
     return out
+
+
+def _no_bpe_cleanup(tokenizer_dir: Path) -> None:
+    """``clean_up_tokenization_spaces: false`` in the tokenizer_config.json of a BPE tokenizer
+    that says true: transformers ignores it for BPE (the clean-up would strip spaces before
+    punctuation) and warns on every first decode of each process (the server, lm-eval, guidellm);
+    false decodes the same, silently."""
+    config_path, tokenizer_path = tokenizer_dir / "tokenizer_config.json", tokenizer_dir / "tokenizer.json"
+    if not config_path.is_file() or not tokenizer_path.is_file():
+        return
+    config = _read_json(config_path)
+    model = (_read_json(tokenizer_path).get("model") or {}).get("type")
+    if model == "BPE" and config.get("clean_up_tokenization_spaces") is True and \
+            not config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
+        config["clean_up_tokenization_spaces"] = False
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _read_json(path: Path) -> Any:
@@ -659,12 +677,9 @@ def _load_fp8_shard(path: Path, config: Any, files: list[Path], fmt: "fp8_linear
 ROPE_SCALING_TYPES = ("linear", "yarn")
 
 
-def rope_scaling_overrides(raw: dict, rope_scaling: dict) -> dict:
-    """Config overrides that stretch a model's RoPE beyond its trained context:
-    ``rope_scaling = {"rope_type": "linear" | "yarn", "factor": f}`` (f > 1) becomes
-    transformers' ``rope_parameters`` (the trained theta kept; YaRN's
-    ``original_max_position_embeddings`` the trained context) and ``max_position_embeddings``
-    times ``f``. ``raw``: the directory's config.json, whose RoPE must be unscaled."""
+def check_rope_scaling(rope_scaling: object) -> dict:
+    """``{"rope_type": "linear" | "yarn", "factor": f}`` with f > 1, or a ValueError naming
+    ``rope_scaling``."""
     if not isinstance(rope_scaling, dict) or set(rope_scaling) != {"rope_type", "factor"}:
         raise ValueError(f"rope_scaling: expected {{'rope_type': ..., 'factor': ...}}, got {rope_scaling!r}")
     kind, factor = rope_scaling["rope_type"], rope_scaling["factor"]
@@ -672,6 +687,16 @@ def rope_scaling_overrides(raw: dict, rope_scaling: dict) -> dict:
         raise ValueError(f"rope_scaling: rope_type: expected one of {ROPE_SCALING_TYPES}, got {kind!r}")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1.0:
         raise ValueError(f"rope_scaling: factor: expected a number > 1, got {factor!r}")
+    return rope_scaling
+
+
+def rope_scaling_overrides(raw: dict, rope_scaling: dict) -> dict:
+    """Config overrides that stretch a model's RoPE beyond its trained context:
+    ``rope_scaling = {"rope_type": "linear" | "yarn", "factor": f}`` (f > 1) becomes
+    transformers' ``rope_parameters`` (the trained theta kept; YaRN's
+    ``original_max_position_embeddings`` the trained context) and ``max_position_embeddings``
+    times ``f``. ``raw``: the directory's config.json, whose RoPE must be unscaled."""
+    kind, factor = check_rope_scaling(rope_scaling)["rope_type"], rope_scaling["factor"]
     base = raw.get("rope_parameters") or {}
     legacy = raw.get("rope_scaling") or {}
     if base.get("rope_type", "default") != "default" or legacy.get("rope_type", legacy.get("type", "default")) != "default":
@@ -684,6 +709,62 @@ def rope_scaling_overrides(raw: dict, rope_scaling: dict) -> dict:
     if kind == "yarn":
         params["original_max_position_embeddings"] = trained
     return {"rope_parameters": params, "max_position_embeddings": int(round(trained * factor))}
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """A model's context limit: ``tokens`` positions, ``source`` says where the number comes
+    from; ``trained``: whether the model was trained to it (False for the constructed structured
+    models, which have no trained context to stay within)."""
+
+    tokens: int
+    source: str
+    trained: bool = True
+
+
+def context_of_config(raw: dict) -> ModelContext | None:
+    """The context a config.json's fields give, as vLLM derives it: ``max_position_embeddings``,
+    or with a stretching RoPE (``rope_scaling`` / ``rope_parameters`` of type ``yarn``, ``linear``
+    or ``dynamic``) the factor times the original context (YaRN's
+    ``original_max_position_embeddings`` where given). Types whose ``max_position_embeddings``
+    already is the stretched context (``llama3``, ``longrope``) keep it. None without a number."""
+    trained = raw.get("max_position_embeddings")
+    if isinstance(trained, bool) or not isinstance(trained, int) or trained < 1:
+        return None
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if kind in ("yarn", "linear", "dynamic") and isinstance(factor, (int, float)) and factor > 1:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        base = base if isinstance(base, int) and base > 0 else trained
+        return ModelContext(int(base * factor), f"{kind} RoPE scaling: {base} x factor {factor:g}")
+    return ModelContext(trained, f"max_position_embeddings of its config.json ({trained})")
+
+
+def model_context(source: str | Path, rope_scaling: dict | None = None) -> ModelContext | None:
+    """The context ``source`` serves (vLLM's default ``max_model_len``), from its config alone
+    (no weights; no transformers for the built-in models): the built-in tiny model's
+    ``TINY_MAX_POSITIONS``, a structured model's ``max_position_embeddings``, a directory's (or
+    a GGUF model's converted) config.json by :func:`context_of_config`; with ``rope_scaling``
+    (:func:`rope_scaling_overrides`) the stretched context. None for a directory not here."""
+    check_model_name(str(source))
+    if rope_scaling is not None and (str(source) == BUILTIN_TINY or str(source) in BUILTIN_STRUCTURED):
+        raise ValueError(f"rope_scaling: only model directories (and {BUILTIN_SMOLLM2}) take it, got {str(source)!r}")
+    if str(source) == BUILTIN_TINY:
+        return ModelContext(TINY_MAX_POSITIONS, f"max_position_embeddings of {BUILTIN_TINY} ({TINY_MAX_POSITIONS})")
+    if str(source) in BUILTIN_STRUCTURED:
+        n = structured_spec(str(source)).max_position_embeddings
+        return ModelContext(n, f"max_position_embeddings of {source} ({n})", trained=False)
+    path = (gguf.gguf_dir(source) if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source) else Path(source))
+    if not (path / "config.json").is_file():
+        return None
+    raw = _read_json(path / "config.json")
+    raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    if rope_scaling is not None:
+        stretched = rope_scaling_overrides(raw, rope_scaling)["max_position_embeddings"]
+        return ModelContext(stretched, f"{rope_scaling['rope_type']} RoPE scaling: {raw['max_position_embeddings']} "
+                                       f"x factor {rope_scaling['factor']:g}")
+    return context_of_config(raw)
 
 
 def load_model_dir(

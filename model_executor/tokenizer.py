@@ -260,6 +260,12 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        # transformers ignores clean_up_tokenization_spaces for BPE (and warns on the first decode):
+        # false decodes the same, without the warning (loading.export_tokenizer writes it so too)
+        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+        if type(model).__name__ == "BPE" and getattr(tokenizer, "clean_up_tokenization_spaces", False) is True and \
+                not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False):
+            tokenizer.clean_up_tokenization_spaces = False
 
     @property
     def hf_tokenizer(self) -> Any:

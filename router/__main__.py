@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     local = LocalServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
                               num_cpus=args.num_cpus, metrics_port=args.metrics_port,
-                              ray_auth=not args.no_ray_auth)
+                              ray_auth=not args.no_ray_auth, access_log=args.access_log, log_level=args.log_level)
     return serve_forever(config, local)
 
 
@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-ray-auth", action="store_true",
                    help="start the local Ray without its token authentication (RAY_AUTH_MODE=disabled)")
     s.add_argument("--debug-routing", action="store_true", help="add replica ids to responses")
+    s.add_argument("--access-log", action="store_true",
+                   help="log one line per request (Serve's proxy: method, route, status, latency); default off")
+    s.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="level of every Serve component's log (default INFO; refused requests are INFO lines)")
     s.add_argument("--config", default=None, metavar="FILE",
                    help="JSON or YAML file of service options in nested sections (docs/OPTIONS.md; the flags override it)")
     s.add_argument("--option", action="append", metavar="PATH=VALUE",
@@ -191,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from serving.config import ServiceConfig
+        from serving.config import ServiceConfig, resolve_max_model_len
 
-        try:  # bad options fail here, before Ray starts
+        try:  # bad options fail here, before Ray starts (model.max_model_len against the model's context too)
             args.service_config = ServiceConfig.from_dict(service_options(args))
+            resolve_max_model_len(args.service_config)
         except ValueError as exc:  # serving.config.ConfigError is one
             parser.error(str(exc))
     return int(args.func(args) or 0)

@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.config import ServiceConfig
+from serving.config import ServiceConfig, resolve_max_model_len
 from .accounting import Delta, StreamAccount, StreamStep
 from .grpc_ingress import GrpcIngress
 from .pipeline import DisaggregatedPipeline
@@ -45,6 +45,7 @@ from .protocol import (
 from serving.prefill_client import PrefillClient
 from serving.runtime import load_tokenizer
 from .health import ReadinessProbe
+from .request_log import install_quiet_request_errors, log_request_error
 from .tokenize import detokenize, tokenize
 from .security import BearerAuth
 
@@ -58,6 +59,7 @@ GRPC_SERVICER = "router.grpc_service.add_FlashPrefillServicer_to_server"
 
 
 def error_response(err: RequestError) -> JSONResponse:
+    log_request_error(err, "HTTP")
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
@@ -116,9 +118,10 @@ class OpenAIIngress(GrpcIngress):
 
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
+        install_quiet_request_errors()  # a refused request is one line (router/request_log.py)
         self.tokenizer = load_tokenizer(self.config)
         self.parser = RequestParser(
-            self.tokenizer, model_id=self.config.model_id, max_model_len=self.config.ingress.max_model_len,
+            self.tokenizer, model_id=self.config.model_id, max_model_len=resolve_max_model_len(self.config),
             default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),
             strict_fields=self.config.ingress.strict_fields,
             max_sequence_tokens=self.config.kv.decode_pages * self.config.kv.page_size,
@@ -198,7 +201,7 @@ class OpenAIIngress(GrpcIngress):
     async def models(self, request: Request):
         if not self.auth.check(request.headers.get("authorization")):
             return error_response(UNAUTHORIZED)
-        return models_response(self.config.model_id, self.created)
+        return models_response(self.config.model_id, self.created, self.parser.max_model_len)
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request):
@@ -208,7 +211,7 @@ class OpenAIIngress(GrpcIngress):
             return error_response(RequestError(f"model: {model_id!r} does not exist; this service serves "
                                                f"{self.config.model_id!r}", param="model", status=404,
                                                code="model_not_found"))
-        return models_response(self.config.model_id, self.created)["data"][0]
+        return models_response(self.config.model_id, self.created, self.parser.max_model_len)["data"][0]
 
     @api.post("/v1/completions", openapi_extra=openapi_extra("completion"))
     async def completions(self, request: Request):
@@ -338,6 +341,7 @@ def build_application(
             request_routing_stats_timeout_s=5.0)}
 
     config = ServiceConfig.from_dict(config)
+    resolve_max_model_len(config)  # a max_model_len beyond the model's context fails here, at launch
     worker_defaults = _default_worker_options(config)
     prefill_opts = {**worker_defaults, **routed_by(PrefillRequestRouter), **(prefill or {})}
     decode_opts = {**worker_defaults, **routed_by(DecodeRequestRouter), **(decode or {})}

@@ -114,7 +114,19 @@ class GrpcClient:
 
 
 def _msg_dict(msg: Any) -> dict:
-    return {f.name: v for f, v in msg.ListFields()}
+    """The fields set in a protobuf message as plain Python values, nested messages (and lists
+    of them) as dicts too; numbers stay numbers (json_format.MessageToDict writes int64 as text)."""
+    out: dict[str, Any] = {}
+    for field, value in msg.ListFields():
+        is_message = field.type == field.TYPE_MESSAGE
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            out[field.name] = {k: _msg_dict(v) if entry.type == entry.TYPE_MESSAGE else v for k, v in value.items()}
+        elif field.is_repeated:
+            out[field.name] = [_msg_dict(v) if is_message else v for v in value]
+        else:
+            out[field.name] = _msg_dict(value) if is_message else value
+    return out
 
 
 def run_client(args: Any) -> int:

@@ -26,6 +26,7 @@ from .protocol import (
     models_response,
     split_tool_calls,
 )
+from .request_log import log_request_error
 from .security import grpc_authorization
 
 GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED",
@@ -311,6 +312,7 @@ class GrpcIngress:
     def _grpc_fail(grpc_context: Any, err: RequestError) -> None:
         import grpc
 
+        log_request_error(err, "gRPC")
         if grpc_context is not None:
             grpc_context.set_code(getattr(grpc.StatusCode, GRPC_CODES.get(err.status, "INTERNAL")))
             grpc_context.set_details(err.message)
@@ -360,9 +362,9 @@ class GrpcIngress:
                 f"request: {request.size} bytes are not a flashprefill.v1.ListModelsRequest ({request.reason})",
                 param="request", status=400, code="invalid_message"))
             return pb.ListModelsResponse()
-        model = models_response(self.config.model_id, self.created)["data"][0]
+        model = models_response(self.config.model_id, self.created, self.parser.max_model_len)["data"][0]
         return pb.ListModelsResponse(models=[pb.Model(id=model["id"], created=model["created"],
-                                                      owned_by=model["owned_by"])])
+                                                      owned_by=model["owned_by"], max_model_len=model["max_model_len"])])
 
     # -- gRPC health (grpc.health.v1.Health, registered by router/grpc_service.py) --------------
     async def _grpc_health(self, request: Any) -> Any:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from router.proto import flashprefill_pb2 as pb
+from router.request_log import install_quiet_request_errors
 
 SERVICE = "flashprefill.v1.FlashPrefill"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -141,3 +142,6 @@ def add_FlashPrefillServicer_to_server(servicer, server) -> None:  # noqa: N802 
     }
     _register(server, SERVICE, handlers)
     add_HealthServicer_to_server(servicer, server)
+    # this runs in Serve's gRPC proxy: a stream that ends with a RequestError's status is logged
+    # by the ingress in one line, not again here with a traceback (router/request_log.py)
+    install_quiet_request_errors()

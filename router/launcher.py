@@ -40,6 +40,16 @@ class LocalServeOptions:
     # that need none of it, as the CPU smoke benchmarks (its head and its nine module processes
     # are most of a local Ray's start-up on 2 cores)
     include_dashboard: bool = True
+    # Serve's logs (its LoggingConfig): access_log, one line per request from Serve's proxy (the
+    # replicas' lines, several per request, stay off); log_level, every component's
+    access_log: bool = False
+    log_level: str = "INFO"
+
+    def logging_config(self, *, proxy: bool) -> dict:
+        """Serve's ``logging_config``: the proxy's (``serve.start``: proxies and controller) or the
+        applications' (``serve.run``: every replica; their access lines would repeat the proxy's
+        for each call between deployments)."""
+        return {"log_level": self.log_level, "enable_access_log": self.access_log and proxy}
 
 
 # Ray reads this once, when ``ray`` is first imported (ray._private.ray_constants), to decide
@@ -214,6 +224,7 @@ def start_serve(options: LocalServeOptions) -> None:
     serve.start(
         http_options={"host": options.host, "port": options.http_port},
         grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        logging_config=options.logging_config(proxy=True),
     )
 
 
@@ -237,7 +248,8 @@ def deploy_startup_health(config: ServiceConfig, options: LocalServeOptions) -> 
 
     app = health_application(options.app_name, timeout_s=config.ingress.startup_health_timeout_s,
                              retry_after_s=config.ingress.retry_after_s)
-    serve.run(app, name=health_app_name(options), route_prefix=route_prefix(options).rstrip("/") + HEALTH_ROUTE)
+    serve.run(app, name=health_app_name(options), route_prefix=route_prefix(options).rstrip("/") + HEALTH_ROUTE,
+              logging_config=options.logging_config(proxy=False))
 
 
 def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict | None = None,
@@ -255,7 +267,8 @@ def deploy(config: ServiceConfig, options: LocalServeOptions, *, prefill: dict |
     # stopping only that role's replicas; a redeploy would restart every replica. Serve refuses it
     # next to autoscaling.
     return serve.run(app, name=options.app_name, route_prefix=route_prefix(options), blocking=blocking,
-                     external_scaler_enabled=not autoscales(config, prefill_opts, decode_opts, ingress or {}))
+                     external_scaler_enabled=not autoscales(config, prefill_opts, decode_opts, ingress or {}),
+                     logging_config=options.logging_config(proxy=False))
 
 
 def autoscales(config: ServiceConfig, *deployment_options: dict) -> bool:

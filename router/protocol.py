@@ -445,8 +445,9 @@ class RequestParser:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise bad("prompt" if kind == "completion" else "messages",
-                      f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1} "
-                      "(max_model_len, one token of room to generate)")
+                      f"the prompt has {len(ids)} tokens, but this model's context (max_model_len) is "
+                      f"{self.max_model_len} tokens, prompt and output together: at most {self.max_model_len - 1} "
+                      "prompt tokens leave room for one output token")
         n = _or(req.n, 1)
         # max_tokens 0: only the prompt (with echo: its logprobs, for loglikelihood evaluations)
         if max_tokens == 0 and not echo:
@@ -456,7 +457,9 @@ class RequestParser:
         elif max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
-            raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.max_model_len}")
+            raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                                    f"exceeds this model's context (max_model_len) of {self.max_model_len} tokens: "
+                                    f"lower max_tokens to at most {room}, or leave it out")
         top_k = _or(req.top_k, 0)
         if top_k > self.vocab_size:
             raise bad("top_k", f"expected an integer in [-1, {self.vocab_size}] (the vocabulary), got {top_k}")
@@ -896,8 +899,10 @@ def as_request_error(exc: BaseException) -> RequestError:
     return RequestError(f"internal error: {type(exc).__name__}", status=500, code="internal_error")
 
 
-def models_response(model_id: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "flashprefill-serve"}]}
+def models_response(model_id: str, created: int, max_model_len: int) -> dict:
+    """``/v1/models``: the served model, with its context (``max_model_len``, as vLLM's model card)."""
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                        "owned_by": "flashprefill-serve", "max_model_len": max_model_len}]}
 
 
 # ----------------------------------------------------------------------------- OpenAPI

@@ -36,11 +36,10 @@ LOCAL_DELAYS = {"upscale_delay_s": 2, "downscale_delay_s": 15, "look_back_period
 LOCAL_POLICY_KWARGS = {"target_queued_tokens": 1024, "target_queued_requests": 4, "target_running": 8,
                        "target_kv_fraction": 0.7}
 LOCAL_ARGS = {
-    "model": {"model": "builtin:tiny", "device": "cpu", "dtype": "float32"},
+    "model": {"model": "builtin:tiny", "device": "cpu", "dtype": "float32", "max_model_len": 4096},
     "kv": {"page_size": 16, "prefill_pages": 512, "decode_pages": 1024},
     "prefill": {"max_batch_tokens": 2048, "batch_wait_ms": 2.0, "max_queued_tokens": 65536},
     "decode": {"max_running": 32},
-    "ingress": {"max_model_len": 4096},
     "runtime": {"torch_threads": 1},
     "transfer": {"transport": "object_store", "retries": 2, "lease_timeout_s": 60},
 }

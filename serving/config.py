@@ -21,6 +21,8 @@ dotted paths; one option given twice with different values is an error.
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -94,6 +96,18 @@ class ModelOptions(_Section):
         'e4m3 with one scale per tensor ("fp8_tensor"), per output channel ("fp8_channel", also '
         '"fp8_e4m3") or per 128x128 block ("fp8_block"); activations are quantized per call to match.'))
     seed: int = Field(0, ge=0, description="Seed of the built-in models' weights.")
+    max_model_len: int | None = Field(None, ge=2, description=(
+        "Prompt + generated tokens per request. null: the model's own context, as vLLM derives it "
+        "(config.json's `max_position_embeddings`, or its RoPE scaling's factor x original context; "
+        "with `model.rope_scaling` the stretched context): 8192 for the default model. A prompt that "
+        "leaves no room to generate, or prompt + `max_tokens` beyond it, is a 400 / INVALID_ARGUMENT. "
+        "A value above the model's context is refused at launch unless `model.rope_scaling` stretches "
+        "the context that far (the built-in structured models, constructed rather than trained, take any)."))
+    rope_scaling: dict[str, Any] | None = Field(None, description=(
+        'Run the model beyond its trained context: `{"rope_type": "yarn", "factor": F}` (or "linear") '
+        "(F > 1) stretches its RoPE (`model_executor.loading.rope_scaling_overrides`; the model's own "
+        "RoPE must be unscaled) and its context to F x `max_position_embeddings`, which `model.max_model_len` "
+        "then defaults to. Model directories and GGUF models (the default model included) only."))
 
     @field_validator("model")
     @classmethod
@@ -101,6 +115,20 @@ class ModelOptions(_Section):
         from model_executor.loading import check_model_name
 
         check_model_name(value)
+        return value
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _rope_scaling(cls, value: dict | None, info: ValidationInfo) -> dict | None:
+        from model_executor.loading import BUILTIN_STRUCTURED, BUILTIN_TINY, check_rope_scaling
+
+        if value is None:
+            return None
+        check_rope_scaling(value)
+        model = info.data.get("model")  # absent when it failed its own check
+        if model == BUILTIN_TINY or model in BUILTIN_STRUCTURED:
+            raise ValueError(f"only model directories and GGUF models take it, not {model} (no trained "
+                             "context to stretch)")
         return value
 
 
@@ -233,7 +261,7 @@ class DecodeOptions(_Section):
     max_running: int = Field(64, ge=1, description="Requests one decode replica decodes per step.")
     cuda_graphs: bool = Field(True, description=(
         "Decode replicas on CUDA replay their decode steps from CUDA graphs, one per batch size up to "
-        "`decode.max_running`, for sequences up to `ingress.max_model_len` tokens "
+        "`decode.max_running`, for sequences up to `model.max_model_len` tokens "
         "(`model_executor/cuda_graphs.py`); a capture that fails or does not reproduce the eager step "
         "leaves the replica eager, with a warning."))
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
@@ -334,10 +362,9 @@ class IngressOptions(_Section):
 
     section: typing.ClassVar[str] = "ingress"
 
-    max_model_len: int = Field(32768, ge=2, description="Prompt + generated tokens per request.")
     default_max_tokens: int = Field(16, ge=1, description=(
         "`max_tokens` of a completions request that sends none (OpenAI's 16); chat's default runs to the "
-        "end of the context (`max_model_len` - prompt, within what a decode replica holds), as OpenAI and vLLM."))
+        "end of the context (`model.max_model_len` - prompt, within what a decode replica holds), as OpenAI and vLLM."))
     strict_fields: bool = Field(False, description=(
         "Answer a request field that neither OpenAI nor vLLM defines with 400 naming it; false: ignore it "
         "and log its name once per ingress replica (docs/API.md, Request fields)."))
@@ -512,6 +539,39 @@ def with_sparse_profile(data: dict) -> dict:
     return {**data, "sparse": {**fill, **given}}
 
 
+@functools.lru_cache(maxsize=32)
+def _model_context(model: str, rope_scaling: str | None) -> Any:
+    from model_executor.loading import model_context
+
+    return model_context(model, json.loads(rope_scaling) if rope_scaling else None)
+
+
+def resolve_max_model_len(config: "ServiceConfig") -> int:
+    """The context every request gets: ``model.max_model_len``, by default the model's own
+    (``model_executor.loading.model_context``: its config alone, no weights). A value beyond the
+    model's context without ``model.rope_scaling`` stretching it that far is a :class:`ConfigError`
+    naming ``model.max_model_len``; the launcher, the application builder and the ingress ask."""
+    m = config.model
+    try:
+        ctx = _model_context(m.model, json.dumps(m.rope_scaling, sort_keys=True) if m.rope_scaling else None)
+    except ValueError as exc:  # the loader names rope_scaling or model
+        raise ConfigError(f"model.{exc}") from None
+    if ctx is None:  # a directory not on this machine: its replicas read it
+        if m.max_model_len is None:
+            raise ConfigError(f"model.max_model_len: the context of {m.model!r} cannot be read here (no config.json); "
+                              "set model.max_model_len")
+        return m.max_model_len
+    if m.max_model_len is None:
+        return ctx.tokens
+    if m.max_model_len > ctx.tokens and ctx.trained:
+        fix = ("raise model.rope_scaling's factor" if m.rope_scaling else
+               'stretch its RoPE with model.rope_scaling (e.g. {"rope_type": "yarn", "factor": '
+               f"{-(-m.max_model_len // ctx.tokens)}}})")
+        raise ConfigError(f"model.max_model_len: {m.max_model_len} exceeds the context of {m.model} ({ctx.tokens} "
+                          f"tokens: {ctx.source}); lower it, leave it unset, or {fix}")
+    return m.max_model_len
+
+
 def check_tensor_parallel(config: "ServiceConfig") -> None:
     """``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` against the model's head
     counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option."""
@@ -568,7 +628,7 @@ OPTION_ALIASES: dict[str, str] = {
     "transport": "transfer.transport",
     "transfer_retries": "transfer.retries",
     "lease_timeout_s": "transfer.lease_timeout_s",
-    "max_model_len": "ingress.max_model_len",
+    "max_model_len": "model.max_model_len",
     "default_max_tokens": "ingress.default_max_tokens",
     "max_request_bytes": "ingress.max_request_bytes",
     "retry_after_s": "ingress.retry_after_s",
@@ -578,6 +638,11 @@ OPTION_ALIASES: dict[str, str] = {
     "auth_token_env": "ingress.auth_token_env",
     "fused_ops": "runtime.fused_ops",
     "torch_threads": "runtime.torch_threads",
+}
+
+MOVED_OPTIONS: dict[str, str] = {
+    # dotted paths of options that moved to another section -> where they are now
+    "ingress.max_model_len": "model.max_model_len",  # a property of the model (its context), not of the ingress
 }
 
 
@@ -630,6 +695,8 @@ def resolve(key: str, value: Any = None) -> str:
         return key
     if key in OPTION_ALIASES:
         return OPTION_ALIASES[key]
+    if key in MOVED_OPTIONS:
+        return MOVED_OPTIONS[key]
     raise _unknown(key)
 
 
@@ -646,9 +713,13 @@ def _put(tree: dict, path: str, value: Any, origin: dict[str, str], key: str) ->
             raise ConfigError(f"{path}: expected a mapping of options, got {type(value).__name__} {value!r}")
         items = value.model_dump() if isinstance(value, BaseModel) else value
         for sub, sub_value in items.items():
-            if not isinstance(sub, str) or f"{path}.{sub}" not in FIELDS:
-                raise _unknown(f"{path}.{sub}")
-            _put(tree, f"{path}.{sub}", sub_value, origin, f"{key}.{sub}" if key else sub)
+            full = f"{path}.{sub}"
+            if isinstance(sub, str) and full in MOVED_OPTIONS:
+                _put(tree, MOVED_OPTIONS[full], sub_value, origin, f"{key}.{sub}" if key else full)
+                continue
+            if not isinstance(sub, str) or full not in FIELDS:
+                raise _unknown(full)
+            _put(tree, full, sub_value, origin, f"{key}.{sub}" if key else sub)
         if not items:
             _walk(tree, path)
         return
@@ -737,9 +808,15 @@ def _is_text(annotation: Any) -> bool:
     return False
 
 
+def _is_mapping(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return any(_is_mapping(a) for a in typing.get_args(annotation))
+    return annotation is dict or typing.get_origin(annotation) is dict
+
+
 def parse_option_value(path: str, text: str) -> Any:
     """``--option PATH=TEXT``: TEXT parsed by the option's type (``null``: None where allowed;
-    a section takes a JSON object). ``path`` is a dotted path or a flat name."""
+    a section or a mapping option takes a JSON object). ``path`` is a dotted path or a flat name."""
     resolved = resolve(path)  # "model" alone is the option model.model
     annotation = FIELDS[resolved].annotation
     if _allows_none(annotation) and text.strip().lower() in ("null", "none"):
@@ -747,9 +824,7 @@ def parse_option_value(path: str, text: str) -> Any:
     if _is_text(annotation):
         return text
     try:
-        if _section_type(annotation) is not None:
-            import json
-
+        if _section_type(annotation) is not None or _is_mapping(annotation):
             return json.loads(text)
         return TypeAdapter(annotation).validate_strings(text.strip())
     except ValueError as exc:
@@ -823,6 +898,12 @@ def options_markdown() -> str:
         "| Flat name | Option |",
         "|---|---|",
         *(f"| `{flat}` | `{path}` |" for flat, path in OPTION_ALIASES.items()),
+        "",
+        "Options that moved to another section are accepted under their old path too:",
+        "",
+        "| Old path | Option |",
+        "|---|---|",
+        *(f"| `{old}` | `{path}` |" for old, path in MOVED_OPTIONS.items()),
         "",
     ]
     return "\n".join(lines)

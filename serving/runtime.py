@@ -15,7 +15,7 @@ import torch
 
 from kernels._checks import canonical_device
 
-from .config import ServiceConfig
+from .config import ServiceConfig, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class WorkerRuntime:
             torch.set_num_threads(config.runtime.torch_threads)
         device = resolve_device(config)
         dtype = resolve_dtype(config, device)
-        loaded = load_model(config.model.model, dtype=dtype, device=device, seed=config.model.seed, weight_dtype=config.model.weight_dtype)
+        loaded = load_model(config.model.model, dtype=dtype, device=device, seed=config.model.seed,
+                            weight_dtype=config.model.weight_dtype, rope_scaling=config.model.rope_scaling)
         kv_dtype = torch.float8_e4m3fn if config.kv.cache_dtype == "fp8_e4m3" else dtype
         pool = KVPool(
             KVPoolConfig(
@@ -97,9 +98,10 @@ class WorkerRuntime:
             self.decode_graphs = f"off: runs on {self.device}"
         else:
             sizes = graph_batch_sizes(self.config.decode.max_running)
+            max_len = resolve_max_model_len(self.config)
             try:
-                self.runner.enable_decode_graphs(max_seqlen=self.config.ingress.max_model_len, batch_sizes=sizes)
-                self.decode_graphs = f"on: batch sizes {list(sizes)}, up to {self.config.ingress.max_model_len} tokens"
+                self.runner.enable_decode_graphs(max_seqlen=max_len, batch_sizes=sizes)
+                self.decode_graphs = f"on: batch sizes {list(sizes)}, up to {max_len} tokens"
             except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the replica eager
                 self.runner.disable_decode_graphs()
                 self.decode_graphs = f"eager: capture failed: {type(exc).__name__}: {exc}"[:500]

@@ -81,7 +81,7 @@ def build_rank_runner(config: ServiceConfig, side: str, tp: Any, num_pages: int)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model.model, dtype=dtype, device=device, seed=config.model.seed,
-                        weight_dtype=config.model.weight_dtype, tp=tp)
+                        weight_dtype=config.model.weight_dtype, tp=tp, rope_scaling=config.model.rope_scaling)
     kv_dtype = torch.float8_e4m3fn if config.kv.cache_dtype == "fp8_e4m3" else dtype
     pool = make_pool(loaded, num_pages=num_pages, page_size=config.kv.page_size, dtype=kv_dtype, device=device)
     return ModelRunner(loaded.model, pool, config.sparse_config, dense_below=config.sparse.dense_below, device=device,

@@ -37,7 +37,7 @@ def test_bench_config_and_service_options():
     assert bench.replica_options(two)["ray_actor_options"]["num_gpus"] == 1
     for name in ("dense", "sparse_bf16", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k"):
         service, why = bench.resolve_service_config(bench.service_options(cfg, name))
-        assert why is None and service.ingress.max_model_len == 131072 + 64
+        assert why is None and service.model.max_model_len == 131072 + 64
         # the longest prompt fits a prefill pool; prompt + output fits a decode pool
         assert 131072 // service.kv.page_size <= service.kv.prefill_pages
     smoke = bench.BenchConfig(**bench.SMOKE)

@@ -100,7 +100,8 @@ _ADDED_FIELDS = {
     "ToolChoice": {"mode": (1, "string", False), "function": (2, "message", False)},
     "NamedFunction": {"name": (1, "string", False)},
     "ListModelsResponse": {"models": (1, "message", True)},
-    "Model": {"id": (1, "string", False), "created": (2, "int64", False), "owned_by": (3, "string", False)},
+    "Model": {"id": (1, "string", False), "created": (2, "int64", False), "owned_by": (3, "string", False),
+              "max_model_len": (4, "int64", False)},  # the context, as /v1/models reports it
 }
 _TYPE_NAMES = {"string": 9, "int32": 5, "uint32": 13, "uint64": 4, "float": 2, "bool": 8, "message": 11, "int64": 3}
 
