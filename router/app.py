@@ -316,8 +316,10 @@ class OpenAIIngress(GrpcIngress):
 
 # --------------------------------------------------------------------------- the builder
 # ingress slots beyond its own bound and queue: health probes, /v1/models, /tokenize and the
-# requests being parsed or refused while the queue is full always find room
-CONTROL_HEADROOM = 64
+# requests being parsed or refused while the queue is full (a burst arrives faster than one
+# event loop parses it) find room, rather than Serve's rejection of a replica at capacity
+CONTROL_HEADROOM = 256
+SERVE_INGRESS_QUEUE = 1024
 
 
 def ingress_replicas_bound(options: dict) -> int:
@@ -397,8 +399,10 @@ def build_application(
     ingress_options: dict[str, Any] = {
         "name": "OpenAIIngress",
         "max_ongoing_requests": ingress_max_ongoing(config),
-        # Serve's own queue, in the proxy, only while every ingress replica is at the bound above
-        "max_queued_requests": CONTROL_HEADROOM,
+        # Serve's own queue, in the proxy: requests arriving faster than the ingress's event loop
+        # parses them (each then gets the ingress's own answer, a 429 with an OpenAI error object
+        # past ingress.max_queued); Serve's plain-text 429 only past this
+        "max_queued_requests": max(SERVE_INGRESS_QUEUE, config.ingress.max_queued),
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=config.ingress.retry_after_s or 1),
         "ray_actor_options": {"num_cpus": 0.5},
         "graceful_shutdown_timeout_s": 60.0,

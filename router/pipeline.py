@@ -190,6 +190,25 @@ class ReplicaDeaths:
                        f"(one INFO line each). First: {what}", _replica_of(exc), type(exc).__name__, *args)
 
 
+class RouterDeathNotice(logging.Filter):
+    """Serve's request router logs a WARNING for each request that meets a dead replica ("...
+    will not be considered for future requests because it has died"); :class:`ReplicaDeaths`
+    logs the one WARNING per death, so these become INFO lines (installed on Serve's logger in
+    the ingress process by :meth:`install`)."""
+
+    NEEDLE = "will not be considered for future requests because it has died"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and self.NEEDLE in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+    @classmethod
+    def install(cls, target: logging.Logger = logger) -> None:
+        if not any(isinstance(f, cls) for f in target.filters):
+            target.addFilter(cls())
+
+
 class DisaggregatedPipeline:
     def __init__(self, prefill_handle: Any, decode_handle: Any, config: ServiceConfig, tokenizer: Any,
                  page_size: int | None = None, metrics: Metrics | None = None,
@@ -205,6 +224,7 @@ class DisaggregatedPipeline:
         self._decode_calls = decode_handle  # unary calls pinned to a replica (cancel_choice)
         self._background: set[asyncio.Task] = set()
         self.deaths = ReplicaDeaths()
+        RouterDeathNotice.install()
         self.cost_model = PrefillCostModel.for_config(config)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
