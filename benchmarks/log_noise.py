@@ -9,7 +9,9 @@ INVALID_ARGUMENT), and, half-way, SIGKILL of the prefill replica's process (a cr
 a user of ``router serve`` sees: Ray forwards the replicas' lines to it).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/log_noise.py --out /tmp/log_noise.json
-    # the code of another checkout (before/after): PYTHONPATH=/path/to/it ... --repo /path/to/it
+    # the code of another commit (before/after), exported without touching any checkout:
+    mkdir /tmp/before && git archive f7fc143 | tar -x -C /tmp/before
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/log_noise.py --repo /tmp/before --out /tmp/before.json
 
 Prints a table and writes JSON (``--out``).
 """
@@ -29,6 +31,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the client's proto stubs (router/proto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +173,13 @@ def run(cfg: RunConfig) -> RunResult:
         concurrent.futures.wait(clients)
         pool.shutdown()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log.close()
     text = Path(cfg.log).read_text(errors="replace").splitlines()
     level = lambda name: sum(1 for line in text if re.search(rf"(^|[\s\]]){name}[\s:]", line[:160]))  # noqa: E731
