@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.config import ServiceConfig, resolve_max_model_len
 from .accounting import Delta, StreamAccount, StreamStep
+from .admission import Admission, Ticket
 from .grpc_ingress import GrpcIngress
 from .pipeline import DisaggregatedPipeline
 from .protocol import (
@@ -129,6 +130,8 @@ class OpenAIIngress(GrpcIngress):
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
                                               release_lease=PrefillClient().lease_releaser(prefill))
+        self.admission = Admission(self.config.ingress.max_inflight, self.config.ingress.max_queued,
+                                   retry_after_s=self.config.ingress.retry_after_s, metrics=self.pipeline.metrics)
         self.auth = BearerAuth.from_config(self.config)
         self.created = int(time.time())
         self.readiness = ReadinessProbe(prefill.app_name, {"prefill": prefill.deployment_name, "decode": decode.deployment_name},
@@ -149,6 +152,11 @@ class OpenAIIngress(GrpcIngress):
                 f"max_tokens: prompt ({prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
                 f"a decode replica holds {self.config.kv.decode_pages}: lower max_tokens",
                 param="max_tokens", status=400, code="invalid_value")
+
+    async def _admit(self, req: GenerationRequest) -> Ticket:
+        """Waits for the request's slots (router/admission.py: one per prompt); 429 when the
+        ingress's queue is full."""
+        return await self.admission.acquire(len(req.batch) if req.batch else 1)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.ingress.max_request_bytes
@@ -260,6 +268,7 @@ class OpenAIIngress(GrpcIngress):
         try:
             req = self.parser.parse(body, kind, request_id=request.headers.get("x-request-id"))
             self._check_capacity(req)
+            ticket = await self._admit(req)
         except RequestError as err:
             return error_response(err)
         if not req.stream:
@@ -269,17 +278,22 @@ class OpenAIIngress(GrpcIngress):
                 choices, generated = await self.pipeline.complete_choices(req)
             except Exception as exc:
                 return error_response(as_request_error(exc))
+            finally:
+                ticket.release()
             return JSONResponse(completion_response(req, choices[0][2], choices=choices, completion_tokens=generated))
         deltas = self.pipeline.stream_choices(req)
         try:  # wait for the first token before committing to a 200: errors keep their status
             first = await deltas.__anext__()
-        except Exception as exc:
+        except BaseException as exc:
+            ticket.release()
             await deltas.aclose()
+            if not isinstance(exc, Exception):
+                raise
             return error_response(as_request_error(exc))
-        return StreamingResponse(self._sse_stream(req, first, deltas), media_type="text/event-stream",
+        return StreamingResponse(self._sse_stream(req, first, deltas, ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas):
+    async def _sse_stream(self, req: GenerationRequest, first: tuple[int, Delta], deltas, ticket: Ticket):
         account = StreamAccount(req)
         try:
             index, delta = first
@@ -298,11 +312,47 @@ class OpenAIIngress(GrpcIngress):
         except Exception as exc:  # after a 200 went out, the error travels in-band
             yield _sse(as_request_error(exc).to_dict())
         finally:
+            ticket.release()
             await deltas.aclose()
         yield "data: [DONE]\n\n"
 
 
 # --------------------------------------------------------------------------- the builder
+# ingress slots beyond its own bound and queue: health probes, /v1/models, /tokenize and the
+# requests being parsed or refused while the queue is full (a burst arrives faster than one
+# event loop parses it) find room, rather than Serve's rejection of a replica at capacity
+CONTROL_HEADROOM = 256
+SERVE_INGRESS_QUEUE = 1024
+
+
+def ingress_replicas_bound(options: dict) -> int:
+    """The most ingress replicas ``options`` (Serve deployment options) can run: ``num_replicas``,
+    or the autoscaling config's ``max_replicas``; 1 by default."""
+    auto = options.get("autoscaling_config")
+    if auto is not None:
+        top = auto.get("max_replicas") if isinstance(auto, dict) else getattr(auto, "max_replicas", None)
+        return max(int(top or 1), 1)
+    n = options.get("num_replicas", 1)
+    return max(int(n), 1) if isinstance(n, int) else 1
+
+
+def worker_max_ongoing(config: ServiceConfig, ingress_replicas: int = 1) -> int:
+    """A worker deployment's ``max_ongoing_requests`` with room for every ingress replica's
+    admitted requests (``ingress.max_inflight`` slots each, a slot being one prefill call or one
+    decode stream at a time) plus as many side calls (``send_pages``, ``stage_pages``,
+    ``release_pages``, ``cancel_choice``): one replica alone can take all of them, so Serve's
+    router never finds every replica full and never retries (router/admission.py)."""
+    if ingress_replicas < 1:
+        raise ValueError(f"ingress_replicas: expected >= 1, got {ingress_replicas}")
+    return 2 * config.ingress.max_inflight * ingress_replicas
+
+
+def ingress_max_ongoing(config: ServiceConfig) -> int:
+    """The ingress deployment's ``max_ongoing_requests``: its own bound and queue (the waiting
+    happens in our queue, visible in the metrics) plus :data:`CONTROL_HEADROOM`."""
+    return config.ingress.max_inflight + config.ingress.max_queued + CONTROL_HEADROOM
+
+
 def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = None) -> dict:
     """GPU replicas when the cluster has GPUs and the config does not pin the CPU: one GPU each
     with two or more GPUs; with exactly one, prefill and decode share it (half each), and
@@ -342,7 +392,8 @@ def build_application(
 
     config = ServiceConfig.from_dict(config)
     resolve_max_model_len(config)  # a max_model_len beyond the model's context fails here, at launch
-    worker_defaults = _default_worker_options(config)
+    worker_defaults = {**_default_worker_options(config),
+                       "max_ongoing_requests": worker_max_ongoing(config, ingress_replicas_bound(ingress or {}))}
     prefill_opts = {**worker_defaults, **routed_by(PrefillRequestRouter), **(prefill or {})}
     decode_opts = {**worker_defaults, **routed_by(DecodeRequestRouter), **(decode or {})}
     raw = config.to_dict()
@@ -351,8 +402,11 @@ def build_application(
     decode_dep = make_decode_deployment(config, **decode_opts)
     ingress_options: dict[str, Any] = {
         "name": "OpenAIIngress",
-        "max_ongoing_requests": 256,
-        "max_queued_requests": 1024,
+        "max_ongoing_requests": ingress_max_ongoing(config),
+        # Serve's own queue, in the proxy: requests arriving faster than the ingress's event loop
+        # parses them (each then gets the ingress's own answer, a 429 with an OpenAI error object
+        # past ingress.max_queued); Serve's plain-text 429 only past this
+        "max_queued_requests": max(SERVE_INGRESS_QUEUE, config.ingress.max_queued),
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=config.ingress.retry_after_s or 1),
         "ray_actor_options": {"num_cpus": 0.5},
         "graceful_shutdown_timeout_s": 60.0,

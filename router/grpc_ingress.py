@@ -93,7 +93,8 @@ def _logprobs(pb: Any, entries: list | None) -> list:
 
 class GrpcIngress:
     """The gRPC methods. The class that mixes it in provides ``config``, ``auth``, ``parser``,
-    ``pipeline``, ``readiness``, ``created`` and ``_check_capacity(req)``."""
+    ``pipeline``, ``readiness``, ``created``, ``_check_capacity(req)`` and ``_admit(req)``
+    (router/admission.py)."""
 
     def _grpc_request(self, message: Any, grpc_context: Any = None, *, stream: bool = False) -> GenerationRequest:
         from router.grpc_service import MalformedMessage
@@ -330,8 +331,10 @@ class GrpcIngress:
     async def Generate(self, request: Any, grpc_context: Any = None):
         from router.proto import flashprefill_pb2 as pb
 
+        ticket = None
         try:
             req = self._grpc_request(request, grpc_context)
+            ticket = await self._admit(req)
             if req.single:
                 result = await self.pipeline.complete(req)
                 choices, generated = [(0, req.prompt_token_ids, result)], len(result.token_ids)
@@ -340,6 +343,9 @@ class GrpcIngress:
         except Exception as exc:
             self._grpc_fail(grpc_context, as_request_error(exc))
             return pb.GenerateResponse()
+        finally:
+            if ticket is not None:
+                ticket.release()
         out_choices = [self._grpc_choice(pb, req, index, res) for index, _, res in choices]
         first, result = out_choices[0], choices[0][2]
         out = pb.GenerateResponse(request_id=req.request_id, model=req.model, text=first.text, token_ids=first.token_ids,
@@ -415,6 +421,7 @@ class GrpcIngress:
 
         try:
             req = self._grpc_request(request, grpc_context, stream=True)
+            ticket = await self._admit(req)
         except RequestError as err:
             # Serve ends a stream with the status set on grpc_context only when the method raises
             self._grpc_fail(grpc_context, err)
@@ -432,4 +439,5 @@ class GrpcIngress:
             self._grpc_fail(grpc_context, as_request_error(exc))
             raise
         finally:
+            ticket.release()
             await deltas.aclose()

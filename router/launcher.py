@@ -72,6 +72,9 @@ def keep_ray_on_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+QUEUE_LENGTH_DEADLINE_S = 0.5
+
+
 def prepare_environment(host: str = "127.0.0.1", *, auth: bool = False) -> None:
     """What Ray reads from the environment, set before Ray is imported and started: workers
     import this repository's packages; a loopback ``host`` keeps every Ray process on loopback;
@@ -88,6 +91,10 @@ def prepare_environment(host: str = "127.0.0.1", *, auth: bool = False) -> None:
     # the gRPC proxy's own message limit (Ray's default is 2 GiB); the ingress then applies
     # ingress.max_request_bytes. Proxies inherit this from the process that starts the local Ray.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(GRPC_MAX_MESSAGE_BYTES))
+    # Serve's routers ask a replica for its queue length when their cache has no answer, and
+    # log a WARNING for each answer later than this (0.1 s by default, doubling per retry): on a
+    # busy CPU host a burst of requests made that tens of lines of noise
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", str(QUEUE_LENGTH_DEADLINE_S))
 
 
 def ray_init_kwargs(host: str = "127.0.0.1", *, dashboard_port: int | None = None,

@@ -157,6 +157,58 @@ def _is_replica_failure(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError))
 
 
+def _replica_of(exc: BaseException) -> str:
+    """Which replica a failure names: the actor id of Ray's actor errors, the replica id of
+    Serve's ``ReplicaUnavailableError``, else the error's type (one dead replica, one key)."""
+    for attr in ("actor_id", "_replica_id"):
+        value = getattr(exc, attr, None)
+        if value:
+            return str(value)
+    return type(exc).__name__
+
+
+class ReplicaDeaths:
+    """Logs a dead replica once: the first request that meets its death logs one WARNING, the
+    others (every request it held retries or resumes) one INFO line each. Bounded: the most
+    recent :attr:`MAX_REMEMBERED` replicas are remembered."""
+
+    MAX_REMEMBERED = 256
+
+    def __init__(self) -> None:
+        self._seen: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
+
+    def log(self, role: str, exc: BaseException, what: str, *args: Any) -> None:
+        """``what % args``: the request's line (its id, what happens to it next)."""
+        key = f"{role}:{_replica_of(exc)}"
+        if key in self._seen:
+            logger.info(what, *args)
+            return
+        self._seen[key] = None
+        while len(self._seen) > self.MAX_REMEMBERED:
+            self._seen.pop(next(iter(self._seen)))
+        logger.warning(f"{role} replica %s died (%s); its requests are retried or resumed elsewhere "
+                       f"(one INFO line each). First: {what}", _replica_of(exc), type(exc).__name__, *args)
+
+
+class RouterDeathNotice(logging.Filter):
+    """Serve's request router logs a WARNING for each request that meets a dead replica ("...
+    will not be considered for future requests because it has died"); :class:`ReplicaDeaths`
+    logs the one WARNING per death, so these become INFO lines (installed on Serve's logger in
+    the ingress process by :meth:`install`)."""
+
+    NEEDLE = "will not be considered for future requests because it has died"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and self.NEEDLE in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+    @classmethod
+    def install(cls, target: logging.Logger = logger) -> None:
+        if not any(isinstance(f, cls) for f in target.filters):
+            target.addFilter(cls())
+
+
 class DisaggregatedPipeline:
     def __init__(self, prefill_handle: Any, decode_handle: Any, config: ServiceConfig, tokenizer: Any,
                  page_size: int | None = None, metrics: Metrics | None = None,
@@ -171,6 +223,8 @@ class DisaggregatedPipeline:
         self._decode = decode_handle.options(stream=True)
         self._decode_calls = decode_handle  # unary calls pinned to a replica (cancel_choice)
         self._background: set[asyncio.Task] = set()
+        self.deaths = ReplicaDeaths()
+        RouterDeathNotice.install()
         self.cost_model = PrefillCostModel.for_config(config)
         self._reuse_granule = prefix_reuse_granule(self.page_size, sparse=config.sparse.alpha > 0)
 
@@ -343,9 +397,9 @@ class DisaggregatedPipeline:
                             f"decode replica failed mid-stream ({type(exc).__name__}) after "
                             f"{sum(len(c.generated) for c in choices)} tokens", status=502,
                             code="decode_failed") from exc
-                    logger.warning("decode replica failed mid-stream for %s (%s); resuming %d choices after %d tokens",
-                                   base.request_id, type(exc).__name__, sum(c.outcome is None for c in choices),
-                                   sum(len(c.generated) for c in choices))
+                    self.deaths.log("decode", exc, "%s: decode replica failed mid-stream (%s); resuming %d choices "
+                                    "after %d tokens", base.request_id, type(exc).__name__,
+                                    sum(c.outcome is None for c in choices), sum(len(c.generated) for c in choices))
                 if n == 1:
                     resumes += 1
                     conn.attempt = None
@@ -382,8 +436,8 @@ class DisaggregatedPipeline:
         raised at once: an OOM would fail the same prompt on a replica of the same size."""
         self._close(attempt)
         if _is_replica_failure(exc) and r < self.config.transfer.retries:
-            logger.warning("%s replica failed before the pages reached decode for %s (%s); prefilling again",
-                           role, request_id, type(exc).__name__)
+            self.deaths.log(role, exc, "%s: %s replica failed before the pages reached decode (%s); prefilling again",
+                            request_id, role, type(exc).__name__)
             return
         if _is_replica_failure(exc):
             raise self._unavailable(role, exc) from exc

@@ -371,6 +371,14 @@ class IngressOptions(_Section):
     max_request_bytes: int = Field(1 << 20, ge=1024, description=(
         "Largest HTTP body / gRPC request message accepted (413 / INVALID_ARGUMENT beyond)."))
     retry_after_s: int = Field(1, ge=0, description="The Retry-After of overload answers (429 / 503).")
+    max_inflight: int = Field(256, ge=1, le=65536, description=(
+        "Generation requests (completions, chat, gRPC Generate/GenerateStream; a list of prompts counts "
+        "each prompt) one ingress replica runs at once; more wait in its queue, in arrival order "
+        "(`router/admission.py`). The worker deployments' `max_ongoing_requests` default to room for "
+        "every ingress replica's bound, so Serve's router never has to retry a full replica."))
+    max_queued: int = Field(1024, ge=0, le=1_048_576, description=(
+        "Generation requests one ingress replica holds waiting beyond `ingress.max_inflight`; one more is "
+        "answered at once with 429 `overloaded` + Retry-After (gRPC RESOURCE_EXHAUSTED). 0: no queue."))
     decode_resumes: int = Field(2, ge=0, description=(
         "How many times a stream whose decode replica died is resumed (prompt + tokens so far "
         "prefilled again, decoding continues on a healthy replica)."))

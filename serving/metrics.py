@@ -14,7 +14,10 @@ ingress (one request's trip, ``router/pipeline.py``)
   ``time_to_first_token_seconds``, ``time_per_output_token_seconds`` (a request's mean after
   its first token), ``e2e_request_latency_seconds`` (histograms);
   ``request_retries_total{kind}``: ``prefill`` (a prefill or transfer attempt again), ``resume``
-  (decoding resumed on another replica).
+  (decoding resumed on another replica);
+  ``ingress_running_requests``, ``ingress_queued_requests`` (gauges: admitted, and waiting in
+  the ingress's queue, ``router/admission.py``), ``ingress_rejected_requests_total`` (429s of a
+  full queue).
 prefill replicas
   ``prefill_queued_requests``, ``prefill_queued_tokens`` (gauges, after every batch),
   ``prefill_tokens_total`` (computed), ``prefix_cache_queries_total`` (prompt tokens looked up),
@@ -58,6 +61,12 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
     "e2e_request_latency_seconds": ("histogram", "Time from request arrival to its end.", (), E2E_BUCKETS),
     "request_retries_total": ("counter", "Prefill/transfer attempts made again (prefill) and decodes resumed "
                               "on another replica (resume).", ("kind",), None),
+    "ingress_running_requests": ("gauge", "Generation requests an ingress replica runs (ingress.max_inflight bounds them).",
+                                 (), None),
+    "ingress_queued_requests": ("gauge", "Generation requests waiting in an ingress replica's queue "
+                                "(ingress.max_queued bounds them).", (), None),
+    "ingress_rejected_requests_total": ("counter", "Generation requests refused with 429 by a full ingress queue.",
+                                        (), None),
     "prefill_queued_requests": ("gauge", "Requests waiting in a prefill replica's queue.", (), None),
     "prefill_queued_tokens": ("gauge", "Prompt tokens waiting in a prefill replica's queue.", (), None),
     "prefill_tokens_total": ("counter", "Prompt tokens computed (not reused from the prefix cache).", (), None),
