@@ -61,6 +61,33 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
+
+def sparse_summary(config) -> str:
+    """One line for the banner: how prompts are prefilled (the profile, the safeguards and where
+    sparse attention starts), saying so plainly when it never does within the model's context."""
+    from serving.config import resolve_max_model_len
+
+    sp = config.sparse
+    try:
+        limit = resolve_max_model_len(config)
+    except ValueError:
+        limit = None
+    profile = {None: "no profile", "none": "no profile", "auto": "the shipped profile"}.get(sp.profile, sp.profile)
+    if sp.profile == "auto":
+        from model_executor.sparse_profile import shipped_profile_path
+
+        path = shipped_profile_path(config.model.model)
+        profile = f"profile {path.name}" if path is not None and path.exists() else "no profile"
+    if sp.alpha == 0 and not sp.layer_alpha:
+        return f"dense (sparse.alpha 0; {profile})"
+    if limit is not None and sp.dense_below > limit:
+        return (f"dense up to the model's context ({limit} tokens): sparse prefill starts at {sp.dense_below} "
+                f"(sparse.dense_below), where it pays on this model ({profile})")
+    layers = f", layer_alpha x{len(sp.layer_alpha)}" if sp.layer_alpha else ""
+    dense_layers = f", first {sp.dense_layers} layers dense" if sp.dense_layers else ""
+    return (f"FlashPrefill V2 sparse from {sp.dense_below} tokens (alpha {sp.alpha}{layers}, last "
+            f"{sp.last_dense_tiles} query tiles dense, energy rule {sp.energy_rule}{dense_layers}; {profile})")
+
 def keep_ray_on_loopback() -> None:
     """Make a Ray started by this process (and the processes it starts) loopback-only."""
     os.environ[LOOPBACK_ONLY_ENV] = "0"
@@ -351,6 +378,7 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions,
                 os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
             print(f"  Ray auth:      token (in {where}); for those CLIs: export RAY_AUTH_MODE=token")
     print(f"  health:        {base}/health/live (liveness)  {base}/health/ready (readiness)  grpc.health.v1.Health")
+    print(f"  prefill:       {sparse_summary(config)}")
     print("  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
     wait()

@@ -103,3 +103,18 @@ def test_the_profile_reaches_the_replicas_runner(tmp_path):
     with pytest.raises(ValueError, match="layer_alpha"):
         WorkerRuntime.build(ServiceConfig.from_dict({"model.model": "builtin:tiny", "model.device": "cpu",
                                                      "sparse.profile": too_long}), num_pages=8)
+
+
+def test_banner_says_how_prompts_are_prefilled(tmp_path):
+    from router.launcher import sparse_summary
+
+    tiny = {"model.model": "builtin:tiny", "sparse.profile": "none"}
+    line = sparse_summary(ServiceConfig.from_dict({**tiny, "sparse.dense_below": 4096}))
+    assert line.startswith("FlashPrefill V2 sparse from 4096 tokens") and "last 2 query tiles dense" in line
+    # SmolLM2's context is 8192: a dense_below past it means dense everywhere, said plainly
+    line = sparse_summary(ServiceConfig.from_dict({"sparse.profile": "none", "sparse.dense_below": 8193}))
+    assert line.startswith("dense up to the model's context (8192 tokens)")
+    assert sparse_summary(ServiceConfig.from_dict({**tiny, "sparse.alpha": 0.0})).startswith("dense (")
+    path = _write(tmp_path, _profile())
+    line = sparse_summary(ServiceConfig.from_dict({"model.model": "builtin:tiny", "sparse.profile": path}))
+    assert line.startswith("FlashPrefill V2 sparse from 2048 tokens (alpha 0.3, layer_alpha x4") and path in line
