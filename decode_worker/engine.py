@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from decode_worker.scheduler import DecodeScheduler
+from serving.messages import FinishReason  # noqa: F401 (re-exported: the engine's results carry it)
 from model_executor.runner import ModelRunner
 from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide
 
@@ -29,13 +30,6 @@ class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-    CANCELLED = "cancelled"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # emitted a stop token (it is the last output token), or its guide ended
-    LENGTH = "length"  # reached max_new_tokens
-    KV_EXHAUSTED = "kv_exhausted"  # preempted: no page for a next token, the newest request ends
     CANCELLED = "cancelled"
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import threading
 import time
 import traceback
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.config import Q_TILE
+from serving.costs import prefix_reuse_granule
 from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import Sampler, SamplingParams, TokenLogprob, make_guide, prompt_logprobs
 from serving.errors import PrefillOutOfMemory
@@ -50,12 +49,6 @@ from serving.errors import PrefillOutOfMemory
 from .scheduler import PrefillScheduler, PromptState
 
 logger = logging.getLogger("ray.serve")  # a name only (no Ray import): a replica's log shows it
-
-
-def prefix_reuse_granule(page_size: int, *, sparse: bool) -> int:
-    """Tokens a prefix-cache hit reuses at a time: whole pages; with sparse prefill whole query
-    tiles too (see the module doc). The router estimates a hit's saving with it."""
-    return math.lcm(page_size, Q_TILE) if sparse else page_size
 
 
 class PrefillState(enum.Enum):

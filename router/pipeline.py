@@ -46,16 +46,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_worker.engine import FinishReason
 from model_executor.sampling import SamplingParams
-from prefill_worker.engine import prefix_reuse_granule
 
 from serving.config import ServiceConfig
 from .detokenize import TextStream
 from serving.metrics import Metrics
 from serving.prefill_client import RELEASE_TIMEOUT_S
 from serving.errors import RequestError
-from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Prefilled, TransferFailed
+from serving.costs import prefix_reuse_granule
+from serving.messages import Adopted, CancelChoice, DecodeCall, FinishReason, PrefillCall, Prefilled, TransferFailed
 
 from .accounting import ChoiceAccount, Completion, Delta, Logprob
 from .protocol import GenerationRequest

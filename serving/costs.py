@@ -16,13 +16,23 @@ call's cost, the KV pages it needs, an optional pinned replica and prefix digest
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.config import Q_TILE
+
 ROUTING_KWARG = "routing"  # keyword argument every routed call carries: a RoutingHint dict
 PREFIX_STRIDE = 8  # pages between two prefix digests in a routing hint (512 tokens at page 64)
 PREFIX_INDEX_ENTRIES = 200_000  # digests a prefill router remembers (LRU)
+
+
+def prefix_reuse_granule(page_size: int, *, sparse: bool) -> int:
+    """Tokens a prefix-cache hit reuses at a time: whole pages; with sparse prefill whole query
+    tiles too (prefill_worker/engine.py's module doc says why). The router estimates a hit's
+    saving with it, the prefill engine reuses that much."""
+    return math.lcm(page_size, Q_TILE) if sparse else page_size
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,22 @@ exception. ``serving.prefill_client.PrefillClient`` makes the prefill calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer.transfer import MAX_REQUEST_ID_LEN
 from kv_transfer.wire import SendPages, SendReply, StagePages, StageReply
 from model_executor.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a decode ended (the decode engine's, reported to the ingress)."""
+
+    STOP = "stop"  # emitted a stop token (it is the last output token), or its guide ended
+    LENGTH = "length"  # reached max_new_tokens
+    KV_EXHAUSTED = "kv_exhausted"  # preempted: no page for a next token, the newest request ends
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)
