@@ -14,12 +14,16 @@ ingress (one request's trip, ``router/pipeline.py``)
   ``time_to_first_token_seconds``, ``time_per_output_token_seconds`` (a request's mean after
   its first token), ``e2e_request_latency_seconds`` (histograms);
   ``request_retries_total{kind}``: ``prefill`` (a prefill or transfer attempt again), ``resume``
-  (decoding resumed on another replica).
+  (decoding resumed on another replica);
+  ``requests_cancelled_total{stage}``: ``transferring``, ``decoding`` (the client went away after
+  its first token: the decode stream is closed, the decode replica frees the pages).
 prefill replicas
   ``prefill_queued_requests``, ``prefill_queued_tokens`` (gauges, after every batch),
   ``prefill_tokens_total`` (computed), ``prefix_cache_queries_total`` (prompt tokens looked up),
   ``prefix_cache_hits_total`` (prompt tokens reused from the prefix cache),
-  ``prefill_batch_seconds`` (a forward batch, histogram).
+  ``prefill_batch_seconds`` (a forward batch, histogram),
+  ``requests_cancelled_total{stage}``: ``queued`` (left the queue at once), ``prefilling``
+  (stopped at the end of its forward or between its chunks, or cancelled during its export).
 decode replicas
   ``decode_running_requests``, ``decode_waiting_requests`` (gauges, after every step),
   ``decode_steps_total{mode}``: ``graph`` or ``eager`` (``model_executor/cuda_graphs.py``),
@@ -56,6 +60,9 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
     "time_per_output_token_seconds": ("histogram", "A request's mean time per output token after the first.", (),
                                       TPOT_BUCKETS),
     "e2e_request_latency_seconds": ("histogram", "Time from request arrival to its end.", (), E2E_BUCKETS),
+    "requests_cancelled_total": ("counter", "Requests cancelled (client gone, HTTP timeout, gRPC deadline or "
+                                 "cancel) by the stage their work was dropped at: queued, prefilling (a prefill "
+                                 "replica's count), transferring, decoding (the ingress's).", ("stage",), None),
     "request_retries_total": ("counter", "Prefill/transfer attempts made again (prefill) and decodes resumed "
                               "on another replica (resume).", ("kind",), None),
     "prefill_queued_requests": ("gauge", "Requests waiting in a prefill replica's queue.", (), None),
