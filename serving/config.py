@@ -39,8 +39,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)
 # prefill.chunk_tokens's default: a short prompt waits at most one chunk's forward behind a long
-# one; on the 8B structured model 8K chunks cost a 128K prefill +3% (BENCHMARKS.md), and a chunk's
-# fixed cost per forward grows that share as chunks shrink (docs/PERF_NOTES.md, "Chunked prefill by default")
+# one. Chunks cost little: on CPU a prompt's forwards add up to its whole-prompt forward (attention
+# dominates); on one H200 8K chunks cost a 128K prefill of the 8B model +3%, a per-forward cost
+# whose share grows as chunks shrink (BENCHMARKS.md, "Prefill scheduling on CPU" and the service runs)
 DEFAULT_CHUNK_TOKENS = 2048
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
