@@ -11,8 +11,8 @@ and ``--shorts`` short prompts at uniform random times over that span. Two suite
 - ``step``: the step-level scheduler (``prefill_worker/scheduler.py``), both policies.
 
 ``defaults``: the service's options (``serving/config.py``): the default forward budget
-(``prefill.max_batch_tokens``) with ``--defaults-long-tokens`` long prompts (the default model's
-context), under the old defaults (whole prompts, ``fcfs``), chunked ``fcfs``, and the new
+(``prefill.max_batch_tokens``) with ``--defaults-longs`` prompts of ``--defaults-long-tokens``
+(above the budget, as the issue's 10K and 20K prompts), under the old defaults (whole prompts, ``fcfs``), chunked ``fcfs``, and the new
 defaults (``prefill.chunk_tokens`` chunks, ``shortest_first`` bounded by ``prefill.max_wait_s``),
 plus ``shortest_first`` at twice the default chunk. ``short_forwards_waited_max``: forwards that
 began after a short prompt arrived and before its own (0: it ran in the forward after the one
@@ -74,12 +74,12 @@ def default_cells() -> list[SchedulerCell]:
             SchedulerCell(f"{p.schedule}, 2x chunks", p.schedule, p.max_batch_tokens, 2 * p.chunk_size)]
 
 
-def workload(args, long_prefill_s: float, long_tokens: int) -> list[tuple[float, str, list[int]]]:
+def workload(args, long_prefill_s: float, long_tokens: int, longs: int) -> list[tuple[float, str, list[int]]]:
     """(arrival offset s, request id, prompt), in arrival order; seeded."""
     rng = random.Random(args.seed)
-    span = args.longs * long_prefill_s
+    span = longs * long_prefill_s
     out = []
-    for i in range(args.longs):
+    for i in range(longs):
         out.append((i * long_prefill_s, f"long{i}", [256] + [rng.randrange(256) for _ in range(long_tokens - 1)]))
     for i in range(args.shorts):
         out.append((rng.uniform(0.0, span), f"short{i}",
@@ -104,7 +104,7 @@ class VirtualClock:
 
 
 def make_engine(model, args, cell: SchedulerCell, long_tokens: int, clock=time.monotonic) -> PrefillEngine:
-    pages = (args.longs * long_tokens + args.shorts * args.short_tokens) // args.page_size + 64
+    pages = (max(args.longs, args.defaults_longs) * long_tokens + args.shorts * args.short_tokens) // args.page_size + 64
     pool = make_pool(model, num_pages=pages, page_size=args.page_size)
     runner = ModelRunner(model.model, pool, SparseConfig(alpha=0.0), dense_below=0)
     return PrefillEngine(runner, max_batch_tokens=cell.budget, chunk_size=cell.chunk, policy=cell.policy,
@@ -169,19 +169,19 @@ def run_cell(model, args, arrivals, cell: SchedulerCell, long_tokens: int) -> di
     }
 
 
-def run_suite(model, args, cells: list[SchedulerCell], long_tokens: int, *, clock_cell: SchedulerCell,
+def run_suite(model, args, cells: list[SchedulerCell], long_tokens: int, longs: int, *, clock_cell: SchedulerCell,
               exact: bool) -> dict:
     """The cells over one workload: the long prompts one long prefill apart (alone, under
     ``clock_cell``). ``exact``: the first tokens must equal the first cell's (else reported)."""
     per_forward = calibrate(model, args, clock_cell, long_tokens)
     long_prefill_s = sum(per_forward)
-    arrivals = workload(args, long_prefill_s, long_tokens)
+    arrivals = workload(args, long_prefill_s, long_tokens, longs)
     run_cell(model, args, arrivals[:2], cells[0], long_tokens)  # warm the short shapes too
     rows = [run_cell(model, args, arrivals, cell, long_tokens) for cell in cells]
     ref = rows[0]["first_tokens"]
     for r in rows:
         r["first_tokens_equal_first_cell"] = r["first_tokens"] == ref
-    return {"long_tokens": long_tokens, "calibration_forward_s": statistics.median(per_forward),
+    return {"long_tokens": long_tokens, "longs": longs, "calibration_forward_s": statistics.median(per_forward),
             "long_prefill_s": long_prefill_s, "exact_first_tokens": exact, "cells": rows}
 
 
@@ -202,8 +202,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=("policies", "defaults", "all"), default="all")
     ap.add_argument("--long-tokens", type=int, default=1536, help="policies: long prompt length")
-    ap.add_argument("--defaults-long-tokens", type=int, default=8192,
-                    help="defaults: long prompt length (the default model's context)")
+    ap.add_argument("--defaults-long-tokens", type=int, default=12288,
+                    help="defaults: long prompt length (above the forward budget: the old defaults split it there)")
+    ap.add_argument("--defaults-longs", type=int, default=2, help="defaults: long prompts")
     ap.add_argument("--short-tokens", type=int, default=48)
     ap.add_argument("--longs", type=int, default=3)
     ap.add_argument("--shorts", type=int, default=12)
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
     ok = True
     if args.suite in ("policies", "all"):
         cells = [SchedulerCell(f"{d} {p}", p, args.chunk, args.chunk, interleave=d == "step") for d, p in CELLS]
-        suite = payload["policies"] = run_suite(model, args, cells, args.long_tokens, clock_cell=cells[2], exact=True)
+        suite = payload["policies"] = run_suite(model, args, cells, args.long_tokens, args.longs, clock_cell=cells[2],
+                                                exact=True)
         ok = all(r["first_tokens_equal_first_cell"] for r in suite["cells"])
         base = {r["policy"]: r for r in suite["cells"] if r["discipline"] == "batch"}
         print_suite(f"# policies: tiny model, CPU (one thread, virtual time), {args.longs} x {args.long_tokens}-token "
@@ -231,10 +233,10 @@ def main(argv=None) -> int:
                     suite, lambda r: base[r["policy"]])
     if args.suite in ("defaults", "all"):
         cells = default_cells()
-        suite = payload["defaults"] = run_suite(model, args, cells, args.defaults_long_tokens, clock_cell=cells[2],
-                                                exact=False)
+        suite = payload["defaults"] = run_suite(model, args, cells, args.defaults_long_tokens, args.defaults_longs,
+                                                clock_cell=cells[2], exact=False)
         old = suite["cells"][0]
-        print_suite(f"# defaults: tiny model, CPU (one thread, virtual time), {args.longs} x "
+        print_suite(f"# defaults: tiny model, CPU (one thread, virtual time), {args.defaults_longs} x "
                     f"{args.defaults_long_tokens}-token and {args.shorts} x {args.short_tokens}-token prompts, "
                     f"forward budget {old['max_batch_tokens']}; one long prompt alone {suite['long_prefill_s']:.2f} s "
                     "in default chunks; base: the old defaults", suite, lambda r: old)

@@ -24,7 +24,8 @@ def test_grammar_cpu_smoke(tmp_path, capsys):
 def test_scheduler_cpu_smoke(tmp_path):
     out = tmp_path / "scheduler.json"
     rc = bench_scheduler.main(["--long-tokens", "128", "--short-tokens", "16", "--longs", "1", "--shorts", "2",
-                               "--chunk", "64", "--defaults-long-tokens", "200", "--out", str(out)])
+                               "--chunk", "64", "--defaults-long-tokens", "200", "--defaults-longs", "1",
+                               "--out", str(out)])
     data = json.loads(out.read_text())
     cells = data["policies"]["cells"]
     assert [(c["discipline"], c["policy"]) for c in cells] == list(bench_scheduler.CELLS)
