@@ -235,6 +235,9 @@ def base_options(cfg: BenchConfig) -> dict[str, Any]:
         "max_queued_prefill_tokens": 1 << 40, "adopt_wait_s": 600.0, "lease_timeout_s": 900.0,
         "max_request_bytes": 16 << 20, "batch_wait_ms": 2.0, "transport": cfg.transport,
         "fused_ops": cfg.fused_ops, "cuda_graphs": cfg.cuda_graphs,
+        # whole prompts in arrival order unless a configuration says otherwise: what the recorded
+        # cells ran (the service's defaults before chunked shortest_first, issue 47)
+        "prefill_chunk_tokens": 0, "prefill_schedule": "fcfs",
     }
     if cfg.smoke:
         return {**common, "device": "cpu", "dtype": "float32", "torch_threads": 1, "page_size": 16,

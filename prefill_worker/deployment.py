@@ -45,7 +45,7 @@ from ray import serve
 from kernels.ops import attention_kernel_calls
 from kv_transfer.transfer import TransferFailure
 from kv_transfer.wire import send_pulls
-from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
+from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult, PrefillState
 from prefill_worker.leases import Lease, LeaseTable
 from serving.autoscaling import autoscaling_config
 from serving.config import ServiceConfig
@@ -92,8 +92,10 @@ class PrefillLoop:
     arrival for more to join its first forward, while they would not fill it."""
 
     def __init__(self, engine: PrefillEngine, *, max_batch_tokens: int, batch_wait_s: float,
-                 max_queued_tokens: int, retry_after_s: int, metrics: Metrics | None = None) -> None:
+                 max_queued_tokens: int, retry_after_s: int, metrics: Metrics | None = None,
+                 step_delay_s: float = 0.0) -> None:
         self.engine = engine
+        self.step_delay_s = step_delay_s  # fault-injection drills only
         self.pool = engine.pool
         self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
@@ -103,6 +105,7 @@ class PrefillLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0  # forwards run
+        self.cancelled = dict.fromkeys(("queued", "prefilling"), 0)  # prompts dropped, by where they were
         self.metrics = metrics if metrics is not None else Metrics()
 
     # -- accounting (routing stats) ----------------------------------------------------
@@ -150,15 +153,34 @@ class PrefillLoop:
         try:
             result = await asyncio.shield(item.future)
         except asyncio.CancelledError:
-            # still in the engine: dropped there (its pages go back now or after its forward);
-            # finished meanwhile: the loop releases the result's pages when it sees the future done
-            self.engine.abort_request(rid)
-            item.future.cancel()
+            self._drop(rid, item)
             raise
         finally:
             self._pending.pop(rid, None)
         started = item.started_at or item.enqueued_at
         return result, started - item.enqueued_at, time.monotonic() - started
+
+    def _drop(self, rid: str, item: _Pending) -> None:
+        """``rid``'s caller is gone (client disconnect, HTTP timeout, gRPC deadline or cancel:
+        Serve cancels the call). A waiting prompt leaves the queue now; a prompt being prefilled
+        stops at the end of the forward it is in (its pages go back then) or now, between two
+        of its chunks; a result that came in the same turn has its pages freed here. Counted
+        in ``requests_cancelled_total{stage}``."""
+        state = self.engine.state(rid)
+        fut = item.future
+        failed = fut.done() and not fut.cancelled() and fut.exception() is not None
+        if not self.engine.abort_request(rid) and fut.done() and not fut.cancelled() and not failed:
+            if self.pool.has(rid):  # finished as the cancel came: nobody else will free its pages
+                self.engine.release(rid)
+        # (finished in the forward that is ending: the loop frees its pages, finding no caller)
+        fut.cancel()
+        if not failed:
+            self.count_cancelled("queued" if state is PrefillState.WAITING else "prefilling")
+        self._wake.set()  # pages may be back: a prompt that waited for room may fit
+
+    def count_cancelled(self, stage: str) -> None:
+        self.metrics.inc("requests_cancelled_total", stage=stage)
+        self.cancelled[stage] += 1
 
     async def _run(self) -> None:
         while True:
@@ -169,6 +191,8 @@ class PrefillLoop:
                     await asyncio.sleep(self.batch_wait_s)  # let a first forward fill
                 continue
             self._wake.clear()
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)  # a cancel that comes meanwhile drops its prompt first
             t0 = time.monotonic()
             try:
                 out = await asyncio.to_thread(self.engine.step)
@@ -244,6 +268,7 @@ class PrefillServer:
             self.engine, max_batch_tokens=self.config.prefill.max_batch_tokens,
             batch_wait_s=self.config.prefill.batch_wait_ms / 1000.0,
             max_queued_tokens=self.config.prefill.max_queued_tokens, retry_after_s=self.config.ingress.retry_after_s,
+            step_delay_s=self.config.fault_injection.prefill_step_delay_ms / 1000.0,
         )
         self.identity = replica_identity()  # how tickets name this replica (release_pages)
         transports = make_prefill_transports(
@@ -281,7 +306,7 @@ class PrefillServer:
                                                                                sparse_options=tuple(call.sparse_options)))
             # a retry after a failed channel transfer asks for the object store
             exporter = self.object_store if call.transport == "object_store" else self.transport
-            ticket, leased = None, False
+            ticket, leased, exporting = None, False, False
             try:
                 fault = None
                 if self._faults_left > 0 and self.config.fault_injection.mode in exporter.fault_modes:
@@ -289,7 +314,15 @@ class PrefillServer:
                     fault = self.config.fault_injection.mode
                 t_export = time.monotonic()
                 if not call.skip_transfer:
-                    ticket = await asyncio.to_thread(exporter.export, self.pool, rid, fault=fault)
+                    export = asyncio.ensure_future(asyncio.to_thread(exporter.export, self.pool, rid, fault=fault))
+                    try:
+                        ticket = await asyncio.shield(export)
+                    except asyncio.CancelledError:
+                        # the export's thread still reads the pages: they go back when it is done
+                        export.add_done_callback(lambda done: self._drop_export(rid, exporter, done))
+                        exporting = True  # what it holds is the callback's to free, not the finally's
+                        self.loop.count_cancelled("prefilling")
+                        raise
                 export_s = time.monotonic() - t_export
                 if ticket is not None and (exporter.reads_pages_after_export or exporter.keeps_frame_until_released):
                     ticket = dataclasses.replace(ticket, sender=self.identity)  # where release_pages goes
@@ -307,11 +340,11 @@ class PrefillServer:
                                  first_logprobs=tuple(result.first_logprobs),
                                  block_density=result.block_density)
             finally:
-                if not leased:  # nothing was shipped or held, or the export failed / was cancelled
+                if not leased and not exporting:  # nothing was shipped or held, or the export failed
                     if ticket is not None and exporter.reads_pages_after_export:
                         exporter.discard(ticket)
                     self._free(rid)
-                elif not exporter.reads_pages_after_export:  # a frame: its lease holds the copy, not the pages
+                elif leased and not exporter.reads_pages_after_export:  # a frame: its lease holds the copy, not the pages
                     self._free(rid)
         finally:
             self.active -= 1
@@ -321,6 +354,13 @@ class PrefillServer:
         if self.pool.has(rid):
             self.engine.release(rid)
             self.loop.pages_freed()
+
+    def _drop_export(self, rid: str, exporter: Any, export: asyncio.Future) -> None:
+        """An export whose caller was cancelled has ended: what it made is discarded and the
+        request's pages go back."""
+        if not export.cancelled() and export.exception() is None and exporter.reads_pages_after_export:
+            exporter.discard(export.result())
+        self._free(rid)
 
     def _end_lease(self, lease: Lease, reason: str) -> None:
         lease.exporter.discard(lease.ticket)  # a channel's export record; a send under way then fails
@@ -384,6 +424,7 @@ class PrefillServer:
             "pool_requests": self.pool.stats()["requests"],
             "completed": self.completed,
             "batches": self.loop.batches,
+            "cancelled": dict(self.loop.cancelled),
             "rss_bytes": rss_bytes(),
             "replica_id": self.replica_id,
             "attention_kernels": attention_kernel_calls(),  # which kernel "auto" ran, per layer call

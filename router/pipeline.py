@@ -412,6 +412,12 @@ class DisaggregatedPipeline:
                 return
         except (asyncio.CancelledError, GeneratorExit):
             if not life.done:
+                # while a prefill replica has it, that replica counts it (queued or prefilling: only it
+                # knows which); once prefilled, its pages were on their way to decode, or decoding
+                prefilled = conn.attempt is not None and conn.attempt.lease is not None
+                if life.phase is RequestPhase.DECODING or life.phase is RequestPhase.TRANSFERRING or prefilled:
+                    stage = "decoding" if life.phase is RequestPhase.DECODING else "transferring"
+                    self.metrics.inc("requests_cancelled_total", stage=stage)
                 life.to(RequestPhase.CANCELLED)
             raise
         except Exception:

@@ -43,6 +43,11 @@ TRANSPORTS = ("auto", *transport_names(options_only=True))  # kv_transfer.regist
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFILL_SCHEDULES = ("fcfs", "shortest_first")  # prefill_worker.scheduler.PREFILL_POLICIES (a test keeps them equal)
+# prefill.chunk_tokens's default: a short prompt waits at most one chunk's forward behind a long
+# one. Chunks cost little: on CPU a prompt's forwards add up to its whole-prompt forward (attention
+# dominates); on one H200 8K chunks cost a 128K prefill of the 8B model +3%, a per-forward cost
+# whose share grows as chunks shrink (BENCHMARKS.md, "Prefill scheduling on CPU" and the service runs)
+DEFAULT_CHUNK_TOKENS = 2048
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_MODES = ("flip", "truncate", "break")
 SECRET_OPTIONS = frozenset({"ingress.auth_token"})  # never shown: not in errors, not in worker_dict
@@ -195,19 +200,22 @@ class PrefillOptions(_Section):
 
     max_batch_tokens: int = Field(8192, ge=1, description=(
         "Prompt tokens per prefill forward (a longer prompt is split at this budget)."))
-    chunk_tokens: int | None = Field(None, ge=0, description=(
+    chunk_tokens: int | None = Field(DEFAULT_CHUNK_TOKENS, ge=0, description=(
         "Chunked prefill: every prompt is prefilled in chunks of at most this many tokens, each chunk "
-        "attending to the earlier ones through the pool (null or 0: off, whole prompts per forward). "
-        "At most `prefill.max_batch_tokens`."))
+        "attending to the earlier ones through the pool, so a prompt that arrives during a long one waits "
+        "at most one chunk's forward, and a cancelled prompt stops at its next chunk (null or 0: off, whole "
+        "prompts per forward). At most `prefill.max_batch_tokens`; left unset, it is the smaller of "
+        f"{DEFAULT_CHUNK_TOKENS} and `prefill.max_batch_tokens`."))
     batch_wait_ms: float = Field(2.0, ge=0.0, le=10_000.0, description=(
         "How long a prefill replica waits to grow a batch once the first request is in."))
     max_queued_tokens: int = Field(262144, ge=1, description=(
         'Prompt tokens a prefill replica accepts into its queue before it answers "overloaded" '
         "(HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After)."))
-    schedule: Literal[PREFILL_SCHEDULES] = Field("fcfs", description=(
-        'The order in which a prefill replica takes its waiting prompts: "fcfs" (arrival order) or '
-        '"shortest_first" (least causal work first: a lower median TTFT under overload, longer waits '
-        "for long prompts), where a prompt waiting `prefill.max_wait_s` or more goes ahead of all younger ones."))
+    schedule: Literal[PREFILL_SCHEDULES] = Field("shortest_first", description=(
+        'The order in which a prefill replica takes its waiting and running prompts at each forward: '
+        '"shortest_first" (least remaining causal work first, so a short prompt overtakes long ones at the '
+        "next chunk boundary: a lower median TTFT, longer waits for long prompts; a prompt waiting "
+        '`prefill.max_wait_s` or more goes ahead of all younger ones) or "fcfs" (arrival order).'))
     max_wait_s: float = Field(30.0, ge=0.0, le=86400.0, description=(
         '"shortest_first": a prompt waiting this long goes ahead of all younger ones.'))
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
@@ -219,6 +227,17 @@ class PrefillOptions(_Section):
         "starts with the same tokens reuse them (least recently used pages evicted first); "
         "`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens a request reused. "
         "With sparse prefill the reused prefix is treated as a chunk boundary."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_chunk_within_batch(cls, data: Any) -> Any:
+        """Chunking left unset: the default chunk, cut to a smaller ``max_batch_tokens`` (an
+        explicit ``chunk_tokens`` above the budget is an error instead)."""
+        if isinstance(data, Mapping) and "chunk_tokens" not in data:
+            budget = data.get("max_batch_tokens")
+            if isinstance(budget, int) and not isinstance(budget, bool) and 1 <= budget < DEFAULT_CHUNK_TOKENS:
+                data = {**data, "chunk_tokens": budget}
+        return data
 
     @field_validator("chunk_tokens")
     @classmethod
@@ -439,6 +458,8 @@ class FaultInjection(_Section):
         "that alone exceeds it answers 503 `prefill_out_of_memory`."))
     prefill_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description=(
         "Hold every prefill call this long before it queues (a window to kill a replica mid-request)."))
+    prefill_step_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description=(
+        "Hold every prefill forward this long before it is scheduled (a window to cancel a prompt mid-prefill)."))
     decode_step_delay_ms: float = Field(0.0, ge=0.0, le=60_000.0, description="Hold every decode step this long.")
 
 

@@ -18,11 +18,15 @@ ingress (one request's trip, ``router/pipeline.py``)
   ``ingress_running_requests``, ``ingress_queued_requests`` (gauges: admitted, and waiting in
   the ingress's queue, ``router/admission.py``), ``ingress_rejected_requests_total`` (429s of a
   full queue).
+  ``requests_cancelled_total{stage}``: ``transferring``, ``decoding`` (the client went away after
+  its first token: the decode stream is closed, the decode replica frees the pages).
 prefill replicas
   ``prefill_queued_requests``, ``prefill_queued_tokens`` (gauges, after every batch),
   ``prefill_tokens_total`` (computed), ``prefix_cache_queries_total`` (prompt tokens looked up),
   ``prefix_cache_hits_total`` (prompt tokens reused from the prefix cache),
-  ``prefill_batch_seconds`` (a forward batch, histogram).
+  ``prefill_batch_seconds`` (a forward batch, histogram),
+  ``requests_cancelled_total{stage}``: ``queued`` (left the queue at once), ``prefilling``
+  (stopped at the end of its forward or between its chunks, or cancelled during its export).
 decode replicas
   ``decode_running_requests``, ``decode_waiting_requests`` (gauges, after every step),
   ``decode_steps_total{mode}``: ``graph`` or ``eager`` (``model_executor/cuda_graphs.py``),
@@ -59,6 +63,9 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
     "time_per_output_token_seconds": ("histogram", "A request's mean time per output token after the first.", (),
                                       TPOT_BUCKETS),
     "e2e_request_latency_seconds": ("histogram", "Time from request arrival to its end.", (), E2E_BUCKETS),
+    "requests_cancelled_total": ("counter", "Requests cancelled (client gone, HTTP timeout, gRPC deadline or "
+                                 "cancel) by the stage their work was dropped at: queued, prefilling (a prefill "
+                                 "replica's count), transferring, decoding (the ingress's).", ("stage",), None),
     "request_retries_total": ("counter", "Prefill/transfer attempts made again (prefill) and decodes resumed "
                               "on another replica (resume).", ("kind",), None),
     "ingress_running_requests": ("gauge", "Generation requests an ingress replica runs (ingress.max_inflight bounds them).",

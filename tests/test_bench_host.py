@@ -24,10 +24,19 @@ def test_grammar_cpu_smoke(tmp_path, capsys):
 def test_scheduler_cpu_smoke(tmp_path):
     out = tmp_path / "scheduler.json"
     rc = bench_scheduler.main(["--long-tokens", "128", "--short-tokens", "16", "--longs", "1", "--shorts", "2",
-                               "--chunk", "64", "--out", str(out)])
+                               "--chunk", "64", "--defaults-long-tokens", "200", "--defaults-longs", "1",
+                               "--out", str(out)])
     data = json.loads(out.read_text())
-    cells = data["cells"]
+    cells = data["policies"]["cells"]
     assert [(c["discipline"], c["policy"]) for c in cells] == list(bench_scheduler.CELLS)
     # the same greedy first tokens whatever the order of the forwards: the script's exit code says so
-    assert rc == 0 and all(c["first_tokens_equal_batch_fcfs"] for c in cells)
+    assert rc == 0 and all(c["first_tokens_equal_first_cell"] for c in cells)
     assert all(len(c["first_tokens"]) == 3 for c in cells)
+    # the service's defaults against the old ones (whole prompts, fcfs)
+    from serving.config import ServiceConfig
+
+    p = ServiceConfig().prefill
+    defaults = data["defaults"]["cells"]
+    assert [(c["policy"], c["chunk_tokens"]) for c in defaults] == [
+        ("fcfs", None), ("fcfs", p.chunk_size), (p.schedule, p.chunk_size), (p.schedule, 2 * p.chunk_size)]
+    assert all(len(c["first_tokens"]) == 3 and c["short_forwards_waited_max"] >= 0 for c in defaults)

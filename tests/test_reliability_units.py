@@ -573,6 +573,33 @@ def test_pipeline_records_each_request_once_with_its_outcome():
 
 
 
+def test_the_ingress_counts_cancellations_after_the_prefill_by_stage():
+    """Before the first token the prefill replica counts a cancellation (above); after it the
+    ingress does: while the pages are on their way (the lease is released), and mid-decode."""
+    import asyncio
+
+    from serving.metrics import Metrics
+    from tests.helpers import FakeMetricsBackend
+
+    backend = FakeMetricsBackend()
+    metrics = Metrics(backend)
+
+    async def leave_after(deltas):
+        pipe = _pipeline(_prefill, _decode, metrics=metrics)
+        stream = pipe.stream(REQ)
+        for _ in range(deltas):
+            await stream.__anext__()
+        await stream.aclose()
+        return pipe
+
+    pipe = asyncio.run(leave_after(1))  # the first token out, the lease not yet taken by a decode replica
+    assert len(pipe.released) == 1
+    asyncio.run(leave_after(4))  # three tokens decoded
+    assert backend.calls("requests_cancelled_total") == [("inc", 1.0, {"stage": "transferring"}),
+                                         ("inc", 1.0, {"stage": "decoding"})]
+    assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["cancelled", "cancelled"]
+
+
 # ----------------------------------------------------------------------------- n choices as one group
 def _group_prefill(payload, n):
     ctx = list(payload.prompt_token_ids)

@@ -132,7 +132,7 @@ def test_options_command_lists_every_option_and_writes_the_table(tmp_path, capsy
     assert main(["options"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.partition("=")[0] for line in lines] == list(OPTIONS)
-    assert "prefill.chunk_tokens=null" in lines and "transfer.channel.ring_depth=3" in lines
+    assert "prefill.chunk_tokens=2048" in lines and "transfer.channel.ring_depth=3" in lines
     # every listed default parses back through --option to the default config
     assert ServiceConfig.from_dict(dict(parse_option(line) for line in lines)) == ServiceConfig()
     assert main(["options", "--markdown"]) == 0
@@ -153,4 +153,4 @@ def test_options_table_has_every_option_and_every_flat_name():
         assert f"| `{path}` |" in table
     for flat, path in OPTION_ALIASES.items():
         assert f"| `{flat}` | `{path}` |" in table
-    assert "| `prefill.chunk_tokens` | int \\| null (>= 0) | null |" in table
+    assert "| `prefill.chunk_tokens` | int \\| null (>= 0) | 2048 |" in table

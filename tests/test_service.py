@@ -40,8 +40,10 @@ CONFIGS = {
     "sparse": ServiceConfig.from_dict({**COMMON, "alpha": 0.1, "dense_below": 0, "block_size": 64,
                                        "sink_tokens": 64, "window_tokens": 128}),
     # a forward over 2500 tokens raises torch.OutOfMemoryError: the other tests' forwards stay under
-    # it, or (several prompts) run again one at a time under it
+    # it, or (several prompts) run again one at a time under it; whole prompts per forward (chunks,
+    # on by default, would split the 2600-token prompt under it)
     "corrupt": ServiceConfig.from_dict({**COMMON, "alpha": 0.0, "transfer_retries": 2, "max_queued_prefill_tokens": 2000,
+                                        "prefill_chunk_tokens": 0,
                                         "fault_injection": {"corrupt_transfers": 4, "mode": "flip",
                                                             "prefill_out_of_memory_tokens": 2500}}),
 }

@@ -478,8 +478,11 @@ def test_parser_with_the_id_tokenizer():
 
 # ----------------------------------------------------------------------------- chunked prefill option
 def test_prefill_chunk_tokens_option():
-    assert ServiceConfig().prefill.chunk_tokens is None and ServiceConfig().prefill.chunk_size is None
+    # on by default (issue 47: no head-of-line blocking); tests/test_cancellation.py has the default's rules
+    assert ServiceConfig().prefill.chunk_tokens == ServiceConfig().prefill.chunk_size == 2048
+    assert ServiceConfig().prefill.schedule == "shortest_first"
     assert ServiceConfig.from_dict({"prefill": {"chunk_tokens": 0}}).prefill.chunk_size is None  # 0: off
+    assert ServiceConfig.from_dict({"prefill": {"chunk_tokens": None}}).prefill.chunk_size is None  # null: off
     cfg = ServiceConfig.from_dict({"prefill": {"chunk_tokens": 4096, "max_batch_tokens": 8192}})
     assert cfg.prefill.chunk_size == 4096 and ServiceConfig.from_dict(cfg.to_dict()) == cfg
     for bad in (-1, True, "8192", 1.5):
