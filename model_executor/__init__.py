@@ -5,7 +5,9 @@ The one place model execution lives; the prefill and decode workers both import 
 - ``runner.ModelRunner``: packed varlen prefill (chunks welcome) and batched decode.
 - ``cuda_graphs``: decode steps replayed from CUDA graphs (``ModelRunner.enable_decode_graphs``).
 - ``sampling``: ``SamplingParams`` and the vectorized ``Sampler``.
-- ``loading``: local Hugging Face directories and the built-in models (tiny, structured).
+- ``models``: the model registry, ``model_type`` -> ``ArchitectureSpec`` (one module per family).
+- ``loading``: local Hugging Face directories and the built-in models (tiny, structured);
+  ``checkpoint``: the safetensors readers (whole, FP8, one TP rank's shard).
 - ``tokenizer``: the byte-level tokenizer, the id tokenizer and the HF adapter.
 - ``structured_model``: the structured benchmark models (built-in ``builtin:structured-*``).
 - ``loading.make_pool``: a KV pool shaped for a loaded model.

@@ -1,8 +1,9 @@
 """FP8 (e4m3) weights in the linear layers of the supported models, and the forwards around them.
 
-What is quantized: every decoder layer's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-``gate_proj``, ``up_proj``, ``down_proj`` (Llama 3.x, Qwen2, Qwen3). The embeddings, the norms
-and ``lm_head`` stay in the model dtype, as vLLM does. An :class:`Fp8Linear` holds the e4m3 weight
+What is quantized: the projections each decoder layer's family names in its ``fp8_targets``
+(``model_executor.models``; Llama 3.x, Qwen2 and Qwen3: ``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). The embeddings, the norms and ``lm_head``
+stay in the model dtype, as vLLM does. An :class:`Fp8Linear` holds the e4m3 weight
 ``[out, in]`` and its float32 descale in one of ``kernels.fp8_gemm``'s three layouts (``scheme``):
 ``tensor`` (``[]``), ``channel`` (``[out]``), ``block`` (``[ceil(out/128), in/128]``). Activations
 are quantized dynamically on each call: per token for the tensor and channel schemes, per token
@@ -70,15 +71,9 @@ from kernels import elementwise, fp8_gemm
 from kernels.fp8 import FP8_DTYPE
 from kernels.ranges import op_range
 
-from . import fused
+from . import fused, models
 from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, paged_attention_forward
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
-ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})
-MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP"})
-NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 # the loader's weight_dtype values and the scheme each one quantizes to (None: as stored)
 WEIGHT_DTYPES = {"auto": None, "fp8_e4m3": "channel", "fp8_tensor": "tensor", "fp8_channel": "channel",
                  "fp8_block": "block"}
@@ -177,28 +172,35 @@ class Fp8Linear(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(name, layer)`` of every decoder layer (a module with ``self_attn`` and ``mlp``);
-    ValueError unless each is of an architecture we quantize."""
-    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+def _has_targets(spec: models.ArchitectureSpec) -> bool:
+    return bool(spec.fp8_targets)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, models.ArchitectureSpec]]:
+    """``(name, layer, spec)`` of every decoder layer (a module with ``self_attn`` and ``mlp``);
+    ValueError unless each is of a registered family with FP8 targets."""
+    layers = models.decoder_layers(model)
+    attentions, mlps = (sorted(models.layer_classes(part, _has_targets)) for part in ("attention", "mlp"))
     if not layers:
-        raise ValueError(f"model: FP8 weights need decoder layers with self_attn and mlp ({sorted(ATTENTION_CLASSES)}),"
+        raise ValueError(f"model: FP8 weights need decoder layers with self_attn and mlp ({attentions}),"
                          f" found none in {type(model).__name__}")
+    out = []
     for name, layer in layers:
-        attn, mlp = type(layer.self_attn).__name__, type(layer.mlp).__name__
-        if attn not in ATTENTION_CLASSES or mlp not in MLP_CLASSES:
-            raise ValueError(f"model: FP8 weights are supported in {sorted(ATTENTION_CLASSES)} with "
-                             f"{sorted(MLP_CLASSES)}; {name} of {type(model).__name__} has {attn} and {mlp}")
-    return layers
+        spec = models.for_layer(layer)
+        if spec is None or not spec.fp8_targets:
+            raise ValueError(f"model: FP8 weights are supported in {attentions} with {mlps}; {name} of "
+                             f"{type(model).__name__} has {type(layer.self_attn).__name__} and {type(layer.mlp).__name__}")
+        out.append((name, layer, spec))
+    return out
 
 
 def projection_names(model: torch.nn.Module) -> list[str]:
-    """The full module names :func:`quantize_model` quantizes, in layer order."""
+    """The full module names :func:`quantize_model` quantizes (each layer's family's
+    ``fp8_targets``), in layer order."""
     names = []
-    for name, _ in decoder_layers(model):
+    for name, _, spec in decoder_layers(model):
         prefix = f"{name}." if name else ""
-        names += [f"{prefix}self_attn.{p}" for p in ATTENTION_PROJECTIONS]
-        names += [f"{prefix}mlp.{p}" for p in MLP_PROJECTIONS]
+        names += [prefix + spec.projection_path(p) for p in spec.fp8_targets]
     return names
 
 
@@ -428,9 +430,9 @@ def _unset(module: torch.nn.Module) -> None:
         module.__dict__.pop(_BACKEND_ATTR, None)
 
 
-def _plain_norm(module: object) -> bool:
+def _plain_norm(module: object, classes: frozenset[str]) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ in NORM_CLASSES and isinstance(weight, torch.Tensor) and weight.dim() == 1
+    return (type(module).__name__ in classes and isinstance(weight, torch.Tensor) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), (int, float)))
 
 
@@ -460,8 +462,9 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
         why = fp8_gemm.blockwise_probe_failure(block.weight.device)
         logger.info("FP8 block-scaled GEMMs: %s", "torch._scaled_mm (1x128 x 128x128 scales)" if why is None
                     else f"the Triton kernel (torch._scaled_mm's blockwise mode: {why})")
-    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
-    for _, layer in layers:
+    norms = models.layer_classes("norm", _has_targets)
+    attentions = models.layer_classes("attention", lambda spec: spec.fp8_attention)
+    for _, layer in models.decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         for norm_name, consumers in (("input_layernorm", [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj")]),
                                      ("post_attention_layernorm", [getattr(mlp, p, None) for p in ("gate_proj", "up_proj")])):
@@ -469,7 +472,7 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
             if norm is None:
                 continue
             ok, group = _shared_group(consumers)
-            if ok and _plain_norm(norm) and (group is None or norm.weight.shape[0] % fp8_gemm.BLOCK == 0):
+            if ok and _plain_norm(norm, norms) and (group is None or norm.weight.shape[0] % fp8_gemm.BLOCK == 0):
                 norm._fp8_act_group = group
                 _set(norm, _norm_quant_forward, backend)
                 counts["norm_quant"] += 1
@@ -483,7 +486,7 @@ def install_forwards(model: torch.nn.Module, *, kernels: bool, fp8_pool: bool, l
         else:
             _unset(mlp)
         head_dim = getattr(attn, "head_dim", None)
-        if (fp8_pool and type(attn).__name__ in ATTENTION_CLASSES and elementwise.rotary_supports(head_dim)
+        if (fp8_pool and type(attn).__name__ in attentions and elementwise.rotary_supports(head_dim)
                 and isinstance(getattr(attn, "scaling", None), float) and getattr(attn, "sliding_window", None) is None):
             _set(attn, _q_amax_attention_forward, backend)
             counts["q_amax"] += 1
@@ -514,7 +517,7 @@ def logits_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
 
 
 __all__ = [
-    "Fp8Linear", "PROJECTIONS", "WEIGHT_DTYPES", "ACTIVATION_ATTR", "CheckpointFormat", "checkpoint_format",
+    "Fp8Linear", "WEIGHT_DTYPES", "ACTIVATION_ATTR", "CheckpointFormat", "checkpoint_format",
     "convert_scale", "decoder_layers", "projection_names", "quantize_model", "fp8_layers", "weight_bytes",
     "weight_dtype_of", "install_forwards", "uninstall_forwards", "logits_error",
 ]

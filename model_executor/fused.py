@@ -3,8 +3,8 @@
 (``kernels/elementwise.py``), as vLLM's and SGLang's model code does, instead of transformers'
 eager ops.
 
-Only modules whose eager forward is known to be exactly that math are replaced (by class name,
-and only in their plain form: a weight-only RMSNorm with ``variance_epsilon``; an MLP with
+Only modules whose eager forward is known to be exactly that math are replaced (by class name:
+the registered families' ``fused_ops``, ``model_executor.models``; and only in their plain form: a weight-only RMSNorm with ``variance_epsilon``; an MLP with
 ``gate_proj``/``up_proj``/``down_proj`` and a SiLU ``act_fn``; ``LlamaAttention``, whose forward
 is projections, rotate-half RoPE, the attention function, ``o_proj``), so Gemma's ``(1 + weight)``
 norm, a GELU MLP or Qwen3's q/k norms keep transformers' code. The fused attention forward
@@ -26,20 +26,18 @@ import torch
 from kernels import elementwise
 from kernels.ranges import op_range
 
+from . import models
 from .attention import ATTENTION_NAME, paged_attention_forward
 
 logger = logging.getLogger(__name__)
 
-NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
-MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
-ATTENTION_CLASSES = frozenset({"LlamaAttention"})  # no sliding window, no q/k norms
 _BACKEND_ATTR = "_flashprefill_fused_backend"
 # Below this many tokens the MLP keeps eager ``act_fn(gate) * up``: measured on the H200
 # (benchmarks/bench_elementwise.py, 2026-12-01), the fused call is slower up to 256 tokens (22-37
 # vs 17-25 us a call: its host-side cost, the GPU work being tiny) and faster from 1024 (1.1x,
 # 1.7x from 4096). RMSNorm and RoPE are faster fused at every count measured, from 1 token.
 SILU_MUL_MIN_TOKENS = 1024
-KINDS = ("rms_norm", "silu_mul", "rotary")
+KINDS = models.FUSED_KINDS
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -89,22 +87,28 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
 _FORWARDS = {_norm_forward: "rms_norm", _mlp_forward: "silu_mul", _attention_forward: "rotary"}
 
 
-def _plain_norm(module: torch.nn.Module) -> bool:
+def _classes(part: str, kind: str) -> frozenset[str]:
+    return models.layer_classes(part, lambda spec: kind in spec.fused_ops)
+
+
+def _plain_norm(module: torch.nn.Module, classes: frozenset[str]) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ in NORM_CLASSES and isinstance(weight, torch.Tensor) and weight.dim() == 1
+    return (type(module).__name__ in classes and isinstance(weight, torch.Tensor) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), (int, float)))
 
 
-def silu_mlp(module: torch.nn.Module) -> bool:
-    """An MLP whose eager forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+def silu_mlp(module: torch.nn.Module, classes: frozenset[str] | None = None) -> bool:
+    """An MLP whose eager forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))``: one of
+    ``classes`` (default: the MLP classes of the families that fuse ``silu_mul``) in plain form."""
     act = getattr(module, "act_fn", None)
-    return (type(module).__name__ in MLP_CLASSES
+    classes = _classes("mlp", "silu_mul") if classes is None else classes
+    return (type(module).__name__ in classes
             and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
             and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
 
 
-def _rope_attention(module: torch.nn.Module) -> bool:
-    return (type(module).__name__ in ATTENTION_CLASSES and elementwise.rotary_supports(getattr(module, "head_dim", None))
+def _rope_attention(module: torch.nn.Module, classes: frozenset[str]) -> bool:
+    return (type(module).__name__ in classes and elementwise.rotary_supports(getattr(module, "head_dim", None))
             and isinstance(getattr(module, "scaling", None), float)
             and all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")))
 
@@ -116,12 +120,14 @@ def install(model: torch.nn.Module, *, backend: str = "auto") -> dict[str, int]:
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
     counts = dict.fromkeys(KINDS, 0)
+    norms, mlps = _classes("norm", "rms_norm"), _classes("mlp", "silu_mul")
+    attentions = _classes("attention", "rotary")
     for module in model.modules():
-        if _plain_norm(module):
+        if _plain_norm(module, norms):
             kind, forward = "rms_norm", _norm_forward
-        elif silu_mlp(module):
+        elif silu_mlp(module, mlps):
             kind, forward = "silu_mul", _mlp_forward
-        elif _rope_attention(module):
+        elif _rope_attention(module, attentions):
             kind, forward = "rotary", _attention_forward
         else:
             continue

@@ -5,7 +5,9 @@ never the network (``local_files_only=True``; a path, not a hub id). Before tran
 touches them, every file is checked, so a broken directory fails with a ``FileNotFoundError``
 or ``ValueError`` naming the file (and the tensor or field) at fault.
 
-Supported architectures: Llama (3.x included), Qwen2, Qwen3 (full-attention layers).
+Supported architectures: the families of ``model_executor.models`` (Llama, 3.x included; Qwen2;
+Qwen3; full-attention layers), by config.json's ``model_type``; the model is built from its
+family's transformers class. The safetensors readers are ``model_executor.checkpoint``.
 
 FP8 weights (``model_executor/fp8_linear.py``): a directory whose config.json has a
 ``quantization_config`` (Hugging Face ``quant_method: "fp8"``, per tensor or 128x128 blocks;
@@ -36,15 +38,14 @@ without a stop token they always generate ``max_tokens`` tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import fp8_linear, gguf, parallel
-from .architectures import SUPPORTED_MODEL_TYPES
+from . import checkpoint, fp8_linear, gguf, models, parallel
+from .checkpoint import fp8_scale_slice, read_json  # noqa: F401 - fp8_scale_slice: loading's public name
 from .gguf import BUILTIN_SMOLLM2
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer, byte_tokenizer_hf
 
@@ -188,7 +189,7 @@ def model_shape(source: str | Path) -> Any | None:
     path = Path(source) / "config.json"
     if not path.is_file():
         return None
-    raw = _read_json(path)
+    raw = read_json(path)
     raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     if not all(isinstance(raw.get(k), int) for k in ("num_attention_heads", "hidden_size", "intermediate_size")):
         return None  # load_model_dir names what is wrong
@@ -284,105 +285,25 @@ def _no_bpe_cleanup(tokenizer_dir: Path) -> None:
     config_path, tokenizer_path = tokenizer_dir / "tokenizer_config.json", tokenizer_dir / "tokenizer.json"
     if not config_path.is_file() or not tokenizer_path.is_file():
         return
-    config = _read_json(config_path)
-    model = (_read_json(tokenizer_path).get("model") or {}).get("type")
+    config = read_json(config_path)
+    model = (read_json(tokenizer_path).get("model") or {}).get("type")
     if model == "BPE" and config.get("clean_up_tokenization_spaces") is True and \
             not config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
         config["clean_up_tokenization_spaces"] = False
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path.name}: expected the file {path}, it does not exist") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path.name}: expected valid JSON in {path}, got a parse error at line {e.lineno} "
-            f"column {e.colno}: {e.msg}"
-        ) from None
-
-
-def _check_config(model_dir: Path) -> dict:
-    raw = _read_json(model_dir / "config.json")
+def _check_config(model_dir: Path) -> tuple[dict, models.ArchitectureSpec]:
+    """config.json of ``model_dir`` and its family; ValueError naming ``config.json: model_type``
+    (with the supported ones) for a family not registered."""
+    raw = read_json(model_dir / "config.json")
     if not isinstance(raw, dict):
         raise ValueError(f"config.json: expected a JSON object in {model_dir}, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r} "
-            f"(in {model_dir})"
-        )
-    return raw
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index.name}: expected a non-empty 'weight_map' object in {index}")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.exists():
-                raise FileNotFoundError(
-                    f"{f.name}: listed in {index.name} but missing from {model_dir}"
-                )
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        other = sorted(p.name for p in model_dir.glob("*.bin"))
-        hint = f" (found {other}: convert them to safetensors)" if other else ""
-        raise FileNotFoundError(
-            f"model.safetensors: expected *.safetensors weights (or model.safetensors.index.json) "
-            f"in {model_dir}, found none{hint}"
-        )
-    return files
-
-
-def _check_weights(model_dir: Path, files: list[Path], config: Any) -> None:
-    """Every tensor of the model is present once, with the shape the config implies."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    found: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    found[name] = tuple(handle.get_slice(name).get_shape())
-        except Exception as e:  # safetensors raises its own error types on a bad header
-            raise ValueError(f"{f.name}: expected a valid safetensors file ({f}), got: {e}") from None
-    for name, shape in found.items():
-        want = expected.get(name)
-        if want is not None and want != shape:
-            raise ValueError(
-                f"{_file_of(name, files)}: tensor {name}: expected shape {list(want)} "
-                f"(from config.json), got {list(shape)}"
-            )
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [n for n in expected if n not in found and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise ValueError(
-            f"model.safetensors: expected {len(expected)} tensors in {model_dir}, "
-            f"missing {len(missing)}: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-        )
-
-
-def _file_of(name: str, files: list[Path]) -> str:
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            if name in handle.keys():
-                return f.name
-    return files[0].name
+    try:
+        spec = models.get(raw.get("model_type"))
+    except ValueError as e:
+        raise ValueError(f"config.json: {e} (in {model_dir})") from None
+    return raw, spec
 
 
 def _check_tokenizer(model_dir: Path) -> None:
@@ -395,7 +316,7 @@ def _check_tokenizer(model_dir: Path) -> None:
         )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (model_dir / name).exists():
-            _read_json(model_dir / name)
+            read_json(model_dir / name)
 
 
 def check_weight_dtype(weight_dtype: object) -> str | None:
@@ -409,269 +330,6 @@ def _quantize_loaded(model: Any, weight_dtype: str) -> None:
     scheme = check_weight_dtype(weight_dtype)
     if scheme is not None:
         fp8_linear.quantize_model(model, scheme)
-
-
-_SAFETENSORS_FP8 = "F8_E4M3"
-
-
-def _fp8_headers(files: list[Path], fmt: "fp8_linear.CheckpointFormat", skeleton: Any) -> dict[str, tuple[int, int]]:
-    """Check an FP8 checkpoint's tensors from the safetensors headers (no data read): every e4m3
-    tensor is a projection's weight, each has its scale, of the shape ``fmt`` gives. Returns the
-    FP8 projections ``{module: (out, in)}``."""
-    from safetensors import safe_open
-
-    projections = {name: skeleton.get_submodule(name) for name in fp8_linear.projection_names(skeleton)}
-    headers: dict[str, tuple[str, list[int], str]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                sl = handle.get_slice(name)
-                headers[name] = (sl.get_dtype(), list(sl.get_shape()), f.name)
-    found: dict[str, tuple[int, int]] = {}
-    for name, (dt, shape, fname) in headers.items():
-        if dt.startswith("F8_") and dt != _SAFETENSORS_FP8 and not name.endswith("_scale") \
-                and not name.endswith("_scale_inv"):
-            raise ValueError(f"{fname}: tensor {name}: expected float8_e4m3fn FP8 weights, got {dt}")
-        if dt != _SAFETENSORS_FP8:
-            continue
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or module not in projections:
-            raise ValueError(
-                f"{fname}: tensor {name}: FP8 (float8_e4m3fn) weights are supported in the projections "
-                f"{fp8_linear.PROJECTIONS} of {sorted(fp8_linear.ATTENTION_CLASSES)} layers only; embeddings, "
-                "norms and lm_head must be stored in a float dtype")
-        found[module] = tuple(shape)
-    if not found:
-        raise ValueError(f"config.json: quantization_config: quant_method {fmt.quant_method!r} says FP8, but no "
-                         f"tensor of {[f.name for f in files]} is float8_e4m3fn")
-    for module, (n, k) in found.items():
-        scale = fmt.scale_name(module)
-        if scale not in headers:
-            raise ValueError(f"{headers[module + '.weight'][2]}: tensor {scale}: missing; the FP8 weight "
-                             f"{module}.weight needs its {fmt.quant_method} {fmt.scheme} scale")
-        dt, shape, fname = headers[scale]
-        if tuple(shape) not in fmt.scale_shapes(n, k):
-            raise ValueError(f"{fname}: tensor {scale}: expected shape "
-                             f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(n, k))} ({fmt.quant_method} "
-                             f"{fmt.scheme} scale of a [{n}, {k}] weight), got {shape}")
-        if fmt.scheme == "block" and k % 128:
-            raise ValueError(f"{fname}: tensor {module}.weight: the block scheme needs in_features divisible by "
-                             f"128, got {k}")
-    return found
-
-
-def _load_fp8_dir(path: Path, config: Any, files: list[Path], fmt: "fp8_linear.CheckpointFormat",
-                  dtype: torch.dtype, device: str | torch.device, attn_implementation: str) -> Any:
-    """Build the model from ``config`` (random init, then overwritten), put the FP8 projections
-    in as ``Fp8Linear`` and load every other tensor into its parameter."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    fp8_modules = _fp8_headers(files, fmt, skeleton)
-    del skeleton
-    device = torch.device(device)
-    forked = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    expected = model.state_dict()
-    weights, scales, biases, dense = {}, {}, {}, {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                module, _, leaf = name.rpartition(".")
-                if module in fp8_modules:
-                    if leaf == "weight":
-                        weights[module] = handle.get_tensor(name)
-                    elif leaf == fmt.scale_suffix:
-                        scales[module] = handle.get_tensor(name)
-                    elif leaf == "bias":
-                        biases[module] = handle.get_tensor(name)
-                    # activation_scale / input_scale: static activation scales, not used
-                elif name in expected:
-                    dense[name] = handle.get_tensor(name)
-    for module, (n, k) in fp8_modules.items():
-        scale = fp8_linear.convert_scale(fmt.scale_name(module), scales.pop(module), fmt, n, k).to(device)
-        bias = biases.pop(module, None)
-        layer = fp8_linear.Fp8Linear(
-            weights.pop(module).to(device), scale, fmt.scheme,
-            bias=None if bias is None else bias.to(device=device, dtype=dtype), name=f"{module}.weight",
-        )
-        model.set_submodule(module, layer)
-    missing, _ = model.load_state_dict(dense, strict=False)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [m for m in missing if m.rpartition(".")[0] not in fp8_modules and not (tied and m == "lm_head.weight")]
-    if missing:  # _check_weights saw every name; a key the model has under another name
-        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
-    if tied:
-        model.tie_weights()
-    return model
-
-
-def _load_shard(path: Path, config: Any, files: list[Path], dtype: torch.dtype, device: str | torch.device,
-                attn_implementation: str, tp: "parallel.TensorParallel") -> Any:
-    """Rank ``tp.rank``'s shard of a float checkpoint: the model built on the meta device, cut
-    to the shard (``parallel.shard_model``), given memory of the shard's sizes, and each tensor's
-    slice read (``safe_open(...).get_slice``: only those bytes). ``model._fpv2_loaded_elements``
-    counts the elements read."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    shard = parallel.shard_model(model, tp)
-    model.to_empty(device=device)
-    # non-persistent buffers (RoPE's inv_freq) are not in the files: rebuild them on the device
-    rotary = model.model.rotary_emb
-    with torch.device(device):
-        model.model.rotary_emb = type(rotary)(config=model.config)
-    params = dict(model.named_parameters())
-    read, done = 0, set()
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                module = name.rpartition(".")[0]
-                if module in shard.row_bias:
-                    target = shard.row_bias[module] = handle.get_tensor(name).to(device=device, dtype=dtype)
-                    read += target.numel()
-                    done.add(name)
-                    continue
-                if name not in params:
-                    continue
-                sl = parallel.shard_slice(name, config, shard.layout, tp.rank)
-                src = handle.get_slice(name)
-                if sl is None:
-                    t = src[:]
-                else:
-                    dim, start, length = sl
-                    t = src[start:start + length] if dim == 0 else src[:, start:start + length]
-                with torch.no_grad():
-                    params[name].copy_(t)
-                read += t.numel()
-                done.add(name)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [n for n in params if n not in done and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
-    if tied:
-        model.tie_weights()
-    model._fpv2_loaded_elements = read
-    return model
-
-
-def fp8_scale_slice(name: str, fmt: "fp8_linear.CheckpointFormat", shape: tuple[int, int],
-                    sl: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-    """``(dim, start, length)`` of a rank's slice of an FP8 weight's scale tensor, for the weight
-    slice ``sl`` (``parallel.shard_slice``) of a ``[n, k]`` weight; ``None``: the whole scale.
-    Per tensor: whole; per channel: the rows of a column-parallel shard, whole for a row-parallel
-    one; 128x128 blocks: the tiles of the shard, whose boundaries must be multiples of 128 (a
-    ValueError naming ``tensor_parallel_size`` otherwise)."""
-    if sl is None or fmt.scheme == "tensor":
-        return None
-    dim, start, length = sl
-    if fmt.scheme == "channel":
-        return (0, start, length) if dim == 0 else None
-    block = fp8_linear.fp8_gemm.BLOCK
-    size = shape[dim]
-    if start % block or (length % block and start + length != size):
-        raise ValueError(f"tensor_parallel_size: the shard [{start}, {start + length}) of {name} (dim {dim} of "
-                         f"{list(shape)}) does not start and end on 128 boundaries, which its 128x128 block scales "
-                         "need; use a tensor_parallel_size that splits it into multiples of 128 (or TP 1)")
-    return (dim, start // block, -(-length // block))
-
-
-def _load_fp8_shard(path: Path, config: Any, files: list[Path], fmt: "fp8_linear.CheckpointFormat",
-                    dtype: torch.dtype, device: str | torch.device, attn_implementation: str,
-                    tp: "parallel.TensorParallel") -> Any:
-    """Rank ``tp.rank``'s shard of an FP8 checkpoint: as :func:`_load_shard`, with each FP8
-    projection read as its e4m3 weight slice and the matching slice of its scale
-    (:func:`fp8_scale_slice`), put in as an ``Fp8Linear`` of the shard's shape. Every tensor is
-    checked first (:func:`_fp8_headers`); no rank reads another rank's projections."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    fp8_modules = _fp8_headers(files, fmt, skeleton)
-    del skeleton
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    shard = parallel.shard_model(model, tp)
-    plan = {}
-    for module, (n, k) in fp8_modules.items():  # before any read: a bad block boundary fails first
-        sl = parallel.shard_slice(f"{module}.weight", config, shard.layout, tp.rank)
-        plan[module] = (sl, fp8_scale_slice(f"{module}.weight", fmt, (n, k), sl))
-    model.to_empty(device=device)
-    rotary = model.model.rotary_emb
-    with torch.device(device):
-        model.model.rotary_emb = type(rotary)(config=model.config)
-    params = dict(model.named_parameters())
-
-    def read_slice(handle: Any, name: str, sl: tuple[int, int, int] | None) -> torch.Tensor:
-        if sl is None:
-            return handle.get_tensor(name)
-        src = handle.get_slice(name)
-        dim, start, length = sl
-        return src[start:start + length] if dim == 0 else src[:, start:start + length]
-
-    read, done = 0, set()
-    weights, scales, biases = {}, {}, {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                module, _, leaf = name.rpartition(".")
-                if module in fp8_modules:
-                    sl, scale_sl = plan[module]
-                    if leaf == "weight":
-                        t = weights[module] = read_slice(handle, name, sl)
-                    elif leaf == fmt.scale_suffix:
-                        t = scales[module] = read_slice(handle, name, scale_sl)
-                    elif leaf == "bias":  # column parallel: the rows; row parallel: added once, after the reduction
-                        row = sl is not None and sl[0] == 1
-                        t = biases[module] = read_slice(handle, name, None if row or sl is None else sl)
-                        if row:
-                            shard.row_bias[module] = t.to(device=device, dtype=dtype)
-                            del biases[module]
-                    else:  # activation_scale / input_scale: static activation scales, not used
-                        continue
-                    read += t.numel()
-                    done.add(name)
-                    continue
-                if module in shard.row_bias:
-                    target = shard.row_bias[module] = handle.get_tensor(name).to(device=device, dtype=dtype)
-                    read += target.numel()
-                    done.add(name)
-                    continue
-                if name not in params:
-                    continue
-                t = read_slice(handle, name, parallel.shard_slice(name, config, shard.layout, tp.rank))
-                with torch.no_grad():
-                    params[name].copy_(t)
-                read += t.numel()
-                done.add(name)
-    for module in fp8_modules:
-        w = weights.pop(module)
-        n, k = w.shape
-        scale = fp8_linear.convert_scale(fmt.scale_name(module), scales.pop(module), fmt, n, k).to(device)
-        bias = biases.pop(module, None)
-        layer = fp8_linear.Fp8Linear(w.to(device), scale, fmt.scheme,
-                                     bias=None if bias is None else bias.to(device=device, dtype=dtype),
-                                     name=f"{module}.weight")
-        model.set_submodule(module, layer)
-    fp8_params = {f"{m}.{leaf}" for m in fp8_modules for leaf in ("weight", "bias")}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [n for n in dict(model.named_parameters()) if n not in done and n not in fp8_params
-               and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise ValueError(f"model.safetensors: tensors {missing[:5]} of the model were not loaded from {path}")
-    if tied:
-        model.tie_weights()
-    parallel.install_reductions(model)  # the Fp8Linear modules replaced the hooked shards
-    model._fpv2_loaded_elements = read
-    return model
 
 
 ROPE_SCALING_TYPES = ("linear", "yarn")
@@ -758,7 +416,7 @@ def model_context(source: str | Path, rope_scaling: dict | None = None) -> Model
     path = (gguf.gguf_dir(source) if str(source) == BUILTIN_SMOLLM2 or gguf.is_gguf_path(source) else Path(source))
     if not (path / "config.json").is_file():
         return None
-    raw = _read_json(path / "config.json")
+    raw = read_json(path / "config.json")
     raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     if rope_scaling is not None:
         stretched = rope_scaling_overrides(raw, rope_scaling)["max_position_embeddings"]
@@ -792,26 +450,26 @@ def load_model_dir(
     ``weight_dtype``: see the module doc (an FP8 checkpoint loads as stored; naming another
     scheme than the stored one is a ValueError).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     scheme = check_weight_dtype(weight_dtype)
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model_dir: expected a directory, got {str(path)!r} (not found)")
-    raw = _check_config(path)
+    raw, spec = _check_config(path)
     fmt = fp8_linear.checkpoint_format(raw["quantization_config"]) if raw.get("quantization_config") else None
     if fmt is not None and weight_dtype not in ("auto", "fp8_e4m3") and scheme != fmt.scheme:
         raise ValueError(f"weight_dtype: {weight_dtype!r} asks for the {scheme} scheme, but {path} stores FP8 "
                          f"weights with {fmt.scheme} scales ({fmt.quant_method}); use 'auto'")
     overrides = rope_scaling_overrides(raw, rope_scaling) if rope_scaling is not None else {}
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
+        config = spec.config_cls().from_pretrained(str(path), local_files_only=True, **overrides)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"config.json: transformers cannot build a config from {path}: {e}") from None
     if hasattr(config, "quantization_config"):  # we load the FP8 tensors; transformers' quantizers must not
         delattr(config, "quantization_config")
-    files = _weight_files(path)
-    _check_weights(path, files, config)
+    files = checkpoint.weight_files(path)
+    checkpoint.check_weights(path, files, config)
     if load_tokenizer:
         _check_tokenizer(path)
     if dtype is None:
@@ -821,15 +479,15 @@ def load_model_dir(
         if dtype is None or dtype == torch.float8_e4m3fn:
             dtype = torch.bfloat16 if fmt is not None else torch.float32
     if tp is not None and tp.size > 1 and fmt is not None:
-        model = _load_fp8_shard(path, config, files, fmt, dtype, device, attn_implementation, tp).eval()
+        model = checkpoint.load_fp8_shard(path, config, files, fmt, dtype, device, attn_implementation, tp).eval()
     elif tp is not None and tp.size > 1:
-        model = _load_shard(path, config, files, dtype, device, attn_implementation, tp).eval()
+        model = checkpoint.load_shard(path, config, files, dtype, device, attn_implementation, tp).eval()
         _quantize_loaded(model, weight_dtype)
         parallel.install_reductions(model)
     elif fmt is not None:
-        model = _load_fp8_dir(path, config, files, fmt, dtype, device, attn_implementation).eval()
+        model = checkpoint.load_fp8_dir(path, config, files, fmt, dtype, device, attn_implementation).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = spec.model_cls().from_pretrained(
             str(path), config=config, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )
         model = model.to(device).eval()

@@ -1,5 +1,8 @@
 """Tensor parallelism (Megatron style) for the supported decoder models.
 
+Which projection is cut how is each family's ``tp_split`` (``model_executor.models``); the dense
+families (Llama, Qwen2, Qwen3) split as follows.
+
 A model over a TP group of ``N`` ranks (a ``torch.distributed`` process group the caller made:
 gloo on CPU, NCCL on GPUs; this module never creates one and never imports Ray):
 - ``q_proj``/``k_proj``/``v_proj`` are column parallel: rank ``r`` keeps the output rows of its
@@ -41,11 +44,9 @@ import torch
 
 from kv_cache.heads import HeadLayout
 
-from . import fp8_linear
+from . import fp8_linear, models
 
 TP_ATTR = "_fpv2_tp"  # on the model: its ModelShard
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -113,20 +114,19 @@ def shard_slice(name: str, config: Any, layout: HeadLayout, rank: int) -> tuple[
     """``(dim, start, length)`` of rank ``rank``'s slice of the model tensor ``name``
     (``...q_proj.weight``, ``...down_proj.bias``, ...), ``None`` if every rank keeps it whole."""
     module, _, leaf = name.rpartition(".")
-    proj = module.rpartition(".")[2]
-    if leaf not in ("weight", "bias") or proj not in COLUMN + ROW or layout.tp_size == 1:
+    if leaf not in ("weight", "bias") or layout.tp_size == 1:
+        return None
+    split = models.for_config(config).split_of(module.rpartition(".")[2])
+    if split is None:
         return None
     _, _, d = _heads(config)
-    if proj == "q_proj" or proj == "o_proj":
-        heads = layout.q_heads(rank)
-        start, length = heads.start * d, len(heads) * d
-    elif proj in ("k_proj", "v_proj"):
-        heads = layout.kv_heads(rank)
-        start, length = heads.start * d, len(heads) * d
-    else:
+    if split.by == models.INTERMEDIATE:
         n = int(config.intermediate_size) // layout.tp_size
         start, length = rank * n, n
-    if proj in ROW:
+    else:
+        heads = layout.q_heads(rank) if split.by == models.Q_HEADS else layout.kv_heads(rank)
+        start, length = heads.start * d, len(heads) * d
+    if split.parallel == models.ROW:
         return None if leaf == "bias" else (1, start, length)  # the bias is added after the reduction
     return (0, start, length)
 
@@ -135,8 +135,19 @@ def shard_of(model: torch.nn.Module) -> ModelShard | None:
     return getattr(model, TP_ATTR, None)
 
 
-def _projections(model: torch.nn.Module) -> list[str]:
-    return [n for n in fp8_linear.projection_names(model)]
+def _projections(model: torch.nn.Module) -> list[tuple[str, models.Split]]:
+    """``(module name, split)`` of every projection the model's families split, in layer order;
+    ValueError for a decoder layer of no registered family."""
+    out = []
+    for name, layer in models.decoder_layers(model):
+        spec = models.for_layer(layer)
+        if spec is None:
+            raise ValueError(f"model: tensor parallelism needs decoder layers of a registered family "
+                             f"({sorted(models.layer_classes('attention'))}); {name} of {type(model).__name__} "
+                             f"has {type(layer.self_attn).__name__} and {type(layer.mlp).__name__}")
+        prefix = f"{name}." if name else ""
+        out += [(prefix + spec.projection_path(p), split) for p, split in spec.tp_split]
+    return out
 
 
 def shard_model(model: torch.nn.Module, tp: TensorParallel) -> ModelShard:
@@ -149,7 +160,7 @@ def shard_model(model: torch.nn.Module, tp: TensorParallel) -> ModelShard:
         raise ValueError("model: already sharded")
     layout = layout_of(model.config, tp.size, name="tp")
     shard = ModelShard(tp=tp, layout=layout)
-    for name in _projections(model):
+    for name, _ in _projections(model):
         mod = model.get_submodule(name)
         sl = shard_slice(name + ".weight", model.config, layout, tp.rank)
         if sl is None:
@@ -194,8 +205,8 @@ def install_reductions(model: torch.nn.Module) -> int:
     for handle in shard.hooks.values():
         handle.remove()
     shard.hooks.clear()
-    for name in _projections(model):
-        if name.rpartition(".")[2] in ROW:
+    for name, split in _projections(model):
+        if split.parallel == models.ROW:
             shard.hooks[name] = model.get_submodule(name).register_forward_hook(_reduce_hook(shard, name))
     return len(shard.hooks)
 

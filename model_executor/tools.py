@@ -2,7 +2,7 @@
 model's own chat template, forced by a grammar when the client requires a call, and parsed back
 out of the generated text in the format of the model's architecture.
 
-Formats (by ``config.model_type``, the architectures ``model_executor.loading`` loads):
+Formats (by ``config.model_type``: each family's ``tool_call_format`` in ``model_executor.models``):
 - ``qwen2``, ``qwen3`` (Hermes style, what their templates teach): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several in a row for parallel
   calls, text outside them is content.
@@ -33,11 +33,11 @@ import re
 import uuid
 from typing import Any
 
+from . import models
 from .grammar import JSON_STYLE, field_name, short_repr, validate_guided
 from .tokenizer import HFTokenizer
 
-TOOL_FORMATS = {"llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes"}
-FORMATS = ("hermes", "llama3_json")
+FORMATS = models.TOOL_CALL_FORMATS
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -50,9 +50,10 @@ _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fa
 def _format_of(model_type: object) -> str:
     if model_type in FORMATS:
         return model_type  # type: ignore[return-value]
-    if model_type not in TOOL_FORMATS:
-        raise ValueError(f"model_type: no tool-call format for {short_repr(model_type)}; expected one of {sorted(TOOL_FORMATS)}")
-    return TOOL_FORMATS[model_type]
+    formats = models.tool_call_formats()
+    if model_type not in formats:
+        raise ValueError(f"model_type: no tool-call format for {short_repr(model_type)}; expected one of {sorted(formats)}")
+    return formats[model_type]
 
 
 # -- checking the request -------------------------------------------------------------------------
@@ -154,9 +155,10 @@ def require_tool_support(tokenizer: Any, model_type: object) -> str:
     declared = getattr(tokenizer, "tool_call_format", None)
     if declared in FORMATS:
         return declared
-    if model_type not in TOOL_FORMATS:
-        raise ValueError(f"tools: no tool-call parser for model_type {short_repr(model_type)} (have: {sorted(TOOL_FORMATS)})")
-    return TOOL_FORMATS[model_type]
+    formats = models.tool_call_formats()
+    if model_type not in formats:
+        raise ValueError(f"tools: no tool-call parser for model_type {short_repr(model_type)} (have: {sorted(formats)})")
+    return formats[model_type]
 
 
 def apply_chat_template_with_tools(

@@ -49,3 +49,20 @@ def test_gguf_own_reader_is_back_after_an_error(tmp_path):
         assert gguf.GGUFReader is not original
         raise RuntimeError("boom")
     assert gguf.GGUFReader is original
+
+
+def test_a_gguf_file_of_no_registered_family_is_refused_before_conversion(tmp_path):
+    """general.architecture is checked against the registry's GGUF names (model_executor.models)
+    before transformers reads the file."""
+    from model_executor.gguf import convert_gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("w", np.zeros((2, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"^model: gpt2.gguf: general.architecture: expected one of "
+                                         r"\('llama', 'qwen2', 'qwen3'\), got 'gpt2'"):
+        convert_gguf(path, tmp_path / "out")

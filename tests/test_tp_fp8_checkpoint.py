@@ -1,4 +1,4 @@
-"""FP8 checkpoint directories at TP > 1 (model_executor/loading.py ``_load_fp8_shard``): each of
+"""FP8 checkpoint directories at TP > 1 (model_executor/checkpoint.py ``load_fp8_shard``): each of
 2 ranks (gloo, spawned processes) reads only its shard of the e4m3 weights and the matching slice
 of their scales (per tensor, per channel, 128x128 blocks); its layers hold exactly the slices of
 the TP=1 load, its logits equal those of the TP=1 model sharded in memory and the TP=1 logits
