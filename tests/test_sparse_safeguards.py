@@ -402,6 +402,7 @@ def test_dense_layers_and_layer_alpha_in_the_runner(tiny, monkeypatch):
     dense_attention = reference.dense_attention
     monkeypatch.setattr(reference, "dense_attention", lambda *a, **kw: dense_calls.append(1) or dense_attention(*a, **kw))
     ids = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(10)).tolist()
+    runner.pool.reserve("x", len(ids))
     runner.prefill([PrefillItem("x", ids)])
     # layer 0 dense (dense_layers), layer 2 dense (its alpha 0), layers 1 and 3 sparse at their own
     assert [p.config.alpha for p, _ in seen] == [0.5, 0.3]
@@ -409,5 +410,6 @@ def test_dense_layers_and_layer_alpha_in_the_runner(tiny, monkeypatch):
     with pytest.raises(ValueError, match="sparse_config.layer_alpha"):
         ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=16),
                     SparseConfig(layer_alpha=(0.1,) * 5), dense_below=0)
+    runner.pool.reserve("y", 10)
     with pytest.raises(ValueError, match="prompt_len"):
         runner.prefill([PrefillItem("y", ids[:10], 0, 5)])
