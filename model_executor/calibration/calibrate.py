@@ -260,7 +260,10 @@ class _Calibration:
         self.ids = self.tokenizer.encode(self.text.text, add_bos=False)
         # every prompt is built before the first forward: a length the text, the needle task or the
         # model cannot hold fails here, not an hour in
-        self.windows = {n: ending_windows(self.ids, n, s.prompts) for n in s.lengths}
+        try:
+            self.windows = {n: ending_windows(self.ids, n, s.prompts) for n in s.lengths}
+        except ValueError as exc:  # "length: ..." / "prompts: ..." of the text's windows
+            raise ValueError(f"--{'lengths' if str(exc).startswith('length') else 'prompts'}: {exc}") from None
         self.needles = {n: self.needle_samples(n) for n in s.lengths} if s.needles else {}
         self.lastword = self.lastword_prompts() if s.lastword_items else []
         self.loaded_rope: str | None = None
