@@ -5,7 +5,8 @@ For every length and every grid point (:mod:`.grid`), against dense prefill of t
 (``dense_below = 0``), whole-prompt prefill (one forward per batch of prompts):
 
 - **answer KL**: ``KL(dense || sparse)`` of the next-token distributions at the last 8 positions
-  of each of ``prompts`` text windows (:func:`~.text.ending_windows`: windows of the length
+  of each of ``prompts`` text windows (``prompts_beyond_trained`` beyond the trained context;
+  :func:`~.text.ending_windows`: windows of the length
   whose ends are spread over the text, so their last positions, where an answer starts, differ);
 - **last-256 KL, top-1 agreement, perplexity** over the last 256 positions of the same windows
   (what prompt logprobs and lm-eval continuations read); perplexity of the text's next tokens;
@@ -95,6 +96,7 @@ class Settings:
     base: SparseConfig = field(default_factory=SparseConfig)
     model_name: str | None = None  # recorded in the profile (default: model)
     prompts: int = 32
+    prompts_beyond_trained: int | None = None  # prompts at lengths beyond the trained context (None: prompts)
     needles: int = 20
     needle_new_tokens: int = 16
     lastword_items: int = 300
@@ -124,6 +126,8 @@ class Settings:
         if len({p.name for p in self.grid}) != len(self.grid):
             raise ValueError("--grid: expected distinct grid points")
         _positive_int("--prompts", self.prompts)
+        if self.prompts_beyond_trained is not None:
+            _positive_int("--prompts-beyond-trained", self.prompts_beyond_trained)
         _positive_int("--needles", self.needles, 0)
         _positive_int("--needle-new-tokens", self.needle_new_tokens)
         _positive_int("--lastword-items", self.lastword_items, 0)
@@ -261,7 +265,7 @@ class _Calibration:
         # every prompt is built before the first forward: a length the text, the needle task or the
         # model cannot hold fails here, not an hour in
         try:
-            self.windows = {n: ending_windows(self.ids, n, s.prompts) for n in s.lengths}
+            self.windows = {n: ending_windows(self.ids, n, self.prompts_at(n)) for n in s.lengths}
         except ValueError as exc:  # "length: ..." / "prompts: ..." of the text's windows
             raise ValueError(f"--{'lengths' if str(exc).startswith('length') else 'prompts'}: {exc}") from None
         self.needles = {n: self.needle_samples(n) for n in s.lengths} if s.needles else {}
@@ -270,6 +274,11 @@ class _Calibration:
         self.loaded = self.base_model
         self.rows: list[dict] = []
         self.incomplete: list[str] = []
+
+    def prompts_at(self, length: int) -> int:
+        s = self.s
+        beyond = length > self.trained and s.prompts_beyond_trained is not None
+        return s.prompts_beyond_trained if beyond else s.prompts
 
     # -- models and runners ----------------------------------------------------------------------
     def model_for(self, length: int):
@@ -320,12 +329,18 @@ class _Calibration:
             del ref
         return {name: _tail_summary(comps, tiles) for name, (comps, tiles) in parts.items()}
 
+    @property
+    def sensitivity_length(self) -> int:
+        """``--sensitivity-length``, else the longest length within the trained context (else the shortest)."""
+        s = self.s
+        return s.sensitivity_length or max([n for n in s.lengths if n <= self.trained] or [min(s.lengths)])
+
     def sensitivity(self) -> list[float] | None:
         s = self.s
         points = [p for p in s.grid if p.schedule == "sensitivity"]
         if not points:
             return None
-        length = s.sensitivity_length or max([n for n in s.lengths if n <= self.trained] or [min(s.lengths)])
+        length = self.sensitivity_length
         alpha = max(p.alpha for p in points)
         rule = points[0].energy_rule
         loaded = self.base_model if length <= self.trained else self.model_for(length)[0]
@@ -456,14 +471,14 @@ class _Calibration:
         g = len(s.grid)
         parts, total = [], 0
         for n in s.lengths:
-            kl = len(_batches([n] * s.prompts, s.batch_tokens))
+            kl = len(_batches([n] * self.prompts_at(n), s.batch_tokens))
             sizes = self.needle_sizes(n)
             nd = len(_batches(sizes, s.batch_tokens))
             total += (kl + nd) * (1 + g)
             parts.append(f"{n}: {(kl + nd) * (1 + g)}")
         if sensitivity:
-            m = min(s.sensitivity_prompts, s.prompts)
-            n = s.sensitivity_length or max([x for x in s.lengths if x <= self.trained] or [min(s.lengths)])
+            n = self.sensitivity_length
+            m = min(s.sensitivity_prompts, self.prompts_at(n))
             k = len(_batches([n] * m, s.batch_tokens)) * (1 + self.num_layers)
             total += k
             parts.append(f"sensitivity at {n}: {k}")
@@ -472,9 +487,10 @@ class _Calibration:
             k = len(_batches(sizes, s.batch_tokens)) * (1 + g)
             parts.append(f"last word: {k}")
             total += k
-        steps = (s.needle_new_tokens - 1) * (1 + g) * len(s.lengths) if s.needles else 0
-        return (f"{g} settings + dense; about {total} prefill forwards ({', '.join(parts)}) and at most "
-                f"{steps} decode steps per needle batch")
+        needle_batches = sum(len(_batches(self.needle_sizes(n), s.batch_tokens)) for n in s.lengths)
+        steps = (s.needle_new_tokens - 1) * (1 + g) * needle_batches
+        return (f"{g} settings + dense; {total} prefill forwards ({', '.join(parts)}) and at most {steps} "
+                "batched decode steps")
 
     def run(self, argv: Sequence[str] | None) -> Result:
         s = self.s

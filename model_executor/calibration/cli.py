@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=512, help="local window tokens")
     p.add_argument("--no-mean-correction", action="store_true")
     p.add_argument("--prompts", type=int, default=32, help="text windows per length (32)")
+    p.add_argument("--prompts-beyond-trained", type=int, default=None,
+                   help="text windows per length beyond the trained context (default --prompts)")
     p.add_argument("--needles", type=int, default=20, help="needle prompts per length (20; 0: none)")
     p.add_argument("--needle-new-tokens", type=int, default=16, help="greedy answer tokens (16)")
     p.add_argument("--lastword-items", type=int, default=300, help="last-word items (300; 0: none)")
@@ -117,7 +119,8 @@ def settings_from_args(args: argparse.Namespace):
         model=args.model, model_name=args.model_name, lengths=lengths,
         budget=Budget(kl=args.budget_kl, kl_last=args.budget_kl_last, needle_slack=args.needle_slack,
                       lastword_slack=args.lastword_slack),
-        grid=tuple(axes.points()), base=base, prompts=args.prompts, needles=args.needles,
+        grid=tuple(axes.points()), base=base, prompts=args.prompts,
+        prompts_beyond_trained=args.prompts_beyond_trained, needles=args.needles,
         needle_new_tokens=args.needle_new_tokens, lastword_items=args.lastword_items,
         lastword_chars=args.lastword_chars, sensitivity_length=args.sensitivity_length,
         sensitivity_prompts=args.sensitivity_prompts, text=args.text, rope_scaling=args.rope_scaling,
