@@ -195,16 +195,18 @@ def _tail_logits(runner, windows: Sequence[Sequence[int]], config: SparseConfig,
     from ..runner import PrefillItem
 
     rids = [f"calib-{i}" for i in range(len(windows))]
-    for rid, w in zip(rids, windows):
-        runner.pool.reserve(rid, len(w))
+    held: list[str] = []
     try:
+        for rid, w in zip(rids, windows):
+            runner.pool.reserve(rid, len(w))
+            held.append(rid)
         _, kept = runner.prefill_keeping([PrefillItem(r, list(w)) for r, w in zip(rids, windows)],
                                          keep_all=[True] * len(windows), sparse_config=config)
         tails = [kept[i][-tail:].clone() for i in range(len(windows))]
         del kept
         counts = _density_counts(runner, rids, num_layers)
     finally:
-        for rid in rids:
+        for rid in held:
             runner.pool.release(rid)
     return tails, counts
 
@@ -419,15 +421,17 @@ class _Calibration:
         for batch in batches:
             rids = [f"lastword-{i}" for i in batch]
             for name, config in (("dense", self.dense), *configs.items()):
-                for rid, i in zip(rids, batch):
-                    runner.pool.reserve(rid, sizes[i])
+                held = []
                 try:
+                    for rid, i in zip(rids, batch):
+                        runner.pool.reserve(rid, sizes[i])
+                        held.append(rid)
                     _, kept = runner.prefill_keeping([PrefillItem(r, encoded[i][0]) for r, i in zip(rids, batch)],
                                                      keep_all=[True] * len(batch), sparse_config=config)
                     correct[name] += sum(lastword.greedy_hit(kept[j], *encoded[i]) for j, i in enumerate(batch))
                     del kept
                 finally:
-                    for rid in rids:
+                    for rid in held:
                         runner.pool.release(rid)
                 self.clock.tick()
         for name in configs:
