@@ -30,12 +30,7 @@ TINY = ["--model", "builtin:tiny", "--device", "cpu", "--threads", "1", "--grid"
         "--lastword-chars", "100"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # -- metrics and scorers -------------------------------------------------------------------------
