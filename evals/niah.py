@@ -42,6 +42,9 @@ over causal key-query pairs, all layers and heads of the prefill forwards) is re
         --alphas 0.1 0.3 --correction on                                   # CPU, real model (8K context)
     python -m evals.niah --model builtin:tiny --device cpu --lengths 512   # plumbing only
 
+The prompts and the scoring are the calibration's (``model_executor/calibration/needle.py``,
+which ``python -m router calibrate`` runs on a ModelRunner directly).
+
 ``--model`` takes ``builtin:smollm2-135m`` (SmolLM2-135M-Instruct, converted once from its GGUF)
 or the converted Hugging Face directory itself (what a host without the ``gguf`` package uses);
 neither this module nor ``router.offline`` imports Ray.
@@ -55,8 +58,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import random
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -66,239 +67,25 @@ from pathlib import Path
 import torch
 
 from kernels.config import SparseConfig
+from model_executor.calibration.needle import (  # noqa: F401 (the task: this module's API)
+    ANSWER_PREFIX,
+    DEPTHS,
+    INSTRUCTION,
+    NEEDLE,
+    QUESTION,
+    Haystack,
+    Sample,
+    build_sample,
+    build_samples,
+    encode_prompt,
+    has_chat_template,
+    is_correct,
+    stop_token_ids,
+)
 
-DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 ALPHAS = (0.1,)
 MAX_NEW_TOKENS = 32
-
-INSTRUCTION = (
-    "A special magic number is hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the number afterwards."
-)
-NEEDLE = "The special magic number for {key} is {value}."
-QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-
-# ---------------------------------------------------------------------------------------------
-# Filler text: seeded sentences over fixed word lists (no digits, never the needle's words)
-
-_SUBJECTS = (
-    "the old harbor", "a quiet village", "the river", "our small committee", "the city library",
-    "the morning train", "a travelling painter", "the northern valley", "the school orchestra",
-    "an elderly carpenter", "the weekly market", "a curious student", "the mountain road",
-    "the museum guide", "a patient gardener", "the night watchman", "the village bakery",
-    "a young engineer", "the coastal path", "the town council", "the farmer next door",
-    "a retired sailor", "the local newspaper", "the forest ranger", "the winter festival",
-)
-_VERBS = (
-    "remembered", "described", "admired", "ignored", "rebuilt", "visited", "painted",
-    "welcomed", "questioned", "followed", "celebrated", "measured", "repaired", "studied",
-    "crossed", "praised", "explored", "organized", "photographed", "avoided",
-)
-_OBJECTS = (
-    "the stone bridge", "a row of chestnut trees", "the abandoned mill", "the long corridor",
-    "an unfinished letter", "the crowded square", "a set of brass keys", "the wooden fence",
-    "the distant lighthouse", "a basket of apples", "the narrow staircase", "the green door",
-    "a forgotten song", "the empty theater", "the muddy field", "a pair of old boots",
-    "the quiet chapel", "the painted ceiling", "a map of the island", "the garden wall",
-)
-_TAILS = (
-    "before the rain began", "late in the afternoon", "with unusual care", "without a word",
-    "as the bells rang", "during the long summer", "after the storm had passed",
-    "while the others slept", "under a pale sky", "for the first time in years",
-    "in the early morning", "despite the cold wind", "with a few close friends",
-    "as if nothing had changed", "when the lamps were lit", "at the edge of town",
-)
-_CLAUSES = (
-    "Nobody could say why it mattered so much.", "It was, by all accounts, an ordinary day.",
-    "Some people still talk about it.", "The details were written down much later.",
-    "Everyone agreed that it had been worth the effort.", "Little else happened that week.",
-    "The reasons were never entirely clear.", "It became a story told at every gathering.",
-)
-_ADJECTIVES = (
-    "amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly",
-    "kind", "lucky", "mellow", "noble", "odd", "proud", "quick", "rusty", "silent", "tidy",
-    "vivid", "witty", "young", "zealous", "crimson", "golden", "hidden", "silver", "sturdy",
-)
-_NOUNS = (
-    "falcon", "harbor", "lantern", "meadow", "otter", "pebble", "quill", "raven", "saddle",
-    "thistle", "umbrella", "violin", "walrus", "willow", "anchor", "beacon", "canyon", "dolphin",
-    "ember", "fjord", "glacier", "hammock", "island", "jasmine", "kettle", "lagoon", "marble",
-)
-
-
-def filler_sentence(rng: random.Random) -> str:
-    """One sentence of filler prose."""
-    if rng.random() < 0.12:
-        return rng.choice(_CLAUSES)
-    s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
-    return s[0].upper() + s[1:]
-
-
-def make_key(rng: random.Random) -> str:
-    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
-
-
-def make_value(rng: random.Random) -> str:
-    return str(rng.randint(1_000_000, 9_999_999))
-
-
-def _stream_seed(seed: int, *parts: int) -> int:
-    """A stable seed from integers (no Python hash randomisation)."""
-    x = seed & 0xFFFFFFFF
-    for p in parts:
-        x = (x * 1_000_003 + int(p) + 7) & 0xFFFFFFFFFFFF
-    return x
-
-
-class Haystack:
-    """The filler sentence stream of one trial and the token count of each sentence (with its
-    leading space), extended on demand."""
-
-    def __init__(self, tokenizer, seed: int, trial: int) -> None:
-        self.tokenizer = tokenizer
-        self._rng = random.Random(_stream_seed(seed, 1, trial))
-        self.sentences: list[str] = []
-        self.tokens: list[int] = []
-
-    def ensure(self, n_tokens: int) -> None:
-        """Hold at least ``n_tokens`` tokens of sentences."""
-        total = sum(self.tokens)
-        while total < n_tokens:
-            s = filler_sentence(self._rng)
-            n = len(self.tokenizer.encode(" " + s, add_bos=False))
-            self.sentences.append(s)
-            self.tokens.append(n)
-            total += n
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-
-
-@dataclass(frozen=True)
-class Sample:
-    length: int  # the context length asked for, in tokens
-    depth: float  # the depth asked for, in [0, 1]
-    trial: int
-    key: str
-    value: str
-    prompt_ids: tuple[int, ...]
-    needle_depth: float  # where the needle ended up: filler tokens before it / all filler tokens
-    filler_sentences: int
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-
-def has_chat_template(tokenizer) -> bool:
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    if hf is not None:
-        return bool(getattr(hf, "chat_template", None))
-    return hasattr(tokenizer, "apply_chat_template")
-
-
-def encode_prompt(tokenizer, context: str, key: str, *, chat: bool, answer_prefix: bool) -> list[int]:
-    """Token ids of the whole prompt around ``context`` (the haystack with its needle)."""
-    user = f"{INSTRUCTION}\n\n{context}\n\n{QUESTION.format(key=key)}"
-    prefix = ANSWER_PREFIX.format(key=key) if answer_prefix else ""
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
-        return list(ids) + (tokenizer.encode(prefix, add_bos=False) if prefix else [])
-    text = user + ("\n\n" + prefix if prefix else "\n\nAnswer:")
-    return tokenizer.encode(text, add_bos=True)
-
-
-def _context(sentences: Sequence[str], cut: int, needle: str) -> str:
-    return " ".join([*sentences[:cut], needle, *sentences[cut:]])
-
-
-def build_sample(
-    tokenizer, haystack: Haystack, length: int, depth: float, trial: int, seed: int, *,
-    chat: bool, answer_prefix: bool, reserve: int = 0, max_iters: int = 8,
-) -> Sample:
-    """The longest prompt of at most ``length - reserve`` tokens (``reserve``: room for the
-    answer) with the needle at ``depth``."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth: expected a fraction in [0, 1], got {depth}")
-    context_length, length = length, length - reserve
-    rng = random.Random(_stream_seed(seed, 2, length, round(depth * 10_000), trial))
-    key, value = make_key(rng), make_value(rng)
-    needle = NEEDLE.format(key=key, value=value)
-    overhead = len(encode_prompt(tokenizer, needle, key, chat=chat, answer_prefix=answer_prefix))
-    if overhead > length:
-        raise ValueError(
-            f"length: {context_length} tokens (minus {reserve} for the answer) cannot hold the "
-            f"question and the needle ({overhead} tokens)"
-        )
-    haystack.ensure(length)
-    cum = [0]
-    for n in haystack.tokens:
-        cum.append(cum[-1] + n)
-
-    def count_for(budget: int) -> int:  # most sentences whose summed counts fit in budget
-        lo, hi = 0, len(haystack.tokens)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cum[mid] <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def assemble(n: int) -> tuple[list[int], int]:
-        target = depth * cum[n]
-        cut = min(range(n + 1), key=lambda i: (abs(cum[i] - target), i))
-        ids = encode_prompt(tokenizer, _context(haystack.sentences[:n], cut, needle), key,
-                            chat=chat, answer_prefix=answer_prefix)
-        return ids, cut
-
-    n = count_for(length - overhead)
-    best, tried = None, set()
-    for _ in range(max_iters):
-        if n in tried:
-            break
-        tried.add(n)
-        ids, cut = assemble(n)
-        gap = length - len(ids)
-        if gap >= 0:
-            if best is None or n > best[0]:
-                best = (n, ids, cut)
-            if n < len(haystack.tokens) and gap >= haystack.tokens[n]:
-                n = count_for(cum[n] + gap)  # room for more sentences
-                continue
-            break
-        n = min(count_for(cum[n] + gap), n - 1)  # over by -gap tokens: drop that many
-    while best is None:  # tokenisation at the joins can add tokens: shrink until it fits
-        n -= 1
-        ids, cut = assemble(n)
-        if len(ids) <= length:
-            best = (n, ids, cut)
-    n, ids, cut = best
-    return Sample(length=context_length, depth=depth, trial=trial, key=key, value=value,
-                  prompt_ids=tuple(int(i) for i in ids),
-                  needle_depth=(cum[cut] / cum[n]) if cum[n] else depth, filler_sentences=n)
-
-
-def build_samples(tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int,
-                  *, chat: bool, answer_prefix: bool, reserve: int = 0) -> list[Sample]:
-    """Every (length, depth, trial) sample, in that order (prompts of at most ``length -
-    reserve`` tokens)."""
-    out = []
-    stacks = [Haystack(tokenizer, seed, t) for t in range(trials)]
-    for length in lengths:
-        for depth in depths:
-            for t in range(trials):
-                out.append(build_sample(tokenizer, stacks[t], length, depth, t, seed,
-                                        chat=chat, answer_prefix=answer_prefix, reserve=reserve))
-    return out
-
-
-def is_correct(value: str, text: str) -> bool:
-    return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", text) is not None
-
 
 # ---------------------------------------------------------------------------------------------
 # Modes and density recording
@@ -373,18 +160,6 @@ def record_index_calls(log: DensityLog, *, measure: bool = True):
 
 # ---------------------------------------------------------------------------------------------
 # Running
-
-
-def stop_token_ids(loaded) -> tuple[int, ...]:
-    """End of text / end of turn of the tokenizer and of the model's generation config."""
-    ids = set(getattr(loaded.tokenizer, "stop_token_ids", ()) or ())
-    gen_cfg = getattr(loaded.model, "generation_config", None)
-    eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    return tuple(sorted(ids))
 
 
 def kv_bytes_per_token(loaded) -> int:

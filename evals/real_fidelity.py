@@ -40,7 +40,8 @@ the scaled model, and the table marks those rows as beyond the trained context.
 
 ``--model``: ``builtin:smollm2-135m`` (default) or an already converted Hugging Face directory
 (``model_executor.gguf.gguf_dir`` writes one; the GPU host needs no ``gguf`` package then).
-Nothing here imports Ray or the service. Writes ``benchmarks/results/real_fidelity_<device>.json``
+The text, the windows and the metrics are the calibration's (``model_executor/calibration``:
+``python -m router calibrate`` measures the same way). Nothing here imports Ray or the service. Writes ``benchmarks/results/real_fidelity_<device>.json``
 (``--out``) and prints a markdown table last.
 """
 
@@ -48,9 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -60,114 +59,15 @@ from pathlib import Path
 import torch
 
 from kernels.config import SparseConfig
+from model_executor.calibration.metrics import Comparison, compare_logits, summarize  # noqa: F401 (this module's API)
+from model_executor.calibration.text import PYDOC_TOPICS as DEFAULT_TEXT
+from model_executor.calibration.text import ROPE_SCALINGS, Text, load_text, rope_for, token_windows  # noqa: F401
 
 DEFAULT_MODEL = "builtin:smollm2-135m"
-DEFAULT_TEXT = "pydoc-topics"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
 CPU_LENGTHS = (2048,)
 ALPHAS = (0.05, 0.1, 0.2, 0.3)
 SCORE_FROM = 1024
-ROPE_SCALINGS = ("yarn", "linear", "none")
-_KL_CHUNK = 256  # rows of float64 log-softmax at a time: 256 x 49152 x 8 B = 100 MB
-
-
-# ---------------------------------------------------------------------------------------------
-# Text
-
-
-@dataclass(frozen=True)
-class Text:
-    name: str  # what the table calls it
-    text: str
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
-
-
-def load_text(source: str = DEFAULT_TEXT) -> Text:
-    """``pydoc-topics`` (see the module docstring) or the path of a UTF-8 text file."""
-    if source == DEFAULT_TEXT:
-        from pydoc_data import topics
-
-        body = "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
-        v = sys.version_info
-        return Text(f"pydoc_data.topics (Python {v.major}.{v.minor}.{v.micro} language reference topics)", body)
-    path = Path(source)
-    if not path.is_file():
-        raise ValueError(f"text: expected {DEFAULT_TEXT!r} or a text file, got {source!r} (no such file)")
-    try:
-        body = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"text: expected UTF-8 text in {path}: {e}") from None
-    return Text(f"file {path.name}", body)
-
-
-def token_windows(ids: Sequence[int], length: int, samples: int) -> list[list[int]]:
-    """Non-overlapping windows ``[s * length, (s + 1) * length)`` of ``ids``, ``s < samples``."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-        raise ValueError(f"length: expected an int >= 2, got {length!r}")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples: expected an int >= 1, got {samples!r}")
-    if samples * length > len(ids):
-        raise ValueError(f"length: {samples} window(s) of {length} tokens need {samples * length} tokens, "
-                         f"the text has {len(ids)}")
-    return [list(ids[s * length:(s + 1) * length]) for s in range(samples)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-@dataclass
-class Comparison:
-    """Per scored position: ``kl`` (float64 nats), ``agree`` (argmax equal), ``nll_ref`` and
-    ``nll`` (float64, of the target token under the reference and under the compared run)."""
-
-    kl: torch.Tensor
-    agree: torch.Tensor
-    nll_ref: torch.Tensor
-    nll: torch.Tensor
-
-
-def compare_logits(ref: torch.Tensor, other: torch.Tensor, targets: torch.Tensor,
-                   chunk: int = _KL_CHUNK) -> Comparison:
-    """``KL(softmax(ref) || softmax(other))`` row by row, argmax agreement, and the negative
-    log-likelihood of ``targets`` under each; ``ref``/``other`` ``[n, V]``, ``targets`` ``[n]``."""
-    if ref.ndim != 2 or ref.shape != other.shape:
-        raise ValueError(f"other: expected the shape of ref {tuple(ref.shape)} (2-D), got {tuple(other.shape)}")
-    if targets.shape != (ref.shape[0],):
-        raise ValueError(f"targets: expected shape ({ref.shape[0]},), got {tuple(targets.shape)}")
-    kl, agree, nll_ref, nll = [], [], [], []
-    t_all = targets.to(ref.device, torch.int64)
-    for r0 in range(0, ref.shape[0], chunk):
-        a = torch.log_softmax(ref[r0:r0 + chunk].double(), -1)
-        b = torch.log_softmax(other[r0:r0 + chunk].double(), -1)
-        t = t_all[r0:r0 + chunk, None]
-        kl.append((a.exp() * (a - b)).sum(-1).clamp_min(0.0).cpu())
-        agree.append((a.argmax(-1) == b.argmax(-1)).cpu())
-        nll_ref.append(-a.gather(-1, t)[:, 0].cpu())
-        nll.append(-b.gather(-1, t)[:, 0].cpu())
-    cat = lambda xs, dt: torch.cat(xs) if xs else torch.empty(0, dtype=dt)  # noqa: E731
-    return Comparison(cat(kl, torch.float64), cat(agree, torch.bool), cat(nll_ref, torch.float64),
-                      cat(nll, torch.float64))
-
-
-def summarize(parts: Sequence[Comparison]) -> dict:
-    """Mean / max KL, top-1 agreement and both perplexities over every position of ``parts``."""
-    kl = torch.cat([p.kl for p in parts])
-    if kl.numel() == 0:
-        raise ValueError("parts: expected at least one scored position")
-    agree = torch.cat([p.agree for p in parts])
-    nll_ref = torch.cat([p.nll_ref for p in parts])
-    nll = torch.cat([p.nll for p in parts])
-    return {
-        "scored_positions": int(kl.numel()),
-        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-        "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() <= 1 << 24 else None,
-        "top1_agreement": float(agree.double().mean()),
-        "ppl_dense": math.exp(float(nll_ref.mean())), "ppl": math.exp(float(nll.mean())),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,16 +169,6 @@ def run_length(loaded, windows: Sequence[Sequence[int]], modes: Sequence[Mode], 
                     "windows": len(windows), "density": density, "selected_tiles": sel, "causal_tiles": causal,
                     **summarize(parts[mode.name]), "seconds": seconds[mode.name]})
     return out
-
-
-def rope_for(length: int, trained: int, kind: str) -> dict | None:
-    """The RoPE scaling a length runs with: none within the trained context, else ``kind``
-    with factor ``length / trained`` (``kind = "none"``: unscaled, extrapolating)."""
-    if kind not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling: expected one of {ROPE_SCALINGS}, got {kind!r}")
-    if length <= trained or kind == "none":
-        return None
-    return {"rope_type": kind, "factor": length / trained}
 
 
 def run_fidelity(model: str, *, lengths: Sequence[int], modes: Sequence[Mode], base: SparseConfig,

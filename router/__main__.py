@@ -1,4 +1,4 @@
-"""Command line: ``python -m router serve | client | options | tokenizer | gen-proto``."""
+"""Command line: ``python -m router serve | client | options | tokenizer | calibrate | gen-proto``."""
 
 from __future__ import annotations
 
@@ -130,6 +130,11 @@ def _gen_proto(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        from model_executor.calibration.cli import main as calibrate
+
+        return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m router", description="FlashPrefill Serve")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -189,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--model", default=None, help="the served model: 'builtin:smollm2-135m' (default), 'builtin:tiny', "
                                                  "a local .gguf file or Hugging Face directory")
     t.set_defaults(func=_tokenizer)
+
+    # its options live with the calibration (model_executor/calibration/cli.py): main hands it the
+    # command line, so that the other commands do not import torch
+    sub.add_parser("calibrate", add_help=False,
+                   help="measure sparse settings against dense and write the sparsest profile meeting a quality "
+                        "budget (python -m router calibrate --help)")
 
     g = sub.add_parser("gen-proto", help="regenerate router/proto stubs (needs grpcio-tools)")
     g.set_defaults(func=_gen_proto)

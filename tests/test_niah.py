@@ -12,6 +12,7 @@ import torch
 
 from evals import niah
 from kernels.config import SparseConfig
+from model_executor.calibration import needle
 from router.offline import GenerationResult
 from model_executor.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -30,8 +31,8 @@ def _word_tokenizer() -> HFTokenizer:
     from transformers import PreTrainedTokenizerFast
 
     words = set()
-    for group in (niah._SUBJECTS, niah._VERBS, niah._OBJECTS, niah._TAILS, niah._CLAUSES, niah._ADJECTIVES,
-                  niah._NOUNS, (niah.INSTRUCTION, niah.NEEDLE, niah.QUESTION, niah.ANSWER_PREFIX, "Answer:")):
+    for group in (needle.SUBJECTS, needle.VERBS, needle.OBJECTS, needle.TAILS, needle.CLAUSES, needle.ADJECTIVES,
+                  needle.NOUNS, (niah.INSTRUCTION, niah.NEEDLE, niah.QUESTION, niah.ANSWER_PREFIX, "Answer:")):
         for text in group:
             words.update(re.findall(r"\w+|[^\w\s]", text))
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
