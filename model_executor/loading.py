@@ -38,6 +38,7 @@ without a stop token they always generate ``max_tokens`` tokens.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
