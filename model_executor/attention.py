@@ -79,6 +79,21 @@ class ForwardState:
         self.selected_tiles.index_add_(0, tile_seq, per_tile)
         self.causal_tiles = [a + b for a, b in zip(self.causal_tiles, causal)]
 
+    def count_dense(self, plan: PrefillPlan) -> None:
+        """A layer that ran dense inside a sparse forward (``sparse.dense_layers``, a zero
+        ``layer_alpha``) without an index: every causal tile counts as selected, as the index of
+        such a layer lists them on the kernels' backends."""
+        cached = self._causal_of.get(id(plan))
+        if cached is None:
+            cached = self._causal_of[id(plan)] = (
+                [plan.num_kv_heads * n for n in causal_tile_pairs(plan)], plan.tile_seq.long())
+        causal = cached[0]
+        if self.selected_tiles is None:
+            self.selected_tiles = torch.zeros(plan.batch_size, dtype=torch.int64, device=plan.device)
+            self.causal_tiles = [0] * plan.batch_size
+        self.selected_tiles += torch.tensor(causal, dtype=torch.int64, device=plan.device)
+        self.causal_tiles = [a + b for a, b in zip(self.causal_tiles, causal)]
+
     def plan_for(
         self, key: tuple, build: Any
     ) -> tuple[PrefillPlan, SparseConfig]:
@@ -155,7 +170,10 @@ def _prefill(
     config = batch.sparse_config.for_layer(layer)
     if scaling is not None and config.scale is None:
         config = dataclasses.replace(config, scale=float(scaling))
-    dense = batch.dense or config.alpha == 0
+    # dense by the model-level options (a runner configured with alpha 0 everywhere still runs
+    # the sparse kernels at alpha 0: the numerical floor of the sparse path)
+    layer_dense = config.alpha == 0 and batch.sparse_config.alpha_of_layer(layer) != batch.sparse_config.alpha
+    dense = batch.dense or layer_dense
     if dense:
         config = dataclasses.replace(config, alpha=0.0)
 
@@ -176,6 +194,8 @@ def _prefill(
     if dense and backend == "reference":
         with op_range("attention"):
             out, _ = reference.dense_attention(q, k_pages, v_pages, plan, descales=descales)
+        if layer_dense and not batch.dense:
+            batch.state.count_dense(plan)
         return out
     with op_range("index"):
         index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
