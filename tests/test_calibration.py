@@ -299,7 +299,6 @@ def test_density_counts_dense_layers_as_fully_selected(tiny):
     # the runner counts the dense layers as fully selected itself (ForwardState.count_dense), as
     # the kernels' backends do by listing every tile
     assert raw_tot2 == 4 * per_layer and (sel2, tot2) == (raw_sel2, raw_tot2)
-    assert sel2 - sel0 > 0
     assert runner.pool.free_pages == 12
 
 
