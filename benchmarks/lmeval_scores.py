@@ -4,7 +4,8 @@ For each mode a CPU service is started (``python -m router serve``, the built-in
 ``sparse``: the default ``sparse.alpha``, ``dense``: ``--alpha 0``), lm-eval runs the task
 unmodified (``--model local-completions`` with the tokenizer ``python -m router tokenizer``
 writes; string mode), and the service is stopped. The task's contexts (about 1.1K-2K tokens) are
-longer than ``sparse.dense_below`` (1024), so the sparse mode prefills them block-sparse. Per
+prefilled block-sparse in the sparse mode, which forces ``sparse.dense_below = 0`` (the model's
+profile otherwise decides where sparse prefill starts). Per
 mode: lm-eval's metrics; across modes: per item, the continuation's loglikelihood difference and
 whether the greedy verdict agrees.
 
@@ -62,6 +63,8 @@ def run_mode(mode: str, args: argparse.Namespace, tokenizer_dir: Path, out: Path
            "--prefill-kv-pages", str(args.kv_pages), "--decode-kv-pages", str(args.kv_pages)]
     if MODES[mode] is not None:
         cmd += ["--alpha", str(MODES[mode])]
+    else:  # the model's sparse setting (its profile) forced on at every length: what the targets measure
+        cmd += ["--option", "sparse.dense_below=0"]
     log = open(out / f"serve_{mode}.log", "w")
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

