@@ -20,6 +20,7 @@ at least ``--min-speedup`` (default 1.1) faster sparse; if none does, the larges
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-speedup", type=float, default=1.1)
     ap.add_argument("--cpu-smoke", action="store_true", help="builtin:tiny on CPU, 256 and 512 tokens, fp32")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--write-profile", default=None, metavar="FILE",
+                    help="write the profile under test with the implied dense_below to FILE (the shipped one: "
+                         "model_executor/profiles/<model>.json)")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.model, args.lengths, args.device, args.dtype, args.reps, args.profile = (
@@ -159,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
+    if args.write_profile:
+        profile = resolve_profile(args.profile, args.model)
+        if profile is None:
+            ap.error("--write-profile: needs a profile under test (--profile auto or a file)")
+        provenance = {**profile.provenance, "dense_below": {
+            "command": result["command"], "date": result["date"], "env": result["env"],
+            "speedups": {r["length"]: r["speedup"] for r in result["rows"]}, "min_speedup": args.min_speedup}}
+        written = dataclasses.replace(profile, dense_below=result["dense_below"], provenance=provenance)
+        print(f"wrote {written.save(args.write_profile)} (dense_below {result['dense_below']})")
+    return 0
     return 0
 
 
