@@ -543,9 +543,9 @@ def test_grpc_echo_with_prompt_logprobs(service):
 
 
 # ----------------------------------------------------------------------------- per-request sparsity
-def _offline_prefill(prompt: list[int], alpha: float) -> tuple[list[float], float | None]:
-    """The single-process prefill engine at ``alpha``, the oracle for a sparse request: its
-    prompt logprobs and block density."""
+def _offline_prefill(prompt: list[int], alpha: float, **options) -> tuple[list[float], float | None]:
+    """The single-process prefill engine at ``alpha`` (and the request's other sparse options),
+    the oracle for a sparse request: its prompt logprobs and block density."""
     import dataclasses
 
     from model_executor import ModelRunner, SamplingParams, build_tiny_model
@@ -554,7 +554,8 @@ def _offline_prefill(prompt: list[int], alpha: float) -> tuple[list[float], floa
 
     tiny = build_tiny_model(seed=CONFIG.model.seed)
     pool = make_pool(tiny, num_pages=64, page_size=CONFIG.kv.page_size)
-    runner = ModelRunner(tiny.model, pool, dataclasses.replace(CONFIG.sparse_config, alpha=alpha), dense_below=0)
+    config = dataclasses.replace(CONFIG.sparse_config, alpha=alpha, **options)
+    runner = ModelRunner(tiny.model, pool, config, dense_below=0)
     res = PrefillEngine(runner).prefill([PrefillRequest("o", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))])
     return [e.logprob for e in res[0].prompt_logprobs[1:]], res[0].block_density
 
@@ -576,26 +577,32 @@ def test_per_request_sparse_attention_over_http_and_grpc(service):
     forced_dense, lp = echo(False)
     assert lp == pytest.approx(dense_lp, abs=1e-5)
     assert forced_dense.usage.model_extra["sparse_attention"] == {"alpha": 0.0, "dense": True, "density": 1.0}
-    sparse, sparse_lp = echo({"alpha": 0.95})
-    want_lp, want_density = _offline_prefill(prompt, 0.95)
+    # the service's safeguards keep this short prompt's last tiles dense: the request turns them off
+    own = {"last_dense_tiles": 0, "energy_rule": "visible"}
+    sparse, sparse_lp = echo({"alpha": 0.95, **own})
+    want_lp, want_density = _offline_prefill(prompt, 0.95, **own)
     assert 0.0 < want_density < 1.0
-    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False,
+    assert sparse.usage.model_extra["sparse_attention"] == {"alpha": 0.95, "dense": False, **own,
                                                             "density": pytest.approx(want_density, abs=1e-6)}
+    guarded, _ = echo({"alpha": 0.95})  # the service's safeguards: more of the prompt dense
+    assert guarded.usage.model_extra["sparse_attention"]["density"] > want_density
     assert sparse_lp == pytest.approx(want_lp, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(sparse_lp, dense_lp)) > 1e-2  # what sparsity costs, per request
 
     req = pb.GenerateRequest(model=MODEL, prompt_token_ids=prompt, max_tokens=0, echo=True, logprobs=0,
-                             temperature=0.0, sparse_attention=pb.SparseAttention(alpha=0.95))
+                             temperature=0.0, sparse_attention=pb.SparseAttention(alpha=0.95, **own))
     resp = stub.Generate(req, metadata=META, timeout=120)
     assert [e.logprob for e in resp.prompt_logprobs] == pytest.approx(sparse_lp, abs=1e-5)
     assert resp.usage.sparse_attention.dense is False
     assert resp.usage.sparse_attention.alpha == pytest.approx(0.95)
     assert resp.usage.sparse_attention.density == pytest.approx(want_density, abs=1e-6)
+    assert (resp.usage.sparse_attention.last_dense_tiles, resp.usage.sparse_attention.energy_rule) == (0, "visible")
     for bad_value in ({"alpha": 2}, {"beta": 1}, 0.5):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"sparse_attention": bad_value})
         assert info.value.body["param"] == "sparse_attention"
-    for sa in (pb.SparseAttention(alpha=1.5), pb.SparseAttention(dense=True, alpha=0.5)):
+    for sa in (pb.SparseAttention(alpha=1.5), pb.SparseAttention(dense=True, alpha=0.5),
+               pb.SparseAttention(energy_rule="max")):
         with pytest.raises(grpc.RpcError) as info:
             stub.Generate(pb.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, sparse_attention=sa),
                           metadata=META, timeout=60)
