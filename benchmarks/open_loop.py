@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.load_test import Outcome, http_completion, percentile  # noqa: E402
 
-# the service's timing fields that make up the breakdown (see router/pipeline.py)
+# the service's timing fields that make up the breakdown (see ChoiceReporter.timing in router/reporting.py)
 BREAKDOWN = ("ttft_s", "queue_s", "prefill_s", "export_s", "transfer_s", "first_decode_s")
 LOST_REASONS = ("timeout", "cut", "rejected", "http_error", "error", "incomplete")
 

@@ -1,6 +1,6 @@
 """Backpressure and replica-death handling without a cluster: the ingress's admission gate
 (router/admission.py), the options that size it and the worker deployments, the request
-routers' back-off flag, one WARNING per dead replica (router/pipeline.py ``ReplicaDeaths``),
+routers' back-off flag, one WARNING per dead replica (router/retry.py ``ReplicaDeaths``),
 and readiness that follows Ray's actor-death notifications (router/health.py)."""
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def test_both_request_routers_let_serve_back_off():
 # ----------------------------------------------------------------------------- replica deaths
 def test_a_dead_replica_logs_one_warning_for_all_its_requests(caplog):
     ray_exceptions = pytest.importorskip("ray.exceptions")
-    from router.pipeline import ReplicaDeaths
+    from router.retry import ReplicaDeaths
 
     deaths = ReplicaDeaths()
     a = ray_exceptions.ActorDiedError()

@@ -84,8 +84,8 @@ def test_every_name_the_service_records_is_specified():
 
     root = Path(__file__).resolve().parents[1]
     used = set()
-    for path in ("serving/metrics.py", "router/pipeline.py", "prefill_worker/deployment.py",
-                 "decode_worker/deployment.py"):
+    for path in ("serving/metrics.py", "router/pipeline.py", "router/driver.py", "router/reporting.py",
+                 "prefill_worker/deployment.py", "decode_worker/deployment.py"):
         used |= set(re.findall(r'\.(?:inc|set|observe)\(\s*"([a-z_]+)"', (root / path).read_text()))
     assert used and used <= set(SPECS), sorted(used - set(SPECS))
     assert {"decode_steps_total", "kv_transfers_total", "prefill_batch_seconds", "requests_total"} <= used

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model_executor.tokenizer import ByteTokenizer
-from router.pipeline import Completion, Logprob
+from router.accounting import Completion, Logprob
 from router.protocol import RequestError, RequestParser, completion_response, stream_chunk
 
 
@@ -333,11 +333,9 @@ def test_default_max_tokens_completions_16_style_chat_to_the_end_of_the_context(
 
 # ----------------------------------------------------------------------------- echo, logprobs per token id
 def _pipeline():
-    from router.pipeline import DisaggregatedPipeline
+    from router.reporting import ChoiceReporter
 
-    pipe = object.__new__(DisaggregatedPipeline)  # only its tokenizer-side helpers are used
-    pipe.tokenizer = ByteTokenizer()
-    return pipe
+    return ChoiceReporter(ByteTokenizer())  # the per-choice accounting: logprobs and the echo
 
 
 def test_echo_lines_up_with_the_prompt_the_client_sent():
@@ -351,17 +349,17 @@ def test_echo_lines_up_with_the_prompt_the_client_sent():
     ids = parse({"prompt": [97, 98, 99], "echo": True, "logprobs": 1, "max_tokens": 0})
     values = (-torch.rand(4, generator=gen) * 5).tolist()
     entries = [TokenLogprob(t, lp, ((t, lp),)) for t, lp in zip(text.prompt_token_ids, values)]
-    echoed = pipe._prompt_logprobs(text, entries)
+    echoed = pipe.prompt_logprobs(text, entries)
     assert [e.token_id for e in echoed] == [97, 98, 99] and [e.logprob for e in echoed] == values[1:]
-    assert pipe._prompt_text(text) == "abc"
-    plain = pipe._prompt_logprobs(ids, entries[1:])  # no BOS: the first token has no logprob
+    assert pipe.prompt_text(text) == "abc"
+    plain = pipe.prompt_logprobs(ids, entries[1:])  # no BOS: the first token has no logprob
     assert [e.token_id for e in plain] == [97, 98, 99] and [e.logprob for e in plain] == [None, *values[2:]]
     out = completion_response(text, Completion("", [], "length", {}, None, [], "abc", echoed))
     lp = out["choices"][0]["logprobs"]
     assert lp["tokens"] == ["a", "b", "c"] and lp["text_offset"] == [0, 1, 2]
     assert lp["token_logprobs"][1:] == [e.logprob for e in plain[1:]]  # the continuation agrees
     with pytest.raises(RequestError):
-        pipe._prompt_logprobs(text, entries[1:])  # the prefill returned too few
+        pipe.prompt_logprobs(text, entries[1:])  # the prefill returned too few
 
 
 def test_top_logprobs_keep_one_entry_per_token_id_with_its_bytes():
@@ -376,24 +374,24 @@ def test_top_logprobs_keep_one_entry_per_token_id_with_its_bytes():
     entry = TokenLogprob(0x82, lps[1], top)
     pipe = _pipeline()
     chat = parse({"messages": MSGS, "logprobs": True, "top_logprobs": 3}, "chat")
-    rendered = stream_chunk(chat, "", [0x82], None, logprobs=pipe._logprobs(chat, [entry]))
+    rendered = stream_chunk(chat, "", [0x82], None, logprobs=pipe.logprobs(chat, [entry]))
     content = rendered["choices"][0]["logprobs"]["content"][0]
     assert content["token"] == "\ufffd" and content["bytes"] == [0x82] and content["logprob"] == lps[1]
     assert [(t["token"], t["bytes"], t["logprob"]) for t in content["top_logprobs"]] == [
         ("\ufffd", [0xE2], lps[0]), ("\ufffd", [0x82], lps[1]), ("\ufffd", [0x9F], lps[2])]
     comp = parse({"prompt": "x", "logprobs": 3})
-    legacy = completion_response(comp, Completion("\ufffd", [0x82], "length", {}, None, pipe._logprobs(comp, [entry])))
+    legacy = completion_response(comp, Completion("\ufffd", [0x82], "length", {}, None, pipe.logprobs(comp, [entry])))
     assert legacy["choices"][0]["logprobs"]["top_logprobs"] == [{"\ufffd": lps[0]}]
     assert legacy["choices"][0]["logprobs"]["token_logprobs"] == [lps[1]]
     as_ids = parse({"prompt": "x", "logprobs": 3, "return_tokens_as_token_ids": True})
     legacy = completion_response(as_ids, Completion("\ufffd", [0x82], "length", {}, None,
-                                                    pipe._logprobs(as_ids, [entry])))["choices"][0]["logprobs"]
+                                                    pipe.logprobs(as_ids, [entry])))["choices"][0]["logprobs"]
     assert legacy["tokens"] == ["token_id:130"]
     assert legacy["top_logprobs"] == [{"token_id:226": lps[0], "token_id:130": lps[1], "token_id:159": lps[2]}]
     chat_ids = parse({"messages": MSGS, "logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": True},
                      "chat")
     content = stream_chunk(chat_ids, "", [0x82], None,
-                           logprobs=pipe._logprobs(chat_ids, [entry]))["choices"][0]["logprobs"]["content"][0]
+                           logprobs=pipe.logprobs(chat_ids, [entry]))["choices"][0]["logprobs"]["content"][0]
     assert content["token"] == "token_id:130" and content["bytes"] == [0x82]
     assert [t["token"] for t in content["top_logprobs"]] == ["token_id:226", "token_id:130", "token_id:159"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_executor.tokenizer import ByteTokenizer
-from router.pipeline import Completion, Logprob
+from router.accounting import Completion, Logprob
 from router.protocol import (RequestError, RequestParser, completion_response, openapi_extra, stream_chunk,
                              tool_stream_chunks, ToolChoiceStream, usage, usage_chunk)
 

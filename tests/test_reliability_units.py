@@ -378,7 +378,7 @@ def test_decode_death_mid_stream_resumes_without_gap_or_repeat():
     assert tokens == _reference(REQ.prompt_token_ids, 12)
     assert "".join(d.text for d in out) == bytes(tokens).decode()
     assert out[-1].finish_reason == "length" and out[-1].timing["decode_resumes"] == 1
-    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    prefills, decodes = pipe.driver.prefill.prefill.calls, pipe.driver.decode.generate.calls
     sent = tokens[:5]  # first token + 4 decoded before the death
     assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
     # the resumed decode continues the whole output: the tokens before its first are its history
@@ -413,7 +413,7 @@ def test_a_preempted_request_is_recomputed_without_gap_or_repeat():
     assert tokens == _reference(REQ.prompt_token_ids, 12)
     assert out[-1].finish_reason == "length" and out[-1].timing["decode_resumes"] == 1
     sent = tokens[:4]  # first token + the 3 decoded before the preemption
-    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    prefills, decodes = pipe.driver.prefill.prefill.calls, pipe.driver.decode.generate.calls
     assert list(prefills[1].prompt_token_ids) == list(REQ.prompt_token_ids) + sent[:-1]
     assert decodes[1].first_token == sent[-1] and decodes[1].history == tuple(sent[:-1])
 
@@ -424,7 +424,7 @@ def test_preempted_every_time_ends_as_abort_after_decode_resumes():
     assert error is None and out[-1].finish_reason == "abort"
     tokens = [t for d in out for t in d.token_ids]
     assert tokens == _reference(REQ.prompt_token_ids, 12)[: len(tokens)] and len(tokens) == 1 + 2 * 3
-    assert len(pipe._decode.generate.calls) == 3  # first try + decode_resumes (2)
+    assert len(pipe.driver.decode.generate.calls) == 3  # first try + decode_resumes (2)
 
 
 def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent():
@@ -433,8 +433,8 @@ def test_decode_dying_every_time_ends_with_a_clean_error_after_the_tokens_sent()
     assert error is not None and error.status == 502 and error.code == "decode_failed"
     tokens = [t for d in out for t in d.token_ids]
     assert tokens == _reference(REQ.prompt_token_ids, 12)[: len(tokens)] and len(tokens) == 1 + 3 * 2
-    assert len(pipe._decode.generate.calls) == 3  # first try + decode_resumes
-    assert all(s.cancelled for s in pipe._decode.generate.streams[:-1]) and pipe.released == []
+    assert len(pipe.driver.decode.generate.calls) == 3  # first try + decode_resumes
+    assert all(s.cancelled for s in pipe.driver.decode.generate.streams[:-1]) and pipe.released == []
 
 
 def test_replica_failures_before_adoption_are_retried_then_503():
@@ -454,7 +454,7 @@ def test_replica_failures_before_adoption_are_retried_then_503():
     out, error = _run(pipe, REQ)
     assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
     # the decode replica died before answering for the ticket: the ingress ends that lease
-    assert [lease.request_id for lease in pipe.released] == [pipe._prefill.prefill.calls[0].request_id]
+    assert [lease.request_id for lease in pipe.released] == [pipe.driver.prefill.prefill.calls[0].request_id]
     pipe = _pipeline(lambda p, n: _prefill(p, n, die=lambda n: True), _decode)
     out, error = _run(pipe, REQ)
     assert out == [] and error.status == 503 and error.code == "prefill_unavailable" and error.retry_after_s == 1
@@ -470,20 +470,20 @@ def test_failed_channel_transfer_is_retried_over_the_object_store():
     pipe = _pipeline(_prefill, decode)
     out, error = _run(pipe, REQ)
     assert error is None and [t for d in out for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
-    prefills = pipe._prefill.prefill.calls
+    prefills = pipe.driver.prefill.prefill.calls
     assert prefills[0].transport is None and prefills[1].transport == "object_store"
     assert out[-1].timing["prefill_attempts"] == 2
     # a full decode pool is no reason to leave the channel: no fallback asked
     pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=n == 1))
     out, error = _run(pipe, REQ)
-    assert error is None and all(c.transport is None for c in pipe._prefill.prefill.calls)
+    assert error is None and all(c.transport is None for c in pipe.driver.prefill.prefill.calls)
 
 
 def test_decode_pool_full_everywhere_is_429_with_retry_hint():
     pipe = _pipeline(_prefill, lambda p, n: _decode(p, n, full=True), retry_after_s=3)
     out, error = _run(pipe, REQ)
     assert error.status == 429 and error.code == "kv_capacity_exhausted" and error.retry_after_s == 3
-    assert len(pipe._prefill.prefill.calls) == 3 and pipe.released == []  # the decode replicas release them
+    assert len(pipe.driver.prefill.prefill.calls) == 3 and pipe.released == []  # the decode replicas release them
 
 
 def test_an_attempt_abandoned_between_prefill_and_decode_releases_its_lease():
@@ -499,8 +499,8 @@ def test_an_attempt_abandoned_between_prefill_and_decode_releases_its_lease():
         await stream.aclose()
 
     asyncio.run(first_then_leave())
-    assert [lease.request_id for lease in pipe.released] == [pipe._prefill.prefill.calls[0].request_id]
-    assert pipe._decode.generate.calls == []
+    assert [lease.request_id for lease in pipe.released] == [pipe.driver.prefill.prefill.calls[0].request_id]
+    assert pipe.driver.decode.generate.calls == []
 
     def no_ticket(payload, n):
         stream = _prefill(payload, n)
@@ -672,7 +672,7 @@ def _cancel_handle(pipe):
                 return ChoiceCancelled(True)
             return answer()
 
-    pipe._decode_calls.cancel_choice = _Cancels()
+    pipe.driver.decode_calls.cancel_choice = _Cancels()
     return cancels
 
 
@@ -680,7 +680,7 @@ def test_a_group_is_one_prefill_one_decode_call_and_each_choice_its_own_stream()
     pipe = _pipeline(_group_prefill, _group_decode)
     out, error = _run_choices(pipe, NREQ)
     assert error is None and sorted(out) == [0, 1, 2]
-    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    prefills, decodes = pipe.driver.prefill.prefill.calls, pipe.driver.decode.generate.calls
     assert len(prefills) == 1 and len(decodes) == 1 and len(prefills[0].choices) == 3
     firsts = [65 + (_nxt(list(NREQ.prompt_token_ids)) - 65 + j) % 26 for j in range(3)]
     assert [tok for tok, _ in decodes[0].choices] == firsts
@@ -697,11 +697,11 @@ def test_group_decode_death_resumes_every_choice_on_its_own():
     pipe = _pipeline(_group_prefill, lambda p, n: _group_decode(p, n, die_after=3 if n == 1 else None))
     out, error = _run_choices(pipe, NREQ)
     assert error is None
-    firsts = [tok for tok, _ in pipe._decode.generate.calls[0].choices]
+    firsts = [tok for tok, _ in pipe.driver.decode.generate.calls[0].choices]
     for k in range(3):
         assert [t for d in out[k] for t in d.token_ids] == _group_reference(NREQ.prompt_token_ids, firsts[k], 9)
         assert out[k][-1].finish_reason == "length" and out[k][-1].timing["decode_resumes"] == 1
-    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    prefills, decodes = pipe.driver.prefill.prefill.calls, pipe.driver.decode.generate.calls
     assert len(prefills) == 4 and all(not p.choices for p in prefills[1:])  # the group, then one per choice
     sent = {tuple(p.prompt_token_ids[3:]) for p in prefills[1:]}  # each choice's first + 3 decoded, less the last
     assert sent == {tuple(_group_reference(NREQ.prompt_token_ids, f, 4)[:-1]) for f in firsts}
@@ -715,7 +715,7 @@ def test_group_transfer_retry_keeps_the_first_tokens_sent():
     pipe = _pipeline(_group_prefill, lambda p, n: _group_decode(p, n, full_first=True))
     out, error = _run_choices(pipe, NREQ)
     assert error is None
-    prefills, decodes = pipe._prefill.prefill.calls, pipe._decode.generate.calls
+    prefills, decodes = pipe.driver.prefill.prefill.calls, pipe.driver.decode.generate.calls
     assert len(prefills) == 2 and len(prefills[0].choices) == 3 and prefills[1].choices == ()
     assert decodes[1].choices == decodes[0].choices  # the first tokens the client already has
     assert all(len([t for d in out[k] for t in d.token_ids]) == 9 for k in range(3))
@@ -737,7 +737,7 @@ def test_a_stop_string_in_one_choice_cancels_it_alone_on_its_decode_replica():
         assert (text, out[k][-1].finish_reason) == ((texts[k][:cut], "stop") if cut >= 0 else (texts[k], "length"))
     stopped_early = [k for k in range(3) if 0 <= texts[k].find(stop) < len(texts[k]) - len(stop)]
     assert 1 in stopped_early
-    rid = pipe._decode.generate.calls[0].request_id
+    rid = pipe.driver.decode.generate.calls[0].request_id
     assert sorted(c[0].choice for c in cancels) == stopped_early
     assert all(c[0].request_id == rid and c[1]["replica"] == "d1" for c in cancels)
 
@@ -767,7 +767,7 @@ def test_a_group_records_each_choice_and_its_prompt_once():
     asyncio.run(first_then_leave())
     assert [c[2]["finish_reason"] for c in backend.calls("requests_total")] == ["cancelled"] * 3
     # gone after the first tokens, before a decode replica took the ticket: the ingress ends the one lease
-    assert pipe._decode.generate.calls == [] and len(pipe.released) == 1
+    assert pipe.driver.decode.generate.calls == [] and len(pipe.released) == 1
 
 
 def test_a_single_choice_is_a_group_of_one_under_its_own_request_id():
@@ -777,7 +777,7 @@ def test_a_single_choice_is_a_group_of_one_under_its_own_request_id():
     out, error = _run_choices(pipe, REQ)
     assert error is None and sorted(out) == [0]
     assert [t for d in out[0] for t in d.token_ids] == _reference(REQ.prompt_token_ids, 12)
-    prefill, decode = pipe._prefill.prefill.calls[0], pipe._decode.generate.calls[0]
+    prefill, decode = pipe.driver.prefill.prefill.calls[0], pipe.driver.decode.generate.calls[0]
     assert prefill.request_id.startswith(REQ.request_id + ":") and prefill.choices == () and decode.choices == ()
 
 
@@ -796,7 +796,7 @@ def test_closing_a_stream_ends_its_driver_at_once(req):
         return list(pipe.released)  # before asyncio.run finalizes anything left open
 
     released = asyncio.run(first_then_leave())
-    assert [lease.request_id for lease in released] == [pipe._prefill.prefill.calls[0].request_id]
+    assert [lease.request_id for lease in released] == [pipe.driver.prefill.prefill.calls[0].request_id]
 
 
 # ----------------------------------------------------------------------------- out of memory
@@ -819,7 +819,7 @@ def test_a_prefill_out_of_memory_is_a_503_at_once_never_retried():
     out, error = _run(pipe, REQ)
     assert out == [] and (error.status, error.code, error.retry_after_s) == (503, "prefill_out_of_memory", 2)
     assert "3-token prompt" in error.message
-    assert len(pipe._prefill.prefill.calls) == 1 and pipe._decode.generate.calls == []
+    assert len(pipe.driver.prefill.prefill.calls) == 1 and pipe.driver.decode.generate.calls == []
 
 
 def _grpc_code_of(err):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_executor.tools import ToolCallStream, extract_tool_calls
-from router.pipeline import Logprob
+from router.accounting import Logprob
 from router.protocol import GenerationRequest, ToolChoiceStream, split_tool_calls, tool_stream_chunks
 
 CALLS = ['{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}', '{"name": "ping", "arguments": {}}',

@@ -19,7 +19,7 @@ from model_executor.grammar import compile_guide  # noqa: E402
 from model_executor.loading import BUILTIN_MODELS  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer, IdTokenizer  # noqa: E402
 from model_executor.tools import extract_tool_calls  # noqa: E402
-from router.pipeline import Completion  # noqa: E402
+from router.accounting import Completion  # noqa: E402
 from router.protocol import (  # noqa: E402
     RequestParser,
     ToolChoiceStream,
