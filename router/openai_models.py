@@ -117,6 +117,8 @@ class StreamOptions(BaseModel):
 class SparseAlpha(_Model):
     """A request's own prefill sparsity (``kernels.config.REQUEST_OPTIONS``): any of them."""
 
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"minProperties": 1})
+
     alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     last_dense_tiles: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     energy_rule: Literal["first_key", "visible"] | None = None

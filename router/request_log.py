@@ -33,10 +33,11 @@ def serve_request_id() -> str | None:
 
 def log_request_error(err: RequestError, via: str, request_id: str | None = None) -> None:
     """One line for a request that ends with ``err``: ``via`` ("HTTP", "gRPC"), the request id
-    (``request_id``, else Serve's), the status, the code and the field."""
+    (``request_id``, else Serve's), the status, the code and the field. Not the message: it may
+    quote what the client sent (a prompt, a stop string), which no log holds."""
     level = logging.INFO if err.status < 500 else logging.WARNING
-    logger.log(level, "%s request %s: %d %s, field %s: %s", via, request_id or serve_request_id() or "-",
-               err.status, err.code or "error", err.param or "-", err.message[:300])
+    logger.log(level, "%s request %s: %d %s, field %s", via, request_id or serve_request_id() or "-",
+               err.status, err.code or "error", err.param or "-")
 
 
 def _is_request_error(exc: BaseException | None) -> bool:

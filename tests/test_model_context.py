@@ -187,7 +187,8 @@ def test_a_refused_request_is_one_line_and_serve_tracebacks_of_it_are_dropped(ca
         log_request_error(RequestError("no replica", status=503, code="unavailable"), "HTTP", request_id="req-8")
     first, second = caplog.records
     assert (first.levelno, first.exc_info) == (logging.INFO, None)
-    assert first.getMessage() == "gRPC request req-7: 400 invalid_value, field prompt: prompt: the prompt has 9 tokens"
+    # not the message: it may quote what the client sent
+    assert first.getMessage() == "gRPC request req-7: 400 invalid_value, field prompt"
     assert second.levelno == logging.WARNING and second.getMessage().startswith("HTTP request req-8: 503 unavailable, field -")
 
     quiet = QuietRequestErrors()
