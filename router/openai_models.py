@@ -1,7 +1,7 @@
 """The OpenAI request and response bodies of ``/v1/completions`` and ``/v1/chat/completions``
 as pydantic models: the single statement of each field's type, range and allowed values.
 
-``router.protocol.RequestParser`` validates bodies through the request models and adds what
+``router.parsing.RequestParser`` validates bodies through the request models and adds what
 depends on the served model (vocabulary, context length, chat template, grammars) and the rules
 between fields; the OpenAPI description (``/openapi.json``) is generated from the same models.
 

@@ -57,7 +57,7 @@ from serving.costs import prefix_reuse_granule
 from serving.messages import Adopted, CancelChoice, DecodeCall, FinishReason, PrefillCall, Prefilled, TransferFailed
 
 from .accounting import ChoiceAccount, Completion, Delta, Logprob
-from .protocol import GenerationRequest
+from .generation import GenerationRequest
 from serving.costs import PrefillCostModel, prefix_hint, routing_hint
 from .state import RequestLifecycle, RequestPhase
 

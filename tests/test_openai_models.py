@@ -12,8 +12,11 @@ import torch
 
 from model_executor.tokenizer import ByteTokenizer
 from router.pipeline import Completion, Logprob
-from router.protocol import (RequestError, RequestParser, completion_response, openapi_extra, stream_chunk,
-                             tool_stream_chunks, ToolChoiceStream, usage, usage_chunk)
+from serving.errors import RequestError
+from router.parsing import RequestParser
+from router.render import (completion_response, openapi_extra, stream_chunk, tool_stream_chunks, ToolChoiceStream,
+                           usage_chunk)
+from router.usage import usage
 
 # docs/API.md's "Request fields" table, written out by hand: the fields each endpoint accepts
 BOTH = ["model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "logprobs", "logit_bias",
