@@ -7,11 +7,42 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from .generation import GenerationRequest
-from .openai_models import CHUNKS, REQUESTS, RESPONSES, ErrorResponse, json_schema
+from .openai_models import (CHUNKS, REQUESTS, RESPONSES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs,
+                            CompletionChoice, CompletionLogprobs, Delta, ErrorResponse, FunctionCall,
+                            PromptTokensDetails, ResponseToolCall, StreamToolCall, TokenLogprob, TopLogprob, Usage,
+                            json_schema)
 from .usage import choices_usage
 
 SYSTEM_FINGERPRINT = "fp_flashprefill"  # ``system_fingerprint`` of every response
+_OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
+_CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+
+
+_SHAPES: dict[type[BaseModel], tuple[tuple[str, ...], frozenset[str]]] = {}  # field names in order, required ones
+
+
+def _make(model: type[BaseModel], /, **fields: Any) -> dict:
+    """The JSON object of ``model`` (``router/openai_models.py``, the one definition of every
+    response's fields and their order) with ``fields``: those given are written, in the
+    model's order (``None`` given is ``null``; a field not given is left out), a field the
+    model lacks or a required one missing is a ``ValueError``. The values are not validated:
+    they are the service's own (the parser's and the workers'), each stream renders one
+    object per token, and a model's odd output must never turn a 200 into a 500; the tests
+    check the objects against the models' JSON Schema. (``model_construct`` + ``model_dump``
+    gives the same objects at about 10x the CPU per chunk.)"""
+    shape = _SHAPES.get(model)
+    if shape is None:
+        names = model.model_fields
+        shape = _SHAPES[model] = (tuple(names), frozenset(k for k, f in names.items() if f.is_required()))
+    order, required = shape
+    out = {name: fields[name] for name in order if name in fields}
+    if len(out) < len(fields) or not required <= out.keys():
+        raise ValueError(f"{model.__name__}: expected its fields {list(order)} with {sorted(required)}, "
+                         f"got {sorted(fields)}")
+    return out
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -39,7 +70,7 @@ def _top_dict(req: GenerationRequest, top: tuple) -> dict[str, float]:
 def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: int = 0) -> dict | None:
     """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): completions' parallel
     lists, or chat's ``content`` list (an entry per token id, with its ``bytes``).
-    ``entries``: ``router.pipeline.Logprob`` values."""
+    ``entries``: ``router.accounting.Logprob`` values."""
     if req.logprobs is None or entries is None:
         return None
     if req.kind == "completion":
@@ -48,10 +79,10 @@ def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: i
             offsets.append(at)
             at += len(e.token)
         # echo: the prompt's first token has no logprob (nothing before it predicts it)
-        return {"tokens": [_named(req, e.token_id, e.token) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.logprob is None else _top_dict(req, e.top) for e in entries],
-                "text_offset": offsets}
+        return _make(CompletionLogprobs, tokens=[_named(req, e.token_id, e.token) for e in entries],
+                     token_logprobs=[e.logprob for e in entries],
+                     top_logprobs=[None if e.logprob is None else _top_dict(req, e.top) for e in entries],
+                     text_offset=offsets)
 
     def raw(token: str, of: bytes | None) -> list[int]:
         return list(of) if of is not None else _token_bytes(token)
@@ -59,11 +90,11 @@ def logprobs_object(req: GenerationRequest, entries: list | None, text_offset: i
     content = []
     for e in entries:
         top_bytes = e.top_bytes or (None,) * len(e.top)
-        content.append({"token": _named(req, e.token_id, e.token), "logprob": e.logprob,
-                        "bytes": raw(e.token, e.token_bytes),
-                        "top_logprobs": [{"token": _named(req, i, t), "logprob": lp, "bytes": raw(t, b)}
-                                         for (i, t, lp), b in zip(e.top, top_bytes)]})
-    return {"content": content, "refusal": None}
+        content.append(_make(TokenLogprob, token=_named(req, e.token_id, e.token), logprob=e.logprob,
+                             bytes=raw(e.token, e.token_bytes),
+                             top_logprobs=[_make(TopLogprob, token=_named(req, i, t), logprob=lp, bytes=raw(t, b))
+                                           for (i, t, lp), b in zip(e.top, top_bytes)]))
+    return _make(ChatLogprobs, content=content, refusal=None)
 
 
 def split_tool_calls(req: GenerationRequest, text: str, finish_reason: str | None
@@ -140,20 +171,30 @@ def tool_chunks(req: GenerationRequest, events: list, finish: str | None, token_
     events = list(events)
     if not events or (finish is not None and events[-1][0] == "call"):
         events.append(("content", None))
-    chunks = []
-    for i, (kind, value) in enumerate(events):
-        chunk = stream_chunk(req, value if kind == "content" else None, token_ids if i == 0 else [],
-                             finish if i == len(events) - 1 else None, first=first and i == 0,
-                             logprobs=logprobs if i == 0 else None, index=index)
-        if kind == "call":
-            chunk["choices"][0]["delta"]["tool_calls"] = [value]
-        chunks.append(chunk)
-    return chunks
+    return [_chunk(req, value if kind == "content" else None, token_ids if i == 0 else [],
+                   finish if i == len(events) - 1 else None, first=first and i == 0,
+                   logprobs=logprobs if i == 0 else None, index=index,
+                   tool_calls=[_tool_call(StreamToolCall, value)] if kind == "call" else None)
+            for i, (kind, value) in enumerate(events)]
+
+
+def _tool_call(model: type[ResponseToolCall] | type[StreamToolCall], call: dict) -> dict:
+    """A parsed call (``model_executor.tools``: ``{id, type, function: {name, arguments}}``; a
+    streamed one with its ``index``) as ``model`` writes it."""
+    return _make(model, **{**call, "function": _make(FunctionCall, **call["function"])})
+
+
+def _usage(usage_object: dict) -> dict:
+    """``usage_object`` (from :class:`~router.usage.UsageAccount`) as the model writes it."""
+    details = usage_object.get("prompt_tokens_details")
+    if details is not None:
+        usage_object = {**usage_object, "prompt_tokens_details": _make(PromptTokensDetails, **details)}
+    return _make(Usage, **usage_object)
 
 
 def completion_response(req: GenerationRequest, result: Any, *, choices: list | None = None,
                         completion_tokens: int | None = None) -> dict:
-    """``result``: a ``router.pipeline.Completion`` (with ``n``, a list of prompts or
+    """``result``: a ``router.accounting.Completion`` (with ``n``, a list of prompts or
     ``best_of``: ``choices``, ``(index, prompt_token_ids, Completion)`` per returned choice,
     ``result`` the first; ``completion_tokens``: every token generated, best_of's discarded
     ones included)."""
@@ -161,55 +202,55 @@ def completion_response(req: GenerationRequest, result: Any, *, choices: list | 
     out_choices = []
     for index, prompt_ids, res in choices:
         lp = logprobs_object(req, (res.prompt_logprobs or []) + (res.logprobs or []) if req.echo else res.logprobs)
+        ids = {"token_ids": list(res.token_ids), "prompt_token_ids": list(prompt_ids)} if req.return_token_ids else {}
         if req.kind == "completion":
-            choice = {"index": index, "text": (res.prompt_text or "") + res.text if req.echo else res.text, "finish_reason": res.finish_reason, "logprobs": lp}
+            text = (res.prompt_text or "") + res.text if req.echo else res.text
+            out_choices.append(_make(CompletionChoice, index=index, text=text, finish_reason=res.finish_reason,
+                                     logprobs=lp, **ids))
         else:
             content, calls, finish = split_tool_calls(req, res.text, res.finish_reason)
-            message = {"role": "assistant", "content": content}
-            if calls is not None:
-                message["tool_calls"] = calls
-            choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
-        if req.return_token_ids:
-            choice["token_ids"] = list(res.token_ids)
-            choice["prompt_token_ids"] = list(prompt_ids)
-        out_choices.append(choice)
-    out = {
-        "id": req.response_id, "object": "text_completion" if req.kind == "completion" else "chat.completion",
-        "created": req.created, "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": out_choices,
-        "usage": choices_usage(req, choices, completion_tokens),
-        "timing": result.timing,
-    }
-    if result.routing is not None:
-        out["routing"] = result.routing
-    return out
+            tool_calls = {} if calls is None else {"tool_calls": [_tool_call(ResponseToolCall, c) for c in calls]}
+            message = _make(AssistantMessage, role="assistant", content=content, **tool_calls)
+            out_choices.append(_make(ChatChoice, index=index, message=message, finish_reason=finish, logprobs=lp,
+                                     **ids))
+    routing = {} if result.routing is None else {"routing": result.routing}
+    return _make(RESPONSES[req.kind], id=req.response_id, object=_OBJECT[req.kind], created=req.created,
+                 model=req.model, system_fingerprint=SYSTEM_FINGERPRINT, choices=out_choices,
+                 usage=_usage(choices_usage(req, choices, completion_tokens)), timing=result.timing, **routing)
+
+
+def _chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None, *,
+           first: bool = False, logprobs: list | None = None, text_offset: int = 0, index: int = 0,
+           tool_calls: list | None = None) -> dict:
+    lp = logprobs_object(req, logprobs, text_offset)
+    ids = {"token_ids": list(token_ids)} if req.return_token_ids else {}
+    if req.kind == "completion":
+        choice = _make(CompletionChoice, index=index, text=text or "", finish_reason=finish_reason, logprobs=lp, **ids)
+    else:
+        delta = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
+        choice = _make(ChatChunkChoice, index=index, delta=_make(Delta, **delta), finish_reason=finish_reason,
+                       logprobs=lp, **ids)
+    return _make(CHUNKS[req.kind], id=req.response_id, object=_CHUNK_OBJECT[req.kind], created=req.created,
+                 model=req.model, system_fingerprint=SYSTEM_FINGERPRINT, choices=[choice])
 
 
 def stream_chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None,
                  *, first: bool = False, logprobs: list | None = None, text_offset: int = 0, index: int = 0) -> dict:
-    lp = logprobs_object(req, logprobs, text_offset)
-    if req.kind == "completion":
-        choice: dict = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": lp}
-        obj = "text_completion"
-    else:
-        delta: dict = {}
-        if first:
-            delta["role"] = "assistant"
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
-        obj = "chat.completion.chunk"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
+    """One streamed event of one choice: ``text`` (chat: the delta's ``content``, with ``role``
+    on the choice's ``first``), the tokens it generated (``return_token_ids``) and their logprobs."""
+    return _chunk(req, text, token_ids, finish_reason, first=first, logprobs=logprobs, text_offset=text_offset,
+                  index=index)
 
 
 def usage_chunk(req: GenerationRequest, usage_object: dict) -> dict:
     """A stream's usage chunk (``include_usage``): ``usage_object`` from
     :class:`~router.usage.UsageAccount`."""
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": usage_object}
+    return _make(CHUNKS[req.kind], id=req.response_id, object=_CHUNK_OBJECT[req.kind], created=req.created,
+                 model=req.model, system_fingerprint=SYSTEM_FINGERPRINT, choices=[], usage=_usage(usage_object))
 
 
 def models_response(model_id: str, created: int, max_model_len: int) -> dict:
