@@ -251,7 +251,7 @@ def test_response_objects_keep_their_key_order_and_refuse_fields_their_model_lac
     in the order clients have seen (written out here by hand), a field given out of order put
     in its place, a field the model lacks or a required one left out refused."""
     from router.openai_models import ChatChunkChoice, Usage
-    from router.render import _make
+    from router.render import _object
 
     envelope = ["id", "object", "created", "model", "system_fingerprint", "choices"]
     lps = [Logprob(65, "A", -0.5, ((65, "A", -0.5),))]
@@ -281,10 +281,9 @@ def test_response_objects_keep_their_key_order_and_refuse_fields_their_model_lac
                                                                                                     "function"]
     assert list(usage_chunk(chat, usage(3, 1))) == envelope + ["usage"]
 
-    assert list(_make(Usage, total_tokens=3, completion_tokens=1, prompt_tokens=2)) == ["prompt_tokens",
-                                                                                       "completion_tokens",
-                                                                                       "total_tokens"]
+    written = _object(Usage, total_tokens=3, completion_tokens=1, prompt_tokens=2)
+    assert list(written) == ["prompt_tokens", "completion_tokens", "total_tokens"]
     with pytest.raises(ValueError, match="Usage"):
-        _make(Usage, prompt_tokens=2, completion_tokens=1, total_tokens=3, cached_tokens=1)  # not a field of it
+        _object(Usage, prompt_tokens=2, completion_tokens=1, total_tokens=3, cached_tokens=1)  # not a field of it
     with pytest.raises(ValueError, match="ChatChunkChoice"):
-        _make(ChatChunkChoice, index=0, delta={}, logprobs=None)  # finish_reason is required
+        _object(ChatChunkChoice, index=0, delta={}, logprobs=None)  # finish_reason is required
