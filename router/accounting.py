@@ -6,15 +6,17 @@ HTTP SSE, gRPC unary, gRPC streaming) reports the same numbers.
   timing, routing); :meth:`ChoiceAccount.completion` is the unary answer's choice;
 - :class:`StreamAccount`: a streamed request's choices as their deltas arrive, each delta a
   :class:`StreamStep` that the SSE and gRPC streams render; its ``usage`` is a
-  :class:`~router.protocol.UsageAccount` (every prompt once, every generated token,
-  ``cached_tokens`` by one definition), as the unary answers' (``protocol.choices_usage``).
+  :class:`~router.usage.UsageAccount` (every prompt once, every generated token,
+  ``cached_tokens`` by one definition), as the unary answers' (``usage.choices_usage``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .protocol import GenerationRequest, ToolChoiceStream, UsageAccount
+from .generation import GenerationRequest
+from .render import ToolChoiceStream
+from .usage import UsageAccount
 
 
 @dataclass
@@ -128,7 +130,7 @@ class StreamStep:
 
 class StreamAccount:
     """A streamed request's accounts as its ``(index, Delta)`` arrive: per choice its tool-call
-    parser and logprobs text offset, the request's :class:`~router.protocol.UsageAccount`, and
+    parser and logprobs text offset, the request's :class:`~router.usage.UsageAccount`, and
     which step is the last. The HTTP SSE and gRPC streams render the same steps."""
 
     def __init__(self, req: GenerationRequest) -> None:

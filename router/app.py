@@ -26,23 +26,15 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.config import ServiceConfig, resolve_max_model_len
+from serving.errors import RequestError
 from .accounting import Delta, StreamAccount, StreamStep
 from .admission import Admission, Ticket
 from .grpc_ingress import GrpcIngress
 from .pipeline import DisaggregatedPipeline
-from .protocol import (
-    UNAUTHORIZED,
-    GenerationRequest,
-    RequestError,
-    RequestParser,
-    as_request_error,
-    completion_response,
-    models_response,
-    openapi_extra,
-    stream_chunk,
-    tool_chunks,
-    usage_chunk,
-)
+from .errors import UNAUTHORIZED, as_request_error
+from .generation import GenerationRequest
+from .parsing import RequestParser
+from .render import completion_response, models_response, openapi_extra, stream_chunk, tool_chunks, usage_chunk
 from serving.prefill_client import PrefillClient
 from serving.runtime import load_tokenizer
 from .health import ReadinessProbe

@@ -38,7 +38,7 @@ from serving.messages import Adopted, CancelChoice, DecodeCall, PrefillCall, Pre
 from serving.prefill_client import RELEASE_TIMEOUT_S
 
 from .accounting import Delta
-from .protocol import GenerationRequest
+from .generation import GenerationRequest
 from .reporting import Choice, ChoiceReporter
 from .retry import RetryPolicy
 from .state import RequestLifecycle, RequestPhase

@@ -15,17 +15,13 @@ import asyncio
 import json
 from typing import Any
 
+from serving.errors import RequestError
+
 from .accounting import StreamAccount, StreamStep
-from .protocol import (
-    SYSTEM_FINGERPRINT,
-    UNAUTHORIZED,
-    GenerationRequest,
-    RequestError,
-    as_request_error,
-    choices_usage,
-    models_response,
-    split_tool_calls,
-)
+from .errors import UNAUTHORIZED, as_request_error
+from .generation import GenerationRequest
+from .render import SYSTEM_FINGERPRINT, models_response, split_tool_calls
+from .usage import choices_usage
 from .request_log import log_request_error
 from .security import grpc_authorization
 

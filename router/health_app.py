@@ -92,7 +92,7 @@ class StartupHealth:
                                                         self.retry_after_s)
         else:
             status, headers = 404, {}
-            # the main ingress's unknown-path answer (router.protocol pulls torch in, hence a copy)
+            # the main ingress's unknown-path answer (router.generation pulls torch in, hence a copy)
             body = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": "not_found"}}
         return JSONResponse(body, status_code=status, headers=headers or None)
 

@@ -1,7 +1,7 @@
 """The OpenAI request and response bodies of ``/v1/completions`` and ``/v1/chat/completions``
 as pydantic models: the single statement of each field's type, range and allowed values.
 
-``router.protocol.RequestParser`` validates bodies through the request models and adds what
+``router.parsing.RequestParser`` validates bodies through the request models and adds what
 depends on the served model (vocabulary, context length, chat template, grammars) and the rules
 between fields; the OpenAPI description (``/openapi.json``) is generated from the same models.
 
@@ -396,9 +396,9 @@ class Usage(BaseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
-    prompt_tokens_details: PromptTokensDetails | None = None
     sparse_attention: dict[str, Any] | None = Field(
         None, description="extension, when the request set sparse_attention: {alpha, dense, density}")
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -423,18 +423,25 @@ class ChatLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+# The fields of every response object in the order the service writes them (router/render.py
+# writes each object by its model): a choice has index, its output (text, message or delta),
+# finish_reason, logprobs, then the extensions.
+FinishReason = Literal["stop", "length", "tool_calls"] | None
+_TOKEN_IDS = "with return_token_ids"
+
+
 class _Choice(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     index: int = Field(ge=0)
-    finish_reason: Literal["stop", "length", "tool_calls"] | None
-    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class CompletionChoice(_Choice):
     text: str
+    finish_reason: FinishReason
     logprobs: CompletionLogprobs | None
-    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
+    prompt_token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
 
 class ResponseToolCall(_Model):
@@ -453,12 +460,17 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    finish_reason: FinishReason
     logprobs: ChatLogprobs | None
-    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
+    prompt_token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
 
-class StreamToolCall(ResponseToolCall):
-    index: int = Field(ge=0)
+class StreamToolCall(_Model):  # a streamed choice's call, whole, in the chunk where it completed
+    index: int = Field(ge=0)  # the call's position in the choice (first: the order clients have seen)
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class Delta(BaseModel):
@@ -471,13 +483,16 @@ class Delta(BaseModel):
 
 class ChatChunkChoice(_Choice):
     delta: Delta
+    finish_reason: FinishReason
     logprobs: ChatLogprobs | None
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
+    object: str  # each response's own literal (declared here for its place: after id)
     created: int
     model: str
     system_fingerprint: str

@@ -27,9 +27,9 @@ from serving.config import ServiceConfig
 from serving.messages import Prefilled
 from serving.metrics import Metrics
 
-from .accounting import ChoiceAccount, Completion, Delta, Logprob  # noqa: F401 - Logprob: re-exported (protocol.py names it here)
+from .accounting import ChoiceAccount, Completion, Delta, Logprob  # noqa: F401 - Logprob: re-exported
 from .driver import RequestDriver, merge, own_serve_request
-from .protocol import GenerationRequest
+from .generation import GenerationRequest
 from .reporting import ChoiceReporter
 from .retry import RetryPolicy
 

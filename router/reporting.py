@@ -23,7 +23,7 @@ from serving.metrics import Metrics
 
 from .accounting import Delta, Logprob
 from .detokenize import TextStream
-from .protocol import GenerationRequest
+from .generation import GenerationRequest
 from .state import RequestLifecycle, RequestPhase
 
 logger = logging.getLogger("ray.serve")

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import RequestError, RequestParser, _check_text, bad
+from serving.errors import RequestError
+
+from .errors import bad, check_text
+from .parsing import RequestParser
 
 _PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -89,7 +92,7 @@ def tokenize(parser: RequestParser, body: Any) -> dict:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad("prompt", f"expected a string, got {type(prompt).__name__}")
-        ids = tokenizer.encode(_check_text("prompt", prompt), add_bos=_flag(body, "add_special_tokens", True))
+        ids = tokenizer.encode(check_text("prompt", prompt), add_bos=_flag(body, "add_special_tokens", True))
     out: dict[str, Any] = {"count": len(ids), "max_model_len": parser.max_model_len, "tokens": [int(i) for i in ids]}
     if _flag(body, "return_token_strs", False):
         out["token_strs"] = _token_strs(tokenizer, out["tokens"])

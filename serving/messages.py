@@ -1,7 +1,7 @@
 """The messages that cross Ray calls between the ingress and the worker replicas.
 
 Frozen dataclasses: Ray pickles them as they are, and their fields are checked where the data
-came from outside (the ingress's HTTP / gRPC parsing, ``router/protocol.py``; frames off the
+came from outside (the ingress's HTTP / gRPC parsing, ``router/parsing.py``; frames off the
 network, ``kv_transfer``), not again on every internal hop. ``ticket`` is the KV transport's
 own (``kv_transfer.transfer``): opaque here.
 

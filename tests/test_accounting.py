@@ -15,7 +15,9 @@ from router.accounting import ChoiceAccount, Completion, Delta, Logprob, StreamA
 from router.app import sse_chunks  # noqa: E402
 from router.grpc_ingress import stream_message  # noqa: E402
 from router.proto import flashprefill_pb2 as pb  # noqa: E402
-from router.protocol import RequestParser, UsageAccount, choices_usage, completion_response, usage_chunk  # noqa: E402
+from router.parsing import RequestParser  # noqa: E402
+from router.usage import UsageAccount, choices_usage  # noqa: E402
+from router.render import completion_response, usage_chunk  # noqa: E402
 
 PARSER = RequestParser(ByteTokenizer(), model_id="m", max_model_len=512, default_max_tokens=8)
 

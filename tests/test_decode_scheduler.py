@@ -194,7 +194,7 @@ def test_a_default_max_tokens_chat_no_longer_reserves_its_whole_context():
     reservation (its ``DecodeCall.footprint``) fitted only one."""
     pytest.importorskip("pydantic")  # the ingress's request models (the GPU machine has no Ray, no pydantic)
     from model_executor.tokenizer import ByteTokenizer
-    from router.protocol import RequestParser
+    from router.parsing import RequestParser
     from serving.messages import DecodeCall
 
     ctx_pages = 32

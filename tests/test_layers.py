@@ -53,7 +53,7 @@ def test_the_tree_keeps_every_contract():
         ("kv_cache/manager.py", "import ray", "nothing imports Ray"),
         ("serving/costs.py", "import serving.config", "No import cycles"),
         ("router/pipeline.py", "import prefill_worker.engine", "ingress does not import the worker engines"),
-        ("router/protocol.py", "from decode_worker.engine import DecodeEngine", "ingress does not import the worker engines"),
+        ("router/render.py", "from decode_worker.engine import DecodeEngine", "ingress does not import the worker engines"),
     ],
 )
 def test_a_wrong_import_breaks_its_contract(tmp_path, module, line, contract):

@@ -18,7 +18,8 @@ import pytest
 
 from model_executor.loading import BUILTIN_TINY, TINY_MAX_POSITIONS, context_of_config, model_context
 from model_executor.tokenizer import ByteTokenizer
-from router.protocol import RequestError, RequestParser
+from serving.errors import RequestError
+from router.parsing import RequestParser
 from serving.config import ConfigError, ServiceConfig, parse_option_value, resolve_max_model_len
 
 SMOLLM2 = "builtin:smollm2-135m"

@@ -8,7 +8,9 @@ import torch
 
 from model_executor.tokenizer import ByteTokenizer
 from router.accounting import Completion, Logprob
-from router.protocol import RequestError, RequestParser, completion_response, stream_chunk
+from serving.errors import RequestError
+from router.parsing import RequestParser
+from router.render import completion_response, stream_chunk
 
 
 def parser() -> RequestParser:
@@ -186,9 +188,9 @@ def field_log(monkeypatch, caplog):
     """The parser's 'ignored field' log lines, from a fresh per-process memory of names."""
     import logging
 
-    import router.protocol as protocol
+    import router.parsing as parsing
 
-    monkeypatch.setattr(protocol, "_logged_fields", set())
+    monkeypatch.setattr(parsing, "_logged_fields", set())
     log = logging.getLogger("ray.serve")
     own = not log.propagate  # Ray may stop it propagating to the root logger, where caplog listens
     if own:
@@ -241,7 +243,7 @@ def test_unknown_fields_are_logged_or_refused_with_strict_fields(field_log):
 
 def test_the_log_of_ignored_field_names_is_bounded(field_log):
     """Field names are client data: many distinct ones take a bounded log and memory."""
-    from router.protocol import MAX_LOGGED_FIELDS
+    from router.parsing import MAX_LOGGED_FIELDS
 
     gen = torch.Generator().manual_seed(23)
     names = {f"f{int(x)}" for x in torch.randint(0, 10**9, (MAX_LOGGED_FIELDS + 40,), generator=gen)}

@@ -12,8 +12,11 @@ import torch
 
 from model_executor.tokenizer import ByteTokenizer
 from router.accounting import Completion, Logprob
-from router.protocol import (RequestError, RequestParser, completion_response, openapi_extra, stream_chunk,
-                             tool_stream_chunks, ToolChoiceStream, usage, usage_chunk)
+from serving.errors import RequestError
+from router.parsing import RequestParser
+from router.render import (completion_response, openapi_extra, stream_chunk, tool_stream_chunks, ToolChoiceStream,
+                           usage_chunk)
+from router.usage import usage
 
 # docs/API.md's "Request fields" table, written out by hand: the fields each endpoint accepts
 BOTH = ["model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "logprobs", "logit_bias",
@@ -241,3 +244,46 @@ def test_an_unknown_field_whose_name_has_a_lone_surrogate_is_ignored_or_named_wh
     with pytest.raises(RequestError) as info:
         strict().parse(body, kind)
     assert info.value.status == 400 and info.value.param == "\\ud800x"
+
+
+def test_response_objects_keep_their_key_order_and_refuse_fields_their_model_lacks():
+    """router/render.py writes every object by its model (router/openai_models.py): the keys
+    in the order clients have seen (written out here by hand), a field given out of order put
+    in its place, a field the model lacks or a required one left out refused."""
+    from router.openai_models import ChatChunkChoice, Usage
+    from router.render import _object
+
+    envelope = ["id", "object", "created", "model", "system_fingerprint", "choices"]
+    lps = [Logprob(65, "A", -0.5, ((65, "A", -0.5),))]
+    comp = _parse("completion", logprobs=1, return_token_ids=True, sparse_attention={"alpha": 0.2})
+    timing = {"cached_tokens": 1, "sparse_attention": {"alpha": 0.2, "dense": False, "density": 0.5}}
+    whole = completion_response(comp, Completion("A", [65], "stop", timing, {"prefill": "p0"}, lps))
+    assert list(whole) == envelope + ["usage", "timing", "routing"]
+    assert list(whole["choices"][0]) == ["index", "text", "finish_reason", "logprobs", "token_ids", "prompt_token_ids"]
+    assert list(whole["choices"][0]["logprobs"]) == ["tokens", "token_logprobs", "top_logprobs", "text_offset"]
+    assert list(whole["usage"]) == ["prompt_tokens", "completion_tokens", "total_tokens", "sparse_attention",
+                                    "prompt_tokens_details"]
+    chat = _parse("chat", logprobs=True, top_logprobs=1, return_token_ids=True)
+    chunk = stream_chunk(chat, "A", [65], "stop", first=True, logprobs=lps)
+    assert list(chunk) == envelope
+    assert list(chunk["choices"][0]) == ["index", "delta", "finish_reason", "logprobs", "token_ids"]
+    assert list(chunk["choices"][0]["delta"]) == ["role", "content"]
+    assert list(chunk["choices"][0]["logprobs"]) == ["content", "refusal"]
+    assert list(chunk["choices"][0]["logprobs"]["content"][0]) == ["token", "logprob", "bytes", "top_logprobs"]
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+    called = _parse("chat", tools=tools)
+    reply = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    streamed = tool_stream_chunks(called, ToolChoiceStream(called), reply, [1], "stop", first=True)
+    call = next(c["choices"][0]["delta"]["tool_calls"][0] for c in streamed if "tool_calls" in c["choices"][0]["delta"])
+    assert list(call) == ["index", "id", "type", "function"] and list(call["function"]) == ["name", "arguments"]
+    message = completion_response(called, Completion(reply, [1], "stop", {}))["choices"][0]["message"]
+    assert list(message) == ["role", "content", "tool_calls"] and list(message["tool_calls"][0]) == ["id", "type",
+                                                                                                    "function"]
+    assert list(usage_chunk(chat, usage(3, 1))) == envelope + ["usage"]
+
+    written = _object(Usage, total_tokens=3, completion_tokens=1, prompt_tokens=2)
+    assert list(written) == ["prompt_tokens", "completion_tokens", "total_tokens"]
+    with pytest.raises(ValueError, match="Usage"):
+        _object(Usage, prompt_tokens=2, completion_tokens=1, total_tokens=3, cached_tokens=1)  # not a field of it
+    with pytest.raises(ValueError, match="ChatChunkChoice"):
+        _object(ChatChunkChoice, index=0, delta={}, logprobs=None)  # finish_reason is required

@@ -271,7 +271,7 @@ def _serve_offline(smollm2, req):
 
 
 def _parser(smollm2):
-    from router.protocol import RequestParser
+    from router.parsing import RequestParser
 
     return RequestParser(smollm2.tokenizer, model_id="m", max_model_len=8192, default_max_tokens=64,
                          model_type="llama")
@@ -292,7 +292,7 @@ def test_forced_tool_call_is_a_hermes_call_that_parses(smollm2, choice):
     pytest.importorskip("llguidance")
     import jsonschema
 
-    from router.protocol import split_tool_calls
+    from router.render import split_tool_calls
 
     body = {"model": "m", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
             "tools": [WEATHER, PING], "tool_choice": choice, "max_tokens": 60, "temperature": 0}

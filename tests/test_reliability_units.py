@@ -34,7 +34,8 @@ from kv_transfer.transfer import (  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
 from serving.errors import PrefillOutOfMemory  # noqa: E402
-from router.protocol import RequestError, RequestParser  # noqa: E402
+from serving.errors import RequestError  # noqa: E402
+from router.parsing import RequestParser  # noqa: E402
 from router.security import BearerAuth, _decode_proc_addr  # noqa: E402
 from router.state import RequestLifecycle, RequestPhase  # noqa: E402
 
@@ -849,7 +850,7 @@ def test_out_of_memory_reaches_clients_as_http_503_and_grpc_unavailable(make, co
     import grpc
 
     from router.app import error_response
-    from router.protocol import as_request_error
+    from router.errors import as_request_error
 
     err = as_request_error(make())
     resp = error_response(err)
@@ -863,6 +864,6 @@ def test_out_of_memory_reaches_clients_as_http_503_and_grpc_unavailable(make, co
 
 def test_other_worker_errors_stay_500():
     from router.app import error_response
-    from router.protocol import as_request_error
+    from router.errors import as_request_error
 
     assert error_response(as_request_error(_ray_wrapped(RuntimeError("device lost")))).status_code == 500

@@ -18,7 +18,8 @@ from model_executor.tokenizer import ByteTokenizer  # noqa: E402
 from serving.config import ServiceConfig  # noqa: E402
 from serving.messages import StagePages  # noqa: E402
 from router.detokenize import TextStream  # noqa: E402
-from router.protocol import RequestError, RequestParser  # noqa: E402
+from serving.errors import RequestError  # noqa: E402
+from router.parsing import RequestParser  # noqa: E402
 from router.scheduling import (  # noqa: E402
     DecodeRequestRouter,
     PrefillCostModel,
@@ -699,7 +700,7 @@ def test_prefix_index_is_bounded_lru():
 
 
 def test_usage_reports_cached_prompt_tokens_within_the_prompt():
-    from router.protocol import usage
+    from router.usage import usage
 
     assert usage(10, 3) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
     assert usage(10, 3, 8)["prompt_tokens_details"] == {"cached_tokens": 8}

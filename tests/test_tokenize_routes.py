@@ -7,7 +7,8 @@ import random
 import pytest
 
 from model_executor.tokenizer import ByteTokenizer
-from router.protocol import RequestError, RequestParser
+from serving.errors import RequestError
+from router.parsing import RequestParser
 from router.tokenize import detokenize, tokenize
 from tests.test_tokenizer_export import random_text
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from model_executor.tools import ToolCallStream, extract_tool_calls
 from router.accounting import Logprob
-from router.protocol import GenerationRequest, ToolChoiceStream, split_tool_calls, tool_stream_chunks
+from router.generation import GenerationRequest
+from router.render import ToolChoiceStream, split_tool_calls, tool_stream_chunks
 
 CALLS = ['{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}', '{"name": "ping", "arguments": {}}',
          '{"name": "lookup", "arguments": "{\\"id\\": 3}"}', '{"name": "x", "arguments": {"s": "</tool_call"}}']

@@ -20,13 +20,8 @@ from model_executor.loading import BUILTIN_MODELS  # noqa: E402
 from model_executor.tokenizer import ByteTokenizer, IdTokenizer  # noqa: E402
 from model_executor.tools import extract_tool_calls  # noqa: E402
 from router.accounting import Completion  # noqa: E402
-from router.protocol import (  # noqa: E402
-    RequestParser,
-    ToolChoiceStream,
-    completion_response,
-    split_tool_calls,
-    tool_stream_chunks,
-)
+from router.parsing import RequestParser  # noqa: E402
+from router.render import ToolChoiceStream, completion_response, split_tool_calls, tool_stream_chunks  # noqa: E402
 from serving.errors import RequestError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
