@@ -344,6 +344,16 @@ def from_schema(schema: dict):
     raise ValueError(f"schema: unsupported {schema}")
 
 
+def _servable(body: dict, path: str) -> dict:
+    body = {k: v for k, v in body.items() if k != "request_id"}
+    body["model"] = MODEL
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 6)
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "fuzz"}]
+    return body
+
+
 def _http_fuzz_strategy(openapi: dict):
     paths = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
     junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=30),
@@ -351,8 +361,10 @@ def _http_fuzz_strategy(openapi: dict):
     strategies = []
     for path in paths:
         schema = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        valid = from_schema(schema).map(lambda b: {**b, "model": MODEL, "max_tokens": min(b["max_tokens"], 6)}
-                                        if isinstance(b.get("max_tokens"), int) else {**b, "model": MODEL})
+        # what the schema cannot say: a message's fields depend on its role (tool_calls only on
+        # assistant turns, content on user turns), and request_id must be printable; the mutated
+        # and dropped cases below still send such bodies
+        valid = from_schema(schema).map(lambda b, path=path: _servable(b, path))
         fields = sorted(schema["properties"]) + ["bogus"]
         mutated = st.tuples(from_schema(schema), st.sampled_from(fields), junk).map(lambda t: {**t[0], t[1]: t[2]})
         dropped = st.tuples(from_schema(schema), st.sampled_from(schema["required"])).map(
