@@ -33,9 +33,11 @@ for s in "$@"; do
     ttft) step ttft 200 bash scripts/gpu_ttft.sh ttft ;;
     attnrange) step attnrange 200 bash scripts/gpu_ttft.sh attnrange ;;
     stash) mkdir -p /root/stash && cp .carry/a/* /root/stash/ && ls -la /root/stash ;;
-    calib) smol; step calibrate 420 python3 -m router calibrate --model "$SMOL" --device cuda --dtype bf16 \
-             --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 --grid full \
-             --out "$OUT/profile_smollm2.json" ;;
+    calib) smol; step calibrate 560 python3 -m router calibrate --model "$SMOL" --model-name builtin:smollm2-135m \
+             --device cuda --dtype bf16 --backend triton --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 \
+             --prompts 32 --prompts-beyond-trained 8 --needles 20 --lastword-items 300 --alphas 0.1 \
+             --last-dense-tiles 0 2 4 8 16 --energy-rules first_key visible --dense-layers 0 4 --schedules uniform \
+             --budget-kl 0.02 --budget-kl-last 0.01 --max-seconds 540 --out "$OUT/profile_smollm2.json" ;;
     densebelow) smol; step dense_below 150 python3 benchmarks/bench_dense_below.py --model "$SMOL" \
              --profile "${PROFILE:-$OUT/profile_smollm2.json}" --lengths 1024,2048,4096,8192,16384,32768 \
              --out "$OUT/dense_below_h100.json" ;;
