@@ -193,7 +193,9 @@ def test_fp8_kv_pool_is_close_to_float32(smollm2, chat_ids):
     full, quant = (r.prefill([PrefillItem("r", chat_ids)])[0] for r in runners)
     for step in range(4):
         rel = ((quant - full).norm() / full.norm()).item()
-        assert rel < 0.1, f"step {step}: |e4m3 - fp32| / |fp32| = {rel}"
+        # 0.162 at step 0 on torch 2.13 (f7fc143 too): e4m3 K/V move these logits by ~16%; a wrong
+        # scale or layout moves them by ~100%
+        assert rel < 0.25, f"step {step}: |e4m3 - fp32| / |fp32| = {rel}"
         token = int(full.argmax())
         assert token in quant.topk(2).indices.tolist(), step
         full, quant = (r.decode(["r"], [token])[0] for r in runners)
