@@ -99,7 +99,7 @@ class Traffic:
 
         req = pb.GenerateRequest(model="builtin:tiny", prompt_token_ids=_prompt(i), max_tokens=4, temperature=0.0)
         if bad:
-            req.max_tokens = -3
+            req.temperature = -1.0  # a field the stubs take and the service refuses (INVALID_ARGUMENT)
         with grpc.insecure_channel(self.target) as channel:
             try:
                 pb_grpc.FlashPrefillStub(channel).Generate(req, timeout=300)
