@@ -72,6 +72,34 @@ def make_batch(
     )
 
 
+def spread_inputs(seqlens_q, prefixes, *, g, hkv, d, page_size, dtype, seed, spread, block_size):
+    """A random varlen paged batch whose block energies spread over the threshold, on the CPU:
+    ``(q, k_pages, v_pages, page_table, cu_seqlens_q, seqlens_kv)``.
+
+    Queries lean along one direction per KV head; every key block gets that direction with a
+    random gain, so block scores differ by up to ``spread`` nats and the energy ratios are
+    spread over roughly ``[e^-spread, 1]``, on both sides of alpha = 0.1. Pages are shuffled and
+    unused slots hold NaN (``paginate``)."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(hkv, d, generator=gen)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    q = torch.randn(sum(seqlens_q), g * hkv, d, generator=gen) + direction.repeat_interleave(g, 0)
+    keys, values = [], []
+    for lq, prefix in zip(seqlens_q, prefixes):
+        n = lq + prefix
+        gain = spread * d**0.5 * torch.rand(-(-n // block_size), hkv, 1, generator=gen)
+        keys.append(torch.randn(n, hkv, d, generator=gen) + gain.repeat_interleave(block_size, 0)[:n] * direction)
+        values.append(torch.randn(n, hkv, d, generator=gen))
+    k_pages, table = paginate([x.to(dtype) for x in keys], page_size, spare_pages=2,
+                              generator=torch.Generator().manual_seed(seed + 1))
+    v_pages, _ = paginate([x.to(dtype) for x in values], page_size, spare_pages=2,
+                          generator=torch.Generator().manual_seed(seed + 1))
+    cu = torch.zeros(len(seqlens_q) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(seqlens_q, dtype=torch.int32).cumsum(0)
+    seqlens_kv = torch.tensor([a + b for a, b in zip(seqlens_q, prefixes)], dtype=torch.int32)
+    return q.to(dtype), k_pages, v_pages, table, cu, seqlens_kv
+
+
 def poison_empty(monkeypatch, module) -> None:
     """Make ``module._empty`` (the allocator a kernel wrapper uses for outputs and split
     partials) fill floating-point tensors with NaN, so any element a kernel leaves unwritten

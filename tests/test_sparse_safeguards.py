@@ -16,7 +16,7 @@ import torch
 from kernels import reference
 from kernels.config import KV_TILE, Q_TILE, SparseConfig
 from kernels.ops import plan_prefill
-from kernels.paged import paginate
+from tests.helpers import spread_inputs
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,29 +24,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _batch(seqlens_q, prefixes, *, g=3, hkv=2, d=64, page_size=16, dtype=torch.float32, seed=0,
            config=None, prompt_lens=None, spread=3.0):
-    """Random varlen paged batch whose block energies spread over the threshold (a query
-    direction per KV head; each key block leans on it with a random gain)."""
+    """``tests.helpers.spread_inputs`` (GQA 3, as SmolLM2) on the test device, and its plan."""
     cfg = config or SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=128)
-    gen = torch.Generator().manual_seed(seed)
-    direction = torch.randn(hkv, d, generator=gen)
-    direction = direction / direction.norm(dim=-1, keepdim=True)
-    q = torch.randn(sum(seqlens_q), g * hkv, d, generator=gen) + direction.repeat_interleave(g, 0)
-    keys, values = [], []
-    for lq, prefix in zip(seqlens_q, prefixes):
-        n = lq + prefix
-        gain = spread * d**0.5 * torch.rand(-(-n // cfg.block_size), hkv, 1, generator=gen)
-        keys.append(torch.randn(n, hkv, d, generator=gen) + gain.repeat_interleave(cfg.block_size, 0)[:n] * direction)
-        values.append(torch.randn(n, hkv, d, generator=gen))
-    k_pages, table = paginate([x.to(dtype) for x in keys], page_size, spare_pages=2,
-                              generator=torch.Generator().manual_seed(seed + 1))
-    v_pages, _ = paginate([x.to(dtype) for x in values], page_size, spare_pages=2,
-                          generator=torch.Generator().manual_seed(seed + 1))
-    cu = torch.zeros(len(seqlens_q) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(seqlens_q, dtype=torch.int32).cumsum(0)
-    skv = torch.tensor([a + b for a, b in zip(seqlens_q, prefixes)], dtype=torch.int32)
-    q, k_pages, v_pages, table, cu, skv = (x.to(DEVICE) for x in (q.to(dtype), k_pages, v_pages, table, cu, skv))
-    plan = plan_prefill(q, k_pages, v_pages, table, cu, skv, cfg, prompt_lens)
-    return (q, k_pages, v_pages, table, cu, skv), plan
+    inputs = tuple(x.to(DEVICE) for x in spread_inputs(
+        seqlens_q, prefixes, g=g, hkv=hkv, d=d, page_size=page_size, dtype=dtype, seed=seed, spread=spread,
+        block_size=cfg.block_size))
+    q, k_pages, v_pages, table, cu, skv = inputs
+    return inputs, plan_prefill(q, k_pages, v_pages, table, cu, skv, cfg, prompt_lens)
 
 
 def _segments(index):

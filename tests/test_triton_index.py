@@ -20,7 +20,7 @@ from kernels import reference, triton_index  # noqa: E402
 from kernels.config import KV_TILE, SparseConfig  # noqa: E402
 from kernels.ops import build_index_planned, plan_prefill  # noqa: E402
 from kernels.plan import make_plan  # noqa: E402
-from kernels.paged import paginate  # noqa: E402
+from tests.helpers import spread_inputs  # noqa: E402
 
 RATIO_RTOL = 1e-3
 DEFAULT = triton_index.IndexLaunch()
@@ -68,32 +68,12 @@ def _batch(
     seqlens_q, prefixes, *, g=4, hkv=2, d=64, page_size=16, dtype=torch.float32, seed=0,
     spread=3.0, config=None, device=DEVICE,
 ):
-    """Random varlen paged batch whose block energies spread over the threshold.
-
-    Queries lean along one direction per KV head; every key block gets that direction with
-    a random gain, so block scores differ by up to ``spread`` nats and the energy ratios are
-    spread over roughly ``[e^-spread, 1]``, on both sides of alpha = 0.1. Pages are shuffled
-    and unused slots hold NaN (``paginate``)."""
+    """Random varlen paged batch whose block energies spread over the threshold
+    (``tests.helpers.spread_inputs``), and its plan."""
     cfg = config or SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=128)
-    gen = torch.Generator().manual_seed(seed)
-    direction = torch.randn(hkv, d, generator=gen)
-    direction = direction / direction.norm(dim=-1, keepdim=True)
-    q = torch.randn(sum(seqlens_q), g * hkv, d, generator=gen) + direction.repeat_interleave(g, 0)
-    keys, values = [], []
-    for lq, prefix in zip(seqlens_q, prefixes):
-        n = lq + prefix
-        gain = spread * d**0.5 * torch.rand(-(-n // cfg.block_size), hkv, 1, generator=gen)
-        keys.append(torch.randn(n, hkv, d, generator=gen)
-                    + gain.repeat_interleave(cfg.block_size, 0)[:n] * direction)
-        values.append(torch.randn(n, hkv, d, generator=gen))
-    k_pages, table = paginate([x.to(dtype) for x in keys], page_size, spare_pages=2,
-                              generator=torch.Generator().manual_seed(seed + 1))
-    v_pages, _ = paginate([x.to(dtype) for x in values], page_size, spare_pages=2,
-                          generator=torch.Generator().manual_seed(seed + 1))
-    cu = torch.zeros(len(seqlens_q) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(seqlens_q, dtype=torch.int32).cumsum(0)
-    seqlens_kv = torch.tensor([a + b for a, b in zip(seqlens_q, prefixes)], dtype=torch.int32)
-    bt = Inputs(*(x.to(device) for x in (q.to(dtype), k_pages, v_pages, table, cu, seqlens_kv)))
+    inputs = spread_inputs(seqlens_q, prefixes, g=g, hkv=hkv, d=d, page_size=page_size, dtype=dtype, seed=seed,
+                           spread=spread, block_size=cfg.block_size)
+    bt = Inputs(*(x.to(device) for x in inputs))
     plan = plan_prefill(bt.q, bt.k_pages, bt.v_pages, bt.page_table, bt.cu_seqlens_q,
                         bt.seqlens_kv, config=cfg)
     return bt, plan
