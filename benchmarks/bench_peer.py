@@ -17,7 +17,12 @@ the semantic differences are in ``benchmarks/peers/FLASHPREFILLV2.md``. One run:
   block 128, sink 2 blocks, window ``--peer-window`` blocks, ``abs_threshold = alpha``,
   ``last_n_blocks = --peer-last-n``), ``ours@peer`` / ``peer@ours`` (each attention stage on the
   *other's* index, converted by ``benchmarks/peers/convert.py``), FA4 dense and block-sparse on
-  our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1).
+  our mask (B=1; when ``flash_attn.cute`` imports), SDPA flash (B=1). At the service's page size
+  (64), each side also as it ships (``--no-shipped`` skips them): ``ours_shipped`` with the
+  service's ``sparse.*`` defaults (last 2 tiles dense, the first-key energy rule, correction on),
+  ``peer_shipped`` with its SGLang server's ``flashprefill_*`` defaults (block 64, threshold 1.0,
+  sink 2 and window 4 blocks, last 2 tiles dense, no correction); off CUDA the peer's row is the
+  CPU model of that rule through our attention (``peer_shipped_model``).
 - bf16 and FP8 (e4m3, per-tensor descales, the same quantized values for both operators). Our
   side reads FP8 V token-major as the service's pool stores it (``kv_cache/tensors.py``), which
   is what the CUTLASS e4m3 path takes (``page_size % 16 == 0``; page 1 runs on Triton); the
@@ -72,6 +77,7 @@ from kernels.paged import contiguous_to_paged  # noqa: E402
 from peers import convert  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+SERVED_PAGE_SIZE = 64  # the service's kv.page_size default (tests/test_bench_peer.py keeps them equal)
 FP8 = torch.float8_e4m3fn
 
 
@@ -101,6 +107,9 @@ class Cfg:
     # around index_ms and the registers of the loaded index kernels (#38: why bench_peer's index
     # differs from bench_index's)
     index_parts: bool = False
+    # each side as it ships (``shipped_rows``): ours with the service's default sparse options, the
+    # peer with its SGLang backend's defaults; at the service's page size only
+    shipped: bool = True
     # the 8B model's attention shape; the dry run shrinks the heads so the CPU reference finishes
     num_qo_heads: int = HQ
     num_kv_heads: int = HKV
@@ -515,6 +524,10 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
             row["error"] = repr(e)[:400]
         rows.append(row)
 
+    if cfg.shipped and page_size == SERVED_PAGE_SIZE:
+        rows.extend(shipped_rows(base, case, q, kp, vp, vp_ours, table, cu, lens, ids, ref, cdesc, cfg, device,
+                                 peer_cls if peer_live else None, att_backend, idx_backend))
+
     # ---- dense and block-sparse baselines (bf16, B=1, contiguous K/V; first page size only)
     single = len(case.seqlens) == 1
     n = case.seqlens[0]
@@ -534,6 +547,112 @@ def run_one(case: Case, page_size: int, dtype: str, cfg: Cfg, device, peer_cls, 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+# The peer's SGLang backend as it ships (``sglang/srt/server_args.py``: the ``flashprefill_*``
+# fields; FLASHPREFILLV2.md): selection block 64, sink 2 and window 4 blocks of it, threshold 1.0
+# (only each tile's strongest block passes it), the last 2 query tiles dense, no mean correction,
+# dense below 4096 query tokens (every case here is longer).
+PEER_SGLANG = {"k_block_n": 64, "abs_threshold": 1.0, "attention_sink": 2, "window_size": 4,
+               "last_n_blocks": 2, "use_mean_correction": False}
+PEER_SGLANG_MIN_SPARSE_Q_LEN = 4096
+
+
+def served_sparse() -> SparseConfig:
+    """Our operator as the service runs it by default: ``sparse.*`` options' defaults (no
+    calibrated profile: the 8B-shaped inputs are no model that ships one)."""
+    from serving.config import SparseOptions
+
+    return SparseOptions().operator_config()
+
+
+def shipped_rows(base, case, q, kp, vp, vp_ours, table, cu, lens, ids, ref, cdesc, cfg: Cfg, device,
+                 peer_cls, att_backend: str, idx_backend: str) -> list[dict]:
+    """``ours_shipped`` and ``peer_shipped``: each operator with the defaults a user gets (our
+    service's ``sparse.*`` defaults with the correction they imply; the peer's SGLang defaults),
+    on the same inputs and pages: error at the sampled rows, density and needle recall of its own
+    index, and on CUDA ``index_ms``/``attention_ms``/``total_ms``. Off CUDA the peer's row is its
+    rule's CPU model (``convert.peer_rule_index`` at block 64) through our attention without
+    correction, so the error column still compares what each side's defaults select."""
+    out = []
+    served = served_sparse()
+    scale = served.softmax_scale(cfg.head_dim)
+    ds = None
+    if cdesc is not None:
+        one = lambda x: torch.tensor([x], dtype=torch.float32, device=device)  # noqa: E731
+    plan = plan_prefill(q, kp, vp, table, cu, lens, served)
+    if cdesc is not None:
+        ds = plan_descales(q, plan, one(cdesc[0]), one(cdesc[1]), one(cdesc[2]))
+    row = {**base, "kernel": "ours_shipped", "index_of": "ours",
+           "correction": "ours" if served.mean_correction else "none", "attention_backend": att_backend,
+           "shipped": {"alpha": served.alpha, "block": served.block_size, "sink_tokens": served.sink_tokens,
+                       "window_tokens": served.window_tokens, "last_dense_tiles": served.last_dense_tiles,
+                       "energy_rule": served.energy_rule, "mean_correction": served.mean_correction}}
+    try:
+        build = lambda: build_index_planned(q, kp, vp_ours, plan, backend=idx_backend, descales=ds)  # noqa: E731
+        index = build()
+        attend = lambda: attention_planned(q, kp, vp_ours, plan, index, backend=att_backend,  # noqa: E731
+                                           descales=ds)[0]
+        row.update(errors(attend(), ids, ref))
+        recall, pairs = fidelity.needle_recall(index, plan, case.needles)
+        row.update(density=fidelity.index_density(index, plan), needle_recall=recall, needle_pairs=pairs)
+        if device.type == "cuda":
+            row["index_ms"] = bench_ms(build, device, cfg.budget_ms)
+            row["attention_ms"] = bench_ms(attend, device, cfg.budget_ms)
+            row["total_ms"] = bench_ms(lambda: attention_planned(q, kp, vp_ours, plan, build(), backend=att_backend,
+                                                                 descales=ds)[0], device, cfg.budget_ms)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = repr(e)[:400]
+    out.append(row)
+
+    # the peer's index as ours at its own block (64) for density, recall and the CPU stand-in
+    plan64 = plan_prefill(q, kp, vp, table, cu, lens, SparseConfig(alpha=served.alpha, block_size=64,
+                                                                   mean_correction=False))
+    ds64 = None if cdesc is None else plan_descales(q, plan64, one(cdesc[0]), one(cdesc[1]), one(cdesc[2]))
+    row = {**base, "kernel": "peer_shipped", "index_of": "peer", "correction": "none",
+           "shipped": dict(PEER_SGLANG, min_sparse_q_len=PEER_SGLANG_MIN_SPARSE_Q_LEN)}
+    try:
+        means64 = build_index_planned(q, kp, vp_ours, plan64, backend=idx_backend, descales=ds64).means
+        kvd = {} if cdesc is None else {"k_descale": cdesc[1], "v_descale": cdesc[2]}
+        if peer_cls is not None:
+            fp = peer_cls(k_block_m=PEER_KBLOCK_M, causal=True, softmax_scale=scale, **PEER_SGLANG)
+            q_lens, max_k = list(case.seqlens), max(case.seqlens)
+            idx_kw = {} if cdesc is None else {"q_descale": cdesc[0], "k_descale": cdesc[1]}
+            att_kw = {} if cdesc is None else {
+                n: torch.full((len(q_lens), cfg.num_kv_heads), c, dtype=torch.float32, device=device)
+                for n, c in zip(("q_descale", "k_descale", "v_descale"), cdesc)}
+            build_p = lambda: fp.index_select(q, kp, table, lens, cu, v_cache=vp, q_lens=q_lens,  # noqa: E731
+                                              max_cache_seqlen=max_k, **idx_kw)
+            p = build_p()
+            pidx = convert.PeerIndex(p.block_sparse_cu.clone(), p.block_sparse_idx.clone(), int(p.total_q_tiles),
+                                     p.cu_q_tiles.clone(), None, None)
+            attend_p = lambda idx=pidx: fp.block_sparse_attention(  # noqa: E731
+                q, kp, vp, table, lens, cu, idx.to_peer(), max_seqlen_q=max_k, **att_kw)
+            row.update(errors(attend_p(), ids, ref), attention_backend="peer")
+            row["index_ms"] = bench_ms(build_p, device, cfg.budget_ms)
+            row["attention_ms"] = bench_ms(attend_p, device, cfg.budget_ms)
+            row["total_ms"] = bench_ms(lambda: fp.block_sparse_attention(
+                q, kp, vp, table, lens, cu, build_p(), max_seqlen_q=max_k, **att_kw), device, cfg.budget_ms)
+            theirs = convert.peer_to_ours(pidx, plan64, means64, **kvd)
+        else:
+            row["kernel"] = "peer_shipped_model"  # the CPU model of its rule, through our attention
+            pidx = convert.peer_rule_index(q, kp, vp, plan64, alpha=PEER_SGLANG["abs_threshold"],
+                                           sink_blocks=PEER_SGLANG["attention_sink"],
+                                           window_blocks=PEER_SGLANG["window_size"],
+                                           last_n_blocks=PEER_SGLANG["last_n_blocks"], block=64,
+                                           **({} if cdesc is None else
+                                              {"q_descale": cdesc[0], "k_descale": cdesc[1]}))
+            theirs = convert.peer_to_ours(pidx, plan64, means64, **kvd)
+            out_p = attention_planned(q, kp, vp_ours, plan64, theirs, backend=att_backend, descales=ds64)[0]
+            row.update(errors(out_p, ids, ref), attention_backend=att_backend)
+        recall, pairs = fidelity.needle_recall(theirs, plan64, case.needles)
+        row.update(density=fidelity.index_density(theirs, plan64), needle_recall=recall, needle_pairs=pairs)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = repr(e)[:400]
+    out.append(row)
+    return out
 
 
 ALLOC_COUNTERS = ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")
@@ -693,6 +812,8 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
     ap.add_argument("--rows", type=int, default=None, help="sampled query rows per sequence")
     ap.add_argument("--skip-fa4", action="store_true")
     ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--no-shipped", action="store_true",
+                    help="skip the rows of each side with its shipped defaults (ours as served, the peer's SGLang)")
     ap.add_argument("--index-parts", action="store_true",
                     help="time our index by parts (means, select, no-sync total) on the first 'ours' row of "
                          "each case/page/dtype, with allocator counters and the index kernels' registers")
@@ -728,6 +849,8 @@ def parse_args(argv=None) -> tuple[Cfg, argparse.Namespace]:
         rep["sdpa"] = False
     if args.index_parts:
         rep["index_parts"] = True
+    if args.no_shipped:
+        rep["shipped"] = False
     cfg = dataclasses.replace(cfg, **rep)
     if not cfg.page_sizes or any(p < 1 for p in cfg.page_sizes):
         ap.error(f"--page-sizes: expected page sizes >= 1, got {args.page_sizes!r}")

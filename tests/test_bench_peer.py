@@ -186,15 +186,16 @@ def test_dry_run_writes_json(tmp_path):
         assert got16 == {("peer", None), ("peer_model", None), ("ours", "ours"), ("ours@peer", "ours")}
         got64 = {(k, c) for (p, d, k, c) in by if p == 64 and d == dt}
         assert got64 == {("peer", None), ("peer_model", None), ("ours", "none"), ("ours@peer", "none"),
-                         ("ours", "ours")}
+                         ("ours", "ours"), ("ours_shipped", "ours"), ("peer_shipped_model", "none")}
         for p in (16, 64):
             assert "does not import" in by[(p, dt, "peer", None)]["skipped"]
             assert by[(p, dt, "ours", "ours")]["v_layout"] == ("token_major" if dt == "fp8_e4m3" else "row_major")
     for (p, dt, k, c), r in by.items():
         if k.startswith("ours"):
             assert r["rel_l2"] < (5e-2 if dt == "fp8_e4m3" else 5e-3) and r["finite"], (p, dt, k, c)
-            assert ("attention_nocorr_ms" in r) == (c == "ours")  # the correction's cost where it ran
-            assert ("total_ms" in r) == (k == "ours")
+            # the correction's cost where it ran (the shipped rows time each side as it ships)
+            assert ("attention_nocorr_ms" in r) == (c == "ours" and k != "ours_shipped")
+            assert ("total_ms" in r) == (k == "ours")  # ours_shipped: timed on CUDA only
     # the model of the peer's rule (window 5) selects exactly our blocks
     assert by[(16, "bfloat16", "ours@peer", "ours")]["agree"] == 1.0
     assert data["env"]["gpu"] == "cpu" and data["env"]["commit"]
@@ -208,7 +209,7 @@ def test_index_parts_dry_run(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "peer.json"
     res = bench_peer.main(["--dry-run", "--lengths", "", "--varlen", "256,320", "--page1", "", "--page-sizes", "64",
-                           "--rows", "8", "--index-parts", "--out", str(out)])
+                           "--rows", "8", "--index-parts", "--no-shipped", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["config"]["index_parts"] is True
     rows = [r for r in data["rows"] if "index_means_ms" in r]
@@ -241,3 +242,32 @@ def test_index_alloc_delta():
         "index_num_device_alloc": 2, "index_num_alloc_retries": 1, "index_num_sync_all_streams": 0}
     assert bench_peer.index_alloc_delta({}, {}) == {}  # off CUDA
     assert bench_peer.allocator_counters(torch.device("cpu")) == {}
+
+
+def test_the_served_page_size_is_the_services_default():
+    from serving.config import KVOptions
+
+    assert bench_peer.SERVED_PAGE_SIZE == KVOptions().page_size
+
+
+def test_shipped_rows_compare_our_served_defaults_with_the_peers_sglang_defaults():
+    cfg = bench_peer.Cfg(device="cpu", target_density=0.3, seed=3, rows=16, num_qo_heads=4, num_kv_heads=1)
+    dev = torch.device("cpu")
+    case = bench_peer.make_case("s", (2048,), cfg, dev)
+    kp, vp, table, cu, lens = bench_peer.paged(case, 64)
+    pos = bench_peer.sample_rows(case.seqlens, cfg.rows)
+    ids = bench_peer.row_ids(case.seqlens, pos)
+    ref = bench_peer.exact_rows(case.q, case.ks, case.vs, case.seqlens, pos, SparseConfig().softmax_scale(D))
+    rows = bench_peer.shipped_rows({"case": "s"}, case, case.q, kp, vp, vp, table, cu, lens, ids, ref, None,
+                                   cfg, dev, None, "auto", "auto")
+    ours, peer = rows
+    assert [ours["kernel"], peer["kernel"]] == ["ours_shipped", "peer_shipped_model"]
+    assert "error" not in ours and "error" not in peer
+    # ours as the service's sparse options default them; the peer as its SGLang server's flags do
+    assert ours["shipped"]["last_dense_tiles"] == 2 and ours["shipped"]["energy_rule"] == "first_key"
+    assert ours["correction"] == "ours" and peer["correction"] == "none"
+    assert peer["shipped"]["abs_threshold"] == 1.0 and peer["shipped"]["k_block_n"] == 64
+    # threshold 1.0, a 256-token window and 128 sink tokens keep fewer pairs than alpha 0.1,
+    # a 512-token window and 256 sink tokens; the fewer pairs cost accuracy on these inputs
+    assert 0 < peer["density"] < ours["density"] < 1
+    assert ours["finite"] and peer["finite"] and ours["rel_l2"] < peer["rel_l2"]
