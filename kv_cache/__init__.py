@@ -1,8 +1,8 @@
 """kv_cache: the paged KV cache of one replica (see docs/ARCHITECTURE.md). Never imports Ray.
 
-- ``manager``: ``PageManager``, who holds which page: the free list, holder counts, the request
-  table, forks' bookkeeping, the prefix cache's digest -> page map and its eviction;
-  ``PoolExhausted``.
+- ``manager``: ``PageManager``, who holds which page: the request table and forks' bookkeeping
+  over its ``BlockPool`` (the free list, holder counts, the prefix cache's digest -> page map
+  and its eviction); ``PoolExhausted``.
 - ``tensors``: ``KVTensors``, the K/V tensors, FP8 descales and quantized writes.
 - ``pool``: ``KVPool``, the two together plus the addressing (page tables, slot mappings): what
   the engines, the model runner and the transports hold. ``config``: ``KVPoolConfig``.

@@ -2,8 +2,8 @@
 (``kv_cache.tensors``); ``KVPool`` (``kv_cache.pool``) puts the two together.
 
 Two levels, one lock:
-- Pages (the block pool): a LIFO free list, a holder count per page, and the prefix cache (a
-  digest -> page map and its inverse). ``allocate`` takes free pages first and then evicts cached
+- Pages (``BlockPool``, the manager's ``blocks``): a LIFO free list, a holder count per page,
+  and the prefix cache (a digest -> page map and its inverse). ``allocate`` takes free pages first and then evicts cached
   pages that no request holds, least recently released first; ``hold`` adds a holder (a shared
   prefix page, a fork's full pages); ``free`` drops one, and a page whose last holder went goes
   back to the free list, or, if cached, to the evictable pages (most recently released last).
@@ -62,26 +62,112 @@ class ForkCopy:
     dsts: tuple[int, ...]
 
 
+class BlockPool:
+    """The pages level of a ``PageManager``: the LIFO free list, each held page's holder count,
+    the prefix cache (digest -> page and back) and the cached pages no request holds, least
+    recently released first. No lock: the manager calls it under its own."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() -> 0, 1, ...
+        self.refs: dict[int, int] = {}  # page -> holders (> 1: a shared prefix page or a fork's)
+        self.cache: dict[bytes, int] = {}  # prefix digest -> page
+        self.digest_of: dict[int, bytes] = {}  # cached page -> its digest
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can take: free ones and cached ones no request holds."""
+        return len(self.free) + len(self.evictable)
+
+    def take(self, n: int) -> list[int]:
+        """(``n <= available`` checked) free pages first, then evicted cached ones."""
+        pages = []
+        for _ in range(max(n, 0)):
+            if self.free:
+                page = self.free.pop()
+            else:
+                page, _ = self.evictable.popitem(last=False)
+                del self.cache[self.digest_of.pop(page)]
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def hold(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.evictable.pop(page, None)
+            self.refs[page] = self.refs.get(page, 0) + 1
+
+    def drop(self, pages: Sequence[int]) -> int:
+        # checked first: a double free changes nothing (and would otherwise put a page on the
+        # free list twice, to be handed to two requests)
+        for page, times in collections.Counter(pages).items():
+            if self.refs.get(page, 0) < times:
+                raise ValueError(f"pages: page {page!r} freed {times} time(s) but has "
+                                 f"{self.refs.get(page, 0)} holder(s) (a double free)")
+        back = 0
+        for page in pages:
+            left = self.refs[page] - 1
+            if left:
+                self.refs[page] = left
+                continue
+            del self.refs[page]
+            back += 1
+            if page in self.digest_of:
+                self.evictable[page] = None
+            else:
+                self.free.append(page)
+        return back
+
+    def match(self, digests: Sequence[bytes]) -> list[int]:
+        """The cached pages of the longest cached prefix of ``digests``."""
+        pages = []
+        for d in digests:
+            page = self.cache.get(d)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def register(self, pages: Sequence[int], digests: Sequence[bytes]) -> int:
+        """Cache ``pages`` under ``digests`` (pairwise); a digest already cached keeps its page, a
+        page already cached keeps its digest. Returns how many pages were newly cached."""
+        added = 0
+        for page, d in zip(pages, digests):
+            if d in self.cache or page in self.digest_of:
+                continue
+            self.cache[d] = page
+            self.digest_of[page] = d
+            added += 1
+        return added
+
+    def clear_cache(self) -> int:
+        """Forget every cached prefix: evictable pages go back to the free list; returns how many
+        digests were cached."""
+        n = len(self.cache)
+        self.free.extend(reversed(self.evictable))
+        self.evictable.clear()
+        self.cache.clear()
+        self.digest_of.clear()
+        return n
+
+
 class PageManager:
     """Page allocation, holder counts, the prefix cache and the request table of one pool of
-    ``num_pages`` pages of ``page_size`` tokens."""
+    ``num_pages`` pages of ``page_size`` tokens: the pages level is :attr:`blocks` (a
+    :class:`BlockPool`), the requests level is here, both under one lock."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_int("page_size", page_size, minimum=1)
         self._lock = threading.Lock()
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() -> 0, 1, ...
+        self.blocks = BlockPool(num_pages)
         self._requests: dict[str, _Request] = {}
-        self._refs: dict[int, int] = {}  # page -> holders (> 1: a shared prefix page or a fork's)
-        self._cache: dict[bytes, int] = {}  # prefix digest -> page
-        self._digest_of: dict[int, bytes] = {}  # cached page -> its digest
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
 
     # ------------------------------------------------------------------ pages
     @property
     def free_pages(self) -> int:
         """Pages an allocation can take: free ones and cached ones no request holds."""
-        return len(self._free) + len(self._evictable)
+        return self.blocks.available
 
     @property
     def used_pages(self) -> int:
@@ -97,66 +183,27 @@ class PageManager:
         with self._lock:
             if n > self.free_pages:
                 raise PoolExhausted(n, self.free_pages)
-            return self._take(n)
+            return self.blocks.take(n)
 
     def hold(self, pages: Sequence[int]) -> None:
         """One more holder for each of ``pages`` (held or evictable ones: an evictable page is
         taken back from eviction). ``ValueError`` for a free page, nothing changed."""
         with self._lock:
             for page in pages:
-                if page not in self._refs and page not in self._evictable:
+                if page not in self.blocks.refs and page not in self.blocks.evictable:
                     raise ValueError(f"pages: page {page!r} is free; allocate it instead")
-            self._hold(pages)
+            self.blocks.hold(pages)
 
     def free(self, pages: Sequence[int]) -> int:
         """One holder less for each of ``pages`` (see the module docstring for where a page goes);
         returns how many went back. ``ValueError`` on a double free, nothing changed."""
         with self._lock:
-            return self._drop(pages)
+            return self.blocks.drop(pages)
 
     def page_holders(self, page: int) -> int:
         """How many holders ``page`` has (0: free or evictable)."""
         with self._lock:
-            return self._refs.get(page, 0)
-
-    def _take(self, n: int) -> list[int]:
-        """(lock held, ``n <= free_pages`` checked) free pages first, then evicted cached ones."""
-        pages = []
-        for _ in range(max(n, 0)):
-            if self._free:
-                page = self._free.pop()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                del self._cache[self._digest_of.pop(page)]
-            self._refs[page] = 1
-            pages.append(page)
-        return pages
-
-    def _hold(self, pages: Sequence[int]) -> None:
-        for page in pages:
-            self._evictable.pop(page, None)
-            self._refs[page] = self._refs.get(page, 0) + 1
-
-    def _drop(self, pages: Sequence[int]) -> int:
-        # checked first: a double free changes nothing (and would otherwise put a page on the
-        # free list twice, to be handed to two requests)
-        for page, times in collections.Counter(pages).items():
-            if self._refs.get(page, 0) < times:
-                raise ValueError(f"pages: page {page!r} freed {times} time(s) but has "
-                                 f"{self._refs.get(page, 0)} holder(s) (a double free)")
-        back = 0
-        for page in pages:
-            left = self._refs[page] - 1
-            if left:
-                self._refs[page] = left
-                continue
-            del self._refs[page]
-            back += 1
-            if page in self._digest_of:
-                self._evictable[page] = None
-            else:
-                self._free.append(page)
-        return back
+            return self.blocks.refs.get(page, 0)
 
     # ------------------------------------------------------------------ requests
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
@@ -182,7 +229,7 @@ class PageManager:
                 raise PoolExhausted(need, self.free_pages, request_id)
             if req is None:
                 req = self._requests[request_id] = _Request()
-            req.pages.extend(self._take(need))
+            req.pages.extend(self.blocks.take(need))
             return list(req.pages)
 
     def adopt(self, request_id: str, num_tokens: int) -> list[int]:
@@ -197,7 +244,7 @@ class PageManager:
             need = self.pages_for(num_tokens)
             if need > self.free_pages:
                 raise PoolExhausted(need, self.free_pages, request_id)
-            req = self._requests[request_id] = _Request(seq_len=num_tokens, pages=self._take(need))
+            req = self._requests[request_id] = _Request(seq_len=num_tokens, pages=self.blocks.take(need))
             return list(req.pages)
 
     def release(self, request_id: str) -> int:
@@ -207,7 +254,7 @@ class PageManager:
             req = self._requests.pop(request_id, None)
             if req is None:
                 return 0
-            self._drop(req.pages[::-1])  # the request's first page is reused first
+            self.blocks.drop(req.pages[::-1])  # the request's first page is reused first
             return len(req.pages)
 
     def fork(self, parent_id: str, child_ids: Sequence[str]) -> tuple[list[list[int]], ForkCopy | None]:
@@ -232,8 +279,8 @@ class PageManager:
             shared = parent.pages[:full]
             out = []
             for cid in child_ids:
-                own = self._take(1) if partial else []
-                self._hold(shared)
+                own = self.blocks.take(1) if partial else []
+                self.blocks.hold(shared)
                 self._requests[cid] = _Request(pages=shared + own, seq_len=parent.seq_len)
                 out.append(shared + own)
             copy = ForkCopy(parent.pages[full], tuple(p[-1] for p in out)) if partial and out else None
@@ -286,19 +333,10 @@ class PageManager:
             req.seq_len = n
 
     # ------------------------------------------------------------------ prefix cache
-    def _match(self, digests: Sequence[bytes]) -> list[int]:
-        pages = []
-        for d in digests:
-            page = self._cache.get(d)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
-
     def cached_prefix_pages(self, digests: Sequence[bytes]) -> int:
         """How many leading pages of ``digests`` the cache holds (a lookup; nothing is taken)."""
         with self._lock:
-            return len(self._match(digests))
+            return len(self.blocks.match(digests))
 
     def reserve_with_prefix(self, request_id: str, digests: Sequence[bytes], num_tokens: int) -> int:
         """Create ``request_id`` holding pages for ``num_tokens`` tokens, its first pages the
@@ -313,14 +351,14 @@ class PageManager:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} already holds pages in this pool")
-            shared = self._match(digests)
+            shared = self.blocks.match(digests)
             need = self.pages_for(num_tokens) - len(shared)
             # shared pages no one holds are evictable: taking them leaves that many fewer to take
-            reclaim = sum(1 for p in shared if p in self._evictable)
+            reclaim = sum(1 for p in shared if p in self.blocks.evictable)
             if need > self.free_pages - reclaim:
                 raise PoolExhausted(need, self.free_pages - reclaim, request_id)
-            self._hold(shared)
-            self._requests[request_id] = _Request(pages=shared + self._take(need), seq_len=len(shared) * self.page_size)
+            self.blocks.hold(shared)
+            self._requests[request_id] = _Request(pages=shared + self.blocks.take(need), seq_len=len(shared) * self.page_size)
             return len(shared) * self.page_size
 
     def cache_prefix(self, request_id: str, digests: Sequence[bytes]) -> int:
@@ -332,24 +370,12 @@ class PageManager:
             if len(digests) * self.page_size > req.seq_len:
                 raise ValueError(f"digests: {len(digests)} pages of {self.page_size} tokens are more than the "
                                  f"{req.seq_len} tokens written for {request_id!r}")
-            added = 0
-            for page, d in zip(req.pages, digests):
-                if d in self._cache or page in self._digest_of:
-                    continue
-                self._cache[d] = page
-                self._digest_of[page] = d
-                added += 1
-            return added
+            return self.blocks.register(req.pages, digests)
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix (pages held by requests stay theirs); returns how many."""
         with self._lock:
-            n = len(self._cache)
-            self._free.extend(reversed(self._evictable))
-            self._evictable.clear()
-            self._cache.clear()
-            self._digest_of.clear()
-            return n
+            return self.blocks.clear_cache()
 
     def stats(self) -> dict:
         with self._lock:
@@ -358,7 +384,7 @@ class PageManager:
                 "free_pages": self.free_pages,
                 "used_pages": self.used_pages,
                 "requests": len(self._requests),
-                "cached_pages": len(self._cache),
-                "evictable_pages": len(self._evictable),
+                "cached_pages": len(self.blocks.cache),
+                "evictable_pages": len(self.blocks.evictable),
                 "page_size": self.page_size,
             }

@@ -81,15 +81,6 @@ class KVPool:
     k_scale = _tensors_attr("k_scale")
     v_scale = _tensors_attr("v_scale")
 
-    # the manager's free list and holder counts, read by the tests that check nothing leaked
-    @property
-    def _free(self) -> list[int]:
-        return self.manager._free
-
-    @property
-    def _refs(self) -> dict[int, int]:
-        return self.manager._refs
-
     # ------------------------------------------------------------------ accounting
     @property
     def free_pages(self) -> int:

@@ -16,21 +16,20 @@ are rejected so that a typo in a config file fails at deploy time.
 Flat names from before the sections (``prefill_chunk_tokens``, ``alpha``, ...) are accepted
 wherever options enter (:data:`OPTION_ALIASES`): a mapping may mix them with sections and
 dotted paths; one option given twice with different values is an error.
+
+This module holds the sections; the generic machinery that reads them as a tree of dotted paths
+(nesting, errors, the command line's values, the tables of docs/OPTIONS.md) is
+``serving/option_tree.py``, the checks that read the model itself (its sparse profile, context
+and heads) are ``serving/model_checks.py``, and the flat names are ``serving/option_aliases.py``.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
-import json
-import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
-from pydantic_core import PydanticUndefined
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kernels.config import ENERGY_RULES, KV_TILE, SparseConfig
 from kv_transfer.channel.config import ChannelConfig
@@ -38,6 +37,9 @@ from kv_transfer.cuda_ipc.config import IpcConfig
 from kv_transfer.object_store.config import ObjectStoreConfig
 from kv_transfer.registry import transport_names
 from model_executor.fp8_linear import WEIGHT_DTYPES
+from serving.model_checks import check_tensor_parallel, resolve_max_model_len, with_sparse_profile
+from serving.option_aliases import MOVED_OPTIONS, OPTION_ALIASES
+from serving.option_tree import ConfigError, OptionTree, merge, type_name
 
 TRANSPORTS = ("auto", *transport_names(options_only=True))  # kv_transfer.registry's, and the auto policy
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,10 +56,6 @@ SECRET_OPTIONS = frozenset({"ingress.auth_token"})  # never shown: not in errors
 
 # the transports' sections take their defaults from the transports' own configs
 _CHANNEL, _IPC, _OBJECT_STORE = ChannelConfig(), IpcConfig(), ObjectStoreConfig()
-
-
-class ConfigError(ValueError):
-    """Bad options: one line per problem, each starting with the option's dotted path."""
 
 
 class _Section(BaseModel):
@@ -481,7 +479,9 @@ class ServiceConfig(_Section):
     fault_injection: FaultInjection = Field(default_factory=FaultInjection)
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**with_sparse_profile(nest(data)))
+        data = with_sparse_profile(nest(data), default_model=ModelOptions.model_fields["model"].default,
+                                   default_profile=SparseOptions.model_fields["profile"].default)
+        super().__init__(**data)
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> "ServiceConfig":
@@ -522,374 +522,17 @@ class ServiceConfig(_Section):
         return type(self)(**merge(self.to_dict(), nest({**(changes or {}), **more})))
 
 
-# what a sparse profile may set: its operator options, and dense_below / expected_density
-_PROFILE_OPTIONS = ("alpha", "block_size", "sink_tokens", "window_tokens", "last_dense_tiles", "energy_rule",
-                    "dense_layers", "layer_alpha", "mean_correction")
-
-
-def with_sparse_profile(data: dict) -> dict:
-    """``data`` (nested sections) with the ``sparse.*`` options that it does not give taken from
-    the sparse profile that ``sparse.profile`` names for ``model.model``. Options given win; a
-    config built from :meth:`ServiceConfig.to_dict` gives them all, so this is idempotent."""
-    from model_executor.sparse_profile import resolve_profile
-
-    sparse = data.get("sparse")
-    if isinstance(sparse, SparseOptions):
-        given = {k: getattr(sparse, k) for k in sparse.model_fields_set}
-    elif isinstance(sparse, Mapping):
-        given = dict(sparse)
-    elif sparse is None:
-        given = {}
-    else:
-        return data  # not a section: the section's own validation names it
-    model = data.get("model")
-    if isinstance(model, ModelOptions):
-        name = model.model
-    elif isinstance(model, Mapping):
-        name = model.get("model", ModelOptions.model_fields["model"].default)
-    else:
-        name = ModelOptions.model_fields["model"].default
-    spec = given.get("profile", SparseOptions.model_fields["profile"].default)
-    if not isinstance(name, str) or not (spec is None or isinstance(spec, str)):
-        return data  # the sections' own checks name the bad value
-    try:
-        profile = resolve_profile(spec, name)
-    except ValueError as exc:
-        raise ConfigError(str(exc) if str(exc).startswith("sparse.profile") else f"sparse.profile: {exc}") from None
-    if profile is None:
-        return data
-    fill = {k: v for k, v in profile.sparse.items() if k in _PROFILE_OPTIONS}
-    if profile.dense_below is not None:
-        fill["dense_below"] = profile.dense_below
-    if profile.expected_density is not None:
-        fill["expected_density"] = float(profile.expected_density)
-    if "layer_alpha" in fill and fill["layer_alpha"] is not None:
-        fill["layer_alpha"] = list(fill["layer_alpha"])
-    return {**data, "sparse": {**fill, **given}}
-
-
-@functools.lru_cache(maxsize=32)
-def _model_context(model: str, rope_scaling: str | None) -> Any:
-    from model_executor.loading import model_context
-
-    return model_context(model, json.loads(rope_scaling) if rope_scaling else None)
-
-
-def resolve_max_model_len(config: "ServiceConfig") -> int:
-    """The context every request gets: ``model.max_model_len``, by default the model's own
-    (``model_executor.loading.model_context``: its config alone, no weights). A value beyond the
-    model's context without ``model.rope_scaling`` stretching it that far is a :class:`ConfigError`
-    naming ``model.max_model_len``; the launcher, the application builder and the ingress ask."""
-    m = config.model
-    try:
-        ctx = _model_context(m.model, json.dumps(m.rope_scaling, sort_keys=True) if m.rope_scaling else None)
-    except ValueError as exc:  # the loader names rope_scaling or model
-        raise ConfigError(f"model.{exc}") from None
-    if ctx is None:  # a directory not on this machine: its replicas read it
-        if m.max_model_len is None:
-            raise ConfigError(f"model.max_model_len: the context of {m.model!r} cannot be read here (no config.json); "
-                              "set model.max_model_len")
-        return m.max_model_len
-    if m.max_model_len is None:
-        return ctx.tokens
-    if m.max_model_len > ctx.tokens and ctx.trained:
-        fix = ("raise model.rope_scaling's factor" if m.rope_scaling else
-               'stretch its RoPE with model.rope_scaling (e.g. {"rope_type": "yarn", "factor": '
-               f"{-(-m.max_model_len // ctx.tokens)}}})")
-        raise ConfigError(f"model.max_model_len: {m.max_model_len} exceeds the context of {m.model} ({ctx.tokens} "
-                          f"tokens: {ctx.source}); lower it, leave it unset, or {fix}")
-    return m.max_model_len
-
-
-def check_tensor_parallel(config: "ServiceConfig") -> None:
-    """``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` against the model's head
-    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option."""
-    from model_executor.loading import model_shape
-    from model_executor.parallel import layout_of
-
-    limit = config.runtime.devices_per_node
-    shape = None
-    for side in ("prefill", "decode"):
-        size = getattr(config, side).tensor_parallel_size
-        if size == 1:
-            continue
-        name = f"{side}.tensor_parallel_size"
-        if limit is not None and size > limit:
-            raise ValueError(f"{name}: {size} ranks do not fit runtime.devices_per_node ({limit}): a replica's "
-                             "ranks are packed on one node; lower it or use bigger nodes")
-        shape = shape or model_shape(config.model.model)
-        if shape is not None:
-            layout_of(shape, size, name=name)
-
-
-# ------------------------------------------------------------------------- flat names (aliases)
-OPTION_ALIASES: dict[str, str] = {
-    # the flat ServiceConfig field names before the sections -> their dotted paths
-    "model": "model.model",  # a string; a mapping under "model" is the section
-    "served_model_name": "model.served_model_name",
-    "device": "model.device",
-    "dtype": "model.dtype",
-    "weight_dtype": "model.weight_dtype",
-    "seed": "model.seed",
-    "page_size": "kv.page_size",
-    "kv_cache_dtype": "kv.cache_dtype",
-    "kv_scale_margin": "kv.scale_margin",
-    "prefill_kv_pages": "kv.prefill_pages",
-    "decode_kv_pages": "kv.decode_pages",
-    "alpha": "sparse.alpha",
-    "block_size": "sparse.block_size",
-    "sink_tokens": "sparse.sink_tokens",
-    "window_tokens": "sparse.window_tokens",
-    "dense_below": "sparse.dense_below",
-    "expected_density": "sparse.expected_density",
-    "max_batch_tokens": "prefill.max_batch_tokens",
-    "prefill_chunk_tokens": "prefill.chunk_tokens",
-    "batch_wait_ms": "prefill.batch_wait_ms",
-    "max_queued_prefill_tokens": "prefill.max_queued_tokens",
-    "prefill_schedule": "prefill.schedule",
-    "prefill_max_wait_s": "prefill.max_wait_s",
-    "prefix_caching": "prefill.prefix_caching",
-    "max_running": "decode.max_running",
-    "cuda_graphs": "decode.cuda_graphs",
-    "adopt_wait_s": "decode.adopt_wait_s",
-    "prefill_tensor_parallel_size": "prefill.tensor_parallel_size",
-    "decode_tensor_parallel_size": "decode.tensor_parallel_size",
-    "transport": "transfer.transport",
-    "transfer_retries": "transfer.retries",
-    "lease_timeout_s": "transfer.lease_timeout_s",
-    "max_model_len": "model.max_model_len",
-    "default_max_tokens": "ingress.default_max_tokens",
-    "max_request_bytes": "ingress.max_request_bytes",
-    "retry_after_s": "ingress.retry_after_s",
-    "decode_resumes": "ingress.decode_resumes",
-    "debug_routing": "ingress.debug_routing",
-    "auth_token": "ingress.auth_token",
-    "auth_token_env": "ingress.auth_token_env",
-    "fused_ops": "runtime.fused_ops",
-    "torch_threads": "runtime.torch_threads",
-}
-
-MOVED_OPTIONS: dict[str, str] = {
-    # dotted paths of options that moved to another section -> where they are now
-    "ingress.max_model_len": "model.max_model_len",  # a property of the model (its context), not of the ingress
-}
-
-
 # ------------------------------------------------------------------------- the option tree
-def _section_type(annotation: Any) -> type[_Section] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
-
-
-def _fields(model: type[_Section] = ServiceConfig, prefix: str = "") -> dict[str, Any]:
-    """Dotted path -> FieldInfo of every option and section under ``model``, depth first."""
-    out: dict[str, Any] = {}
-    for name, info in model.model_fields.items():
-        path = f"{prefix}{name}"
-        out[path] = info
-        sub = _section_type(info.annotation)
-        if sub is not None:
-            out.update(_fields(sub, f"{path}."))
-    return out
-
-
-FIELDS = _fields()
-SECTIONS = tuple(p for p, info in FIELDS.items() if _section_type(info.annotation) is not None)
-OPTIONS = tuple(p for p in FIELDS if p not in SECTIONS)
-
-
-def _unknown(path: str) -> ConfigError:
-    parts = path.split(".")
-    for i in range(1, len(parts) + 1):  # name the first part that is not there
-        if ".".join(parts[:i]) not in FIELDS:
-            path = ".".join(parts[:i])
-            break
-    parent, _, leaf = path.rpartition(".")
-    if parent:
-        known = [p.rpartition(".")[2] for p in FIELDS if p.rpartition(".")[0] == parent]
-        hint = f"{parent} has: {', '.join(known)}"
-        close = difflib.get_close_matches(leaf, known, n=1)
-    else:
-        top = [p for p in FIELDS if "." not in p]
-        hint = f"sections: {', '.join(top)}; or a flat name (docs/OPTIONS.md)"
-        close = difflib.get_close_matches(leaf, [*top, *OPTION_ALIASES, *OPTIONS], n=1)
-    did = f"did you mean {close[0]!r}? " if close else ""
-    return ConfigError(f"{path or '<empty>'}: unknown {'option' if parent else 'section or option'}; {did}({hint})")
-
-
-def resolve(key: str, value: Any = None) -> str:
-    """The dotted path that ``key`` (a dotted path, a section or a flat name) sets."""
-    if key == "model" and not isinstance(value, (Mapping, BaseModel)):
-        return OPTION_ALIASES["model"]  # the flat string option, not the section
-    if key in FIELDS:
-        return key
-    if key in OPTION_ALIASES:
-        return OPTION_ALIASES[key]
-    if key in MOVED_OPTIONS:
-        return MOVED_OPTIONS[key]
-    raise _unknown(key)
-
-
-def _shown(path: str, value: Any) -> str:
-    return "<hidden>" if path in SECRET_OPTIONS else repr(value)
-
-
-def _put(tree: dict, path: str, value: Any, origin: dict[str, str], key: str) -> None:
-    """Set ``path`` in ``tree``; a section's mapping is flattened into its options (so that an
-    alias and the nested form meet at the same leaf)."""
-    section = _section_type(FIELDS[path].annotation)
-    if section is not None:
-        if not isinstance(value, (Mapping, section)):
-            raise ConfigError(f"{path}: expected a mapping of options, got {type(value).__name__} {value!r}")
-        items = value.model_dump() if isinstance(value, BaseModel) else value
-        for sub, sub_value in items.items():
-            full = f"{path}.{sub}"
-            if isinstance(sub, str) and full in MOVED_OPTIONS:
-                _put(tree, MOVED_OPTIONS[full], sub_value, origin, f"{key}.{sub}" if key else full)
-                continue
-            if not isinstance(sub, str) or full not in FIELDS:
-                raise _unknown(full)
-            _put(tree, full, sub_value, origin, f"{key}.{sub}" if key else sub)
-        if not items:
-            _walk(tree, path)
-        return
-    node = _walk(tree, path.rpartition(".")[0])
-    leaf = path.rpartition(".")[2]
-    if leaf in node and path in origin and node[leaf] != value:
-        first = origin[path]
-        raise ConfigError(
-            f"{path}: given twice with different values, as {first} ({_shown(path, node[leaf])}) and as "
-            f"{key} ({_shown(path, value)}); keep one"
-            + ("" if {first, key} == {path} else f" ({', '.join(sorted({first, key} - {path}))} is the old name of {path})"))
-    node[leaf] = value
-    origin[path] = key
-
-
-def _walk(tree: dict, path: str) -> dict:
-    node = tree
-    for part in path.split(".") if path else ():
-        if part not in node:
-            node[part] = {}
-        node = node[part]
-    return node
-
-
-def nest(raw: Mapping[str, Any]) -> dict:
-    """A mapping of sections, dotted paths and flat names (mixed) -> the nested dict of sections.
-    An option set twice with different values, an unknown name or an unknown section is a
-    :class:`ConfigError`; values are checked later, by the sections."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config: expected a mapping of options, got {type(raw).__name__}")
-    tree: dict = {}
-    origin: dict[str, str] = {}
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"config: option names are strings, got {key!r}")
-        _put(tree, resolve(key, value), value, origin, key)
-    return tree
-
-
-def merge(base: Mapping, override: Mapping) -> dict:
-    """Nested dicts: ``override``'s leaves win (layers of options: file, flags, --option)."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def config_error(exc: ValidationError, prefix: str = "") -> ConfigError:
-    """pydantic's errors as one line per option: ``dotted.path: what is wrong, got value``."""
-    lines = []
-    for err in exc.errors(include_url=False):
-        path = ".".join([prefix, *map(str, err["loc"])] if prefix else map(str, err["loc"]))
-        cause = err.get("ctx", {}).get("error")
-        if isinstance(cause, ConfigError):  # a nested section's own __init__ named its options already
-            lines.append(str(cause))
-            continue
-        if err["type"] == "extra_forbidden":
-            lines.append(str(_unknown(path)))
-            continue
-        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
-        if not path:  # a whole-config problem: the message names what it is about
-            lines.append(msg)
-            continue
-        leaf = path.rpartition(".")[2]
-        msg = msg.removeprefix(f"{leaf}: ")
-        shown = "" if err["type"] == "value_error" else f", got {_shown(path, err.get('input'))}"
-        lines.append(f"{path}: {msg}{shown}")
-    return ConfigError("\n".join(lines))
-
-
-# ------------------------------------------------------------------------- the command line's values
-def _allows_none(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (Union, types.UnionType) and type(None) in typing.get_args(annotation)
-
-
-def _is_text(annotation: Any) -> bool:
-    if annotation is str:
-        return True
-    if typing.get_origin(annotation) is Literal:
-        return all(isinstance(a, str) for a in typing.get_args(annotation))
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        return all(_is_text(a) for a in typing.get_args(annotation) if a is not type(None))
-    return False
-
-
-def _is_mapping(annotation: Any) -> bool:
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        return any(_is_mapping(a) for a in typing.get_args(annotation))
-    return annotation is dict or typing.get_origin(annotation) is dict
-
-
-def parse_option_value(path: str, text: str) -> Any:
-    """``--option PATH=TEXT``: TEXT parsed by the option's type (``null``: None where allowed;
-    a section or a mapping option takes a JSON object). ``path`` is a dotted path or a flat name."""
-    resolved = resolve(path)  # "model" alone is the option model.model
-    annotation = FIELDS[resolved].annotation
-    if _allows_none(annotation) and text.strip().lower() in ("null", "none"):
-        return None
-    if _is_text(annotation):
-        return text
-    try:
-        if _section_type(annotation) is not None or _is_mapping(annotation):
-            return json.loads(text)
-        return TypeAdapter(annotation).validate_strings(text.strip())
-    except ValueError as exc:
-        detail = exc.errors(include_url=False)[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        raise ConfigError(f"{resolved}: cannot read {text!r} as {type_name(annotation)}: {detail}") from None
-
-
-# ------------------------------------------------------------------------- documentation
-def type_name(annotation: Any, sep: str = " | ") -> str:
-    if typing.get_origin(annotation) is Literal:
-        return sep.join(f'"{a}"' for a in typing.get_args(annotation))
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        return sep.join("null" if a is type(None) else type_name(a, sep) for a in typing.get_args(annotation))
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _constraints(info: Any) -> str:
-    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "multiple_of": "multiple of", "min_length": "length >="}
-    out = []
-    for meta in info.metadata:
-        for attr, word in words.items():
-            bound = getattr(meta, attr, None)
-            if bound is not None:
-                out.append(f"{word} {bound!r}")
-    return ", ".join(out)
-
-
-def _default(info: Any) -> str:
-    value = info.default if info.default is not PydanticUndefined else info.default_factory()
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
+OPTION_TREE = OptionTree(ServiceConfig, aliases=OPTION_ALIASES, moved=MOVED_OPTIONS, secrets=SECRET_OPTIONS,
+                         unknown_hint="or a flat name (docs/OPTIONS.md)")
+FIELDS = OPTION_TREE.fields
+SECTIONS = OPTION_TREE.sections
+OPTIONS = OPTION_TREE.options
+resolve = OPTION_TREE.resolve
+nest = OPTION_TREE.nest
+config_error = OPTION_TREE.config_error
+parse_option_value = OPTION_TREE.parse_value
+options_listing = OPTION_TREE.listing
 
 
 def options_markdown() -> str:
@@ -903,20 +546,7 @@ def options_markdown() -> str:
         "parsed by the option's type; `null` for none). Later wins: `--config`, then the flags, then",
         "each `--option`.",
         "",
-    ]
-    for section in SECTIONS:
-        sub = _section_type(FIELDS[section].annotation)
-        lines += [f"## `{section}`", "", (sub.__doc__ or "").strip().splitlines()[0], "",
-                  "| Option | Type | Default | Description |", "|---|---|---|---|"]
-        for path, info in FIELDS.items():
-            if path.rpartition(".")[0] != section or path in SECTIONS:
-                continue
-            kind = type_name(info.annotation, " \\| ")  # a table cell: escaped pipes
-            bounds = _constraints(info)
-            kind = f"{kind} ({bounds})" if bounds else kind
-            lines.append(f"| `{path}` | {kind} | {_default(info)} | {info.description or ''} |")
-        lines.append("")
-    lines += [
+        *OPTION_TREE.section_tables(),
         "## Flat names",
         "",
         "The option names from before the sections are still accepted (in files, `args`, `--option` and",
@@ -938,18 +568,11 @@ def options_markdown() -> str:
     return "\n".join(lines)
 
 
-QUOTE = '"'
-
-
-def options_listing() -> str:
-    """One ``path=default`` line per option (what ``--option`` takes)."""
-    return "".join(f"{path}={_default(FIELDS[path]).strip(QUOTE)}\n" for path in OPTIONS)
-
-
 __all__ = [
     "ServiceConfig", "ConfigError", "ModelOptions", "KVOptions", "SparseOptions", "PrefillOptions",
     "DecodeOptions", "TransferOptions", "ChannelOptions", "IpcOptions", "ObjectStoreOptions",
     "IngressOptions", "RuntimeOptions", "FaultInjection", "OPTION_ALIASES", "OPTIONS", "SECTIONS",
     "nest", "merge", "resolve", "parse_option_value", "options_markdown", "options_listing",
+    "resolve_max_model_len", "type_name",
     "TRANSPORTS", "DTYPES", "KV_CACHE_DTYPES", "PREFILL_SCHEDULES", "DEVICES", "FAULT_MODES",
 ]

@@ -13,7 +13,7 @@ import torch
 
 from kernels.config import SparseConfig
 from model_executor.calibration import calibrate as cal
-from model_executor.calibration import cli, lastword, needle, table
+from model_executor.calibration import cli, forwards, lastword, needle, table
 from model_executor.calibration.grid import GRIDS, Axes, GridPoint, sensitivity_schedule
 from model_executor.calibration.metrics import compare_logits, summarize
 from model_executor.calibration.text import ending_windows
@@ -290,7 +290,7 @@ def test_density_counts_dense_layers_as_fully_selected(tiny):
     got = {}
     for dense_layers in (0, 2):
         config = SparseConfig(**{**vars(base), "dense_layers": dense_layers})
-        _, counts = cal._tail_logits(runner, [ids], config, tiny.num_layers, 8)
+        _, counts = forwards.tail_logits(runner, [ids], config, tiny.num_layers, 8)
         got[dense_layers] = (counts, runner.index_tile_counts()["calib-0"])
     (sel0, tot0), (raw_sel0, raw_tot0) = got[0]
     (sel2, tot2), (raw_sel2, raw_tot2) = got[2]

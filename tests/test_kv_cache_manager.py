@@ -190,10 +190,10 @@ def test_random_operations_keep_the_accounting_exact(seed):
             if m.has(r):
                 for p in m.pages(r):
                     held[p] = held.get(p, 0) + 1
-        free, evictable = set(m._free), set(m._evictable)
-        assert len(m._free) == len(free)  # no page on the free list twice
+        free, evictable = set(m.blocks.free), set(m.blocks.evictable)
+        assert len(m.blocks.free) == len(free)  # no page on the free list twice
         assert not free & evictable and not (free | evictable) & set(held)
         assert free | evictable | set(held) == set(range(m.num_pages))
         assert all(m.page_holders(p) == n for p, n in held.items())
         assert m.free_pages == len(free) + len(evictable)
-        assert evictable <= set(m._digest_of) and set(m._cache.values()) == set(m._digest_of)
+        assert evictable <= set(m.blocks.digest_of) and set(m.blocks.cache.values()) == set(m.blocks.digest_of)

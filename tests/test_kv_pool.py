@@ -315,7 +315,7 @@ def test_concurrent_reserve_release_never_double_allocates():
     for rid in list(owned):
         pool.release(rid)
     assert pool.free_pages == pool.num_pages
-    assert sorted(pool._free) == list(range(pool.num_pages))
+    assert sorted(pool.manager.blocks.free) == list(range(pool.num_pages))
 
 
 def test_fp8_v_is_token_major():
@@ -507,7 +507,7 @@ def test_fork_release_in_any_order_keeps_accounting_exact(order):
         last = i == len(order) - 1
         assert pool.free_pages == free + own[rid] + (2 if last else 0)  # shared pages go with the last holder
     assert pool.free_pages == start and pool.stats()["requests"] == 0
-    assert sorted(pool._free) == list(range(pool.num_pages)) and not pool._refs
+    assert sorted(pool.manager.blocks.free) == list(range(pool.num_pages)) and not pool.manager.blocks.refs
 
 
 def test_fork_of_a_page_aligned_request_copies_nothing():
@@ -527,11 +527,11 @@ def test_fork_exhaustion_takes_nothing_and_errors():
     gen = torch.Generator().manual_seed(3)
     pool = make_pool(num_pages=4)
     _written(pool, "p", 6, gen)  # 2 pages, the second partial: 2 free
-    refs, free = dict(pool._refs), pool.free_pages
+    refs, free = dict(pool.manager.blocks.refs), pool.free_pages
     with pytest.raises(PoolExhausted) as info:
         pool.fork("p", ["a", "b", "c"])
     assert info.value.requested == 3 and info.value.free == 2
-    assert pool.free_pages == free and pool._refs == refs and not pool.has("a")
+    assert pool.free_pages == free and pool.manager.blocks.refs == refs and not pool.has("a")
     with pytest.raises(KeyError, match="request_id"):
         pool.fork("nope", ["a"])
     with pytest.raises(ValueError, match="child_ids"):

@@ -6,7 +6,10 @@
 - ``lastword``: the shipped last-word task's items and their greedy score.
 - ``grid``: the settings measured (alpha, per-layer schedule, dense last tiles, energy rule,
   dense first layers).
-- ``calibrate``: the measurements, the selection and the profile
+- ``settings``: the run's options and the quality budget (messages name the flag).
+- ``forwards``: one prefill's tail logits and block density, token-budget batches, the time guard.
+- ``calibrate``: the run: the measurements of every setting at every length.
+- ``selection``: each setting's verdict, the chosen one and its profile
   (``model_executor.sparse_profile.SparseProfile``).
 - ``table``: the profile's Pareto table as Markdown; ``cli``: the command's options.
 

@@ -38,213 +38,27 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kernels.config import SparseConfig
 
-from ..sparse_profile import PROFILE_FIELDS, SparseProfile
 from . import lastword, needle
+from .forwards import Clock, OutOfTime, tail_logits, tail_summary, token_batches
 from .grid import GridPoint
-from .metrics import Comparison, compare_logits, summarize
-from .text import PYDOC_TOPICS, ending_windows, load_text, rope_for
+from .metrics import compare_logits
+from .selection import Result, judge, profile_options, select
+from .settings import TAIL, Budget, Settings
+from .text import ending_windows, load_text, rope_for
 
-TAIL = 256  # the positions of the "last 256" metrics
-LAST = 8  # the positions of the answer KL
 DEPTHS = needle.DEPTHS
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What a setting must meet (see the module docstring)."""
-
-    kl: float
-    kl_last: float = 0.01
-    needle_slack: int = 1
-    lastword_slack: int = 1
-
-    def __post_init__(self) -> None:
-        for name, flag in (("kl", "--budget-kl"), ("kl_last", "--budget-kl-last")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{flag}: expected a finite number >= 0 (nats), got {v!r}")
-        for name, flag in (("needle_slack", "--needle-slack"), ("lastword_slack", "--lastword-slack")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{flag}: expected an int >= 0, got {v!r}")
-
-
-def _positive_int(flag: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{flag}: expected an int >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One calibration run (the command line's options; messages name the flag)."""
-
-    model: str
-    lengths: tuple[int, ...]
-    budget: Budget
-    grid: tuple[GridPoint, ...]
-    base: SparseConfig = field(default_factory=SparseConfig)
-    model_name: str | None = None  # recorded in the profile (default: model)
-    prompts: int = 32
-    prompts_beyond_trained: int | None = None  # prompts at lengths beyond the trained context (None: prompts)
-    needles: int = 20
-    needle_new_tokens: int = 16
-    lastword_items: int = 300
-    lastword_chars: int = 6000
-    sensitivity_length: int | None = None
-    sensitivity_prompts: int = 8
-    text: str = PYDOC_TOPICS
-    rope_scaling: str = "yarn"
-    dense_below: int | None = None
-    device: str = "cpu"
-    dtype: torch.dtype | None = None
-    backend: str = "auto"
-    batch_tokens: int = 4096
-    max_seconds: float | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.lengths:
-            raise ValueError("--lengths: expected at least one length")
-        for n in self.lengths:
-            _positive_int("--lengths", n, TAIL + 1)
-        if len(set(self.lengths)) != len(self.lengths):
-            raise ValueError(f"--lengths: expected distinct lengths, got {list(self.lengths)}")
-        object.__setattr__(self, "lengths", tuple(sorted(self.lengths)))
-        if not self.grid:
-            raise ValueError("--grid: expected at least one grid point")
-        if len({p.name for p in self.grid}) != len(self.grid):
-            raise ValueError("--grid: expected distinct grid points")
-        _positive_int("--prompts", self.prompts)
-        if self.prompts_beyond_trained is not None:
-            _positive_int("--prompts-beyond-trained", self.prompts_beyond_trained)
-        _positive_int("--needles", self.needles, 0)
-        _positive_int("--needle-new-tokens", self.needle_new_tokens)
-        _positive_int("--lastword-items", self.lastword_items, 0)
-        _positive_int("--lastword-chars", self.lastword_chars, 16)
-        _positive_int("--sensitivity-prompts", self.sensitivity_prompts)
-        _positive_int("--batch-tokens", self.batch_tokens)
-        if self.sensitivity_length is not None and self.sensitivity_length not in self.lengths:
-            raise ValueError(f"--sensitivity-length: expected one of --lengths {list(self.lengths)}, "
-                             f"got {self.sensitivity_length!r}")
-        if self.dense_below is not None:
-            _positive_int("--dense-below", self.dense_below, 0)
-            if self.dense_below > max(self.lengths):
-                raise ValueError(f"--dense-below: {self.dense_below} leaves no calibration length sparse "
-                                 f"(longest {max(self.lengths)})")
-        if self.max_seconds is not None and not (isinstance(self.max_seconds, (int, float)) and self.max_seconds > 0):
-            raise ValueError(f"--max-seconds: expected a number > 0, got {self.max_seconds!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device: expected 'cpu' or 'cuda', got {self.device!r}")
-        rope_for(1, 1, self.rope_scaling)  # ValueError naming rope_scaling
-
-    @property
-    def scored_lengths(self) -> tuple[int, ...]:
-        """The lengths the budget is checked at (served sparse: at or above dense_below)."""
-        return tuple(n for n in self.lengths if self.dense_below is None or n >= self.dense_below)
-
-
-class OutOfTime(Exception):
-    pass
-
-
-@dataclass
-class Result:
-    profile: SparseProfile
-    met: bool
-    chosen: str
-    failures: list[str]
-
-
-# ---------------------------------------------------------------------------------------------
-# Forwards
-
-
-def _density_counts(runner, rids: Sequence[str], num_layers: int) -> tuple[int, int]:
-    """Selected and causal tile pairs of the latest prefill over *all* layers: layers that built
-    no index (dense on the reference backend) count as fully selected."""
-    from ..attention import causal_tile_pairs
-
-    plans = runner.last_state.plans
-    plan = next(iter(plans.values()))[0]
-    per_layer = [plan.num_kv_heads * n for n in causal_tile_pairs(plan)]
-    counts = runner.index_tile_counts()
-    sel = tot = 0
-    for b, rid in enumerate(rids):
-        s, c = counts.get(rid, (0, 0))
-        counted = c // per_layer[b] if per_layer[b] else num_layers
-        sel += s + per_layer[b] * (num_layers - counted)
-        tot += per_layer[b] * num_layers
-    return sel, tot
-
-
-def _tail_logits(runner, windows: Sequence[Sequence[int]], config: SparseConfig, num_layers: int,
-                 tail: int) -> tuple[list[torch.Tensor], tuple[int, int]]:
-    """One forward over ``windows``: each window's logits of its last ``tail`` positions, and the
-    forward's density counts."""
-    from ..runner import PrefillItem
-
-    rids = [f"calib-{i}" for i in range(len(windows))]
-    held: list[str] = []
-    try:
-        for rid, w in zip(rids, windows):
-            runner.pool.reserve(rid, len(w))
-            held.append(rid)
-        _, kept = runner.prefill_keeping([PrefillItem(r, list(w)) for r, w in zip(rids, windows)],
-                                         keep_all=[True] * len(windows), sparse_config=config)
-        tails = [kept[i][-tail:].clone() for i in range(len(windows))]
-        del kept
-        counts = _density_counts(runner, rids, num_layers)
-    finally:
-        for rid in held:
-            runner.pool.release(rid)
-    return tails, counts
-
-
-def _batches(sizes: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices of items of ``sizes`` tokens in consecutive groups of at most ``batch_tokens``
-    tokens (one item per group at least)."""
-    out, cur, used = [], [], 0
-    for i, n in enumerate(sizes):
-        if cur and used + n > batch_tokens:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-class _Clock:
-    def __init__(self, max_seconds: float | None, log: Callable[[str], None]) -> None:
-        self.t0 = time.perf_counter()
-        self.max_seconds = max_seconds
-        self.log = log
-        self.forwards = 0
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def tick(self, n: int = 1) -> None:
-        self.forwards += n
-        if self.max_seconds is not None and self.elapsed > self.max_seconds:
-            raise OutOfTime(f"--max-seconds {self.max_seconds:g} reached after {self.elapsed:.0f} s")
-
-
-# ---------------------------------------------------------------------------------------------
-# The run
+# the run's pieces, by job: .settings (the options and the budget), .forwards (one forward's
+# logits and density, batching, the time guard), .selection (the verdicts and the profile);
+# Budget, OutOfTime, Settings and judge are re-exported as the command's API
 
 
 class _Calibration:
@@ -253,7 +67,7 @@ class _Calibration:
 
         self.s = settings
         self.log = log
-        self.clock = _Clock(settings.max_seconds, log)
+        self.clock = Clock(settings.max_seconds, log)
         self.dense = dataclasses.replace(settings.base, alpha=0.0)
         s = settings
         self.base_model = load_model(s.model, dtype=s.dtype, device=s.device, seed=s.seed)
@@ -314,14 +128,14 @@ class _Calibration:
         """Per config name: the last-256 and last-8 comparisons with dense and density counts."""
         sizes = [len(w) for w, _ in windows]
         parts = {name: ([], [0, 0]) for name in configs}
-        for batch in _batches(sizes, self.s.batch_tokens):
+        for batch in token_batches(sizes, self.s.batch_tokens):
             ws = [windows[i][0] for i in batch]
             targets = [torch.tensor(w[len(w) - TAIL + 1:] + [nxt], dtype=torch.int64)
                        for w, nxt in (windows[i] for i in batch)]
-            ref, _ = _tail_logits(runner, ws, self.dense, self.num_layers, TAIL)
+            ref, _ = tail_logits(runner, ws, self.dense, self.num_layers, TAIL)
             self.clock.tick()
             for name, config in configs.items():
-                got, (sel, tot) = _tail_logits(runner, ws, config, self.num_layers, TAIL)
+                got, (sel, tot) = tail_logits(runner, ws, config, self.num_layers, TAIL)
                 self.clock.tick()
                 comps, tiles = parts[name]
                 comps.extend(compare_logits(r, g, t) for r, g, t in zip(ref, got, targets))
@@ -329,7 +143,7 @@ class _Calibration:
                 tiles[1] += tot
                 del got
             del ref
-        return {name: _tail_summary(comps, tiles) for name, (comps, tiles) in parts.items()}
+        return {name: tail_summary(comps, tiles) for name, (comps, tiles) in parts.items()}
 
     @property
     def sensitivity_length(self) -> int:
@@ -347,7 +161,7 @@ class _Calibration:
         rule = points[0].energy_rule
         loaded = self.base_model if length <= self.trained else self.model_for(length)[0]
         windows = self.windows[length][:s.sensitivity_prompts]
-        batches = _batches([length] * len(windows), s.batch_tokens)
+        batches = token_batches([length] * len(windows), s.batch_tokens)
         runner = self.runner_for(loaded, self._pool_tokens([length] * len(windows), batches))
         configs = {}
         for layer in range(self.num_layers):
@@ -397,7 +211,7 @@ class _Calibration:
         stop = needle.stop_token_ids(loaded)
         correct = {"dense": 0, **{name: 0 for name in configs}}
         sizes = self.needle_sizes(length)
-        for batch in _batches(sizes, s.batch_tokens):
+        for batch in token_batches(sizes, s.batch_tokens):
             prompts = [samples[i].prompt_ids for i in batch]
             for name, config in (("dense", self.dense), *configs.items()):
                 answers = needle.greedy_answers(runner, prompts, config, max_new_tokens=s.needle_new_tokens,
@@ -411,7 +225,7 @@ class _Calibration:
         s = self.s
         encoded = self.lastword
         sizes = [len(ids) for ids, _ in encoded]
-        batches = _batches(sizes, s.batch_tokens)
+        batches = token_batches(sizes, s.batch_tokens)
         runner = self.runner_for(self.base_model, self._pool_tokens(sizes, batches))
         self.log(f"last word: {len(encoded)} items of {min(sizes)}-{max(sizes)} tokens, "
                  f"{len(batches) * (1 + len(configs))} forwards")
@@ -446,10 +260,10 @@ class _Calibration:
         s = self.s
         loaded, rope = self.model_for(length)
         windows = self.windows[length]
-        tokens = self._pool_tokens([length] * len(windows), _batches([length] * len(windows), s.batch_tokens))
+        tokens = self._pool_tokens([length] * len(windows), token_batches([length] * len(windows), s.batch_tokens))
         if s.needles:
             sizes = self.needle_sizes(length)
-            tokens = max(tokens, self._pool_tokens(sizes, _batches(sizes, s.batch_tokens)))
+            tokens = max(tokens, self._pool_tokens(sizes, token_batches(sizes, s.batch_tokens)))
         runner = self.runner_for(loaded, tokens)
         t0 = time.perf_counter()
         tails = self.tail_metrics(runner, windows, configs)
@@ -459,7 +273,7 @@ class _Calibration:
                           "prompts": len(windows), "needle": needles and needles["dense"], "needles": s.needles,
                           "ppl_last256": next(iter(tails.values()))["ppl_dense_last256"] if tails else None})
         for name, config in configs.items():
-            row = {"kind": "grid", "setting": name, "sparse": _profile_options(config), "length": length,
+            row = {"kind": "grid", "setting": name, "sparse": profile_options(config), "length": length,
                    "rope_scaling": rope, "beyond_trained_context": beyond, "prompts": len(windows), **tails[name],
                    "needle": needles and needles[name], "needle_dense": needles and needles["dense"],
                    "needles": s.needles, "schedule": points[name].schedule}
@@ -475,23 +289,23 @@ class _Calibration:
         g = len(s.grid)
         parts, total = [], 0
         for n in s.lengths:
-            kl = len(_batches([n] * self.prompts_at(n), s.batch_tokens))
+            kl = len(token_batches([n] * self.prompts_at(n), s.batch_tokens))
             sizes = self.needle_sizes(n)
-            nd = len(_batches(sizes, s.batch_tokens))
+            nd = len(token_batches(sizes, s.batch_tokens))
             total += (kl + nd) * (1 + g)
             parts.append(f"{n}: {(kl + nd) * (1 + g)}")
         if sensitivity:
             n = self.sensitivity_length
             m = min(s.sensitivity_prompts, self.prompts_at(n))
-            k = len(_batches([n] * m, s.batch_tokens)) * (1 + self.num_layers)
+            k = len(token_batches([n] * m, s.batch_tokens)) * (1 + self.num_layers)
             total += k
             parts.append(f"sensitivity at {n}: {k}")
         if s.lastword_items:
             sizes = [len(ids) for ids, _ in self.lastword]
-            k = len(_batches(sizes, s.batch_tokens)) * (1 + g)
+            k = len(token_batches(sizes, s.batch_tokens)) * (1 + g)
             parts.append(f"last word: {k}")
             total += k
-        needle_batches = sum(len(_batches(self.needle_sizes(n), s.batch_tokens)) for n in s.lengths)
+        needle_batches = sum(len(token_batches(self.needle_sizes(n), s.batch_tokens)) for n in s.lengths)
         steps = (s.needle_new_tokens - 1) * (1 + g) * needle_batches
         return (f"{g} settings + dense; {total} prefill forwards ({', '.join(parts)}) and at most {steps} "
                 "batched decode steps")
@@ -519,38 +333,8 @@ class _Calibration:
                        if sensitivity is not None or p.schedule != "sensitivity"}
         if not configs:
             raise OutOfTime(f"--max-seconds: {self.incomplete[0]}, before any setting could be measured")
-        return self.select(configs, argv)
-
-    # -- selection and the profile ---------------------------------------------------------------
-    def select(self, configs: dict[str, SparseConfig], argv: Sequence[str] | None) -> Result:
-        s = self.s
-        verdicts = {name: judge(self.rows, name, s.scored_lengths, s.budget, s.lastword_items > 0) for name in configs}
-        passing = [n for n, v in verdicts.items() if not v["failures"]]
-        order = list(configs)
-        if passing:
-            chosen = min(passing, key=lambda n: (verdicts[n]["density"], verdicts[n]["kl_sum"], order.index(n)))
-        else:
-            chosen = min(configs, key=lambda n: (len(verdicts[n]["failures"]), verdicts[n]["kl_sum"],
-                                                 verdicts[n]["density"], order.index(n)))
-        failures = list(verdicts[chosen]["failures"]) + self.incomplete
-        met = not failures
-        for row in self.rows:
-            if row.get("setting") in verdicts and row["kind"] == "grid":
-                row["meets_budget"] = not verdicts[row["setting"]]["failures"]
-                row["chosen"] = row["setting"] == chosen
-        density = verdicts[chosen]["density"]
-        profile = SparseProfile(
-            model=s.model_name or s.model, num_layers=self.num_layers,
-            sparse=_profile_options(configs[chosen]), dense_below=s.dense_below,
-            expected_density=None if math.isinf(density) else round(density, 6),
-            budget={"kl_last256": s.budget.kl, "kl_last8": s.budget.kl_last, "needle_slack": s.budget.needle_slack,
-                    "lastword_slack": s.budget.lastword_slack, "lengths": list(s.scored_lengths), "met": met,
-                    "chosen": chosen, "failures": failures,
-                    "rule": "every length >= dense_below: mean KL last 256 <= kl_last256, mean KL last 8 <= kl_last8, "
-                            "needle >= dense - needle_slack; last word >= dense - lastword_slack; sparsest such"},
-            measured=self.rows, provenance=self.provenance(argv),
-        )
-        return Result(profile=profile, met=met, chosen=chosen, failures=failures)
+        return select(s, configs, self.rows, num_layers=self.num_layers, incomplete=self.incomplete,
+                      provenance=self.provenance(argv))
 
     def provenance(self, argv: Sequence[str] | None) -> dict:
         import shlex
@@ -576,55 +360,10 @@ class _Calibration:
         }
 
 
-def _tail_summary(comps: Sequence[Comparison], tiles: Sequence[int]) -> dict:
-    full = summarize(comps)
-    last = summarize([c.tail(LAST) for c in comps])
-    return {"density": tiles[0] / tiles[1] if tiles[1] else 1.0,
-            "kl_last256": full["kl_mean"], "kl_last256_max": full["kl_max"],
-            "kl_last8": last["kl_mean"], "kl_last8_max": last["kl_max"],
-            "top1_last256": full["top1_agreement"], "ppl_dense_last256": full["ppl_dense"],
-            "ppl_last256": full["ppl"]}
-
-
-def _profile_options(config: SparseConfig) -> dict:
-    out = {k: getattr(config, k) for k in PROFILE_FIELDS}
-    if out["layer_alpha"] is not None:
-        out["layer_alpha"] = list(out["layer_alpha"])
-    return out
-
-
-def judge(rows: Sequence[dict], setting: str, lengths: Sequence[int], budget: Budget, lastword_measured: bool) -> dict:
-    """A setting's verdict from the measured rows: ``failures`` (empty: meets the budget), its mean
-    density over ``lengths`` (inf when a length is missing) and summed last-256 KL."""
-    failures = []
-    by_length = {r["length"]: r for r in rows if r["kind"] == "grid" and r["setting"] == setting}
-    dens, kl_sum = [], 0.0
-    for n in lengths:
-        r = by_length.get(n)
-        if r is None:
-            failures.append(f"L={n}: not measured")
-            continue
-        dens.append(r["density"])
-        kl_sum += r["kl_last256"]
-        if not r["kl_last256"] <= budget.kl:
-            failures.append(f"L={n}: KL last 256 {r['kl_last256']:.3e} > {budget.kl:g}")
-        if not r["kl_last8"] <= budget.kl_last:
-            failures.append(f"L={n}: KL last 8 {r['kl_last8']:.3e} > {budget.kl_last:g}")
-        if r["needle"] is not None and r["needle"] < r["needle_dense"] - budget.needle_slack:
-            failures.append(f"L={n}: needle {r['needle']}/{r['needles']} < dense {r['needle_dense']} - "
-                            f"{budget.needle_slack}")
-    if lastword_measured:
-        lw = next((r for r in rows if r["kind"] == "lastword" and r["setting"] == setting), None)
-        if lw is None:
-            failures.append("last word: not measured")
-        elif lw["correct"] < lw["dense_correct"] - budget.lastword_slack:
-            failures.append(f"last word {lw['correct']}/{lw['items']} < dense {lw['dense_correct']} - "
-                            f"{budget.lastword_slack}")
-    density = sum(dens) / len(dens) if dens and len(dens) == len(lengths) else math.inf
-    return {"failures": failures, "density": density, "kl_sum": kl_sum if dens else math.inf}
-
-
 def calibrate(settings: Settings, *, argv: Sequence[str] | None = None,
               log: Callable[[str], None] = lambda _m: None) -> Result:
     """Run the calibration (module docstring); returns the profile (not yet written) and the verdict."""
     return _Calibration(settings, log).run(argv)
+
+
+__all__ = ["Budget", "OutOfTime", "Result", "Settings", "calibrate", "judge"]

@@ -80,7 +80,7 @@ def settings_from_args(args: argparse.Namespace):
 
     from kernels.config import SparseConfig
 
-    from .calibrate import Budget, Settings
+    from .settings import Budget, Settings
 
     if args.budget_kl is None:
         raise ValueError("--budget-kl: required (the mean KL over the last 256 positions, in nats)")
