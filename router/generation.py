@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from model_executor.sampling import SamplingParams
 
@@ -91,12 +91,22 @@ class GenerationRequest:
         return out
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            max_new_tokens=max(self.max_tokens, 1), stop_token_ids=self.stop_token_ids, seed=self.seed,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if self.echo else None,
-            guided=self.guided,
-        )
+        """The workers' sampling parameters: every field named as one of ``SamplingParams``'
+        (``shared_fields``), plus the two this request words differently."""
+        return SamplingParams(**{name: getattr(self, name) for name in shared_fields(type(self), SamplingParams)},
+                              max_new_tokens=max(self.max_tokens, 1),
+                              prompt_logprobs=self.logprobs if self.echo else None)
+
+
+def shared_fields(*classes: type) -> tuple[str, ...]:
+    """The field names every one of these dataclasses or pydantic models has, in the first's
+    order. A sampling parameter that the request model (``router/openai_models.py``), the gRPC
+    message (``router/proto/flashprefill.proto``), ``GenerationRequest`` and ``SamplingParams``
+    (``model_executor/sampling.py``) name alike flows from either protocol to the sampler through
+    this and ``router/parsing.PLAIN_SAMPLING``, with no code of its own elsewhere."""
+    def names(cls: type) -> list[str]:
+        model_fields = getattr(cls, "model_fields", None)  # pydantic
+        return list(model_fields) if model_fields is not None else [f.name for f in fields(cls)]
+
+    first, *rest = (names(c) for c in classes)
+    return tuple(n for n in first if all(n in r for r in rest))

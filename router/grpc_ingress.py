@@ -30,6 +30,26 @@ GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
               502: "UNAVAILABLE", 503: "UNAVAILABLE"}
 
 
+# GenerateRequest's optional scalars that rules of their own read: logprobs (completions' k,
+# chat's top_logprobs), parallel_tool_calls (with the tools); every other one is the HTTP field of
+# the same name, copied when set (``_plain_fields``)
+_OWN_RULES = frozenset({"logprobs", "parallel_tool_calls"})
+_PLAIN: dict[str, tuple[tuple[str, bool], ...]] = {}
+
+
+def _plain_fields(message: Any) -> tuple[tuple[str, bool], ...]:
+    """``(name, is_float)`` of the message's optional scalar fields that pass as given, from
+    its descriptor (a new one in the .proto needs no code here)."""
+    desc = message.DESCRIPTOR
+    got = _PLAIN.get(desc.full_name)
+    if got is None:
+        float_type = desc.fields[0].TYPE_FLOAT
+        got = _PLAIN[desc.full_name] = tuple(
+            (f.name, f.type == float_type) for f in desc.fields
+            if f.has_presence and f.message_type is None and f.name not in _OWN_RULES)
+    return got
+
+
 def _scored(prompt_logprobs: list | None) -> list:
     """gRPC's prompt_logprobs: the echoed tokens that have a logprob (all but a first token
     the client sent, which nothing predicts)."""
@@ -256,19 +276,12 @@ class GrpcIngress:
             body["prompt"] = message.prompt if given[0] == "prompt" else list(message.prompt_token_ids)
         if stream:  # the parser refuses what cannot be streamed (best_of > n)
             body["stream"] = True
-        for name in ("n", "best_of"):
-            if message.HasField(name):
-                body[name] = getattr(message, name)
         if message.HasField("response_format"):
             body["response_format"] = self._grpc_response_format(message.response_format)
         self._grpc_tools(message, body)  # completions refuse them (as HTTP's parser refuses tools there)
-        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        for name in ("max_tokens", "top_k", "seed", "min_tokens", *floats):
-            if message.HasField(name):
-                body[name] = getattr(message, name)
-        for name in floats:  # float32 on the wire: 0.7 arrives as 0.699999988
-            if name in body:
-                body[name] = round(body[name], 6)
+        for name, is_float in _plain_fields(message):  # as HTTP's field of the same name
+            if message.HasField(name):  # float32 on the wire: 0.7 arrives as 0.699999988
+                body[name] = round(getattr(message, name), 6) if is_float else getattr(message, name)
         if message.stop:
             body["stop"] = list(message.stop)
         if message.logit_bias:
@@ -289,10 +302,6 @@ class GrpcIngress:
                 raise RequestError("sparse_attention: give dense or options, not both", param="sparse_attention",
                                    status=400, code="invalid_value")
             body["sparse_attention"] = False if sa.dense else (own or True)
-        if message.HasField("min_p"):
-            body["min_p"] = round(message.min_p, 6)
-        if message.HasField("add_special_tokens"):
-            body["add_special_tokens"] = message.add_special_tokens
         if message.HasField("logprobs"):  # completions' int k; chat's logprobs + top_logprobs
             if kind == "completion":
                 body["logprobs"] = message.logprobs

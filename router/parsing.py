@@ -11,17 +11,19 @@ workers need, nothing they do not.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from model_executor.sampling import SamplingParams
 from serving.errors import RequestError
 
 from .errors import bad, check_text, escaped, request_error
-from .generation import GenerationRequest
-from .openai_models import REQUESTS, ChatMessage, StreamOptions, ignored_fields
+from .generation import GenerationRequest, shared_fields
+from .openai_models import REQUESTS, ChatMessage, CompletionRequest, StreamOptions, ignored_fields
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,6 +72,23 @@ def _check_fields(body: Any, kind: str, *, strict: bool = False) -> dict:
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+# Rules of their own in ``RequestParser.parse`` (bounds against max_tokens or the vocabulary,
+# ignore_eos, token id keys, chat's logprobs/top_logprobs); every other sampling parameter the
+# request model, GenerationRequest and SamplingParams name alike passes as given (unset: the
+# GenerationRequest default), its range checked by the request model.
+OWN_RULES = frozenset({"top_k", "stop_token_ids", "logit_bias", "min_tokens", "logprobs", "guided"})
+
+
+def plain_sampling(request_model: type = CompletionRequest, generation: type = GenerationRequest,
+                   sampling: type = SamplingParams) -> tuple[str, ...]:
+    """The sampling parameters that pass through the parser unchanged."""
+    return tuple(n for n in shared_fields(generation, sampling, request_model) if n not in OWN_RULES)
+
+
+PLAIN_SAMPLING = plain_sampling()
+_GENERATION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
 
 class RequestParser:
     """Turns OpenAI request bodies into GenerationRequests for one served model."""
@@ -335,11 +354,7 @@ class RequestParser:
             tool_format=tool_format,
             parallel_tool_calls=parallel,
             max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_p=_or(req.top_p, 1.0),
             top_k=max(top_k, 0),
-            min_p=_or(req.min_p, 0.0),
-            seed=req.seed,
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             stop_token_ids=self._stop_token_ids(req.stop_token_ids, bool(req.ignore_eos)),
             stream=stream,
@@ -347,12 +362,10 @@ class RequestParser:
             continuous_usage=continuous_usage,
             return_token_ids=bool(req.return_token_ids),
             return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
-            presence_penalty=_or(req.presence_penalty, 0.0),
-            frequency_penalty=_or(req.frequency_penalty, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=self._logit_bias(req.logit_bias),
             min_tokens=min_tokens,
             logprobs=self._logprobs(req, kind),
+            **{name: _or(getattr(req, name), _GENERATION_DEFAULTS[name]) for name in PLAIN_SAMPLING},
         )
 
     def _decode_room(self, prompt_len: int, n: int) -> int:

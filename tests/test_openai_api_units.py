@@ -425,3 +425,69 @@ def test_smollm2_string_prompts_get_no_bos_and_byte_pieces_keep_their_raw_bytes(
 
     assert not all(whole(b) for b in pieces)  # the emoji is split: its pieces are raw partial bytes
     assert tok.token_bytes(tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"
+
+
+def test_plain_sampling_parameters_are_those_the_three_definitions_share():
+    from router.parsing import PLAIN_SAMPLING
+
+    # written out by hand: the parameters with no rule of their own in the parser
+    assert set(PLAIN_SAMPLING) == {"temperature", "top_p", "min_p", "seed", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty"}
+    req = parse({"prompt": "x", "temperature": 0.5, "top_p": 0.75, "min_p": 0.125, "seed": 7,
+                 "presence_penalty": 0.25, "frequency_penalty": -1, "repetition_penalty": 1.5})
+    p = req.sampling_params()
+    assert (p.temperature, p.top_p, p.min_p, p.seed) == (0.5, 0.75, 0.125, 7)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.25, -1.0, 1.5)
+    unset = parse({"prompt": "x"}).sampling_params()  # the documented defaults
+    assert (unset.temperature, unset.top_p, unset.min_p, unset.seed) == (1.0, 1.0, 0.0, None)
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
+
+
+def test_a_toy_sampling_parameter_needs_only_its_three_definitions():
+    """The note's toy addition: ``toy_scale`` on the request model, GenerationRequest and
+    SamplingParams (and the .proto) is a pass-through parameter with no parser or ingress code."""
+    import dataclasses
+
+    from model_executor.sampling import SamplingParams
+    from router.generation import GenerationRequest, shared_fields
+    from router.openai_models import CompletionRequest
+    from router.parsing import plain_sampling
+
+    class ToyRequest(CompletionRequest):
+        toy_scale: float | None = None
+
+    @dataclasses.dataclass(frozen=True)
+    class ToyGeneration(GenerationRequest):
+        toy_scale: float = 1.0
+
+    @dataclasses.dataclass(frozen=True)
+    class ToySampling(SamplingParams):
+        toy_scale: float = 1.0
+
+    assert "toy_scale" not in plain_sampling()
+    assert "toy_scale" in plain_sampling(ToyRequest, ToyGeneration, ToySampling)
+    assert "toy_scale" not in plain_sampling(ToyRequest, ToyGeneration, SamplingParams)  # all three or none
+    assert "toy_scale" in shared_fields(ToyGeneration, ToySampling)  # sampling_params() copies it
+
+
+def test_grpc_copies_every_plain_scalar_of_the_message_as_http_would():
+    import dataclasses
+
+    from router.grpc_ingress import GrpcIngress, _plain_fields
+    from router.proto import flashprefill_pb2 as pb
+
+    assert {n for n, _ in _plain_fields(pb.GenerateRequest())} == {
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "min_tokens", "n", "best_of", "min_p", "add_special_tokens"}
+    ingress = GrpcIngress.__new__(GrpcIngress)
+    ingress.parser = parser()
+    msg = pb.GenerateRequest(model="m", prompt="xy", max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11,
+                             presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=2,
+                             n=2, min_p=0.05, add_special_tokens=False)
+    got = ingress._grpc_parse(msg)
+    want = parse({"prompt": "xy", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 3, "seed": 11,
+                  "presence_penalty": 0.1, "frequency_penalty": 0.2, "repetition_penalty": 1.1, "min_tokens": 2,
+                  "n": 2, "min_p": 0.05, "add_special_tokens": False})
+    strip = lambda r: dataclasses.replace(r, request_id="", created=0)  # noqa: E731
+    assert strip(got) == strip(want)  # float32 on the wire rounds back to the HTTP value
+    assert got.prompt_token_ids == (120, 121)  # add_special_tokens=False: no BOS
