@@ -37,7 +37,7 @@ from kv_transfer.channel.config import ChannelConfig
 from kv_transfer.cuda_ipc.config import IpcConfig
 from kv_transfer.object_store.config import ObjectStoreConfig
 from kv_transfer.registry import transport_names
-from model_executor.fp8_linear import WEIGHT_DTYPES
+from model_executor.model_info import WEIGHT_DTYPES
 
 TRANSPORTS = ("auto", *transport_names(options_only=True))  # kv_transfer.registry's, and the auto policy
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -117,7 +117,7 @@ class ModelOptions(_Section):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        from model_executor.loading import check_model_name
+        from model_executor.model_info import check_model_name
 
         check_model_name(value)
         return value
@@ -125,7 +125,7 @@ class ModelOptions(_Section):
     @field_validator("rope_scaling")
     @classmethod
     def _rope_scaling(cls, value: dict | None, info: ValidationInfo) -> dict | None:
-        from model_executor.loading import BUILTIN_STRUCTURED, BUILTIN_TINY, check_rope_scaling
+        from model_executor.model_info import BUILTIN_STRUCTURED, BUILTIN_TINY, check_rope_scaling
 
         if value is None:
             return None
@@ -570,7 +570,7 @@ def with_sparse_profile(data: dict) -> dict:
 
 @functools.lru_cache(maxsize=32)
 def _model_context(model: str, rope_scaling: str | None) -> Any:
-    from model_executor.loading import model_context
+    from model_executor.model_info import model_context
 
     return model_context(model, json.loads(rope_scaling) if rope_scaling else None)
 
@@ -603,10 +603,9 @@ def resolve_max_model_len(config: "ServiceConfig") -> int:
 
 def check_tensor_parallel(config: "ServiceConfig") -> None:
     """``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` against the model's head
-    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option."""
-    from model_executor.loading import model_shape
-    from model_executor.parallel import layout_of
-
+    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option. Without
+    tensor parallelism it imports nothing (the ingress validates its config and never loads torch;
+    with tensor parallelism the model's shape and the layout import it)."""
     limit = config.runtime.devices_per_node
     shape = None
     for side in ("prefill", "decode"):
@@ -617,6 +616,9 @@ def check_tensor_parallel(config: "ServiceConfig") -> None:
         if limit is not None and size > limit:
             raise ValueError(f"{name}: {size} ranks do not fit runtime.devices_per_node ({limit}): a replica's "
                              "ranks are packed on one node; lower it or use bigger nodes")
+        from model_executor.loading import model_shape
+        from model_executor.parallel import layout_of
+
         shape = shape or model_shape(config.model.model)
         if shape is not None:
             layout_of(shape, size, name=name)
