@@ -9,11 +9,21 @@ Public API (see README and docs/SEMANTICS.md):
 This package never imports Ray.
 """
 
+from ._lazy import lazy_names
 from .config import KV_TILE, Q_TILE, SparseConfig
-from .decode import paged_decode
-from .index import BlockMeans, SparseIndex
-from .ops import build_index, plan_prefill, sparse_attention, sparse_prefill
-from .plan import PrefillPlan
+
+# The operator's names load their modules (and torch) on first use (PEP 562): the ingress
+# imports ``kernels.config`` for SparseConfig and never loads torch (tests/test_ingress_imports.py).
+_LAZY = {
+    "paged_decode": ".decode",
+    "BlockMeans": ".index",
+    "SparseIndex": ".index",
+    "build_index": ".ops",
+    "plan_prefill": ".ops",
+    "sparse_attention": ".ops",
+    "sparse_prefill": ".ops",
+    "PrefillPlan": ".plan",
+}
 
 __all__ = [
     "KV_TILE",
@@ -28,3 +38,5 @@ __all__ = [
     "sparse_attention",
     "paged_decode",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -1,33 +1,13 @@
-"""Host-side validation of user input. Every failure is a ValueError naming the argument."""
+"""Host-side validation of user input (tensors, devices, page tables). Every failure is a ValueError
+naming the argument; the scalar checks are in ``kernels/_scalars.py``."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # what the prefill operator takes: the float dtypes and e4m3 (with descales, kernels/fp8.py)
 OPERATOR_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
-
-
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
-def softmax_scale(scale: object, head_dim: int) -> float:
-    """A validated softmax scale; ``None`` means ``1/sqrt(head_dim)``."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
-    return float(scale)
 
 
 def canonical_device(device: object, name: str = "device") -> torch.device:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ._checks import check_int as _check_int
-from ._checks import softmax_scale as _softmax_scale
+from ._scalars import check_int as _check_int
+from ._scalars import softmax_scale as _softmax_scale
 
 # Physical K/V tile (CSR granularity) and PackGQA query tile, fixed by the format.
 KV_TILE = 64

@@ -21,8 +21,8 @@ import torch
 
 from . import fp8 as _fp8
 from ._checks import FLOAT_DTYPES, bad_page_entries, check_attention_inputs, check_tensor, page_entry_error
-from ._checks import check_int as _check_int
-from ._checks import softmax_scale as _softmax_scale
+from ._scalars import check_int as _check_int
+from ._scalars import softmax_scale as _softmax_scale
 from .backend import Backend, resolve_backend
 from .paged import gather_kv
 

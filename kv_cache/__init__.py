@@ -10,12 +10,18 @@
 - ``heads``: ``HeadLayout``, which KV heads each tensor-parallel rank's pool holds.
 """
 
-from .config import POOL_DTYPES, KVPoolConfig
-from .heads import HeadLayout, check_tp_size
-from .manager import PageManager, PoolExhausted
-from .pool import KVPool
-from .prefix import prefix_digests
-from .tensors import KVTensors, fp8_scale_from_amax
+from kernels._lazy import lazy_names
+
+# Each name loads its module on first use: the ingress imports ``kv_cache.prefix`` (torch-free)
+# and never loads torch (tests/test_ingress_imports.py).
+_LAZY = {
+    **dict.fromkeys(("POOL_DTYPES", "KVPoolConfig"), ".config"),
+    **dict.fromkeys(("HeadLayout", "check_tp_size"), ".heads"),
+    **dict.fromkeys(("PageManager", "PoolExhausted"), ".manager"),
+    "KVPool": ".pool",
+    "prefix_digests": ".prefix",
+    **dict.fromkeys(("KVTensors", "fp8_scale_from_amax"), ".tensors"),
+}
 
 __all__ = [
     "POOL_DTYPES",
@@ -29,3 +35,5 @@ __all__ = [
     "fp8_scale_from_amax",
     "prefix_digests",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_int
+from kernels._scalars import check_int
 
 POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 

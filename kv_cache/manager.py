@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kernels._checks import check_int
+from kernels._scalars import check_int
 
 
 class PoolExhausted(RuntimeError):

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._checks import check_int
+from kernels._scalars import check_int
 
 from .config import KVPoolConfig
 from .manager import PageManager

@@ -24,10 +24,9 @@ from kv_cache.manager import PoolExhausted
 from kv_cache.pool import KVPool
 
 from .errors import TransferError, TransferFailure
+from .wire import MAX_REQUEST_ID_LEN, _U64  # noqa: F401 - header's names too (the channel ends import them here)
 
 FRAME_VERSION = 2
-MAX_REQUEST_ID_LEN = 256
-_U64 = (1 << 64) - 1  # checksums travel as unsigned 64-bit words
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import TransferFailure
-from .header import MAX_REQUEST_ID_LEN, _U64
 
+# no torch here (nor in errors): serving.messages re-exports these messages, and the ingress,
+# which never imports torch, reads them (tests/test_ingress_imports.py)
+MAX_REQUEST_ID_LEN = 256
+_U64 = (1 << 64) - 1  # checksums travel as unsigned 64-bit words
 _PREFIX_ROOT = "fpkv/"
 _MAX_NAME_LEN = 256
 MAX_PULLS = 1 << 16

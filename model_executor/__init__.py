@@ -17,25 +17,24 @@ Prefill and decode in one process (the oracle) is ``router.offline.generate``, a
 This package never imports Ray.
 """
 
-from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, register_attention
-from .loading import (
-    BUILTIN_MODELS,
-    BUILTIN_SMOLLM2,
-    DEFAULT_MODEL,
-    BUILTIN_STRUCTURED_8B,
-    BUILTIN_STRUCTURED_TINY,
-    BUILTIN_TINY,
-    LoadedModel,
-    build_structured_model,
-    build_tiny_model,
-    load_model,
-    load_model_dir,
-    load_tokenizer,
-)
-from .fp8_linear import WEIGHT_DTYPES, Fp8Linear, quantize_model
-from .runner import ModelRunner, PrefillItem
-from .sampling import Sampler, SamplingParams
-from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
+from kernels._lazy import lazy_names
+
+# Each name loads its module (and torch) on first use (PEP 562): the ingress imports the
+# torch-free modules (``model_info``, ``sampling_params``) and never loads torch
+# (tests/test_ingress_imports.py).
+_LAZY = {
+    **dict.fromkeys(("ATTENTION_NAME", "BATCH_KWARG", "ForwardBatch", "ForwardMode", "register_attention"), ".attention"),
+    **dict.fromkeys(("BUILTIN_MODELS", "BUILTIN_SMOLLM2", "DEFAULT_MODEL", "BUILTIN_STRUCTURED_8B",
+                     "BUILTIN_STRUCTURED_TINY", "BUILTIN_TINY", "load_tokenizer"), ".model_info"),
+    **dict.fromkeys(("LoadedModel", "build_structured_model", "build_tiny_model", "load_model", "load_model_dir"),
+                    ".loading"),
+    "WEIGHT_DTYPES": ".model_info",
+    **dict.fromkeys(("Fp8Linear", "quantize_model"), ".fp8_linear"),
+    **dict.fromkeys(("ModelRunner", "PrefillItem"), ".runner"),
+    "Sampler": ".sampling",
+    "SamplingParams": ".sampling_params",
+    **dict.fromkeys(("ByteTokenizer", "HFTokenizer", "IdTokenizer"), ".tokenizer"),
+}
 
 __all__ = [
     "ATTENTION_NAME",
@@ -66,3 +65,5 @@ __all__ = [
     "HFTokenizer",
     "IdTokenizer",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

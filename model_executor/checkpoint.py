@@ -7,27 +7,13 @@ decides which reader runs. Every error names the file and the tensor or field at
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import fp8_linear, models, parallel
-
-
-def read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path.name}: expected the file {path}, it does not exist") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path.name}: expected valid JSON in {path}, got a parse error at line {e.lineno} "
-            f"column {e.colno}: {e.msg}"
-        ) from None
+from .model_info import read_json
 
 
 def _build(config: Any, **kwargs: Any) -> Any:

@@ -73,10 +73,8 @@ from kernels.ranges import op_range
 
 from . import fused, models
 from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, paged_attention_forward
+from .model_info import WEIGHT_DTYPES
 
-# the loader's weight_dtype values and the scheme each one quantizes to (None: as stored)
-WEIGHT_DTYPES = {"auto": None, "fp8_e4m3": "channel", "fp8_tensor": "tensor", "fp8_channel": "channel",
-                 "fp8_block": "block"}
 logger = logging.getLogger(__name__)
 ACTIVATION_ATTR = "_fp8_activation"  # set on a fused norm's output: its kernels.fp8_gemm.Fp8Activation
 _BACKEND_ATTR = "_fp8_forward_backend"

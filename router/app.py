@@ -35,8 +35,8 @@ from .errors import UNAUTHORIZED, as_request_error
 from .generation import GenerationRequest
 from .parsing import RequestParser
 from .render import completion_response, models_response, openapi_extra, stream_chunk, tool_chunks, usage_chunk
+from model_executor.model_info import load_tokenizer
 from serving.prefill_client import PrefillClient
-from serving.runtime import load_tokenizer
 from .health import ReadinessProbe
 from .request_log import install_quiet_request_errors, log_request_error
 from .tokenize import detokenize, tokenize
@@ -71,7 +71,7 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 def _model_type(config: ServiceConfig) -> str | None:
     """config.json's ``model_type`` of the served model (the tool-call format of a Hugging Face
     template), without loading weights; ``None`` where it cannot be read here."""
-    from model_executor.loading import model_type
+    from model_executor.model_info import model_type
 
     try:
         return model_type(config.model.model)
@@ -112,7 +112,7 @@ class OpenAIIngress(GrpcIngress):
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: dict | None = None) -> None:
         self.config = ServiceConfig.from_dict(config)
         install_quiet_request_errors()  # a refused request is one line (router/request_log.py)
-        self.tokenizer = load_tokenizer(self.config)
+        self.tokenizer = load_tokenizer(self.config.model.model)  # the ingress never loads weights
         self.parser = RequestParser(
             self.tokenizer, model_id=self.config.model_id, max_model_len=resolve_max_model_len(self.config),
             default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_executor.sampling import SamplingParams
+from model_executor.sampling_params import SamplingParams
 from serving.config import ServiceConfig
 from serving.costs import PrefillCostModel, prefix_hint, prefix_reuse_granule, routing_hint
 from serving.errors import RequestError

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, fields, replace
 
-from model_executor.sampling import SamplingParams
+from model_executor.sampling_params import SamplingParams
 
 from .openai_models import MAX_SEED
 

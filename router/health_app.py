@@ -1,8 +1,8 @@
 """The start-up health application: ``/health``, ``/health/live`` and ``/health/ready`` while the
 main application's ingress replica is not running yet.
 
-Until the ingress replica runs (tens of seconds: its process imports torch and loads the
-tokenizer), Ray Serve's HTTP proxy holds every request to the main application's route; none of
+Until the ingress replica runs (seconds to tens of seconds on a loaded machine: its process
+imports FastAPI and the service config and loads the tokenizer), Ray Serve's HTTP proxy holds every request to the main application's route; none of
 our code runs to answer 503. This application, torch-free and so quick to start, is deployed
 first at route prefix ``/health``; the proxy sends the longest matching route prefix there, so
 the three health paths reach it and everything else the main application at ``/``.
@@ -16,7 +16,7 @@ the three health paths reach it and everything else the main application at ``/`
 so the ingress then answers the health paths itself and gRPC clients need no ``application``
 metadata (the gRPC proxy asks for it as soon as two applications exist).
 
-Nothing here imports torch or the service config (which does), so the replica starts in seconds:
+Nothing here imports torch (the ingress does not either) or the service config, so the replica starts in seconds:
 its settings arrive as plain values.
 """
 

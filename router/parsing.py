@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from model_executor.sampling import SamplingParams
+from model_executor.sampling_params import SamplingParams
 from serving.errors import RequestError
 
 from .errors import bad, check_text, escaped, request_error

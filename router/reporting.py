@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from model_executor.sampling import SamplingParams
+from model_executor.sampling_params import SamplingParams
 from serving.config import ServiceConfig
 from serving.errors import RequestError
 from serving.messages import Prefilled

@@ -36,7 +36,7 @@ from kv_transfer.channel.config import ChannelConfig
 from kv_transfer.cuda_ipc.config import IpcConfig
 from kv_transfer.object_store.config import ObjectStoreConfig
 from kv_transfer.registry import transport_names
-from model_executor.fp8_linear import WEIGHT_DTYPES
+from model_executor.model_info import WEIGHT_DTYPES
 from serving.model_checks import check_tensor_parallel, resolve_max_model_len, with_sparse_profile
 from serving.option_aliases import MOVED_OPTIONS, OPTION_ALIASES
 from serving.option_tree import ConfigError, OptionTree, merge, type_name
@@ -115,7 +115,7 @@ class ModelOptions(_Section):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        from model_executor.loading import check_model_name
+        from model_executor.model_info import check_model_name
 
         check_model_name(value)
         return value
@@ -123,7 +123,7 @@ class ModelOptions(_Section):
     @field_validator("rope_scaling")
     @classmethod
     def _rope_scaling(cls, value: dict | None, info: ValidationInfo) -> dict | None:
-        from model_executor.loading import BUILTIN_STRUCTURED, BUILTIN_TINY, check_rope_scaling
+        from model_executor.model_info import BUILTIN_STRUCTURED, BUILTIN_TINY, check_rope_scaling
 
         if value is None:
             return None

@@ -34,9 +34,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from kv_transfer.transfer import MAX_REQUEST_ID_LEN
-from kv_transfer.wire import SendPages, SendReply, StagePages, StageReply
-from model_executor.sampling import SamplingParams
+from kv_transfer.wire import MAX_REQUEST_ID_LEN, SendPages, SendReply, StagePages, StageReply
+from model_executor.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

@@ -67,7 +67,7 @@ def with_sparse_profile(data: dict, *, default_model: str, default_profile: str 
 
 @functools.lru_cache(maxsize=32)
 def _model_context(model: str, rope_scaling: str | None) -> Any:
-    from model_executor.loading import model_context
+    from model_executor.model_info import model_context
 
     return model_context(model, json.loads(rope_scaling) if rope_scaling else None)
 
@@ -100,10 +100,9 @@ def resolve_max_model_len(config: Any) -> int:
 
 def check_tensor_parallel(config: Any) -> None:
     """``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` against the model's head
-    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option."""
-    from model_executor.loading import model_shape
-    from model_executor.parallel import layout_of
-
+    counts and MLP width, and ``runtime.devices_per_node``: ValueError naming the option. Without
+    tensor parallelism it imports nothing (the ingress validates its config and never loads torch;
+    with tensor parallelism the model's shape and the layout import it)."""
     limit = config.runtime.devices_per_node
     shape = None
     for side in ("prefill", "decode"):
@@ -114,6 +113,9 @@ def check_tensor_parallel(config: Any) -> None:
         if limit is not None and size > limit:
             raise ValueError(f"{name}: {size} ranks do not fit runtime.devices_per_node ({limit}): a replica's "
                              "ranks are packed on one node; lower it or use bigger nodes")
+        from model_executor.loading import model_shape
+        from model_executor.parallel import layout_of
+
         shape = shape or model_shape(config.model.model)
         if shape is not None:
             layout_of(shape, size, name=name)

@@ -148,3 +148,45 @@ class FakeMetricsBackend:
         from serving.metrics import PREFIX
 
         return self.made[PREFIX + name].calls
+
+
+def _gloo_rank(rank: int, world: int, init_file: str, out_dir: str, work, args: tuple) -> None:
+    """One spawned rank of :func:`run_tp_ranks`: a gloo group over ``init_file``, then
+    ``work(rank, tp, *args)`` saved to ``out_dir/rank<rank>.pt``."""
+    import os
+
+    import torch.distributed as dist
+
+    from model_executor import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tp = parallel.TensorParallel.from_group(dist.group.WORLD)
+        torch.save(work(rank, tp, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp_ranks(work, world: int, tmp, *args, timeout_s: float = 600.0) -> list:
+    """``world`` spawned processes in one gloo group (a tensor-parallel model's ranks on the
+    CPU), each running ``work(rank, tp, *args)`` (a module-level function: spawn pickles it by
+    name) with its ``model_executor.parallel.TensorParallel``; their results in rank order.
+    Fails naming the exit codes when a rank dies or outlives ``timeout_s``."""
+    import multiprocessing
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, str(tmp / "init"), str(tmp), work, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * world, f"rank exit codes {codes}"
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]

@@ -22,6 +22,7 @@ from model_executor.runner import ModelRunner, PrefillItem
 from model_executor.sampling import SamplingParams
 from prefill_worker.engine import PrefillEngine, PrefillRequest
 from router.offline import generate
+from tests.helpers import run_tp_ranks
 
 DENSE = SparseConfig(alpha=0.0)
 NEVER_SPARSE = 1 << 20  # dense_below: every prompt prefills dense
@@ -354,22 +355,11 @@ def test_tp2_is_refused_naming_the_option(smollm2):
     assert "prefill.tensor_parallel_size: 2 ranks must divide the model's 9 query heads" in cli.stderr
 
 
-def _tp3_rank(rank: int, world: int, init_file: str, out_dir: str, ids: list[int]) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    from model_executor import parallel
+def _tp3_rank(rank: int, tp, ids: list[int]) -> dict:
     from model_executor.gguf import BUILTIN_SMOLLM2
     from model_executor.loading import load_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        loaded = load_model(BUILTIN_SMOLLM2, tp=parallel.TensorParallel.from_group(dist.group.WORLD))
-        torch.save(_prefill_and_decode(loaded, ids), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return _prefill_and_decode(load_model(BUILTIN_SMOLLM2, tp=tp), ids)
 
 
 def _prefill_and_decode(loaded, ids):
@@ -387,23 +377,8 @@ def _prefill_and_decode(loaded, ids):
 def test_tp3_logits_equal_tp1(smollm2, chat_ids, tmp_path):
     """3 ranks over gloo (3 query heads and 1 KV head each) load only their shard of the
     converted checkpoint; their logits equal TP=1's to float32 reduction-order error."""
-    import multiprocessing
-
     want = _prefill_and_decode(smollm2, chat_ids)["logits"]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_tp3_rank, args=(r, 3, str(tmp_path / "init"), str(tmp_path), chat_ids))
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0, 0], f"rank exit codes {codes}"
-    for r in range(3):
-        got = torch.load(tmp_path / f"rank{r}.pt")
+    for r, got in enumerate(run_tp_ranks(_tp3_rank, 3, tmp_path, chat_ids)):
         assert got["q_rows"] == 3 * 64 and got["kv_heads"] == 1
         # float32 sums in another order, through 30 layers: ~1e-4 here; a wrong shard is O(1)
         err = (got["logits"] - want).abs().max().item()

@@ -9,8 +9,6 @@ replicated on both ranks), and load a saved checkpoint shard by shard.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from kv_transfer.routes import head_routes, transfer_routes
 from model_executor import ModelRunner, PrefillItem
 from model_executor import parallel
 from model_executor.loading import LoadedModel, build_tiny_model, make_pool, tiny_config
+from tests.helpers import run_tp_ranks
 
 SEED = 1234
 TOL = 2e-4  # fp32 logits: a sum of partial products in another order
@@ -115,30 +114,22 @@ def scenarios(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str, ckpt: str) -> None:
-    import torch.distributed as dist
+def _rank_main(rank: int, tp, ckpt: str) -> dict:
+    results = {}
+    for name, loaded in models().items():
+        full = sum(t.numel() for t in loaded.model.state_dict().values())
+        parallel.shard_model(loaded.model, tp)
+        results[name] = scenarios(loaded)
+        results[name]["elements"] = torch.tensor(
+            [sum(t.numel() for t in loaded.model.state_dict().values()), full])
+    from model_executor.loading import load_model_dir
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        tp = parallel.TensorParallel.from_group(dist.group.WORLD)
-        results = {}
-        for name, loaded in models().items():
-            full = sum(t.numel() for t in loaded.model.state_dict().values())
-            parallel.shard_model(loaded.model, tp)
-            results[name] = scenarios(loaded)
-            results[name]["elements"] = torch.tensor(
-                [sum(t.numel() for t in loaded.model.state_dict().values()), full])
-        from model_executor.loading import load_model_dir
-
-        shard = load_model_dir(ckpt, load_tokenizer=False, tp=tp)
-        results["ckpt"] = scenarios(shard)
-        results["ckpt"]["read"] = torch.tensor(shard.model._fpv2_loaded_elements)
-        results["ckpt"]["held"] = torch.tensor(sum(t.numel() for t in shard.model.state_dict().values()))
-        results["ckpt"]["q_rows"] = torch.tensor(shard.model.model.layers[0].self_attn.q_proj.weight.shape[0])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    shard = load_model_dir(ckpt, load_tokenizer=False, tp=tp)
+    results["ckpt"] = scenarios(shard)
+    results["ckpt"]["read"] = torch.tensor(shard.model._fpv2_loaded_elements)
+    results["ckpt"]["held"] = torch.tensor(sum(t.numel() for t in shard.model.state_dict().values()))
+    results["ckpt"]["q_rows"] = torch.tensor(shard.model.model.layers[0].self_attn.q_proj.weight.shape[0])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -147,18 +138,7 @@ def tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
     ckpt = tmp / "ckpt"
     build_tiny_model(num_layers=2, seed=3).model.save_pretrained(ckpt)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp / "init"), str(tmp), str(ckpt))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], f"rank exit codes {codes}"
-    ranks = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    ranks = run_tp_ranks(_rank_main, 2, tmp, str(ckpt))
     refs = {name: scenarios(loaded) for name, loaded in models().items()}
     refs["mqa-repeated"] = scenarios(mqa_repeated_model())
     return refs, ranks

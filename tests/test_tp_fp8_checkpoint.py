@@ -7,13 +7,12 @@ boundary off a multiple of 128 is a ValueError naming the option."""
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 
 import pytest
 import torch
 
 from model_executor import fp8_linear, parallel
+from tests.helpers import run_tp_ranks
 from tests.test_fp8_linear import write_checkpoint
 
 PROMPTS = [[5, 9, 11, 40, 3, 7, 90, 2], [100, 101, 7, 7, 7, 200, 13, 1, 66, 31, 250]]
@@ -44,32 +43,24 @@ def logits(model) -> torch.Tensor:
     return torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in PROMPTS])
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str, ckpts: dict) -> None:
-    import torch.distributed as dist
-
+def _rank_main(rank: int, tp, ckpts: dict) -> dict:
     from model_executor.loading import load_model_dir
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        tp = parallel.TensorParallel.from_group(dist.group.WORLD)
-        out = {}
-        for fmt, path in ckpts.items():
-            shard = load_model_dir(path, load_tokenizer=False, tp=tp, dtype=torch.float32)
-            layers = fp8_linear.fp8_layers(shard.model)
-            out[fmt] = {
-                "logits": logits(shard.model),
-                "read": shard.model._fpv2_loaded_elements,
-                "held": sum(t.numel() for t in shard.model.state_dict().values()),
-                "layers": {n: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone()) for n, m in layers.items()},
-            }
-            # the TP=1 load of the same directory, sharded in memory (Fp8Linear.narrow)
-            whole = load_model_dir(path, load_tokenizer=False, dtype=torch.float32)
-            parallel.shard_model(whole.model, tp)
-            out[fmt]["narrowed"] = logits(whole.model)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for fmt, path in ckpts.items():
+        shard = load_model_dir(path, load_tokenizer=False, tp=tp, dtype=torch.float32)
+        layers = fp8_linear.fp8_layers(shard.model)
+        out[fmt] = {
+            "logits": logits(shard.model),
+            "read": shard.model._fpv2_loaded_elements,
+            "held": sum(t.numel() for t in shard.model.state_dict().values()),
+            "layers": {n: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone()) for n, m in layers.items()},
+        }
+        # the TP=1 load of the same directory, sharded in memory (Fp8Linear.narrow)
+        whole = load_model_dir(path, load_tokenizer=False, dtype=torch.float32)
+        parallel.shard_model(whole.model, tp)
+        out[fmt]["narrowed"] = logits(whole.model)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +69,7 @@ def tp2(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fp8tp2")
     ckpts = {fmt: str(write_checkpoint(tmp / fmt, model_for(fmt), fmt)) for fmt in FORMATS}
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp / "init"), str(tmp), ckpts)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], f"rank exit codes {codes}"
-    ranks = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    ranks = run_tp_ranks(_rank_main, 2, tmp, ckpts)
     refs = {fmt: load_model_dir(path, load_tokenizer=False, dtype=torch.float32) for fmt, path in ckpts.items()}
     return refs, ranks
 
