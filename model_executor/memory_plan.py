@@ -231,6 +231,7 @@ def plan_memory(
     fp8_weights: bool = False,
     fused_silu: bool = True,
     reserve_bytes: int | None = None,
+    extra_forwards: int = 0,
 ) -> MemoryPlan:
     """The memory plan of one replica (one rank under TP) of ``role`` ("prefill" or "decode").
 
@@ -242,6 +243,7 @@ def plan_memory(
     device_total_bytes x fraction: the replica's share of its device. num_pages: a fixed pool
     (None: what the share holds). reserve_bytes: memory outside torch's count (default
     :data:`CUDA_RESERVE_BYTES` plus :data:`FRAGMENTATION` of the workspace; 0 on a CPU).
+    extra_forwards: forward workspaces held beside the running one (decode CUDA graphs' pool: 1).
     Never raises for a plan that does not fit: :meth:`MemoryPlan.check` does."""
     if role not in ROLES:
         raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
@@ -259,6 +261,7 @@ def plan_memory(
     shape = ForwardShape(tokens=forward_tokens, sequences=sequences, max_context=max_context, logit_rows=logit_rows)
     workspace = forward_bytes(config, shape, dtype=dtype, block_size=block_size, tp_size=tp_size,
                               fused_silu=fused_silu, fp8_kv=kv_dtype == torch.float8_e4m3fn)
+    workspace *= 1 + check_int("extra_forwards", extra_forwards, minimum=0)
     if reserve_bytes is None:
         reserve_bytes = CUDA_RESERVE_BYTES + int(FRAGMENTATION * workspace)
     weights = weight_bytes(config, dtype=dtype, tp_size=tp_size, fp8_weights=fp8_weights)
