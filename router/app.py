@@ -368,12 +368,9 @@ def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = 
         import ray
 
         cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
-    gpus = 0.0
-    if config.model.device != "cpu":
-        gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
-    if config.model.device == "cuda" and gpus == 0.0:
-        gpus = 1.0
-    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
+    from serving.runtime import placement_share
+
+    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": placement_share(config, cluster_gpus)}}
 
 
 def build_application(

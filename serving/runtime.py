@@ -60,6 +60,17 @@ def gpu_share() -> float:
     return 1.0
 
 
+def placement_share(config: ServiceConfig, cluster_gpus: float) -> float:
+    """The ``num_gpus`` a worker replica gets by default (``router.app``): one GPU each with two or
+    more, half each with one (prefill and decode share it), none without or on ``model.device`` cpu."""
+    gpus = 0.0
+    if config.model.device != "cpu":
+        gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
+    if config.model.device == "cuda" and gpus == 0.0:
+        gpus = 1.0
+    return gpus
+
+
 def memory_fraction(config: ServiceConfig, side: str, share: float = 1.0) -> float:
     """``{side}.gpu_memory_fraction``, or 0.9 x ``share`` (the replica's GPU share) when null."""
     own = getattr(config, side).gpu_memory_fraction
