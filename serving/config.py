@@ -152,8 +152,9 @@ class KVOptions(_Section):
         "KV pages of one prefill replica's pool (>= 1). \"auto\": on CUDA, what the replica's memory "
         "plan leaves in its share of the GPU (`prefill.gpu_memory_fraction`) after the weights and "
         "its worst-case forward (`model_executor/memory_plan.py`); on a CPU, 1024. A number that "
-        "does not fit the share, or a pool (either) too small for one `model.max_model_len` "
-        "sequence, is refused at start, saying what to change."))
+        "does not fit the share is refused at start, saying what to change; so is a pool too small "
+        "for one sequence of `model.max_model_len` when that is set (unset, the service's limit is the "
+        "smaller of the model's context and the pool: longer requests are a 400)."))
     decode_pages: int | Literal["auto"] = Field("auto", description=(
         "KV pages of one decode replica's pool (>= 1); \"auto\" as `kv.prefill_pages`, in "
         "`decode.gpu_memory_fraction`."))
