@@ -64,7 +64,7 @@ from serving.messages import (
     checked,
 )
 from serving.metrics import Metrics
-from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from serving.runtime import WorkerRuntime, node_ip, pool_pages, replica_id, replica_identity, rss_bytes
 from serving.prefill_client import PrefillClient
 from serving.transports import TPGroup, make_decode_receivers, placement_of
 
@@ -250,7 +250,7 @@ class DecodeServer:
         if self.config.decode.tensor_parallel_size > 1:  # serving/tp_group.py: rank 0 here, the rest actors
             self.runtime = self._start_tp_group()
         else:
-            self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.decode_pages)
+            self.runtime = WorkerRuntime.build(self.config, num_pages=pool_pages(self.config, "decode"))
             self.runtime.enable_decode_graphs()  # before any request holds pages (it borrows a few)
         self.pool = self.runtime.pool
         self.engine = DecodeEngine(self.runtime.runner, max_running=self.config.decode.max_running,
@@ -279,7 +279,7 @@ class DecodeServer:
         from serving.runtime import resolve_device
         from serving.tp_group import TP_DECODE_GRAPHS, end_replica, start_group
 
-        lock, self._tp_actors = start_group(self.config, "decode", num_pages=self.config.kv.decode_pages,
+        lock, self._tp_actors = start_group(self.config, "decode", num_pages=pool_pages(self.config, "decode"),
                                             host=node_ip(), on_failure=end_replica,
                                             name_prefix=f"fptp_decode_rank:{replica_id()}")
         runtime = WorkerRuntime(self.config, None, lock.pool, lock, resolve_device(self.config))

@@ -62,7 +62,7 @@ from serving.messages import (
     StageReply,
     checked,
 )
-from serving.runtime import WorkerRuntime, node_ip, replica_id, replica_identity, rss_bytes
+from serving.runtime import WorkerRuntime, node_ip, pool_pages, replica_id, replica_identity, rss_bytes
 from serving.transports import TPGroup, make_prefill_transports, placement_of
 from serving.costs import PrefillCostModel
 
@@ -250,12 +250,12 @@ class PrefillServer:
             from serving.runtime import resolve_device
             from serving.tp_group import end_replica, start_group
 
-            lock, self._tp_actors = start_group(self.config, "prefill", num_pages=self.config.kv.prefill_pages,
+            lock, self._tp_actors = start_group(self.config, "prefill", num_pages=pool_pages(self.config, "prefill"),
                                                 host=node_ip(), on_failure=end_replica,
                                                 name_prefix=f"fptp_rank:{replica_id()}")
             self.runtime = WorkerRuntime(self.config, None, lock.pool, lock, resolve_device(self.config))
         else:
-            self.runtime = WorkerRuntime.build(self.config, num_pages=self.config.kv.prefill_pages)
+            self.runtime = WorkerRuntime.build(self.config, num_pages=pool_pages(self.config, "prefill"))
         self.pool = self.runtime.pool
         self.cost_model = PrefillCostModel.for_config(self.config)
         self.engine = PrefillEngine(self.runtime.runner, max_batch_tokens=self.config.prefill.max_batch_tokens,

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--grpc-port", type=int, default=9000)
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--decode-replicas", type=int, default=1)
-    s.add_argument("--prefill-kv-pages", type=int, default=None, help="default 1024")
-    s.add_argument("--decode-kv-pages", type=int, default=None, help="default 1024")
+    s.add_argument("--prefill-kv-pages", type=int, default=None, help="kv.prefill_pages (default auto: the memory plan on CUDA, 1024 on a CPU)")
+    s.add_argument("--decode-kv-pages", type=int, default=None, help="kv.decode_pages (default auto: the memory plan on CUDA, 1024 on a CPU)")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray")
     s.add_argument("--metrics-port", type=int, default=8080,
                    help="Prometheus metrics on http://127.0.0.1:PORT/metrics (Ray's metrics export port; 0: a free port)")

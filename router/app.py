@@ -104,6 +104,18 @@ def sse_chunks(req: GenerationRequest, step: StreamStep, running_usage: dict | N
     return chunks
 
 
+def fixed_pages(config: ServiceConfig, side: str) -> int | None:
+    """``kv.{side}_pages`` when given, None for "auto" (each replica's memory plan decides)."""
+    pages = getattr(config.kv, f"{side}_pages")
+    return None if pages == "auto" else pages
+
+
+def decode_tokens(config: ServiceConfig) -> int | None:
+    """Tokens a decode replica's pool holds, when ``kv.decode_pages`` is given."""
+    pages = fixed_pages(config, "decode")
+    return None if pages is None else pages * config.kv.page_size
+
+
 @serve.ingress(api)
 class OpenAIIngress(GrpcIngress):
     """HTTP (OpenAI) and gRPC (:class:`~router.grpc_ingress.GrpcIngress`) front end; one
@@ -117,7 +129,7 @@ class OpenAIIngress(GrpcIngress):
             self.tokenizer, model_id=self.config.model_id, max_model_len=resolve_max_model_len(self.config),
             default_max_tokens=self.config.ingress.default_max_tokens, model_type=_model_type(self.config),
             strict_fields=self.config.ingress.strict_fields,
-            max_sequence_tokens=self.config.kv.decode_pages * self.config.kv.page_size,
+            max_sequence_tokens=decode_tokens(self.config),
             page_size=self.config.kv.page_size,
         )
         self.pipeline = DisaggregatedPipeline(prefill, decode, self.config, self.tokenizer,
@@ -130,19 +142,22 @@ class OpenAIIngress(GrpcIngress):
                                         refresh_s=self.config.ingress.health_refresh_s)
 
     def _check_capacity(self, req: GenerationRequest) -> None:
-        """Requests no replica could ever hold are bad input (400), not overload (429)."""
+        """Requests no replica could ever hold are bad input (400), not overload (429). With
+        "auto" pools (sized by each replica's memory plan) the replicas refuse them instead:
+        the prefill replica with the same 400, the decode replica before it adopts the pages."""
         ps = self.config.kv.page_size
+        prefill_pages, decode_pages = fixed_pages(self.config, "prefill"), fixed_pages(self.config, "decode")
         prompt_len = max(len(p) for p in req.batch or (req.prompt_token_ids,))  # each prompt runs alone
         prompt_pages = -(-prompt_len // ps)
-        if prompt_pages > self.config.kv.prefill_pages:
+        if prefill_pages is not None and prompt_pages > prefill_pages:
             raise RequestError(
                 f"prompt: {prompt_len} tokens need {prompt_pages} KV pages; a prefill replica holds "
-                f"{self.config.kv.prefill_pages}", param="prompt", status=400, code="prompt_too_long")
+                f"{prefill_pages}", param="prompt", status=400, code="prompt_too_long")
         final_pages = -(-(prompt_len + req.max_tokens) // ps)
-        if final_pages > self.config.kv.decode_pages:
+        if decode_pages is not None and final_pages > decode_pages:
             raise RequestError(
                 f"max_tokens: prompt ({prompt_len}) + max_tokens ({req.max_tokens}) need {final_pages} KV pages; "
-                f"a decode replica holds {self.config.kv.decode_pages}: lower max_tokens",
+                f"a decode replica holds {decode_pages}: lower max_tokens",
                 param="max_tokens", status=400, code="invalid_value")
 
     async def _admit(self, req: GenerationRequest) -> Ticket:
@@ -353,12 +368,9 @@ def _default_worker_options(config: ServiceConfig, cluster_gpus: float | None = 
         import ray
 
         cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
-    gpus = 0.0
-    if config.model.device != "cpu":
-        gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
-    if config.model.device == "cuda" and gpus == 0.0:
-        gpus = 1.0
-    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": gpus}}
+    from serving.runtime import placement_share
+
+    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": placement_share(config, cluster_gpus)}}
 
 
 def build_application(

@@ -88,6 +88,50 @@ def sparse_summary(config) -> str:
     return (f"FlashPrefill V2 sparse from {sp.dense_below} tokens (alpha {sp.alpha}{layers}, last "
             f"{sp.last_dense_tiles} query tiles dense, energy rule {sp.energy_rule}{dense_layers}; {profile})")
 
+def local_gpus() -> tuple[int, int] | None:
+    """``(count, total bytes of the first)`` of this machine's NVIDIA GPUs, from ``nvidia-smi``
+    (no CUDA context in the launcher: it would hold memory the replicas plan for); None without."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.split()
+        return (len(out), int(out[0]) << 20) if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def memory_plan(config: ServiceConfig, gpus: tuple[int, int] | None) -> tuple[list[str], list[str]]:
+    """The banner's memory lines (one per role: weights, workspace, KV pages = tokens) and why
+    the service does not fit (empty: it does), for ``gpus`` = ``(count, bytes each)`` of the GPUs
+    the local replicas get (:func:`local_gpus`; None: none here). The replicas compute the same
+    plan at start (``serving.runtime.pool_pages``) from their own device."""
+    from serving.runtime import CPU_AUTO_PAGES, check_plan, placement_share, replica_memory_plan
+
+    share = placement_share(config, gpus[0] if gpus else 0)
+    if not gpus or share == 0:
+        pools = {side: getattr(config.kv, f"{side}_pages") for side in ("prefill", "decode")}
+        shown = ", ".join(f"{side} {CPU_AUTO_PAGES if p == 'auto' else p} pages" for side, p in pools.items())
+        return [f"no GPU for the replicas: KV pools {shown} of {config.kv.page_size} tokens (not planned)"], []
+    lines, problems = [], []
+    for side in ("prefill", "decode"):
+        try:
+            plan = replica_memory_plan(config, side, device_total_bytes=gpus[1], share=share)
+        except ValueError as exc:
+            lines.append(f"{side}: not planned ({exc})")
+            continue
+        lines.append(plan.summary())
+        try:
+            check_plan(config, plan)
+        except ValueError as exc:
+            problems.extend(str(exc).splitlines())
+    return lines, problems
+
+
 def keep_ray_on_loopback() -> None:
     """Make a Ray started by this process (and the processes it starts) loopback-only."""
     os.environ[LOOPBACK_ONLY_ENV] = "0"
@@ -343,6 +387,12 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions,
                   wait: Callable[[], None] = wait_for_stop_signal) -> int:
     """Starts the local Ray and Serve, deploys, prints the URLs, serves until ``wait`` returns
     (Ctrl-C or SIGTERM), then stops everything it started."""
+    plan_lines, problems = memory_plan(config, local_gpus())
+    if problems:  # before Ray starts: a replica would refuse the same plan, or run out of memory
+        print("FlashPrefill Serve: not starting, the service does not fit its GPU memory:", file=sys.stderr)
+        for line in plan_lines + problems:
+            print(f"  {line}", file=sys.stderr)
+        return 2
     # the environment first: Ray reads part of it when it is imported
     prepare_environment(options.host, auth=options.ray_auth)
     import ray
@@ -379,6 +429,8 @@ def serve_forever(config: ServiceConfig, options: LocalServeOptions,
             print(f"  Ray auth:      token (in {where}); for those CLIs: export RAY_AUTH_MODE=token")
     print(f"  health:        {base}/health/live (liveness)  {base}/health/ready (readiness)  grpc.health.v1.Health")
     print(f"  prefill:       {sparse_summary(config)}")
+    for line in plan_lines:
+        print(f"  memory:        {line}")
     print("  try:           python -m router client \"Hello\" --stream   (Ctrl-C to stop)")
     sys.stdout.flush()
     wait()

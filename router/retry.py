@@ -160,6 +160,12 @@ class RetryPolicy:
                             status=503, code=f"{role}_unavailable", retry_after_s=self.config.ingress.retry_after_s or 1)
 
     def _transfer_error(self, event: TransferFailed) -> RequestError:
+        if event.reason == "pool_exhausted" and not event.retryable:
+            # more pages than a decode replica's whole pool (an "auto" pool the ingress could not
+            # check before): no wait makes room, so bad input, as the ingress's own check answers
+            return RequestError(f"max_tokens: the request needs more KV pages than a decode replica holds "
+                                f"({event.message}): lower max_tokens or shorten the prompt", param="max_tokens",
+                                status=400, code="invalid_value")
         if event.reason == "pool_exhausted":
             # every decode replica stayed full for decode.adopt_wait_s: overload, not a fault
             return RequestError("decode KV capacity exhausted; retry later", status=429, code="kv_capacity_exhausted",

@@ -146,8 +146,23 @@ class KVOptions(_Section):
         "operator (q quantized per tensor); every replica calibrates identical power-of-two K/V "
         "scales from one fixed prompt at start (`kv.scale_margin` x amax)."))
     scale_margin: float = Field(2.0, ge=1.0, le=1e6, description="FP8 KV scales: headroom over the calibrated amax.")
-    prefill_pages: int = Field(1024, ge=1, description="KV pages of one prefill replica's pool.")
-    decode_pages: int = Field(1024, ge=1, description="KV pages of one decode replica's pool.")
+    prefill_pages: int | Literal["auto"] = Field("auto", description=(
+        "KV pages of one prefill replica's pool (>= 1). \"auto\": on CUDA, what the replica's memory "
+        "plan leaves in its share of the GPU (`prefill.gpu_memory_fraction`) after the weights and "
+        "its worst-case forward (`model_executor/memory_plan.py`); on a CPU, 1024. A number that "
+        "does not fit the share is refused at start, saying what to change; so is a pool too small "
+        "for one sequence of `model.max_model_len` when that is set (unset, the service's limit is the "
+        "smaller of the model's context and the pool: longer requests are a 400)."))
+    decode_pages: int | Literal["auto"] = Field("auto", description=(
+        "KV pages of one decode replica's pool (>= 1); \"auto\" as `kv.prefill_pages`, in "
+        "`decode.gpu_memory_fraction`."))
+
+    @field_validator("prefill_pages", "decode_pages")
+    @classmethod
+    def _pages(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"expected \"auto\" or an int >= 1, got {value}")
+        return value
 
 
 class SparseOptions(_Section):
@@ -220,6 +235,11 @@ class PrefillOptions(_Section):
         "Ranks (GPUs) of one prefill replica, tensor parallel (`model_executor/parallel.py`): must divide "
         "the model's query heads and divide its KV heads or be a multiple of them (KV heads replicated), "
         "and fit `runtime.devices_per_node` (the ranks are packed on one node)."))
+    gpu_memory_fraction: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "The share of its GPU's memory one prefill replica plans for (weights, its worst-case forward "
+        "of `prefill.max_batch_tokens` tokens, the KV pool; vLLM's `gpu_memory_utilization`). null: "
+        "0.9 x the GPU share Ray gave the replica (`num_gpus` 0.5: 0.45, so prefill and decode fit one "
+        "card; 1 or none: 0.9)."))
     prefix_caching: bool = Field(True, description=(
         "Prefill replicas keep the full KV pages of prompts they prefilled and let a later prompt that "
         "starts with the same tokens reuse them (least recently used pages evicted first); "
@@ -284,6 +304,10 @@ class DecodeOptions(_Section):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Ranks (GPUs) of one decode replica, tensor parallel; the same rules as "
         "`prefill.tensor_parallel_size`, and may differ from it (KV moves between groups of any sizes)."))
+    gpu_memory_fraction: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "The share of its GPU's memory one decode replica plans for (weights, a step of "
+        "`decode.max_running` sequences at `model.max_model_len`, its CUDA graphs, the KV pool); null "
+        "as `prefill.gpu_memory_fraction`."))
     adopt_wait_s: float = Field(5.0, ge=0.0, le=3600.0, description=(
         'How long a decode replica waits for free pages before it refuses a transfer as "pool exhausted" '
         "(bounded queueing, then 429)."))

@@ -40,6 +40,119 @@ def resolve_dtype(config: ServiceConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.model.dtype]
 
 
+CPU_AUTO_PAGES = 1024  # kv.*_pages "auto" on a CPU: no device memory to plan (the host's is shared)
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the GPU share Ray gives a replica (gpu_memory_fraction null)
+PREFILL_LOGIT_ROWS = 64  # prompts ending in one prefill forward that the plan counts logits for
+
+
+def gpu_share() -> float:
+    """The GPUs Ray gave this replica (``num_gpus``: 0.5 when prefill and decode share one), at
+    most 1; 1 outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpus = ray.get_runtime_context().get_assigned_resources().get("GPU")
+            if gpus:
+                return min(float(gpus), 1.0)
+    except Exception:  # noqa: BLE001 - no runtime context: a process of its own
+        pass
+    return 1.0
+
+
+def placement_share(config: ServiceConfig, cluster_gpus: float) -> float:
+    """The ``num_gpus`` a worker replica gets by default (``router.app``): one GPU each with two or
+    more, half each with one (prefill and decode share it), none without or on ``model.device`` cpu."""
+    gpus = 0.0
+    if config.model.device != "cpu":
+        gpus = 1.0 if cluster_gpus >= 2 else 0.5 if cluster_gpus >= 1 else 0.0
+    if config.model.device == "cuda" and gpus == 0.0:
+        gpus = 1.0
+    return gpus
+
+
+def memory_fraction(config: ServiceConfig, side: str, share: float = 1.0) -> float:
+    """``{side}.gpu_memory_fraction``, or 0.9 x ``share`` (the replica's GPU share) when null."""
+    own = getattr(config, side).gpu_memory_fraction
+    return float(own) if own is not None else DEFAULT_GPU_MEMORY_FRACTION * share
+
+
+def plan_names(side: str) -> dict[str, str]:
+    """The options behind ``plan_memory``'s arguments, for its messages."""
+    return {"num_pages": f"kv.{side}_pages", "fraction": f"{side}.gpu_memory_fraction",
+            "max_context": "model.max_model_len",
+            "forward_tokens": "prefill.max_batch_tokens" if side == "prefill" else "decode.max_running"}
+
+
+def replica_memory_plan(config: ServiceConfig, side: str, *, device_total_bytes: int, share: float = 1.0,
+                        dtype: torch.dtype | None = None):
+    """The memory plan (``model_executor.memory_plan``) of one ``side`` replica (one rank) of
+    ``config`` on a CUDA device of ``device_total_bytes``, with ``share`` of it from Ray. A
+    prefill forward: ``prefill.max_batch_tokens`` tokens (whole prompts are split at it, chunks
+    fill it) at ``model.max_model_len`` keys; a decode step: ``decode.max_running`` sequences
+    there, and with ``decode.cuda_graphs`` one more step's workspace for the graphs' pool.
+    ValueError naming ``model.model`` for a model whose shape cannot be read here."""
+    from model_executor.loading import model_shape
+    from model_executor.memory_plan import plan_memory
+
+    if side not in ("prefill", "decode"):
+        raise ValueError(f"side: expected 'prefill' or 'decode', got {side!r}")
+    shape = model_shape(config.model.model)
+    if shape is None:
+        raise ValueError(f"model.model: the shape of {config.model.model!r} cannot be read here (no config.json)")
+    max_len = resolve_max_model_len(config)
+    dtype = dtype or resolve_dtype(config, torch.device("cuda"))
+    kv_dtype = torch.float8_e4m3fn if config.kv.cache_dtype == "fp8_e4m3" else dtype
+    pages = getattr(config.kv, f"{side}_pages")
+    if side == "prefill":
+        tokens = min(config.prefill.max_batch_tokens, max_len)
+        shape_args = {"forward_tokens": tokens, "sequences": 1, "logit_rows": min(tokens, PREFILL_LOGIT_ROWS)}
+    else:
+        n = config.decode.max_running
+        shape_args = {"forward_tokens": n, "sequences": n, "logit_rows": n,
+                      "extra_forwards": 1 if config.decode.cuda_graphs else 0}
+    return plan_memory(
+        shape, role=side, dtype=dtype, kv_dtype=kv_dtype, page_size=config.kv.page_size, max_context=max_len,
+        device_total_bytes=int(device_total_bytes), fraction=memory_fraction(config, side, share),
+        num_pages=None if pages == "auto" else pages, block_size=config.sparse.block_size,
+        tp_size=getattr(config, side).tensor_parallel_size, fp8_weights=config.model.weight_dtype != "auto",
+        fused_silu=config.runtime.fused_ops, **shape_args)
+
+
+def check_plan(config: ServiceConfig, plan) -> None:
+    """ValueError (naming the options) when ``plan`` does not fit; a pool smaller than one
+    ``model.max_model_len`` sequence only when that option is set (unset, the service's limit is
+    the smaller of the model's context and the pool: admission refuses longer requests)."""
+    problems = plan.problems(plan_names(plan.role))
+    if config.model.max_model_len is None:
+        problems = [p for p in problems if not p.startswith("model.max_model_len")]
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def pool_pages(config: ServiceConfig, side: str, device: torch.device | None = None) -> int:
+    """The KV pages of a ``side`` replica's pool: ``kv.{side}_pages``, or for "auto" what its
+    memory plan holds (CUDA) or :data:`CPU_AUTO_PAGES`. On CUDA the plan is checked first, and
+    the device's free memory against it (another process may hold part of the share): a
+    ValueError naming the option to change when either does not fit."""
+    from model_executor.memory_plan import CUDA_RESERVE_BYTES, gib
+
+    device = device or resolve_device(config)
+    pages = getattr(config.kv, f"{side}_pages")
+    if device.type != "cuda":
+        return CPU_AUTO_PAGES if pages == "auto" else pages
+    free, total = torch.cuda.mem_get_info(device)
+    plan = replica_memory_plan(config, side, device_total_bytes=total, share=gpu_share())
+    check_plan(config, plan)
+    usable = free + torch.cuda.memory_reserved(device) + CUDA_RESERVE_BYTES  # this process's own count back
+    if usable < plan.need_bytes:
+        raise ValueError(f"{side}.gpu_memory_fraction: the {side} replica needs {gib(plan.need_bytes)} "
+                         f"({plan.summary()}), the GPU has {gib(free)} free of {gib(total)} (other processes hold "
+                         f"the rest): lower {side}.gpu_memory_fraction or kv.{side}_pages, or free the GPU")
+    logger.info("memory plan: %s", plan.summary())
+    return plan.num_pages
+
+
 def load_tokenizer(config: ServiceConfig) -> Any:
     """The tokenizer alone (the ingress never loads weights)."""
     from model_executor.loading import load_tokenizer as load
