@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kernels._checks import check_int
+from kernels._scalars import check_int
 from kernels.config import KV_TILE, Q_TILE
 from kernels.schedule import MAX_SPLITS, NUM_SMS_DEFAULT, PARTIAL_BYTES_CAP
 
