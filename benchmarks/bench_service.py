@@ -117,11 +117,16 @@ if str(ROOT) not in sys.path:
 from evals.report import git_commit  # noqa: E402
 
 from benchmarks.load_test import completion_body, encode_body  # noqa: E402
+from serving.config import DEFAULT_CHUNK_TOKENS  # noqa: E402
 from benchmarks.open_loop import CellSpec, records_to_json, run_cell, summarize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "service_h200.json"
 CONFIG_ORDER = ("dense", "sparse_bf16", "sparse_fp8", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k", "sparse_bf16_sjf",
-                "dense_sjf", "sparse_bf16_nocache", "dense_nocache", "sparse_fp8w_sjf")
+                "dense_sjf", "sparse_bf16_nocache", "dense_nocache", "sparse_fp8w_sjf", "dense_served",
+                "sparse_bf16_served", "sparse_fp8w_served")
+# the service's own scheduling defaults (issue 47: chunks of prefill.chunk_tokens, shortest first),
+# which base_options replaces with whole prompts in arrival order for the recorded cells
+SERVED = {"prefill_chunk_tokens": DEFAULT_CHUNK_TOKENS, "prefill_schedule": "shortest_first"}
 # Service options by their flat names (serving/config.py OPTION_ALIASES: ``alpha`` is ``sparse.alpha``,
 # ``prefill_chunk_tokens`` is ``prefill.chunk_tokens``, ...): the names the recorded results use
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
@@ -139,9 +144,17 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
     # FP8 (e4m3, per-channel) weights in every linear layer, the step-level shortest_first policy
     "sparse_fp8w_sjf": {"alpha": 0.1, "weight_dtype": "fp8_channel", "prefill_schedule": "shortest_first",
                         "prefill_max_wait_s": 60.0},
+    # as served (issue 50's cells): the scheduling and sparse defaults (the last tiles dense, the
+    # first-key rule), pools from the replica's memory plan; only the sparsity and the weights set
+    "dense_served": {"alpha": 0.0, **SERVED},
+    "sparse_bf16_served": {"alpha": 0.1, **SERVED},
+    "sparse_fp8w_served": {"alpha": 0.1, "weight_dtype": "fp8_channel", **SERVED},
 }
 SMOKE_CHUNK_DIVISOR = 64  # --cpu-smoke: 8K / 16K chunks become 128 / 256 tokens (its prompts are 256..512)
-POOL_PAGES = {1: (2560, 5120), 2: (4096, 10240)}  # (prefill, decode) pages of 64 tokens per replica
+# (prefill, decode) pages of 64 tokens per replica; None: "auto", what the replica's memory plan
+# (model_executor/memory_plan.py) leaves in its half of the card (one GPU's 2560 / 5120 fit an H200
+# only: an H100 refuses them at start)
+POOL_PAGES = {1: (None, None), 2: (4096, 10240)}
 DEPLOY_ESTIMATE_S = {"gpu": 45.0, "cpu": 20.0}  # start two replicas + warm-up, for the time budget
 WARMUP_TIMEOUT_S = 600.0  # the first configuration's warm-up compiles the Triton kernels
 QUIET = {"enable_access_log": False}  # no log line per request and replica call during the cells
@@ -243,10 +256,10 @@ def base_options(cfg: BenchConfig) -> dict[str, Any]:
         return {**common, "device": "cpu", "dtype": "float32", "torch_threads": 1, "page_size": 16,
                 "prefill_kv_pages": 256, "decode_kv_pages": 512, "block_size": 64, "sink_tokens": 64,
                 "window_tokens": 128, "dense_below": 0}
-    prefill_pages, decode_pages = POOL_PAGES[cfg.gpus]
-    return {**common, "device": "cuda", "dtype": "bfloat16", "page_size": 64,
-            "prefill_kv_pages": cfg.prefill_kv_pages or prefill_pages,
-            "decode_kv_pages": cfg.decode_kv_pages or decode_pages}
+    pages = dict(zip(("prefill_kv_pages", "decode_kv_pages"), POOL_PAGES[cfg.gpus]))
+    pages = {k: v for k, v in {"prefill_kv_pages": cfg.prefill_kv_pages or pages["prefill_kv_pages"],
+                               "decode_kv_pages": cfg.decode_kv_pages or pages["decode_kv_pages"]}.items() if v}
+    return {**common, "device": "cuda", "dtype": "bfloat16", "page_size": 64, **pages}
 
 
 def service_options(cfg: BenchConfig, name: str) -> dict[str, Any]:
@@ -274,7 +287,7 @@ def replica_options(cfg: BenchConfig) -> dict[str, Any]:
     """Deployment options of the prefill and decode replicas (one each)."""
     if cfg.smoke:
         actor = {"num_cpus": 0.5, "num_gpus": 0}
-    else:  # 1 GPU: half each (both fit, see POOL_PAGES); 2 GPUs: Ray gives each its own
+    else:  # 1 GPU: half each (each pool sized by its memory plan in its half); 2 GPUs: Ray gives each its own
         actor = {"num_cpus": 1, "num_gpus": 0.5 if cfg.gpus == 1 else 1}
     # a replica that cannot start (out of memory, an option it refuses) fails the deploy at once
     # instead of being rebuilt (an 8B model each time) three times

@@ -29,7 +29,8 @@ def test_bench_config_and_service_options():
     assert dense["alpha"] == 0.0 and chunk8["alpha"] == 0.1 and chunk8["prefill_chunk_tokens"] == 8192
     assert dense["max_model_len"] == 131072 + 64 and dense["max_batch_tokens"] == 131072
     assert dense["model"] == "builtin:structured-8b" and dense["device"] == "cuda"
-    assert (dense["prefill_kv_pages"], dense["decode_kv_pages"]) == bench.POOL_PAGES[1]
+    # one GPU: the pools are the memory plan's ("auto", left unset); two: fixed
+    assert "prefill_kv_pages" not in dense and "decode_kv_pages" not in dense
     two = dataclasses.replace(cfg, gpus=2, prefill_kv_pages=3000)
     assert (bench.service_options(two, "dense")["prefill_kv_pages"], bench.service_options(two, "dense")["decode_kv_pages"]) \
         == (3000, bench.POOL_PAGES[2][1])
@@ -38,8 +39,10 @@ def test_bench_config_and_service_options():
     for name in ("dense", "sparse_bf16", "sparse_bf16_chunk8k", "sparse_bf16_chunk16k"):
         service, why = bench.resolve_service_config(bench.service_options(cfg, name))
         assert why is None and service.model.max_model_len == 131072 + 64
-        # the longest prompt fits a prefill pool; prompt + output fits a decode pool
-        assert 131072 // service.kv.page_size <= service.kv.prefill_pages
+        assert service.kv.prefill_pages == "auto" and service.kv.decode_pages == "auto"
+    for name in ("dense", "sparse_bf16"):  # two GPUs: the longest prompt fits the fixed prefill pool
+        service, why = bench.resolve_service_config(bench.service_options(dataclasses.replace(cfg, gpus=2), name))
+        assert why is None and 131072 // service.kv.page_size <= service.kv.prefill_pages
     smoke = bench.BenchConfig(**bench.SMOKE)
     assert bench.service_options(smoke, "sparse_bf16_chunk8k")["prefill_chunk_tokens"] == 8192 // bench.SMOKE_CHUNK_DIVISOR
     assert bench.warmup_lengths(smoke, bench.service_options(smoke, "sparse_bf16_chunk8k")) == [256, 256]
@@ -697,3 +700,20 @@ def test_shared_prefix_workload_and_merge_guard(tmp_path):
     plain = dataclasses.replace(cfg, shared_prefix_tokens=0)
     assert bench.previous_configurations(old, plain, merge=True) == [{"name": "dense"}]
     assert bench.previous_configurations(old, cfg, merge=False) == []
+
+
+def test_served_cells_run_the_services_scheduling_and_sparse_defaults():
+    """Issue 50's cells: chunks of 2048 tokens shortest first, the last 2 tiles dense, the
+    first-key rule, pools from the memory plan; they differ only in sparsity and weights."""
+    cfg, _ = bench.parse_args(["--configs", "dense_served,sparse_bf16_served,sparse_fp8w_served", "--rates", "1,2"])
+    got = {}
+    for name in ("dense_served", "sparse_bf16_served", "sparse_fp8w_served"):
+        service, why = bench.resolve_service_config(bench.service_options(cfg, name))
+        assert why is None, why
+        got[name] = service
+        assert service.prefill.chunk_tokens == 2048 and service.prefill.schedule == "shortest_first"
+        assert service.sparse.last_dense_tiles == 2 and service.sparse.energy_rule == "first_key"
+        assert service.kv.prefill_pages == "auto"
+    assert got["dense_served"].sparse.alpha == 0.0 and got["sparse_bf16_served"].sparse.alpha == 0.1
+    assert got["sparse_fp8w_served"].model.weight_dtype == "fp8_channel"
+    assert got["sparse_bf16_served"].model.weight_dtype != "fp8_channel"
