@@ -36,9 +36,9 @@ with ``sparse_bf16`` (prefix cache on, the default) and ``sparse_bf16_nocache`` 
 cells measured before the decode CUDA graphs did; each configuration records
 ``decode_graphs``, its decode replicas' graph status and step counts.
 
-Placement: ``--gpus 1`` puts both replicas on one GPU (``num_gpus: 0.5`` each; KV pools 2560 and
-5120 pages of 64 tokens: 20 and 40 GiB next to 2 x 16 GB of weights); ``--gpus 2`` gives each its
-own GPU (4096 and 10240 pages). The prefill replica takes whole prompts up to the longest
+Placement: ``--gpus 1`` puts both replicas on one GPU (``num_gpus: 0.5`` each; KV pools ``auto``:
+what each replica's memory plan leaves in its half, or a refusal at start that says why, e.g.
+whole 128K bf16 prompts on an H100); ``--gpus 2`` gives each its own GPU (4096 and 10240 pages). The prefill replica takes whole prompts up to the longest
 (``max_batch_tokens``); its queue is unbounded and the decode replica waits up to
 ``adopt_wait_s`` = 600 s for room, so overload shows as queueing (TTFT), not as 429s.
 
