@@ -70,7 +70,8 @@ def service_options(args: argparse.Namespace) -> dict:
 
 
 def _options(args: argparse.Namespace) -> int:
-    from serving.config import options_listing, options_markdown
+    from serving.config import options_listing
+    from serving.options_doc import options_markdown
 
     if args.write:
         with open(args.write, "w", encoding="utf-8") as f:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from router.__main__ import load_config_file, main, parse_option, service_options
-from serving.config import OPTION_ALIASES, OPTIONS, ServiceConfig, options_markdown
+from serving.config import OPTION_ALIASES, OPTIONS, ServiceConfig
+from serving.options_doc import options_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 
