@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kernels import fp8, fp8_gemm, ops, reference
-from kernels.config import KV_TILE, Q_TILE, SparseConfig
+from kernels.config import SparseConfig
 from kernels.plan import PrefillPlan
 from kernels.ranges import op_range
 
@@ -104,16 +104,8 @@ class ForwardState:
 
 def causal_tile_pairs(plan: PrefillPlan) -> list[int]:
     """Per sequence of ``plan``: the (query tile, 64-key tile) pairs of one KV head that causal
-    attention touches at all, i.e. the tiles a dense prefill computes (host arithmetic over the
-    query tiles, vectorized: a 128K prompt's 4096 tiles take tens of microseconds)."""
-    g = plan.group_size
-    out = []
-    for b in range(plan.batch_size):
-        rows = g * plan.seqlens_q[b]
-        ends = torch.clamp(torch.arange(1, plan.qtiles[b] + 1, dtype=torch.int64) * Q_TILE, max=rows)
-        last = (ends - 1) // g + plan.prefix(b)  # the last position of each query tile
-        out.append(int((last // KV_TILE + 1).sum()))
-    return out
+    attention touches at all, i.e. the tiles a dense prefill computes (``PrefillPlan.causal_tiles``)."""
+    return list(plan.causal_tiles)
 
 
 @dataclass(frozen=True)
@@ -149,6 +141,20 @@ class ForwardBatch:
 def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
     """``[1, H, T, d]`` (transformers' layout) -> ``[T, H, d]`` contiguous."""
     return x[0].transpose(0, 1).contiguous()
+
+
+# The most int32 CSR entries a layer's index may allocate for its worst case (every causal tile
+# pair; 33.6M entries, 134 MB, at 128K tokens with 32/8 heads): up to it the index is built with
+# no host sync (a per-layer read of its entry count, ~10 us of stall and launch gap each);
+# past it, an exact-sized CSR after one read per layer (the worst case grows with L^2).
+INDEX_CAPACITY_MAX_ENTRIES = 1 << 28
+
+
+def index_capacity(plan: PrefillPlan) -> int | None:
+    """``plan.index_capacity`` when it is within :data:`INDEX_CAPACITY_MAX_ENTRIES`, else None
+    (the index reads its exact size back)."""
+    cap = plan.index_capacity
+    return cap if cap <= INDEX_CAPACITY_MAX_ENTRIES else None
 
 
 def _prefill(
@@ -198,7 +204,8 @@ def _prefill(
             batch.state.count_dense(plan)
         return out
     with op_range("index"):
-        index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+        index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales,
+                                        capacity=index_capacity(plan))
         batch.state.count_index(plan, index)
     # the unresolved choice: attention_planned is where "auto" picks the CUTLASS kernel (a
     # resolved "auto" is "triton" and would never reach it)
