@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kernels import fp8, fp8_gemm, ops, reference
+from kernels import fp8, fp8_gemm, ops, reference, rope_kv
 from kernels.config import SparseConfig
 from kernels.plan import PrefillPlan
 from kernels.ranges import op_range
@@ -231,6 +231,31 @@ def _decode(batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | N
     return out
 
 
+def rope_kv_fusable(batch: object, dtype: torch.dtype) -> bool:
+    """Whether a layer can write its K/V from its RoPE pass (:func:`rope_and_write_kv`): a batch of
+    our runner, no FP8 scale calibration in this forward (it sets the scales from the rotated keys
+    before the first write), and a pool of the model's ``dtype`` or e4m3."""
+    return (isinstance(batch, ForwardBatch) and batch.calibrate_kv is None
+            and (batch.pool.k_scale is not None or batch.pool.k.dtype == dtype))
+
+
+def rope_and_write_kv(module: torch.nn.Module, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str,
+                      q_amax: bool = False):
+    """RoPE of tokens-major ``q``, ``k`` and the write of the rotated ``k`` and ``v`` into layer
+    ``module.layer_idx`` of the pool, one kernel (``kernels.rope_kv``; the same bytes as RoPE then
+    ``pool.write``); returns the rotated ``q`` (and its amax with ``q_amax``). Pass
+    ``kv_written=True`` to :func:`paged_attention_forward` afterwards. Check
+    :func:`rope_kv_fusable` first."""
+    pool, layer = batch.pool, module.layer_idx
+    fp8_pool = pool.k_scale is not None
+    with op_range("rope_kv"):
+        return rope_kv.rope_kv_write(q, k, v, cos, sin, batch.slots, pool.k[layer], pool.v[layer],
+                                     k_descale=pool.k_scale[layer] if fp8_pool else None,
+                                     v_descale=pool.v_scale[layer] if fp8_pool else None,
+                                     q_amax=q_amax, backend=backend)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -241,11 +266,14 @@ def paged_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     query_amax: torch.Tensor | None = None,
+    kv_written: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``
     (not repeated for GQA) -> ``([1, T, Hq, d], None)``. ``query_amax``: ``max |query|`` (float32
-    ``[1]``, on query's device) when the caller computed it (FP8 pools' prefill uses it)."""
+    ``[1]``, on query's device) when the caller computed it (FP8 pools' prefill uses it).
+    ``kv_written``: the caller already wrote ``key``/``value`` into the pool
+    (:func:`rope_and_write_kv`); they are not written again."""
     batch = kwargs.get(BATCH_KWARG)
     if not isinstance(batch, ForwardBatch):
         raise ValueError(
@@ -273,13 +301,17 @@ def paged_attention_forward(
     pool = batch.pool
     # FP8 pools quantize in ``write``; the query keeps the model dtype (prefill quantizes it)
     work_dtype = query.dtype if pool.k_scale is not None else pool.k.dtype
-    k = _to_tokens_major(key).to(work_dtype)
-    v = _to_tokens_major(value).to(work_dtype)
-    if batch.calibrate_kv is not None and pool.k_scale is not None:
-        pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
-    # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
-    with op_range("kv_write"):
-        pool.write(layer, batch.slots, k, v, backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
+    if not kv_written:
+        k = _to_tokens_major(key).to(work_dtype)
+        v = _to_tokens_major(value).to(work_dtype)
+        if batch.calibrate_kv is not None and pool.k_scale is not None:
+            pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
+        # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
+        with op_range("kv_write"):
+            pool.write(layer, batch.slots, k, v,
+                       backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
+    elif batch.calibrate_kv is not None:
+        raise ValueError("kv_written: a forward that calibrates the FP8 scales writes K/V here, after setting them")
     q = _to_tokens_major(query).to(work_dtype)
     if batch.mode is ForwardMode.DECODE:
         with op_range("attention"):

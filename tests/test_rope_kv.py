@@ -151,3 +151,16 @@ def _bf16_pages():
 def test_bad_input_names_the_argument(over, name):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         rope_kv.rope_kv_write(**_good(**over))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "e4m3"])
+def test_gpu_llama8b_shape_matches_rope_then_write(pool):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    case = _case(1000, 32, 8, 128, 64, torch.bfloat16, pool, seed=11, fused_qkv=True)
+    q_amax = pool == FP8_DTYPE
+    got, want = _run("triton", case, q_amax), _run("reference", case, q_amax)
+    assert torch.equal(_bytes(got[0]), _bytes(want[0]))
+    assert not q_amax or torch.equal(got[1], want[1])
+    assert torch.equal(_bytes(got[2]), _bytes(want[2])) and torch.equal(_bytes(got[3]), _bytes(want[3]))
