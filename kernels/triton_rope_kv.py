@@ -62,9 +62,9 @@ def _rope_kv_kernel(
     sin_ptr = SIN + rows * stride_st
     if h < HQ:  # a query head: rotated into the new tokens-major q
         y1, y2 = _rotate(Q + rows * stride_qt + h * stride_qh, cos_ptr, sin_ptr, cols, mask, HALF, dt)
-        out = QO + rows * stride_ot + h * stride_oh + cols[None, :]
-        tl.store(out, y1, mask=mask)
-        tl.store(out + HALF, y2, mask=mask)
+        q_dst = QO + rows * stride_ot + h * stride_oh + cols[None, :]
+        tl.store(q_dst, y1, mask=mask)
+        tl.store(q_dst + HALF, y2, mask=mask)
         if Q_AMAX:  # masked rows are 0
             m = tl.maximum(tl.max(tl.abs(y1.to(tl.float32))), tl.max(tl.abs(y2.to(tl.float32))))
             tl.atomic_max(AMAX, m.to(tl.int32, bitcast=True))
@@ -75,23 +75,23 @@ def _rope_kv_kernel(
         if h < HQ + HKV:  # a key head: rotated, then into its pages
             hk = h - HQ
             y1, y2 = _rotate(K + rows * stride_kt + hk * stride_kh, cos_ptr, sin_ptr, cols, mask, HALF, dt)
-            dst = KP + page * stride_kpp + off * stride_kps + hk * stride_kph + cols[None, :]
+            k_dst = KP + page * stride_kpp + off * stride_kps + hk * stride_kph + cols[None, :]
             if FP8:
                 kd = tl.load(KD + hk)
-                tl.store(dst, _e4m3(y1, kd), mask=mask)
-                tl.store(dst + HALF, _e4m3(y2, kd), mask=mask)
+                tl.store(k_dst, _e4m3(y1, kd), mask=mask)
+                tl.store(k_dst + HALF, _e4m3(y2, kd), mask=mask)
             else:
-                tl.store(dst, y1.to(KP.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF, y2.to(KP.dtype.element_ty), mask=mask)
+                tl.store(k_dst, y1.to(KP.dtype.element_ty), mask=mask)
+                tl.store(k_dst + HALF, y2.to(KP.dtype.element_ty), mask=mask)
         else:  # a value head: copied (quantized) into its pages
             hv = h - HQ - HKV
             dims = tl.arange(0, 2 * HALF)[None, :]
             x = tl.load(V + rows * stride_vt + hv * stride_vh + dims, mask=mask, other=0.0)
-            dst = VP + page * stride_vpp + off * stride_vps + hv * stride_vph + dims * stride_vpd
+            v_dst = VP + page * stride_vpp + off * stride_vps + hv * stride_vph + dims * stride_vpd
             if FP8:
-                tl.store(dst, _e4m3(x, tl.load(VD + hv)), mask=mask)
+                tl.store(v_dst, _e4m3(x, tl.load(VD + hv)), mask=mask)
             else:
-                tl.store(dst, x.to(VP.dtype.element_ty), mask=mask)
+                tl.store(v_dst, x.to(VP.dtype.element_ty), mask=mask)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

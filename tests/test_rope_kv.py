@@ -164,3 +164,37 @@ def test_gpu_llama8b_shape_matches_rope_then_write(pool):
     assert torch.equal(_bytes(got[0]), _bytes(want[0]))
     assert not q_amax or torch.equal(got[1], want[1])
     assert torch.equal(_bytes(got[2]), _bytes(want[2])) and torch.equal(_bytes(got[3]), _bytes(want[3]))
+
+
+_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_rope_kv as t
+ints = ("T", "HQ", "HKV", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+        "stride_oh", "stride_ct", "stride_st", "stride_kpp", "stride_kps", "stride_kph", "stride_vpp", "stride_vps",
+        "stride_vph", "stride_vpd")
+for pool, fp8 in (("bf16", False), ("fp8e4nv", True)):
+    sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "COS": "*bf16", "SIN": "*bf16", "SLOTS": "*i64", "QO": "*bf16",
+           "KP": "*" + pool, "VP": "*" + pool, "KD": "*fp32", "VD": "*fp32", "AMAX": "*i32", **{n: "i32" for n in ints},
+           "PAGE_SIZE": "constexpr", "HALF": "constexpr", "BLOCK_T": "constexpr", "FP8": "constexpr", "Q_AMAX": "constexpr"}
+    c = triton.compile(ASTSource(fn=t._rope_kv_kernel, signature=sig, constexprs={
+        "PAGE_SIZE": 64, "HALF": 64, "BLOCK_T": t.BLOCK_T, "FP8": fp8, "Q_AMAX": fp8}),
+        target=GPUTarget("cuda", 90, 64), options=dict(t.LAUNCH))
+    print(pool, "fma" in c.asm["ptx"].replace("fma.rn.f32", ""))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_contraction():
+    """The kernel as built for Hopper (compiled here on CPU, in a process of its own: the
+    interpreter's patches break real compiles): the interpreter accepts what the compiler may
+    not (a name bound to tensors of two shapes in two branches), and the rotation's products
+    must stay apart from its sums (no fused multiply-add of 16-bit values)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["bf16", "False", "fp8e4nv", "False"]
