@@ -19,12 +19,8 @@
 - ``rotary_amax``: ``triton_elementwise``'s rotary kernel (the same bits) with ``max |y|`` reduced
   by an integer atomic max on the float32 bit pattern (non-negative floats order as integers).
 
-Quantization matches ``kernels.fp8.quantize`` bit for bit: the quotient by the group's descale is
-IEEE division's (``_div_by_descale``: the group's reciprocal and two corrections by the exact
-remainder, not a ``div_rn`` per element: its reciprocal is a MUFU op, the third per element of
-SiLU-mul-quant after the SiLU's exp and reciprocal, plus a range check and branch, in a kernel the
-H100 profile put at 2x its memory roofline, issue #50), clamp to +-448 with NaN kept, round to
-nearest even. Not supported: FP8 outputs of the GEMM, K not a
+Quantization matches ``kernels.fp8.quantize`` bit for bit: IEEE division (``div_rn``), clamp to
++-448 with NaN kept, round to nearest even. Not supported: FP8 outputs of the GEMM, K not a
 multiple of 128 in the block scheme (the caller checks), autotuning (fixed tiles).
 """
 
@@ -49,41 +45,12 @@ _ROTARY_LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 @triton.jit
-def _div_rn_by(x, s, r):
-    """``x / s`` rounded to nearest (IEEE, ``div_rn``'s bits) from ``r = div_rn(1, s)``, shared by
-    the group: ``x * r`` is within about an ulp of the quotient, and a correction with the exact
-    remainder ``fma(-q, s, x)`` rounds a start within an ulp correctly (Markstein's theorem: ``r``
-    correctly rounded, ``q`` faithful, the remainder exact); the second covers a start just over
-    an ulp off (tests/test_fp8_division.py checks against IEEE division). Per
-    element a multiply and four FMAs, where ``div_rn`` takes a reciprocal (MUFU, 16 a clock per
-    SM), its refinement and a range check. Where the correction cannot be trusted the first
-    product is the answer: ``x == 0`` (keeps -0), ``s = inf`` (``r = 0``: ``x / inf``), and a
-    quotient under float32's range (the sign of its zero; e4m3 is zero there either way)."""
-    q0 = x * r
-    q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-    q2 = tl.fma(tl.fma(-q1, s, x), r, q1)
-    return tl.where((q2 == 0.0) | (r == 0.0), q0, q2)
-
-
-@triton.jit
-def _div_by_descale(x, s):
-    """``div_rn(x, s)`` for ``|x| <= 448 s`` (a group's values over its descale), then rounded to
-    e4m3 bit for bit as ``div_rn``'s: a group with a descale under 2^-60 is scaled by 2^64 first
-    (exact), so that subnormal values keep exact remainders; elsewhere a quotient under 2^-66
-    (its remainder may underflow) is off in float32's last bits only, and e4m3 is a signed zero
-    there either way."""
-    k = tl.where(s < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)  # 2^-60, 2^64
-    sk = s * k
-    return _div_rn_by(x * k, sk, tl.math.div_rn(1.0, sk))
-
-
-@triton.jit
 def _quantize_tile(x, G: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr):
     """fp32 ``x [ROWS, NG * G]`` -> (e4m3 ``[ROWS, NG * G]``, descales ``[ROWS, NG]``)."""
     xg = tl.reshape(x, (ROWS, NG, G))
     amax = tl.max(tl.abs(xg), axis=2)
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_C), TINY_C)
-    y = _div_by_descale(xg, scale[:, :, None])
+    y = tl.math.div_rn(xg, scale[:, :, None])
     y = tl.clamp(y, -FP8_MAX_C, FP8_MAX_C, propagate_nan=tl.PropagateNan.ALL)
     return tl.reshape(y, (ROWS, NG * G)).to(tl.float8e4nv), scale
 

@@ -12,8 +12,7 @@ test suite did not:
   (7.82 -> 4.0 in e4m3) and mishandle subnormal outputs, where the GPU rounds to nearest even
   (``cvt.rn``): convert with torch, which rounds the same way;
 - ``x.to(tl.bfloat16)`` of an fp32 tensor (``cast_impl``) truncates: round to nearest even, as
-  the GPU does (the probabilities before the PV product, the outputs);
-- ``tl.fma`` on fp32 rounds the product and the sum apart: round once (``fma32``).
+  the GPU does (the probabilities before the PV product, the outputs).
 
 Nothing happens without ``TRITON_INTERPRET=1`` or when Triton is not installed; applying twice
 is a no-op.
@@ -89,35 +88,7 @@ def apply_fixes() -> bool:
         return original_cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-    original_fma = interpreter.InterpreterBuilder.create_fma
-
-    def create_fma(self, x, y, z):
-        if z.dtype.scalar != tl.float32:
-            return original_fma(self, x, y, z)
-        return interpreter.TensorHandle(fma32(x.data, y.data, z.data), tl.float32)
-
-    interpreter.InterpreterBuilder.create_fma = create_fma
     return True
-
-
-def fma32(x, y, z):
-    """float32 ``x * y + z`` rounded once, as the GPU's ``fma.rn.f32`` (the interpreter computes
-    ``x * y`` and ``+ z`` with two roundings, which breaks the exact remainders the FP8
-    quantization's division takes): the float64 product is exact, the sum is rounded to odd
-    (TwoSum's error term says where it was inexact), then to float32, which makes the two
-    roundings one (53 >= 24 + 2 bits)."""
-    import numpy as np
-
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.asarray(x, dtype=np.float64) * np.asarray(y, dtype=np.float64)
-        zz = np.broadcast_to(np.asarray(z, dtype=np.float64), p.shape)
-        s = p + zz
-        b = s - zz
-        err = (p - b) + (zz - (s - b))
-        fix = np.isfinite(s) & (err != 0) & ((s.view(np.int64) & 1) == 0)
-        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
 
 
 def apply_if_interpreting() -> None:
