@@ -240,6 +240,10 @@ def op_costs(config, tokens: int, weight_dtype: str, act_bytes: int, kv_bytes: i
         "norm": (0.0, float((2 * layers + 1) * t * h * 2 * e + (2 * layers * t * h if fp8 else 0)), False),
         "rope": (0.0, float(layers * t * (qk_heads * d * 2 * e + 2 * d * e)), False),
         "kv_write": (0.0, float(layers * t * 2 * hkv * d * (e + kv_bytes)), False),
+        # RoPE with the K/V write (kernels.rope_kv): q, k, v, cos, sin read once, q and the
+        # pool's K/V written once (the rotated k is never stored elsewhere)
+        "rope_kv": (0.0, float(layers * t * (2 * hq * d * e + 2 * hkv * d * e + 2 * d * e + 2 * hkv * d * kv_bytes)),
+                    False),
         # SiLU-mul reads gate and up and writes the product (bf16) or its e4m3 quantization
         "silu_mul": (0.0, float(layers * t * i * (2 * e + (1 if fp8 and fp8_counts.get("silu_quant") else e))), False),
         "lm_head": (2.0 * h * vocab, float(vocab * h * e), False),

@@ -109,13 +109,16 @@ def _check_planned_descales(q: torch.Tensor, descales: Fp8Descales | None) -> No
 
 def build_index_planned(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PrefillPlan,
-    *, backend: Backend = "auto", descales: Fp8Descales | None = None,
+    *, backend: Backend = "auto", descales: Fp8Descales | None = None, capacity: int | None = None,
 ) -> SparseIndex:
+    """The index of ``plan``'s batch. ``capacity`` (Triton): ``kv_tiles`` entries to allocate
+    instead of reading the exact count back (``triton_index.build_index``); at least
+    ``plan.index_capacity`` never overflows, and then the call makes no host sync."""
     _check_planned_descales(q, descales)
     if resolve_backend(backend, q.device) in ("triton", "cutlass"):
         from . import triton_index
 
-        return triton_index.build_index(q, k_pages, v_pages, plan, descales=descales)
+        return triton_index.build_index(q, k_pages, v_pages, plan, descales=descales, capacity=capacity)
     return reference.build_index(q, k_pages, v_pages, plan, descales=descales)
 
 

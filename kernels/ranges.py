@@ -17,7 +17,7 @@ import torch
 
 PREFIX = "op::"
 OPS = (
-    "embed", "norm", "act_quant", "qkv_gemm", "rope", "kv_write", "q_quant", "index", "attention",
+    "embed", "norm", "act_quant", "qkv_gemm", "rope", "kv_write", "rope_kv", "q_quant", "index", "attention",
     "correction", "o_gemm", "gate_up_gemm", "silu_mul", "down_gemm", "lm_head", "sampling",
 )
 _NULL = contextlib.nullcontext()

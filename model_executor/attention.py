@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from kernels import fp8, fp8_gemm, ops, reference
-from kernels.config import KV_TILE, Q_TILE, SparseConfig
+from kernels import fp8, fp8_gemm, ops, reference, rope_kv
+from kernels.config import SparseConfig
 from kernels.plan import PrefillPlan
 from kernels.ranges import op_range
 
@@ -104,16 +104,8 @@ class ForwardState:
 
 def causal_tile_pairs(plan: PrefillPlan) -> list[int]:
     """Per sequence of ``plan``: the (query tile, 64-key tile) pairs of one KV head that causal
-    attention touches at all, i.e. the tiles a dense prefill computes (host arithmetic over the
-    query tiles, vectorized: a 128K prompt's 4096 tiles take tens of microseconds)."""
-    g = plan.group_size
-    out = []
-    for b in range(plan.batch_size):
-        rows = g * plan.seqlens_q[b]
-        ends = torch.clamp(torch.arange(1, plan.qtiles[b] + 1, dtype=torch.int64) * Q_TILE, max=rows)
-        last = (ends - 1) // g + plan.prefix(b)  # the last position of each query tile
-        out.append(int((last // KV_TILE + 1).sum()))
-    return out
+    attention touches at all, i.e. the tiles a dense prefill computes (``PrefillPlan.causal_tiles``)."""
+    return list(plan.causal_tiles)
 
 
 @dataclass(frozen=True)
@@ -149,6 +141,20 @@ class ForwardBatch:
 def _to_tokens_major(x: torch.Tensor) -> torch.Tensor:
     """``[1, H, T, d]`` (transformers' layout) -> ``[T, H, d]`` contiguous."""
     return x[0].transpose(0, 1).contiguous()
+
+
+# The most int32 CSR entries a layer's index may allocate for its worst case (every causal tile
+# pair; 33.6M entries, 134 MB, at 128K tokens with 32/8 heads): up to it the index is built with
+# no host sync (a per-layer read of its entry count, ~10 us of stall and launch gap each);
+# past it, an exact-sized CSR after one read per layer (the worst case grows with L^2).
+INDEX_CAPACITY_MAX_ENTRIES = 1 << 28
+
+
+def index_capacity(plan: PrefillPlan) -> int | None:
+    """``plan.index_capacity`` when it is within :data:`INDEX_CAPACITY_MAX_ENTRIES`, else None
+    (the index reads its exact size back)."""
+    cap = plan.index_capacity
+    return cap if cap <= INDEX_CAPACITY_MAX_ENTRIES else None
 
 
 def _prefill(
@@ -198,7 +204,8 @@ def _prefill(
             batch.state.count_dense(plan)
         return out
     with op_range("index"):
-        index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales)
+        index = ops.build_index_planned(q, k_pages, v_pages, plan, backend=backend, descales=descales,
+                                        capacity=index_capacity(plan))
         batch.state.count_index(plan, index)
     # the unresolved choice: attention_planned is where "auto" picks the CUTLASS kernel (a
     # resolved "auto" is "triton" and would never reach it)
@@ -224,6 +231,31 @@ def _decode(batch: ForwardBatch, layer: int, q: torch.Tensor, scaling: float | N
     return out
 
 
+def rope_kv_fusable(batch: object, dtype: torch.dtype) -> bool:
+    """Whether a layer can write its K/V from its RoPE pass (:func:`rope_and_write_kv`): a batch of
+    our runner, no FP8 scale calibration in this forward (it sets the scales from the rotated keys
+    before the first write), and a pool of the model's ``dtype`` or e4m3."""
+    return (isinstance(batch, ForwardBatch) and batch.calibrate_kv is None
+            and (batch.pool.k_scale is not None or batch.pool.k.dtype == dtype))
+
+
+def rope_and_write_kv(module: torch.nn.Module, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str,
+                      q_amax: bool = False):
+    """RoPE of tokens-major ``q``, ``k`` and the write of the rotated ``k`` and ``v`` into layer
+    ``module.layer_idx`` of the pool, one kernel (``kernels.rope_kv``; the same bytes as RoPE then
+    ``pool.write``); returns the rotated ``q`` (and its amax with ``q_amax``). Pass
+    ``kv_written=True`` to :func:`paged_attention_forward` afterwards. Check
+    :func:`rope_kv_fusable` first."""
+    pool, layer = batch.pool, module.layer_idx
+    fp8_pool = pool.k_scale is not None
+    with op_range("rope_kv"):
+        return rope_kv.rope_kv_write(q, k, v, cos, sin, batch.slots, pool.k[layer], pool.v[layer],
+                                     k_descale=pool.k_scale[layer] if fp8_pool else None,
+                                     v_descale=pool.v_scale[layer] if fp8_pool else None,
+                                     q_amax=q_amax, backend=backend)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -234,11 +266,14 @@ def paged_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     query_amax: torch.Tensor | None = None,
+    kv_written: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``
     (not repeated for GQA) -> ``([1, T, Hq, d], None)``. ``query_amax``: ``max |query|`` (float32
-    ``[1]``, on query's device) when the caller computed it (FP8 pools' prefill uses it)."""
+    ``[1]``, on query's device) when the caller computed it (FP8 pools' prefill uses it).
+    ``kv_written``: the caller already wrote ``key``/``value`` into the pool
+    (:func:`rope_and_write_kv`); they are not written again."""
     batch = kwargs.get(BATCH_KWARG)
     if not isinstance(batch, ForwardBatch):
         raise ValueError(
@@ -266,13 +301,17 @@ def paged_attention_forward(
     pool = batch.pool
     # FP8 pools quantize in ``write``; the query keeps the model dtype (prefill quantizes it)
     work_dtype = query.dtype if pool.k_scale is not None else pool.k.dtype
-    k = _to_tokens_major(key).to(work_dtype)
-    v = _to_tokens_major(value).to(work_dtype)
-    if batch.calibrate_kv is not None and pool.k_scale is not None:
-        pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
-    # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
-    with op_range("kv_write"):
-        pool.write(layer, batch.slots, k, v, backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
+    if not kv_written:
+        k = _to_tokens_major(key).to(work_dtype)
+        v = _to_tokens_major(value).to(work_dtype)
+        if batch.calibrate_kv is not None and pool.k_scale is not None:
+            pool.set_scales(layer, fp8.pow2_descale(k, batch.calibrate_kv), fp8.pow2_descale(v, batch.calibrate_kv))
+        # the pool's write kernel (FP8 pools) follows the batch's choice; "auto"/"cutlass": Triton on CUDA
+        with op_range("kv_write"):
+            pool.write(layer, batch.slots, k, v,
+                       backend=batch.backend if batch.backend in ("reference", "triton") else "auto")
+    elif batch.calibrate_kv is not None:
+        raise ValueError("kv_written: a forward that calibrates the FP8 scales writes K/V here, after setting them")
     q = _to_tokens_major(query).to(work_dtype)
     if batch.mode is ForwardMode.DECODE:
         with op_range("attention"):

@@ -52,9 +52,11 @@ The forwards (:func:`install_forwards`, called by ``ModelRunner``):
   stored; ``down_proj`` is still called as a module (a TP shard's all-reduce hook runs) on a
   zero-stride placeholder that carries the quantized activation (``ACTIVATION_ATTR``).
 - With an FP8 KV pool, the attention modules run a forward whose q goes through
-  ``kernels.fp8_gemm.rotary_amax``: RoPE with q's max ``|q|`` in the same pass, handed to the
-  attention (``query_amax=``), so the FP8 operator's per-tensor q descale needs no separate amax
-  pass. The numbers are those of the unfused path (same RoPE bits, same amax, same quantization).
+  ``kernels.rope_kv`` (RoPE of q and k, q's max ``|q|`` and the quantized K/V write in one pass;
+  ``kernels.fp8_gemm.rotary_amax`` and the pool's write where ``attention.rope_kv_fusable`` says
+  no, e.g. while calibrating the scales), q's amax handed to the attention (``query_amax=``), so
+  the FP8 operator's per-tensor q descale needs no separate amax pass. The numbers are those of
+  the unfused path (same RoPE bits, same amax, same quantization).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.ranges import op_range
 
 from . import fused, models
-from .attention import ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, paged_attention_forward
+from .attention import (ATTENTION_NAME, BATCH_KWARG, ForwardBatch, ForwardMode, paged_attention_forward,
+                        rope_and_write_kv, rope_kv_fusable)
 from .model_info import WEIGHT_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -395,12 +398,18 @@ def _q_amax_attention_forward(self, hidden_states: torch.Tensor, position_embedd
         with op_range("norm"):
             q, k = self.q_norm(q), self.k_norm(k)
     extra = {}
-    with op_range("rope"):
-        k = elementwise.rotary(k, cos, sin, backend=backend)
-        if batch.mode is ForwardMode.PREFILL and batch.pool.k_scale is not None:
-            q, extra["query_amax"] = fp8_gemm.rotary_amax(q, cos, sin, backend=backend)
-        else:
-            q = elementwise.rotary(q, cos, sin, backend=backend)
+    q_amax = batch.mode is ForwardMode.PREFILL and batch.pool.k_scale is not None
+    if rope_kv_fusable(batch, q.dtype):  # RoPE, q's amax and the K/V write in one pass
+        out = rope_and_write_kv(self, batch, q, k, v, cos, sin, backend=backend, q_amax=q_amax)
+        q, extra["query_amax"] = out if q_amax else (out, None)
+        extra["kv_written"] = True
+    else:
+        with op_range("rope"):
+            k = elementwise.rotary(k, cos, sin, backend=backend)
+            if q_amax:
+                q, extra["query_amax"] = fp8_gemm.rotary_amax(q, cos, sin, backend=backend)
+            else:
+                q = elementwise.rotary(q, cos, sin, backend=backend)
     out, weights = paged_attention_forward(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attention_mask, dropout=0.0,
                                            scaling=self.scaling, **kwargs, **extra)

@@ -9,7 +9,9 @@ the registered families' ``fused_ops``, ``model_executor.models``; and only in t
 is projections, rotate-half RoPE, the attention function, ``o_proj``), so Gemma's ``(1 + weight)``
 norm, a GELU MLP or Qwen3's q/k norms keep transformers' code. The fused attention forward
 applies RoPE straight into the tokens-major layout our paged attention reads (no transposed
-copies of q, k, v) and runs only under ``fpv2_paged`` without a transformers cache; anything
+copies of q, k, v), writing the rotated k and v into the pool from the same pass
+(``kernels.rope_kv``, where ``attention.rope_kv_fusable``), and runs only under ``fpv2_paged``
+without a transformers cache; anything
 else goes to the class's own forward. The replacement is per instance (``module.forward``), never on
 the class, so other models in the process are untouched; ``uninstall`` restores the eager forwards
 (the baselines that time stock transformers on the same model object call it).
@@ -27,7 +29,7 @@ from kernels import elementwise
 from kernels.ranges import op_range
 
 from . import models
-from .attention import ATTENTION_NAME, paged_attention_forward
+from .attention import ATTENTION_NAME, BATCH_KWARG, paged_attention_forward, rope_and_write_kv, rope_kv_fusable
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +75,18 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
         q = self.q_proj(hidden_states).view(n, -1, d)
         k = self.k_proj(hidden_states).view(n, -1, d)
         v = self.v_proj(hidden_states).view(n, -1, d)
-    with op_range("rope"):
-        q = elementwise.rotary(q, cos, sin, backend=backend)
-        k = elementwise.rotary(k, cos, sin, backend=backend)
+    batch = kwargs.get(BATCH_KWARG)
+    written = rope_kv_fusable(batch, q.dtype)
+    if written:  # RoPE and the K/V write in one pass: the rotated k goes straight to its pages
+        q = rope_and_write_kv(self, batch, q, k, v, cos, sin, backend=backend)
+    else:
+        with op_range("rope"):
+            q = elementwise.rotary(q, cos, sin, backend=backend)
+            k = elementwise.rotary(k, cos, sin, backend=backend)
     # [1, H, T, d] views of the tokens-major tensors: the attention's layout change is then free
     out, weights = paged_attention_forward(self, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attention_mask, dropout=0.0,
-                                           scaling=self.scaling, **kwargs)
+                                           scaling=self.scaling, kv_written=written, **kwargs)
     with op_range("o_gemm"):
         return self.o_proj(out.reshape(1, n, -1)), weights
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue #39 on the lent GPU machine: the FP8 GPU tests, the per-op profile of one 128K prefill
 # and the TTFT rows, with our CUTLASS library carried prebuilt (see scripts/gpu_bench_peer.sh):
-#   run(carry=[".carry/c"]): bash scripts/gpu_ttft.sh [tests] [profile] [profile32k] [attnrange] [ttft]
+#   run(carry=[".carry/c"]): bash scripts/gpu_ttft.sh [tests] [profile] [profile32k] [attnrange] [ttft] [fused]
+# (issue #50: "fused" times the fused ops against their unfused sequences, fraction of roofline;
+# "tests" also runs the fused ops' and the prefill host-sync GPU tests)
 # Results (JSON, logs) land in $OUT; commit them under benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +11,9 @@ source scripts/gpu_env.sh
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests profile ttft)
 for step in "${steps[@]}"; do
   case $step in
-    tests) python3 -m pytest -q -m gpu tests/test_fp8_linear.py tests/test_profile_prefill.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -m gpu tests/test_fp8_linear.py tests/test_profile_prefill.py tests/test_rope_kv.py \
+             tests/test_prefill_host_sync.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    fused) python3 benchmarks/bench_fused_ops.py --tokens 32768 --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" ;;
     profile) python3 benchmarks/profile_prefill.py --length 131072 --weight-dtype bf16,fp8_channel,fp8_block \
                --out "$OUT/profile_prefill_h200.json" 2>&1 | tee "$OUT/profile_prefill_h200.log" ;;
     profile32k) python3 benchmarks/profile_prefill.py --length 32768 --weight-dtype bf16,fp8_channel,fp8_block \

@@ -636,6 +636,19 @@ def test_runner_fp8_pool_q_amax_path_gives_the_same_numbers(monkeypatch):
 def test_query_amax_is_checked(monkeypatch):
     loaded = tiny(num_layers=1, dtype=torch.bfloat16)
     runner = make_runner(loaded, kv_dtype=E4M3)
+    from kernels import rope_kv
+
+    real = rope_kv.rope_kv_write
+
+    def bad_amax(*args, q_amax=False, **kwargs):  # the amax of the RoPE + K/V write pass, as float64
+        out = real(*args, q_amax=q_amax, **kwargs)
+        return (out[0], torch.ones(1, dtype=torch.float64)) if q_amax else out
+
+    monkeypatch.setattr(rope_kv, "rope_kv_write", bad_amax)
+    with pytest.raises(ValueError, match="query_amax: expected a float32 tensor of one element"):
+        run_prompts(runner, PROMPTS[:1], decode_steps=0)
+    # and where RoPE runs apart from the write (rope_kv_fusable says no): RoPE + amax's
+    monkeypatch.setattr(fp8_linear, "rope_kv_fusable", lambda batch, dtype: False)
     monkeypatch.setattr(fp8_gemm, "rotary_amax", lambda x, c, s, backend: (fp8_gemm.rotary_amax_reference(x, c, s)[0],
                                                                             torch.ones(1, dtype=torch.float64)))
     with pytest.raises(ValueError, match="query_amax: expected a float32 tensor of one element"):
@@ -653,6 +666,32 @@ def test_runner_fp8_triton_path_against_reference():
     got = run_prompts(runner, PROMPTS[:1], decode_steps=1)
     # bf16 roundings in another order (fused norms, fp32 GEMM accumulation order)
     assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", [None, E4M3], ids=["bf16-pool", "e4m3-pool"])
+def test_rope_kv_write_fused_logits_equal_rope_then_write(kv_dtype, monkeypatch):
+    """FP8 block weights, Triton kernels: RoPE + K/V write in one kernel (``kernels.rope_kv``) gives
+    the logits of RoPE then the pool's write, bit for bit (the same bytes reach the pages), in
+    prefill and decode."""
+    from kernels import rope_kv
+
+    loaded = tiny(num_layers=1, dtype=torch.bfloat16)
+    fp8_linear.quantize_model(loaded.model, "block")
+    calls = []
+    real = rope_kv.rope_kv_write
+    monkeypatch.setattr(rope_kv, "rope_kv_write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = run_prompts(make_runner(loaded, kv_dtype=kv_dtype, backend="triton", fused_ops=True), PROMPTS[:1],
+                        decode_steps=1)
+    assert len(calls) == 2  # prefill and decode of the one layer
+    from model_executor import fused as fused_module
+
+    monkeypatch.setattr(fp8_linear, "rope_kv_fusable", lambda batch, dtype: False)
+    monkeypatch.setattr(fused_module, "rope_kv_fusable", lambda batch, dtype: False)
+    apart = run_prompts(make_runner(loaded, kv_dtype=kv_dtype, backend="triton", fused_ops=True), PROMPTS[:1],
+                        decode_steps=1)
+    assert len(calls) == 2
+    assert torch.equal(fused, apart)
 
 
 def test_decode_graph_buffers_with_fp8_weights():

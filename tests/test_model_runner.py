@@ -163,17 +163,24 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
 
     from kernels import elementwise
 
+    from kernels import rope_kv
+
     monkeypatch.setattr(fused, "SILU_MUL_MIN_TOKENS", 1)  # these few tokens run the fused MLP too
     layers = tiny.model.config.num_hidden_layers
     prompts = _prompts([90, 33], seed=5)
     logits = {}
-    rotary_calls = []
-    real_rotary = elementwise.rotary
-    monkeypatch.setattr(elementwise, "rotary", lambda *a, **k: rotary_calls.append(1) or real_rotary(*a, **k))
-    for mode in (False, True):
+    calls = {"rotary": [], "rope_kv": []}
+    real_rotary, real_rope_kv = elementwise.rotary, rope_kv.rope_kv_write
+    monkeypatch.setattr(elementwise, "rotary", lambda *a, **k: calls["rotary"].append(1) or real_rotary(*a, **k))
+    monkeypatch.setattr(rope_kv, "rope_kv_write", lambda *a, **k: calls["rope_kv"].append(1) or real_rope_kv(*a, **k))
+    # eager; fused with RoPE and the K/V write in one kernel; fused with them apart (the pool's write)
+    for mode in (False, True, "rope-apart"):
+        if mode == "rope-apart":
+            monkeypatch.setattr(fused, "rope_kv_fusable", lambda batch, dtype: False)
         pool = make_pool(tiny, num_pages=16, page_size=64)
-        runner = ModelRunner(tiny.model, pool, DENSE, dense_below=0, fused_ops=mode)
-        rotary_calls.clear()  # the runner's self-check ran each kernel once
+        runner = ModelRunner(tiny.model, pool, DENSE, dense_below=0, fused_ops=bool(mode))
+        for c in calls.values():
+            c.clear()  # the runner's self-check ran each kernel once
         assert runner.fused_counts == ({"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers} if mode
                                        else {"rms_norm": 0, "silu_mul": 0, "rotary": 0})
         for i, p in enumerate(prompts):
@@ -182,9 +189,12 @@ def test_fused_ops_match_the_eager_model(tiny, monkeypatch):
         runner.ensure_capacity("r0", len(prompts[0]) + 1)
         runner.ensure_capacity("r1", len(prompts[1]) + 1)
         logits[(mode, "decode")] = runner.decode(["r0", "r1"], [3, 4])
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(logits[(True, "decode")], logits[(False, "decode")], atol=1e-4, rtol=1e-4)
-    assert len(rotary_calls) == 2 * 2 * layers  # q and k of every layer, prefill and decode: the fused path ran
+        # the fused path ran: one RoPE + K/V write per layer, prefill and decode; or q and k apart
+        want = {False: (0, 0), True: (0, 2 * layers), "rope-apart": (2 * 2 * layers, 0)}[mode]
+        assert (len(calls["rotary"]), len(calls["rope_kv"])) == want, mode
+    for mode in (True, "rope-apart"):
+        torch.testing.assert_close(logits[mode], logits[False], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[(mode, "decode")], logits[(False, "decode")], atol=1e-4, rtol=1e-4)
     # the default on CPU: eager (and it takes back what an earlier runner installed)
     fused.install(tiny.model)
     runner = ModelRunner(tiny.model, make_pool(tiny, num_pages=4, page_size=64), DENSE)

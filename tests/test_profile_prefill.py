@@ -26,7 +26,8 @@ def prof():
     return mod
 
 
-MODEL_OPS = {"embed", "norm", "qkv_gemm", "rope", "kv_write", "index", "attention", "o_gemm", "gate_up_gemm",
+# the smoke run's fused ops: RoPE and the K/V write are one kernel ("rope_kv", no "rope", "kv_write")
+MODEL_OPS = {"embed", "norm", "qkv_gemm", "rope_kv", "index", "attention", "o_gemm", "gate_up_gemm",
              "silu_mul", "down_gemm", "lm_head", "sampling"}
 
 

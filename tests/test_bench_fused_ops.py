@@ -1,0 +1,48 @@
+"""benchmarks/bench_fused_ops.py: the CPU smoke run (the real kernels under the interpreter, each
+fused op checked byte for byte against its unfused sequence), the table, argument errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_fused_ops as bench  # noqa: E402
+
+
+def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "fused.json"
+    bench.main(["--cpu-smoke", "--tokens", "37", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["op"], r["variant"]) for r in result["rows"]] == [
+        ("silu_mul_quant", "group128"), ("silu_mul_quant", "per_token"), ("rms_norm_quant", "group128"),
+        ("rms_norm", "bf16"), ("rope_kv", "bf16_pool"), ("rope_kv", "e4m3_pool")]
+    assert all(r["equal"] for r in result["rows"])
+    assert result["config"]["tokens"] == 37 and result["copy_gbps"] > 0
+    s = bench.SMOKE_SHAPE
+    silu = result["rows"][0]
+    assert silu["gbytes"] == pytest.approx(37 * s.intermediate * 5 / 1e9 + 37 * (s.intermediate // 128) * 4 / 1e9)
+    for r in result["rows"]:
+        assert r["fused_ms"] > 0 and r["x_copy"] == pytest.approx(r["fused_ms"] / r["roofline_ms_copy"])
+        assert r["x_h200"] == pytest.approx(r["fused_ms"] / r["roofline_ms_h200"])
+        assert (r["unfused_ms"] is None) == (r["op"] == "rms_norm")
+    printed = capsys.readouterr().out
+    assert "| rope_kv | e4m3_pool |" in printed and "| rms_norm | bf16 |" in printed
+
+
+@pytest.mark.parametrize("argv,match", [(["--tokens", "0"], "--tokens"), (["--tokens", "x"], "--tokens")])
+def test_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_cpu_smoke_needs_the_interpreter(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        bench.main(["--cpu-smoke"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
