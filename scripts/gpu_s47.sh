@@ -42,8 +42,8 @@ for s in "$@"; do
   case $s in
     stash|calib|densebelow) bash scripts/gpu_s46.sh "$s" ;;
     tests) step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_sparse_safeguards.py \
-             tests/test_triton_index.py tests/test_cutlass_attention.py tests/test_kv_ipc.py tests/test_rope_kv.py \
-             tests/test_fused_mlp_quant.py tests/test_model_runner.py ;;
+             tests/test_triton_index.py tests/test_cutlass_attention.py tests/test_kv_ipc.py tests/test_rope_kv.py tests/test_prefill_host_sync.py \
+             tests/test_fp8_linear.py tests/test_profile_prefill.py tests/test_model_runner.py ;;
     memplan) step memplan 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_memory_plan.py ;;
     index) bash scripts/gpu_s46.sh index ;;
     ttft) step ttft 240 bash scripts/gpu_ttft.sh ttft ;;
