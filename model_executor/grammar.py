@@ -33,10 +33,12 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:
+    import torch  # the masks' (decode replicas); the ingress compiles guides without torch
 
 from .tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer
 
@@ -387,6 +389,8 @@ def compile_guide(guided: dict, tokenizer: Any, *, cache: GrammarCache | None = 
 # -- the per-request guide ----------------------------------------------------------------------
 def _apply_words(words: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> None:
     """``words`` int32 ``[B, ceil(V / 32)]`` host bitmasks onto ``logits [B, >= V]`` in place."""
+    import torch
+
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (words.to(logits.device)[:, :, None] >> shifts) & 1
     allowed = bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
@@ -410,15 +414,34 @@ class Guide:
         self._matcher = matcher
         self.vocab_size = int(ll_tokenizer.vocab_size)
         self.stop_token_ids = tuple(int(t) for t in ll_tokenizer.eos_tokens)
-        self._words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
-        stop_bits = torch.zeros(self._words.numel() * 32, dtype=torch.bool)
-        stop_bits[list(self.stop_token_ids)] = True
-        # the same bit layout as llguidance's: token i is bit i % 32 of word i // 32
-        words = (stop_bits.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
-        self._stop_words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        # the host masks, made on the first mask (the decode replica's): the ingress compiles a
+        # guide only to check the request, without torch
+        self._mask_words: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stopped = False  # a stop token was accepted
         self.error: str | None = None
         self.num_accepted = 0
+
+    @property
+    def _words(self) -> torch.Tensor:
+        """The next token's mask buffer: int32 ``[ceil(V / 32)]``."""
+        return self._masks()[0]
+
+    @property
+    def _stop_words(self) -> torch.Tensor:
+        """The mask allowing only the stop tokens."""
+        return self._masks()[1]
+
+    def _masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._mask_words is None:
+            import torch
+
+            buffer = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+            stop_bits = torch.zeros(buffer.numel() * 32, dtype=torch.bool)
+            stop_bits[list(self.stop_token_ids)] = True
+            # the same bit layout as llguidance's: token i is bit i % 32 of word i // 32
+            words = (stop_bits.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
+            self._mask_words = (buffer, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+        return self._mask_words
 
     def _only_stop(self) -> bool:
         if self.error is None and self._matcher.is_error():
@@ -441,6 +464,8 @@ class Guide:
         """Sets the logits of disallowed tokens to ``-inf`` in place. ``logits``: 1-D float over
         the model's vocabulary, which may be larger than the tokenizer's (the extra ids are
         disallowed)."""
+        import torch
+
         if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or not logits.is_floating_point():
             raise ValueError(f"logits: expected a 1-D float tensor, got {getattr(logits, 'shape', type(logits))}")
         if logits.numel() < self.vocab_size:
@@ -488,6 +513,8 @@ def fill_masks(guides: Sequence[Guide | None], logits: torch.Tensor) -> None:
     (``None``: left alone). The host masks of the rows are computed in parallel by llguidance's
     ``LLExecutor`` threads, then expanded on the logits' device in one pass. The guides must
     share one tokenizer vocabulary size."""
+    import torch
+
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits: expected a 2-D float tensor [B, V], got {getattr(logits, 'shape', type(logits))}")
     if len(guides) != logits.shape[0]:

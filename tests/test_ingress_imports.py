@@ -67,6 +67,15 @@ _PROBE = textwrap.dedent(
     hint = prefix_hint(completion.prompt_token_ids, config.kv.page_size, PrefillCostModel.for_config(config))
     assert hint and chat.prompt_token_ids, (hint, chat)
     check("parsing a request")
+    guided = parser.parse({"model": config.model_id, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+                               "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}},
+                          "chat")
+    tools = parser.parse({"model": config.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                          "tool_choice": "required"}, "chat")
+    assert guided.guided and tools.guided, (guided.guided, tools.guided)
+    check("parsing a structured-output or tool-call request")
     print("no torch")
     """
 )
