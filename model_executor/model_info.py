@@ -4,8 +4,8 @@ loader's ``weight_dtype`` values. The
 ingress needs these and nothing else of the model; its process never imports torch
 (tests/test_ingress_imports.py). ``model_executor.loading`` re-exports every name here.
 
-The built-in structured models' specs live in ``model_executor.structured_model``, which does
-import torch: asking about one of them here loads it.
+The built-in structured models' specs live in ``model_executor.structured_spec`` (torch-free;
+``model_executor.structured_model`` builds their weights).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def read_json(path: Path) -> Any:
 
 
 def structured_spec(name: str, seed: int = 0) -> Any:
-    """The ``model_executor.structured_model`` spec of a built-in structured model."""
-    from .structured_model import llama31_8b_spec, llama31_70b_spec, qwen25_32b_spec, tiny_spec
+    """The ``model_executor.structured_spec`` spec of a built-in structured model."""
+    from .structured_spec import llama31_8b_spec, llama31_70b_spec, qwen25_32b_spec, tiny_spec
 
     specs = {BUILTIN_STRUCTURED_8B: llama31_8b_spec, BUILTIN_STRUCTURED_TINY: tiny_spec,
              BUILTIN_STRUCTURED_32B: qwen25_32b_spec, BUILTIN_STRUCTURED_70B: llama31_70b_spec}

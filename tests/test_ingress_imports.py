@@ -76,6 +76,10 @@ _PROBE = textwrap.dedent(
                           "tool_choice": "required"}, "chat")
     assert guided.guided and tools.guided, (guided.guided, tools.guided)
     check("parsing a structured-output or tool-call request")
+    for model in ("builtin:structured-tiny", "builtin:structured-8b"):  # the benchmarks' models
+        other = ServiceConfig.from_dict({"model": {"model": model}})
+        assert resolve_max_model_len(other) > 0 and _model_type(other) == "llama"
+    check("the ingress's start-up on a built-in structured model")
     print("no torch")
     """
 )
