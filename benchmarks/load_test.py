@@ -112,10 +112,7 @@ def percentile(values: list[float], q: float) -> float:
 
 # ----------------------------------------------------------------------------- oracle
 class Oracle:
-    """Greedy tokens and text from the single-process engines (cached per prompt). Greedy
-    decoding is a prefix property: the first ``k`` tokens of a longer run are the run of ``k``
-    tokens (a run ended by a stop token ends there at any longer ``max_tokens``), so one run per
-    prompt, of its longest ``max_tokens`` first, answers every shorter request."""
+    """Greedy tokens and text from the single-process engines (cached per prompt)."""
 
     def __init__(self, config: Any = None) -> None:
         from model_executor.loading import load_model
@@ -125,11 +122,11 @@ class Oracle:
         self.config = config or ServiceConfig(sparse={"alpha": 0.0})
         self.model = load_model(None)
         self.tokenizer = ByteTokenizer()
-        self._cache: dict[tuple, tuple[int, list[int]]] = {}  # prompt -> (max_tokens asked, its tokens)
+        self._cache: dict[tuple, list[int]] = {}
 
     def tokens(self, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-        asked, run = self._cache.get(prompt, (0, []))
-        if max_tokens > asked and len(run) == asked:  # not run this far, nor ended by a stop token before
+        key = (prompt, max_tokens)
+        if key not in self._cache:
             from router.offline import generate
             from model_executor.sampling import SamplingParams
 
@@ -137,9 +134,8 @@ class Oracle:
                                     stop_token_ids=self.tokenizer.stop_token_ids)
             res = generate([list(prompt)], params, model=self.model, sparse_config=self.config.sparse_config,
                            dense_below=self.config.sparse.dense_below, page_size=self.config.kv.page_size)
-            asked, run = max_tokens, list(res[0].output_token_ids)
-            self._cache[prompt] = (asked, run)
-        return run[:max_tokens]
+            self._cache[key] = list(res[0].output_token_ids)
+        return self._cache[key]
 
     def text(self, token_ids: list[int]) -> str:
         return detokenize(self.tokenizer, token_ids)
@@ -351,8 +347,7 @@ def prompt_ids_of(work: list, index: int) -> tuple[int, ...]:
 
 def run_load(spec: LoadSpec, http_base: str, grpc_target: str, oracle: Oracle | None = None) -> LoadReport:
     oracle = oracle or Oracle()
-    # oracle first (it is not part of the timing), each prompt's longest request first: one run a prompt
-    for _, prompt, max_tokens, _ in sorted(spec.workload(), key=lambda w: -w[2]):
+    for _, prompt, max_tokens, _ in spec.workload():  # oracle first: it is not part of the timing
         oracle.tokens(prompt, max_tokens)
     return asyncio.run(run_load_async(spec, http_base, grpc_target, oracle.tokens, oracle.text))
 

@@ -23,27 +23,6 @@ def test_load_test_serves_the_oracles_model():
     assert cfg.sparse.alpha == 0.0  # dense, as the oracle
 
 
-def test_oracle_runs_each_prompt_once_and_its_prefixes_are_the_shorter_runs(monkeypatch):
-    """A prompt's shorter requests are the prefix of its longest run (one run a prompt, longest
-    first, as ``run_load`` asks), equal to a fresh oracle's own shorter runs; a longer request
-    than any run so far runs again."""
-    import random
-
-    import router.offline
-
-    rng = random.Random(17)
-    prompt = (256, *(rng.randrange(256) for _ in range(rng.randint(20, 60))))
-    fresh = load_test.Oracle()
-    want = {m: fresh.tokens(prompt, m) for m in (1, 5, 9)}
-    runs = []
-    real = router.offline.generate
-    monkeypatch.setattr(router.offline, "generate", lambda *a, **k: runs.append(k) or real(*a, **k))
-    oracle = load_test.Oracle()
-    assert [oracle.tokens(prompt, m) for m in (9, 5, 1)] == [want[9], want[5], want[1]] and len(runs) == 1
-    assert oracle.tokens(prompt, 12)[:9] == want[9] and len(runs) == 2
-    assert len(want[9]) == 9  # the random prompt's run is not ended early by a stop token
-
-
 def test_autoscale_main_runs_the_short_scenario_to_out(tmp_path, monkeypatch, capsys):
     seen = {}
 
