@@ -52,7 +52,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(2)
+        time.sleep(0.5)  # the same deadline, asked more often: a ready service is used sooner
     raise RuntimeError(f"the service was not ready after {timeout_s} s")
 
 

@@ -26,7 +26,9 @@ Modules run longest first, by their recorded seconds (tests/module_order.py). Mo
 the cluster run as one block, at the place of the first of them (their own order kept), and the
 cluster stops after the block: the tests outside it, some of which start clusters of their own
 in subprocesses (tests/test_ports.py, the fake multi-node cluster of tests/test_cluster_yaml.py
-and tests/test_autoscaling.py), never run next to it.
+and tests/test_autoscaling.py), never run next to it. Under pytest-xdist each worker runs some of
+the block's modules on a cluster of its own, and stops it when its next module is one after the
+block (xdist hands modules out in the collection's order: none of the block comes to it after that).
 """
 
 import pytest
@@ -54,6 +56,7 @@ apply_if_interpreting()
 
 CLUSTER_FIXTURE = "serve_cluster"
 _LAST_CLUSTER_ITEM = pytest.StashKey[str | None]()
+_AFTER_BLOCK = pytest.StashKey[frozenset]()  # the modules after the block, in the collection's order
 _CLUSTER = pytest.StashKey[object]()
 
 
@@ -79,6 +82,7 @@ def pytest_collection_modifyitems(config, items):
     longest_modules_first(items, load_table())  # tests/module_order.py: xdist hands modules out in this order
     block = _group_cluster_modules(items)
     config.stash[_LAST_CLUSTER_ITEM] = block[-1].nodeid if block else None
+    config.stash[_AFTER_BLOCK] = frozenset(_module_of(it) for it in items[items.index(block[-1]) + 1:]) if block else frozenset()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -117,10 +121,15 @@ def serve_cluster(request):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     # after the last module's own teardown (its applications deleted): stop the cluster now,
-    # not at the session's end, so the modules after the block run without it
+    # not at the session's end, so the modules after the block run without it; under xdist, a
+    # worker whose next module comes after the block runs none of the block's from now on
     result = yield
-    if item.nodeid == item.config.stash.get(_LAST_CLUSTER_ITEM, None) and _CLUSTER in item.config.stash:
-        item.config.stash[_CLUSTER].stop()
+    stash = item.config.stash
+    if _CLUSTER in stash and (item.nodeid == stash.get(_LAST_CLUSTER_ITEM, None) or (
+            nextitem is not None and _module_of(nextitem) in stash.get(_AFTER_BLOCK, frozenset()))):
+        cluster = stash[_CLUSTER]
+        del stash[_CLUSTER]  # stopped once here (and again, a no-op, by the fixture at the session's end)
+        cluster.stop()
     return result
 
 

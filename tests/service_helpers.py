@@ -81,12 +81,19 @@ def local_serve(grpc_servicer: str | None = None, num_cpus: int = 8) -> Iterator
             ray.shutdown()
 
 
+# A stopping replica sleeps this long before it first counts its ongoing requests, and again
+# between counts (Serve's default: 2 s). Tests stop replicas at every module's end and while
+# scaling down: check every 0.5 s (the graceful shutdown's bound, its timeout, is unchanged).
+DRAIN_CHECK = {"graceful_shutdown_wait_loop_s": 0.5}
+
+
 @contextlib.contextmanager
 def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator[None]:
     """Deploys ``apps`` (name -> ``router.app.build_application`` keyword arguments, plus an
     optional ``external_scaler_enabled``: Serve's external scaling API, see :func:`scale`) into
     the running Serve, each under its own route prefix ``/<name>`` (and gRPC ``application``
-    metadata ``<name>``); deletes them on exit, so the next module finds Serve empty."""
+    metadata ``<name>``); deletes them on exit, so the next module finds Serve empty. Each role's
+    options get :data:`DRAIN_CHECK` unless they set it."""
     from ray import serve
     from ray.serve.api import RunTarget
 
@@ -95,6 +102,8 @@ def deployed(apps: dict[str, dict], delete_timeout_s: float = 300.0) -> Iterator
     targets = []
     for name, spec in apps.items():
         spec = dict(spec)
+        for role in ("prefill", "decode", "ingress"):
+            spec[role] = {**DRAIN_CHECK, **(spec.get(role) or {})}
         external = bool(spec.pop("external_scaler_enabled", False))
         targets.append(RunTarget(build_application(**spec), name=name, route_prefix=f"/{name}",
                                  external_scaler_enabled=external))

@@ -18,6 +18,16 @@ from tests.test_fp8 import _plan, fp8_batch
 CFG = SparseConfig(alpha=0.1, block_size=64, sink_tokens=64, window_tokens=64)
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The built-in tiny model with two layers, not four: "once per forward" against "once per
+    layer" needs two layers, and the Triton interpreter runs every layer's kernels (tests/conftest.py's
+    ``tiny`` otherwise)."""
+    from model_executor.loading import build_tiny_model
+
+    return build_tiny_model(seed=0, num_layers=2)
+
+
 def _batch(seed):
     # a sequence with no new tokens between two others: its blocks still have rows
     return fp8_batch([70, 0, 33], [10, 200, 130], hq=4, hkv=2, d=32, page_size=16, granularity="seq_head",

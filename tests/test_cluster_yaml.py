@@ -217,7 +217,7 @@ def test_serve_deploy_on_the_local_cluster_answers_a_request(tmp_path):
                 codes.append(code)
             if code == 200:
                 break
-            time.sleep(2)
+            time.sleep(0.5)
         assert codes[-1] == 200, codes
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=120,
                        json={"model": "builtin:tiny", "prompt": "Hello", "max_tokens": 4})

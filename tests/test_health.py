@@ -166,8 +166,13 @@ SMALL = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 
 # replica of either role RUNNING yet), for as long as the tests need
 NONE = {**{k: v for k, v in SMALL.items() if k != "num_replicas"},  # Serve refuses num_replicas=0
         "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
-SERVE_APPS = {APP: {"config": CONFIG, "prefill": SMALL, "decode": SMALL, "ingress": {"ray_actor_options": {"num_cpus": 0.1}}},
-              STARTING: {"config": CONFIG, "prefill": NONE, "decode": NONE, "ingress": {"ray_actor_options": {"num_cpus": 0.1}}}}
+# The ingress's graceful shutdown bounded at 5 s, not its 60 s: deleting the applications at the
+# module's end once waited out the 60 s (a loaded machine), likely for the gRPC Watch stream of
+# test_health_endpoints_when_all_roles_run, which the client cancels but which sends nothing
+# while the status holds, so the ingress may not learn that the client left
+INGRESS = {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 5.0}
+SERVE_APPS = {APP: {"config": CONFIG, "prefill": SMALL, "decode": SMALL, "ingress": INGRESS},
+              STARTING: {"config": CONFIG, "prefill": NONE, "decode": NONE, "ingress": INGRESS}}
 
 
 @pytest.fixture(scope="module")
