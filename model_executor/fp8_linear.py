@@ -399,7 +399,9 @@ def _q_amax_attention_forward(self, hidden_states: torch.Tensor, position_embedd
             q, k = self.q_norm(q), self.k_norm(k)
     extra = {}
     q_amax = batch.mode is ForwardMode.PREFILL and batch.pool.k_scale is not None
-    if rope_kv_fusable(batch, q.dtype):  # RoPE, q's amax and the K/V write in one pass
+    # RoPE, q's amax and the K/V write in one pass, with the fused ops (fused_ops=False: the
+    # reference rotary here, then the pool's own write with the runner's backend)
+    if backend != "reference" and rope_kv_fusable(batch, q.dtype):
         out = rope_and_write_kv(self, batch, q, k, v, cos, sin, backend=backend, q_amax=q_amax)
         q, extra["query_amax"] = out if q_amax else (out, None)
         extra["kv_written"] = True

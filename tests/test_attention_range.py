@@ -127,11 +127,12 @@ def test_cutlass_fp8_correction_operands_built_once_per_plan(monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model_dtype_pool", "fp8_pool"])
 def test_q_reaches_the_index_and_attention_without_a_copy(tiny, monkeypatch, kv_dtype):
-    """With the model dtype's pool, the fused attention forward's RoPE output is the very tensor
-    both stages read; with an FP8 pool, q's quantized copy (the q_quant range) is, and nothing else."""
+    """With the model dtype's pool, the fused attention forward's RoPE output (RoPE + K/V write in
+    one kernel, kernels.rope_kv) is the very tensor both stages read; with an FP8 pool, q's
+    quantized copy (the q_quant range) is, and nothing else."""
     if not ops.triton_available(torch.device("cpu")):
         pytest.skip("the fused forward needs TRITON_INTERPRET=1 on CPU")
-    from kernels import elementwise, fp8_gemm
+    from kernels import elementwise, fp8_gemm, rope_kv
 
     pool = make_pool(tiny, num_pages=32, page_size=16, dtype=kv_dtype)
     runner = ModelRunner(tiny.model, pool, CFG, dense_below=0, backend="triton", fused_ops=True)
@@ -155,6 +156,14 @@ def test_q_reaches_the_index_and_attention_without_a_copy(tiny, monkeypatch, kv_
     monkeypatch.setattr(elementwise, "rotary", keep(elementwise.rotary))
     monkeypatch.setattr(fp8_gemm, "rotary_amax", keep(fp8_gemm.rotary_amax, 0))
     monkeypatch.setattr(fp8_gemm, "quantize_with_amax", keep(fp8_gemm.quantize_with_amax, 0))
+    real_rope_kv = rope_kv.rope_kv_write
+
+    def rope_kv_write(*a, **k):  # returns q, or (q, amax) with q_amax
+        out = real_rope_kv(*a, **k)
+        made.append((out[0] if isinstance(out, tuple) else out).data_ptr())
+        return out
+
+    monkeypatch.setattr(rope_kv, "rope_kv_write", rope_kv_write)
     monkeypatch.setattr(ops, "build_index_planned", see(ops.build_index_planned))
     monkeypatch.setattr(ops, "attention_planned", see(ops.attention_planned))
     prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -634,25 +634,34 @@ def test_runner_fp8_pool_q_amax_path_gives_the_same_numbers(monkeypatch):
 
 
 def test_query_amax_is_checked(monkeypatch):
+    """Fused ops off: RoPE and q's amax apart from the pool's write (rotary_amax)."""
     loaded = tiny(num_layers=1, dtype=torch.bfloat16)
     runner = make_runner(loaded, kv_dtype=E4M3)
+    monkeypatch.setattr(fp8_gemm, "rotary_amax", lambda x, c, s, backend: (fp8_gemm.rotary_amax_reference(x, c, s)[0],
+                                                                            torch.ones(1, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="query_amax: expected a float32 tensor of one element"):
+        run_prompts(runner, PROMPTS[:1], decode_steps=0)
+
+
+@needs_triton
+def test_query_amax_of_the_fused_rope_kv_write_is_checked(monkeypatch):
+    """Fused ops on: the amax comes from the RoPE + K/V write pass (kernels.rope_kv)."""
+    loaded = tiny(num_layers=1, dtype=torch.bfloat16)
+    runner = make_runner(loaded, kv_dtype=E4M3, fused_ops=True)
     from kernels import rope_kv
 
     real = rope_kv.rope_kv_write
+    used = []
 
     def bad_amax(*args, q_amax=False, **kwargs):  # the amax of the RoPE + K/V write pass, as float64
         out = real(*args, q_amax=q_amax, **kwargs)
+        used.append(q_amax)
         return (out[0], torch.ones(1, dtype=torch.float64)) if q_amax else out
 
     monkeypatch.setattr(rope_kv, "rope_kv_write", bad_amax)
     with pytest.raises(ValueError, match="query_amax: expected a float32 tensor of one element"):
         run_prompts(runner, PROMPTS[:1], decode_steps=0)
-    # and where RoPE runs apart from the write (rope_kv_fusable says no): RoPE + amax's
-    monkeypatch.setattr(fp8_linear, "rope_kv_fusable", lambda batch, dtype: False)
-    monkeypatch.setattr(fp8_gemm, "rotary_amax", lambda x, c, s, backend: (fp8_gemm.rotary_amax_reference(x, c, s)[0],
-                                                                            torch.ones(1, dtype=torch.float64)))
-    with pytest.raises(ValueError, match="query_amax: expected a float32 tensor of one element"):
-        run_prompts(runner, PROMPTS[:1], decode_steps=0)
+    assert used == [True]
 
 
 @needs_triton
