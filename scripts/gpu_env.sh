@@ -12,3 +12,11 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   git log -1 --format='commit %h' 2>/dev/null; } | tee "$OUT/env.txt"
+
+# one step of a GPU script: its log in $OUT/NAME.log, cut at its own timeout so the others still run
+step() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"; local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+}

