@@ -31,9 +31,10 @@ for s in "$@"; do
              --device cuda --dtype bf16 --backend triton --text .carry/b/text.txt --lengths 2048 4096 8192 16384 32768 \
              --prompts 32 --prompts-beyond-trained 8 --needles 20 --lastword-items 300 --alphas 0.1 \
              --last-dense-tiles 0 2 4 8 16 --energy-rules first_key visible --dense-layers 0 4 --schedules uniform \
-             --budget-kl 0.02 --budget-kl-last 0.01 --max-seconds 540 --out "$OUT/profile_smollm2.json" ;;
+             --budget-kl 0.02 --budget-kl-last 0.01 --max-seconds 540 --out "$OUT/profile_smollm2.json"
+           cp "$OUT/profile_smollm2.json" /root/stash/ 2>/dev/null ;;  # for densebelow in the next call
     densebelow) smol; step dense_below 150 python3 benchmarks/bench_dense_below.py --model "$SMOL" \
-             --profile "${PROFILE:-$OUT/profile_smollm2.json}" --lengths 1024,2048,4096,8192,16384,32768 \
+             --profile "${PROFILE:-/root/stash/profile_smollm2.json}" --lengths 1024,2048,4096,8192,16384,32768 \
              --out "$OUT/dense_below_h100.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
