@@ -90,6 +90,7 @@ class Row:
     roofline_ms_h200: float
     x_h200: float
     equal: bool
+    differs: str = ""  # where a fused result is not byte-equal: which part, how many elements, how far
 
 
 def timer(device: str, repeats: int):
@@ -125,6 +126,31 @@ def _bytes_equal(a, b) -> bool:
     if isinstance(a, fp8_gemm.Fp8Activation):
         return _bytes_equal((a.x8, a.scale), (b.x8, b.scale))
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _parts(a) -> list:
+    if isinstance(a, (tuple, list)):
+        return [p for x in a for p in _parts(x)]
+    if isinstance(a, fp8_gemm.Fp8Activation):
+        return _parts((a.x8, a.scale))
+    return [a]
+
+
+def differences(a, b) -> str:
+    """Where ``a`` and ``b`` (tensors, Fp8Activations or tuples of them) differ: per differing
+    part (in :func:`_bytes_equal`'s order: an activation is its e4m3 values then its scales), the
+    elements that differ and the largest absolute difference in float32; "" when byte-equal."""
+    out = []
+    for i, (x, y) in enumerate(zip(_parts(a), _parts(b))):
+        if _bytes_equal(x, y):
+            continue
+        if x.shape != y.shape:
+            out.append(f"part {i}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
+            continue
+        xf, yf = x.float(), y.float()
+        bad = xf != yf
+        out.append(f"part {i}: {int(bad.sum())} of {x.numel()} differ, max |diff| {float((xf - yf).abs().max()):.3g}")
+    return "; ".join(out)
 
 
 def cases(cfg: BenchConfig, gen: torch.Generator):
@@ -193,12 +219,14 @@ def run(cfg: BenchConfig) -> dict:
     rows = []
     with torch.no_grad():
         for op, variant, fused, unfused, nbytes in cases(cfg, gen):
-            equal = unfused is None or _bytes_equal(fused(), unfused())
+            a, b = (None, None) if unfused is None else (fused(), unfused())
+            equal = unfused is None or _bytes_equal(a, b)
+            differs = "" if equal else differences(a, b)
             f = time_ms(fused)
             u = time_ms(unfused) if unfused is not None else None
             roof_copy, roof_h200 = 1e3 * nbytes / copy_bps, 1e3 * nbytes / H200_HBM_BYTES_PER_S
             rows.append(Row(op, variant, f, u, None if u is None else u / f, nbytes / 1e9, roof_copy,
-                            f / roof_copy, roof_h200, f / roof_h200, equal))
+                            f / roof_copy, roof_h200, f / roof_h200, equal, differs))
     return {"copy_gbps": copy_bps / 1e9, "rows": [dataclasses.asdict(r) for r in rows]}
 
 
@@ -245,7 +273,8 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
     if not all(r["equal"] for r in result["rows"]):
-        raise SystemExit("bench_fused_ops: a fused result differs from its unfused sequence (equal: NO)")
+        raise SystemExit("bench_fused_ops: a fused result differs from its unfused sequence (equal: NO): "
+                         + "; ".join(f"{r['op']} {r['variant']}: {r['differs']}" for r in result["rows"] if not r["equal"]))
     return result
 
 

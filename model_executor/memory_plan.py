@@ -9,6 +9,8 @@ forward is ``forward_tokens`` new tokens of one sequence whose keys reach ``max_
 whole context: the most keys a chunk attends). What it counts, per layer (the peak of one layer
 is the peak of the forward: a layer's temporaries are freed before the next layer runs):
 
+- both phases: the layer's input ``T H``, which the model's loop holds until the layer returns
+  (the H100 measurement of session 48 found the plan one ``T H`` short without it);
 - attention phase: the residual and the normed hidden states ``2 T H``; q, k, v ``T (Hq + 2 Hkv) d``;
   the output ``T Hq d`` and its LSE ``T Hq`` fp32; ``o_proj``'s output ``T H``; fp32 split-KV
   partials and LSEs (``kernels/schedule.py``: at most ``MAX_SPLITS`` splits of ``T Hq d``, fewer
@@ -105,9 +107,10 @@ def forward_bytes(config: Any, shape: ForwardShape, *, dtype: torch.dtype, block
     else:  # decode: one token per sequence, split-KV partials
         index = 0
         partials = shape.sequences * hq * DECODE_MAX_SPLITS * (d + 1) * 4
-    attention = (2 * t * hidden * a + t * (hq + 2 * hkv) * d * a + t * hq * d * a + t * hq * 4 + partials + index
+    held = t * hidden * a  # the layer's input, held by the model's loop over the layers
+    attention = (held + 2 * t * hidden * a + t * (hq + 2 * hkv) * d * a + t * hq * d * a + t * hq * 4 + partials + index
                  + t * hidden * a + (t * hq * d if fp8_kv else 0))
-    mlp = 2 * t * hidden * a + (3 if fused_silu else 4) * t * inter * a + 2 * t * hidden * a
+    mlp = held + 2 * t * hidden * a + (3 if fused_silu else 4) * t * inter * a + 2 * t * hidden * a
     per_forward = 2 * t * d * a + shape.logit_rows * vocab * (a + 8)
     return max(attention, mlp) + per_forward
 

@@ -8,6 +8,7 @@
 #   .device-wheels/a, .device-wheels/b  Ray Serve (../shared/device/stage-wheels.sh); a to the stash too
 # Calls, in order (each under the 600 s limit of a call):
 #   1 run(carry=[".carry/a", ".carry/c"]):  bash scripts/gpu_s47.sh stash tests memplan index
+#     (session 48: after the fixes of what step 1 found, `fixes fused` re-runs those tests and the bench)
 #   2 run(carry=[".carry/b", ".carry/c"]):  bash scripts/gpu_s47.sh calib
 #   3 run(carry=[".carry/b", ".carry/c"]):  bash scripts/gpu_s47.sh densebelow fused ttft
 #   4 run(carry=[".device-wheels/a"]):      bash scripts/gpu_s47.sh stashwheels
@@ -38,6 +39,8 @@ for s in "$@"; do
     tests) step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_sparse_safeguards.py \
              tests/test_triton_index.py tests/test_cutlass_attention.py tests/test_kv_ipc.py tests/test_rope_kv.py tests/test_prefill_host_sync.py \
              tests/test_fp8_linear.py tests/test_profile_prefill.py tests/test_model_runner.py ;;
+    fixes) step gpu_fixes 200 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_memory_plan.py \
+             tests/test_prefill_host_sync.py "tests/test_sparse_safeguards.py::test_dense_tile_rows_equal_dense_attention" ;;
     memplan) step memplan 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_memory_plan.py ;;
     index) bash scripts/gpu_s46.sh index ;;
     ttft) step ttft 240 bash scripts/gpu_ttft.sh ttft ;;

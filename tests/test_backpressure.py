@@ -50,6 +50,10 @@ def serve_logs() -> Path:
     return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
 
 
+# what Serve's own request router logs in the ingress about a replica that died (not our lines)
+SERVE_ROUTER_NOTICES = ("during router update. The replica actor may have died",)
+
+
 def log_sizes() -> dict[Path, int]:
     return {p: p.stat().st_size for p in serve_logs().glob("*.log")}
 
@@ -162,7 +166,10 @@ def test_a_killed_replica_turns_ready_503_by_notification_and_logs_one_warning(s
     assert [status for _, status, _, _ in results] == [200] * 4, results
     warned = warnings_in(new_lines(before))
     # the ingress: one line for the death (Serve's router's line per request is INFO now); the
-    # controller, a process of Serve's own, logs its two (crashed, replaced) besides
+    # controller, a process of Serve's own, logs its two (crashed, replaced) besides, and Serve's
+    # router in the ingress may log once that it skipped the dead replica while updating its list
+    # (when the controller's update races the death: CI saw it once)
     ingress = [line for line in warned if " controller " not in line[:60]]
-    assert len(ingress) == 1 and "prefill replica" in ingress[0] and "died" in ingress[0], "\n".join(warned)
-    assert len(warned) <= 3, "\n".join(warned)
+    ours = [line for line in ingress if not any(s in line for s in SERVE_ROUTER_NOTICES)]
+    assert len(ours) == 1 and "prefill replica" in ours[0] and "died" in ours[0], "\n".join(warned)
+    assert len(ingress) - len(ours) <= 1 and len(warned) <= 4, "\n".join(warned)

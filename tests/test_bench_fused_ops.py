@@ -46,3 +46,22 @@ def test_cpu_smoke_needs_the_interpreter(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--cpu-smoke"])
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_differences_name_the_part_the_count_and_the_distance():
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    x8 = torch.randn(4, 256, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(4, 2, generator=gen) + 0.5
+    act = bench.fp8_gemm.Fp8Activation(x8, scale, 128)
+    assert bench.differences((y, act), (y.clone(), bench.fp8_gemm.Fp8Activation(x8.clone(), scale.clone(), 128))) == ""
+    y2 = y.clone()
+    y2[1, 3] = y2[1, 3] + 1.0  # one element of y off by 1 (in bf16: exactly 1 at these magnitudes or a rounding of it)
+    scale2 = scale.clone()
+    scale2[2, 1] = scale2[2, 1] * 2
+    got = bench.differences((y, act), (y2, bench.fp8_gemm.Fp8Activation(x8, scale2, 128)))
+    diff_y = float((y[1, 3].float() - y2[1, 3].float()).abs())
+    assert got == f"part 0: 1 of 1024 differ, max |diff| {diff_y:.3g}; part 2: 1 of 8 differ, max |diff| {float(scale[2, 1]):.3g}"
+    assert bench.differences(y, y[:2]) == "part 0: shape (4, 256) vs (2, 256)"

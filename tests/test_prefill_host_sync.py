@@ -120,4 +120,7 @@ def test_gpu_prefill_syncs_per_forward_not_per_layer():
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in seen)
 
+    # the process's first prefill may sync once more (a cache outside the runner, filled once:
+    # the H100 run of session 48 counted 18 then 17), so the counts compared are a warm process's
+    syncs(2)
     assert syncs(2) == syncs(4)
