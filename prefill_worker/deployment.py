@@ -313,7 +313,7 @@ class PrefillServer:
                     self._faults_left -= 1
                     fault = self.config.fault_injection.mode
                 t_export = time.monotonic()
-                if not call.skip_transfer:
+                if not call.ended_by(result.first_tokens or (result.first_token,)):
                     export = asyncio.ensure_future(asyncio.to_thread(exporter.export, self.pool, rid, fault=fault))
                     try:
                         ticket = await asyncio.shield(export)

@@ -269,8 +269,11 @@ class RequestDriver:
             life.to(RequestPhase.PREFILLING)
             try:
                 # a retry (first tokens sent) prefills the prompt again for its pages only
+                # a first attempt's first tokens are the answer's: the prefill replica exports
+                # nothing when they end it (ends_at_stop), as the reporter ends it here
                 event = await self._start_prefill(
                     attempt, base, context, params, cost, skip_transfer=not conn.first_sent and base.max_tokens <= 1,
+                    ends_at_stop=not conn.first_sent,
                     transport=conn.transport,
                     choices=tuple(c.params for c in choices) if n > 1 and not conn.first_sent else ())
             except Exception as exc:
@@ -310,9 +313,10 @@ class RequestDriver:
     # -- steps -------------------------------------------------------------------------
     async def _start_prefill(self, attempt: _Attempt, req: GenerationRequest, context: list[int], params: SamplingParams,
                              cost: float, *, skip_transfer: bool, transport: str | None = None,
-                             choices: tuple = ()) -> Prefilled:
+                             choices: tuple = (), ends_at_stop: bool = False) -> Prefilled:
         payload = PrefillCall(request_id=attempt.worker_request_id, prompt_token_ids=context, params=params,
-                              skip_transfer=skip_transfer, transport=transport, sparse_alpha=req.sparse_alpha,
+                              skip_transfer=skip_transfer, ends_at_stop=ends_at_stop, transport=transport,
+                              sparse_alpha=req.sparse_alpha,
                               choices=choices, sparse_options=req.sparse_options)
         alpha = self.config.sparse.alpha if req.sparse_alpha is None else req.sparse_alpha
         service = self.config.sparse_config

@@ -50,7 +50,11 @@ class FinishReason(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class PrefillCall:
     """Prefill a prompt and export its KV pages. ``skip_transfer``: the request ends with its
-    first token (no decode, nothing to export). ``transport``: ``"object_store"`` asks for a
+    first token (no decode, nothing to export). ``ends_at_stop``: the call's first tokens are
+    the answer's first (a first attempt; a retry's or resume's are not used): where every
+    choice's first token is one of its ``stop_token_ids`` the request ends there as well, so
+    nothing is exported and no lease is left for a release message to end (the ingress's
+    ``ChoiceReporter`` ends it by the same rule). ``transport``: ``"object_store"`` asks for a
     retry over the object store after a channel transfer failed; None: the replica's own."""
 
     request_id: str
@@ -63,6 +67,19 @@ class PrefillCall:
     # this prompt's other own sparse options: (name, value) pairs of last_dense_tiles, energy_rule,
     # dense_layers (kernels.config.SparseConfig.with_request); empty: the replica's
     sparse_options: tuple[tuple[str, object], ...] = ()
+    ends_at_stop: bool = False
+
+    def ended_by(self, first_tokens: Sequence[int]) -> bool:
+        """Whether the request ends with these first tokens (one per choice, or the one of a
+        single request): ``skip_transfer``, or ``ends_at_stop`` and every first token one of
+        its choice's stop tokens."""
+        if self.skip_transfer:
+            return True
+        if not self.ends_at_stop:
+            return False
+        params = self.choices or (self.params,)
+        return len(first_tokens) == len(params) and all(
+            int(t) in p.stop_token_ids for t, p in zip(first_tokens, params))
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,10 @@ class PrefillClient:
         except Exception as exc:  # noqa: BLE001 - the lease's deadline ends it anyway
             replica = sender.get("replica_id") if isinstance(sender, Mapping) else None
             logger.info("releasing the lease of %s on %s failed: %r", request_id, replica, exc)
+            try:  # the next call makes its handle anew (this one may never have reached a router)
+                self._handles.pop(_address(sender)[:2], None)
+            except ValueError:
+                pass
 
 
 def send_caller() -> Any:

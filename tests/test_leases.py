@@ -188,6 +188,46 @@ def test_no_lease_without_a_ticket_or_when_the_export_fails(prefill_server, monk
     assert len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages and pre.active == 0
 
 
+def test_a_first_token_that_stops_every_choice_exports_nothing(prefill_server):
+    """``ends_at_stop``: a first attempt whose first tokens end the request (each one of its
+    choice's stop tokens) leaves no ticket, no lease and no page behind; a retry's call (not
+    ``ends_at_stop``), or a group with one choice that goes on, is exported as before."""
+    pre = prefill_server
+    prompt = _prompt(11)
+    first = asyncio.run(pre.prefill(_call("probe", prompt, skip_transfer=True))).first_token  # greedy
+    stops = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=(first,))
+    other = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=((first + 1) % 256,))
+    event = asyncio.run(pre.prefill(PrefillCall("ends", prompt, stops, ends_at_stop=True)))
+    assert event.first_token == first and event.ticket is None
+    assert len(pre.leases) == 0 and pre.pool.free_pages == pre.pool.num_pages
+    kept = []
+    for rid, call in [("retry", PrefillCall("retry", prompt, stops)),
+                      ("goes-on", PrefillCall("goes-on", prompt, other, ends_at_stop=True)),
+                      ("group", PrefillCall("group", prompt, stops, ends_at_stop=True, choices=(stops, other)))]:
+        event = asyncio.run(pre.prefill(call))
+        assert event.ticket is not None and rid in pre.leases, rid
+        kept.append(rid)
+    assert len(pre.leases) == len(kept)
+    for rid in kept:
+        assert asyncio.run(pre.release_pages(ReleasePages(rid))) == PagesReleased(True)
+    assert pre.pool.free_pages == pre.pool.num_pages
+    # both choices of a group stopping: nothing exported
+    event = asyncio.run(pre.prefill(PrefillCall("both", prompt, stops, ends_at_stop=True, choices=(stops, stops))))
+    assert event.first_tokens == (first, first) and event.ticket is None and len(pre.leases) == 0
+
+
+def test_ended_by_is_the_reporters_rule():
+    p = SamplingParams(stop_token_ids=(5, 9))
+    q = SamplingParams(stop_token_ids=(7,))
+    assert PrefillCall("a", [1], p, skip_transfer=True).ended_by([3]) is True
+    assert PrefillCall("a", [1], p).ended_by([5]) is False  # not the answer's first token
+    assert PrefillCall("a", [1], p, ends_at_stop=True).ended_by([9]) is True
+    assert PrefillCall("a", [1], p, ends_at_stop=True).ended_by([7]) is False
+    assert PrefillCall("a", [1], p, ends_at_stop=True, choices=(p, q)).ended_by([5, 7]) is True
+    assert PrefillCall("a", [1], p, ends_at_stop=True, choices=(p, q)).ended_by([5, 5]) is False
+    assert PrefillCall("a", [1], p, ends_at_stop=True, choices=(p, q)).ended_by([5]) is False  # one token for two
+
+
 def test_what_each_transport_holds_after_export():
     """Pages under a lease for the transports that read them later; the object store copies
     them into a frame but keeps the frame's reference until the receiver's release; a local

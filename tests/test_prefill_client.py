@@ -72,7 +72,7 @@ def test_release_is_fire_and_forget_and_bounded_by_the_timeout():
     async def never(request):
         await asyncio.sleep(3600)
 
-    client, log, _ = _client({"release_pages": never}, timeout_s=0.05)
+    client, log, made = _client({"release_pages": never}, timeout_s=0.05)
     sender = _sender(rng)
 
     async def go():
@@ -84,6 +84,8 @@ def test_release_is_fire_and_forget_and_bounded_by_the_timeout():
 
     asyncio.run(go())
     assert [req for _, req, _ in log] == [ReleasePages("r"), ReleasePages("s")]
+    # the failed release dropped its handle: the next call asked for a new one
+    assert made == [("llm", "PrefillServer")] * 2
     assert PrefillClient().timeout_s == RELEASE_TIMEOUT_S
 
 
