@@ -65,3 +65,26 @@ def test_differences_name_the_part_the_count_and_the_distance():
     diff_y = float((y[1, 3].float() - y2[1, 3].float()).abs())
     assert got == f"part 0: 1 of 1024 differ, max |diff| {diff_y:.3g}; part 2: 1 of 8 differ, max |diff| {float(scale[2, 1]):.3g}"
     assert bench.differences(y, y[:2]) == "part 0: shape (4, 256) vs (2, 256)"
+
+
+def test_rms_norm_quant_agrees_within_one_ulp_and_on_its_own_quantization(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8 = bench.fp8_gemm
+    gen = torch.Generator().manual_seed(11)
+    y = (torch.randn(3, 256, generator=gen) * 3).to(torch.bfloat16)
+    act = fp8.quantize_activation(y, 128, backend="reference")
+    # one ulp of each element by hand: bf16 keeps 8 significant bits, |y| in [2^(e-1), 2^e) -> 2^(e-8)
+    e = torch.floor(torch.log2(y.float().abs())) + 1
+    ulp = torch.pow(2.0, e - 8)
+    away = torch.sign(y.float()) * ulp  # away from zero: the reference's binade, so its ulp
+    one_up = (y.float() + away).to(torch.bfloat16)
+    two_up = (y.float() + 2 * away).to(torch.bfloat16)
+    assert bench.within_one_ulp(one_up, y) and not bench.within_one_ulp(two_up, y)
+    assert not bench.within_one_ulp(y[:2], y)
+    ok = bench.rms_norm_quant_agrees((y, act), (one_up, None))
+    assert ok
+    assert not bench.rms_norm_quant_agrees((y, act), (two_up, None))
+    wrong = fp8.Fp8Activation(act.x8, act.scale * 2, 128)  # a quantization that is not y's
+    assert not bench.rms_norm_quant_agrees((y, wrong), (y, None))
