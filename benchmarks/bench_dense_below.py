@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> dict:
 def table(result: dict) -> str:
     lines = ["| length | dense ms | sparse ms | speed-up | density |", "|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        mark = " (YaRN)" if r["beyond_trained_context"] else ""
-        lines.append(f"| {r['length']}{mark} | {r['dense_ms']:.2f} | {r['sparse_ms']:.2f} | {r['speedup']:.2f}x "
-                     f"| {r['density']} |")
+        mark = " (YaRN)" if r.get("beyond_trained_context") else ""
+        ms = "".join(f" | {r[k]:.2f}" if k in r else " | -" for k in ("dense_ms", "sparse_ms"))
+        lines.append(f"| {r['length']}{mark}{ms} | {r['speedup']:.2f}x | {r.get('density')} |")
     lines.append(f"\nimplied dense_below (speed-up >= {result['min_speedup']} from there on): {result['dense_below']}")
     return "\n".join(lines)
 
@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-speedup", type=float, default=1.1)
     ap.add_argument("--cpu-smoke", action="store_true", help="builtin:tiny on CPU, 256 and 512 tokens, fp32")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--results", default=None, metavar="FILE",
+                    help="take the rows from an earlier run's JSON instead of timing (e.g. a GPU run's, to write "
+                         "the profile on another machine); its min_speedup applies unless given")
     ap.add_argument("--write-profile", default=None, metavar="FILE",
                     help="write the profile under test with the implied dense_below to FILE (the shipped one: "
                          "model_executor/profiles/<model>.json)")
@@ -159,9 +162,24 @@ def main(argv: list[str] | None = None) -> int:
             "builtin:tiny", "256,512", "cpu", "fp32", 1, "none")
     if args.min_speedup <= 0:
         ap.error("--min-speedup: expected a positive number")
-    result = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.results:
+        try:
+            result = json.loads(Path(args.results).read_text())
+            rows = result["rows"]
+            if not isinstance(rows, list) or not all(isinstance(r, dict) and {"length", "speedup"} <= set(r)
+                                                     for r in rows):
+                raise ValueError("rows: expected a list of {length, speedup, ...}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--results: {args.results}: not a bench_dense_below result ({exc})")
+        if result.get("model") != args.model:
+            ap.error(f"--results: measured {result.get('model')!r}, not --model {args.model!r}")
+        if "--min-speedup" in (argv if argv is not None else sys.argv[1:]) or "min_speedup" not in result:
+            result["min_speedup"] = args.min_speedup
+        result["dense_below"] = implied_dense_below(rows, float(result["min_speedup"]))
+    else:
+        result = run(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.write_profile:
         profile = resolve_profile(args.profile, args.model)
@@ -169,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--write-profile: needs a profile under test (--profile auto or a file)")
         provenance = {**profile.provenance, "dense_below": {
             "command": result["command"], "date": result["date"], "env": result["env"],
-            "speedups": {r["length"]: r["speedup"] for r in result["rows"]}, "min_speedup": args.min_speedup}}
+            "speedups": {r["length"]: r["speedup"] for r in result["rows"]}, "min_speedup": result["min_speedup"]}}
         written = dataclasses.replace(profile, dense_below=result["dense_below"], provenance=provenance)
         print(f"wrote {written.save(args.write_profile)} (dense_below {result['dense_below']})")
     return 0

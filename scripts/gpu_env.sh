@@ -20,3 +20,6 @@ step() {  # name, timeout seconds, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
 }
+# the card's tag for result names (h100, h200; "gpu" otherwise)
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -m1 'h100\|h200' | tr 'A-Z' 'a-z')
+GPU_TAG=${GPU_TAG:-gpu}

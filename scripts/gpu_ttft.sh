@@ -15,9 +15,9 @@ for step in "${steps[@]}"; do
              tests/test_prefill_host_sync.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     fused) python3 benchmarks/bench_fused_ops.py --tokens 32768 --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" ;;
     profile) python3 benchmarks/profile_prefill.py --length 131072 --weight-dtype bf16,fp8_channel,fp8_block \
-               --out "$OUT/profile_prefill_h200.json" 2>&1 | tee "$OUT/profile_prefill_h200.log" ;;
+               --out "$OUT/profile_prefill_${GPU_TAG}.json" 2>&1 | tee "$OUT/profile_prefill_${GPU_TAG}.log" ;;
     profile32k) python3 benchmarks/profile_prefill.py --length 32768 --weight-dtype bf16,fp8_channel,fp8_block \
-               --out "$OUT/profile_prefill_32k_h200.json" 2>&1 | tee "$OUT/profile_prefill_32k_h200.log" ;;
+               --out "$OUT/profile_prefill_32k_${GPU_TAG}.json" 2>&1 | tee "$OUT/profile_prefill_32k_${GPU_TAG}.log" ;;
     # docs/notes/attention_range_128k.md: what runs inside the index / attention / correction
     # ranges (kernel by kernel), bf16 weights and an FP8 KV pool beside the model-dtype pool
     attnrange) for kv in model fp8_e4m3; do
@@ -26,7 +26,7 @@ for step in "${steps[@]}"; do
                    | tee "$OUT/profile_attnrange_kv_$kv.log"
                done ;;
     ttft) python3 benchmarks/bench_ttft.py --lengths 32768,131072 --batch 1 --models structured --skip-decode \
-            --skip-sdpa --weight-dtype bf16,fp8_channel,fp8_block --out "$OUT/ttft_fp8w2_h200.json" 2>&1 | tee "$OUT/ttft_fp8w2_h200.log" ;;
+            --skip-sdpa --weight-dtype bf16,fp8_channel,fp8_block --out "$OUT/ttft_fp8w2_${GPU_TAG}.json" 2>&1 | tee "$OUT/ttft_fp8w2_${GPU_TAG}.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

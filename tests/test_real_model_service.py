@@ -23,7 +23,8 @@ from serving.config import ServiceConfig  # noqa: E402
 from tests.service_helpers import wait_pools_idle  # noqa: E402
 
 APP = "smollm2"
-# the service's defaults (sparse prefill at alpha 0.1 from sparse.dense_below tokens on), CPU sized
+# the service's defaults (the shipped profile: dense up to the model's 8K context, sparse from its
+# dense_below on, where it pays), CPU sized
 CONFIG = ServiceConfig.from_dict({"model": BUILTIN_SMOLLM2, "torch_threads": 1, "prefill_kv_pages": 32,
                                   "decode_kv_pages": 32, "batch_wait_ms": 1.0})
 SMALL = {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}

@@ -118,3 +118,26 @@ def test_banner_says_how_prompts_are_prefilled(tmp_path):
     path = _write(tmp_path, _profile())
     line = sparse_summary(ServiceConfig.from_dict({"model.model": "builtin:tiny", "sparse.profile": path}))
     assert line.startswith("FlashPrefill V2 sparse from 2048 tokens (alpha 0.3, layer_alpha x4") and path in line
+
+
+def test_the_shipped_smollm2_profile_is_its_own_measurements():
+    """The profile shipped for the built-in model agrees with what it records: its options are
+    the calibration's chosen row, its ``dense_below`` is the 1.1x rule over the recorded
+    speed-ups, and the service built on the model takes both (dense up to its 8K context)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_dense_below import implied_dense_below
+
+    profile = resolve_profile("auto", "builtin:smollm2-135m")
+    assert profile is not None and profile.num_layers == 30
+    chosen = [r for r in profile.measured if r.get("kind") == "grid" and r.get("chosen")]
+    assert chosen and all(r["sparse"] == dict(profile.sparse) for r in chosen)
+    speedups = profile.provenance["dense_below"]
+    rows = [{"length": int(n), "speedup": x} for n, x in speedups["speedups"].items()]
+    assert profile.dense_below == implied_dense_below(rows, speedups["min_speedup"])
+    assert "cuda" in profile.provenance["device"]
+    config = ServiceConfig.from_dict({"model.model": "builtin:smollm2-135m"})
+    assert config.sparse.dense_below == profile.dense_below
+    assert config.sparse.last_dense_tiles == profile.sparse["last_dense_tiles"]
