@@ -175,8 +175,24 @@ def rms_norm_quant_agrees(fused, unfused) -> bool:
     return within_one_ulp(y, y_ref) and _bytes_equal(act, fp8_gemm.quantize_activation(y, act.group, backend="triton"))
 
 
-# how a fused result is checked against its unfused sequence (default: byte for byte)
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest ``|a - b|`` in units of ``b``'s last place (bf16), :func:`within_one_ulp`'s measure."""
+    bf = b.float()
+    ulp = torch.ldexp(torch.ones_like(bf), torch.frexp(bf).exponent - 8)
+    return float(((a.float() - bf).abs() / ulp).max()) if a.numel() else 0.0
+
+
+def rms_norm_quant_explain(fused, unfused) -> str:
+    """Which half of :func:`rms_norm_quant_agrees` fails, and by how much."""
+    (y, act), (y_ref, _) = fused, unfused
+    own = differences(act, fp8_gemm.quantize_activation(y, act.group, backend="triton"))
+    return f"y: at most {ulps_apart(y, y_ref):.3g} ulp from rms_norm's; its quantization: {own or 'equal'}"
+
+
+# how a fused result is checked against its unfused sequence (default: byte for byte), and how a
+# failed check is explained (default: differences)
 AGREE = {"rms_norm_quant": rms_norm_quant_agrees}
+EXPLAIN = {"rms_norm_quant": rms_norm_quant_explain}
 
 
 def cases(cfg: BenchConfig, gen: torch.Generator):
@@ -247,7 +263,9 @@ def run(cfg: BenchConfig) -> dict:
         for op, variant, fused, unfused, nbytes in cases(cfg, gen):
             a, b = (None, None) if unfused is None else (fused(), unfused())
             equal = unfused is None or AGREE.get(op, _bytes_equal)(a, b)
-            differs = "" if equal else differences(a, b)
+            differs = "" if a is None or _bytes_equal(a, b) else differences(a, b)
+            if not equal and op in EXPLAIN:
+                differs += " (" + EXPLAIN[op](a, b) + ")"
             f = time_ms(fused)
             u = time_ms(unfused) if unfused is not None else None
             roof_copy, roof_h200 = 1e3 * nbytes / copy_bps, 1e3 * nbytes / H200_HBM_BYTES_PER_S

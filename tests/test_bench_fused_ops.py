@@ -88,3 +88,19 @@ def test_rms_norm_quant_agrees_within_one_ulp_and_on_its_own_quantization(monkey
     assert not bench.rms_norm_quant_agrees((y, act), (two_up, None))
     wrong = fp8.Fp8Activation(act.x8, act.scale * 2, 128)  # a quantization that is not y's
     assert not bench.rms_norm_quant_agrees((y, wrong), (y, None))
+
+
+def test_rms_norm_quant_explain_names_the_failing_half(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8 = bench.fp8_gemm
+    y = torch.tensor([[1.0, -1.5, 3.0, 0.75] * 32], dtype=torch.bfloat16)
+    act = fp8.quantize_activation(y, 128, backend="reference")
+    two_up = (y.float() + 2 * torch.sign(y.float()) * torch.tensor([2.0 ** -7, 2.0 ** -7, 2.0 ** -6, 2.0 ** -8] * 32)
+              ).to(torch.bfloat16)
+    assert bench.ulps_apart(two_up, y) == 2.0 and bench.ulps_apart(y, y) == 0.0
+    assert bench.rms_norm_quant_explain((y, act), (two_up, None)).startswith("y: at most 2 ulp")
+    assert bench.rms_norm_quant_explain((y, act), (y, None)).endswith("its quantization: equal")
+    wrong = fp8.Fp8Activation(act.x8, act.scale * 2, 128)
+    assert "its quantization: part 1: 1 of 1 differ" in bench.rms_norm_quant_explain((y, wrong), (y, None))
