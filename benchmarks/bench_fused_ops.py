@@ -14,7 +14,7 @@ Each op at one layer of a ``--tokens``-token prefill of Llama-3.1-8B's shape (hi
   ``index_copy_`` for bf16, ``triton_fp8.write_pages`` for e4m3), slots shuffled over the pool.
 
 Every fused result is checked equal (bytes) to the unfused one first; ``rms_norm_quant``'s ``y`` within one
-bf16 ulp (its rows are reduced in another order than ``rms_norm``'s) and its quantization equal, byte for
+bf16 ulps (its rows are reduced in another order than ``rms_norm``'s, and y rounds twice) and its quantization equal, byte for
 byte, to ``quantize_activation`` of that ``y`` (``AGREE``). ``differs`` says where a result is not
 byte-equal. Roofline: the bytes the op
 must move (one read of each input, one write of each output: the fused op's traffic) over the
@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -156,30 +157,29 @@ def differences(a, b) -> str:
     return "; ".join(out)
 
 
-def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Every element of ``a`` within one unit in the last place of ``b``'s (bf16: 8 significant
-    bits, so the ulp of ``m * 2**e``, ``0.5 <= m < 1``, is ``2**(e - 8)``)."""
-    if a.shape != b.shape:
-        return False
-    bf, af = b.float(), a.float()
-    ulp = torch.ldexp(torch.ones_like(bf), torch.frexp(bf).exponent - 8)
-    return bool(((af - bf).abs() <= ulp).all())
-
-
-def rms_norm_quant_agrees(fused, unfused) -> bool:
-    """The fused RMSNorm + quantization against the unfused sequence: the two norms' rows are
-    reduced in different orders, so ``y`` may differ by one bf16 ulp (the H200 run of session 48:
-    462 of 134M elements, 0.0156 at most); what the fusion must not change is the quantization
-    of its own ``y``, byte for byte."""
-    (y, act), (y_ref, _) = fused, unfused
-    return within_one_ulp(y, y_ref) and _bytes_equal(act, fp8_gemm.quantize_activation(y, act.group, backend="triton"))
-
-
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest ``|a - b|`` in units of ``b``'s last place (bf16), :func:`within_one_ulp`'s measure."""
+    """The largest ``|a - b|`` in units of ``b``'s last place (bf16: 8 significant bits, so the ulp
+    of ``m * 2**e``, ``0.5 <= m < 1``, is ``2**(e - 8)``); infinite for different shapes."""
+    if a.shape != b.shape:
+        return math.inf
     bf = b.float()
     ulp = torch.ldexp(torch.ones_like(bf), torch.frexp(bf).exponent - 8)
     return float(((a.float() - bf).abs() / ulp).max()) if a.numel() else 0.0
+
+
+# y = w * bf16(x * inv): the two norms' rows are reduced in different orders, so the normed value
+# may round one ulp apart, and the product with the weight rounds again: at most 2 ulps of y
+Y_ULPS = 2
+
+
+def rms_norm_quant_agrees(fused, unfused) -> bool:
+    """The fused RMSNorm + quantization against the unfused sequence: ``y`` within
+    :data:`Y_ULPS` of ``rms_norm``'s (the H100 run of session 48: 462 of 134M elements differ, by
+    2 ulps at most), and what the fusion must not change, the quantization of its own ``y``,
+    byte for byte."""
+    (y, act), (y_ref, _) = fused, unfused
+    return (ulps_apart(y, y_ref) <= Y_ULPS
+            and _bytes_equal(act, fp8_gemm.quantize_activation(y, act.group, backend="triton")))
 
 
 def rms_norm_quant_explain(fused, unfused) -> str:
