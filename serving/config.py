@@ -556,7 +556,13 @@ resolve = OPTION_TREE.resolve
 nest = OPTION_TREE.nest
 config_error = OPTION_TREE.config_error
 parse_option_value = OPTION_TREE.parse_value
-options_listing = OPTION_TREE.listing
+
+
+def options_listing() -> str:
+    """``python -m router options``: one ``path=value`` line per option, the values ``serve``
+    runs with when none is given (the defaults, and what the default model's shipped sparse
+    profile sets), so that the lines given back as ``--option`` build the default config."""
+    return OPTION_TREE.listing(ServiceConfig().to_dict())
 
 
 __all__ = [

@@ -201,7 +201,8 @@ class OptionTree:
     # ------------------------------------------------------------------------- the command line's values
     def parse_value(self, path: str, text: str) -> Any:
         """``--option PATH=TEXT``: TEXT parsed by the option's type (``null``: None where allowed;
-        a section or a mapping option takes a JSON object). ``path`` is a dotted path or a flat name."""
+        a section or a mapping option takes a JSON object, a list option a JSON array). ``path`` is a
+        dotted path or a flat name."""
         resolved = self.resolve(path)  # a flat name that is also a section is the option
         annotation = self.fields[resolved].annotation
         if _allows_none(annotation) and text.strip().lower() in ("null", "none"):
@@ -209,7 +210,7 @@ class OptionTree:
         if _is_text(annotation):
             return text
         try:
-            if section_type(annotation) is not None or _is_mapping(annotation):
+            if section_type(annotation) is not None or _is_json(annotation):
                 return json.loads(text)
             return TypeAdapter(annotation).validate_strings(text.strip())
         except ValueError as exc:
@@ -235,9 +236,20 @@ class OptionTree:
             lines.append("")
         return lines
 
-    def listing(self) -> str:
-        """One ``path=default`` line per option (what ``--option`` takes)."""
-        return "".join(f"{path}={_default(self.fields[path]).strip(QUOTE)}\n" for path in self.options)
+    def listing(self, values: Mapping[str, Any] | None = None) -> str:
+        """One ``path=value`` line per option (what ``--option`` takes): its value in ``values``
+        (nested sections, e.g. a config's ``to_dict()``), else its default."""
+        lines = []
+        for path in self.options:
+            node: Any = values if values is not None else {}
+            for part in path.split("."):
+                node = node.get(part, _MISSING) if isinstance(node, Mapping) else _MISSING
+            if node is _MISSING:
+                text = _default(self.fields[path])
+            else:  # a container as --option parses it (JSON)
+                text = json.dumps(node) if isinstance(node, (list, tuple, dict)) else _format(node)
+            lines.append(f"{path}={text.strip(QUOTE)}\n")
+        return "".join(lines)
 
 
 QUOTE = '"'
@@ -257,10 +269,11 @@ def _is_text(annotation: Any) -> bool:
     return False
 
 
-def _is_mapping(annotation: Any) -> bool:
+def _is_json(annotation: Any) -> bool:
+    """An option given as JSON on the command line: a mapping or a list (or either, or null)."""
     if typing.get_origin(annotation) in (Union, types.UnionType):
-        return any(_is_mapping(a) for a in typing.get_args(annotation))
-    return annotation is dict or typing.get_origin(annotation) is dict
+        return any(_is_json(a) for a in typing.get_args(annotation))
+    return annotation in (dict, list, tuple) or typing.get_origin(annotation) in (dict, list, tuple)
 
 
 def type_name(annotation: Any, sep: str = " | ") -> str:
@@ -283,8 +296,14 @@ def _constraints(info: Any) -> str:
     return ", ".join(out)
 
 
+_MISSING = object()
+
+
 def _default(info: Any) -> str:
-    value = info.default if info.default is not PydanticUndefined else info.default_factory()
+    return _format(info.default if info.default is not PydanticUndefined else info.default_factory())
+
+
+def _format(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -155,3 +155,16 @@ def test_options_table_has_every_option_and_every_flat_name():
     for flat, path in OPTION_ALIASES.items():
         assert f"| `{flat}` | `{path}` |" in table
     assert "| `prefill.chunk_tokens` | int \\| null (>= 0) | 2048 |" in table
+
+
+def test_the_listing_takes_given_values_and_defaults_for_the_rest():
+    from serving.config import OPTION_TREE
+
+    lines = OPTION_TREE.listing({"sparse": {"layer_alpha": [0.0, 0.5], "energy_rule": "visible"},
+                                 "prefill": {}}).splitlines()
+    assert "sparse.layer_alpha=[0.0, 0.5]" in lines and "sparse.energy_rule=visible" in lines
+    assert "prefill.chunk_tokens=2048" in lines  # not given: the field's default
+    # a list given back as --option parses to the same list
+    got = ServiceConfig.from_dict(dict(parse_option(line) for line in lines if line.startswith("sparse.layer_alpha")))
+    assert got.sparse.layer_alpha == [0.0, 0.5]
+    assert OPTION_TREE.listing() == OPTION_TREE.listing({})  # nothing given: every default
