@@ -40,6 +40,9 @@ from model_executor.sparse_profile import resolve_profile  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "dense_below.json"
 
 
+MIN_SPEEDUP = 1.1  # sparse prefill pays from where it is at least this much faster, on
+
+
 def implied_dense_below(rows: list[dict], min_speedup: float) -> int:
     """The smallest length from which every longer measured length has ``speedup >= min``."""
     rows = sorted(rows, key=lambda r: r["length"])
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--min-speedup", type=float, default=1.1)
+    ap.add_argument("--min-speedup", type=float, default=None,
+                    help="the speed-up sparse must keep from dense_below on (default 1.1, or --results' own)")
     ap.add_argument("--cpu-smoke", action="store_true", help="builtin:tiny on CPU, 256 and 512 tokens, fp32")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--results", default=None, metavar="FILE",
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_smoke:
         args.model, args.lengths, args.device, args.dtype, args.reps, args.profile = (
             "builtin:tiny", "256,512", "cpu", "fp32", 1, "none")
-    if args.min_speedup <= 0:
+    if args.min_speedup is not None and args.min_speedup <= 0:
         ap.error("--min-speedup: expected a positive number")
     if args.results:
         try:
@@ -173,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--results: {args.results}: not a bench_dense_below result ({exc})")
         if result.get("model") != args.model:
             ap.error(f"--results: measured {result.get('model')!r}, not --model {args.model!r}")
-        if "--min-speedup" in (argv if argv is not None else sys.argv[1:]) or "min_speedup" not in result:
-            result["min_speedup"] = args.min_speedup
+        result["min_speedup"] = args.min_speedup or result.get("min_speedup") or MIN_SPEEDUP
         result["dense_below"] = implied_dense_below(rows, float(result["min_speedup"]))
     else:
+        args.min_speedup = args.min_speedup or MIN_SPEEDUP
         result = run(args)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
